@@ -1,0 +1,7 @@
+"""meshviz: run PaddlePaddle-style distributed training on PyTorch, and watch it happen."""
+
+from .core import Partial, ProcessMesh, ReduceType, Replicate, Shard
+
+__version__ = "0.1.0"
+
+__all__ = ["ProcessMesh", "Shard", "Replicate", "Partial", "ReduceType", "__version__"]

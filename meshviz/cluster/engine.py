@@ -1,0 +1,260 @@
+"""Engine side of a Cluster: bind a device, join the process group, stream events, and stop peers when a rank fails."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import threading
+import time
+import traceback
+
+__all__ = ["setup", "reinit", "stream_count", "guarded_call", "state"]
+
+GRACE = 0.2  # seconds a rank may still be running after a peer failed before it counts as stuck
+
+_state: "_EngineState | None" = None
+
+
+def state() -> "_EngineState | None":
+    return _state
+
+
+def _summary(value: BaseException) -> str:
+    text = f"{type(value).__name__}: {value}"
+    return text if len(text) <= 500 else text[:497] + "..."
+
+
+class _EngineState:
+    """Per-engine glue: the stream sink, the cell hooks and a thread listening for the client's commands."""
+
+    def __init__(self, cfg: dict):
+        import zmq
+
+        from .. import trace
+        from ..trace.stream import StreamSink
+
+        self.rank = cfg["rank"]
+        self.backend = cfg["backend"]
+        self.sink = StreamSink(cfg["stream"])
+        self.tracing = False
+        self.set_tracing(cfg.get("trace", True))
+        self.running = False
+        self.cell = 0
+        self.abort_pending = False
+        self.aborted = False
+        self.last_failure: dict | None = None
+        self._ctx = zmq.Context()
+        self._sub = self._ctx.socket(zmq.SUB)
+        self._sub.setsockopt(zmq.LINGER, 0)
+        self._sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self._sub.connect(cfg["control"])
+        self._stop = False
+        self._thread = threading.Thread(target=self._listen, name="meshviz-guard", daemon=True)
+        self._thread.start()
+        self._trace = trace
+        self._install_hooks()
+
+    # -- tracing ------------------------------------------------------------------------------------------------
+    def set_tracing(self, on: bool) -> None:
+        from .. import trace
+
+        if on and not self.tracing:
+            trace.add_sink(self.sink)
+        elif not on and self.tracing:
+            with trace.recorder._lock:
+                if self.sink in trace.recorder._sinks:
+                    trace.recorder._sinks.remove(self.sink)
+        self.tracing = on
+
+    # -- IPython hooks ------------------------------------------------------------------------------------------
+    def _install_hooks(self) -> None:
+        try:
+            from IPython import get_ipython
+        except ImportError:
+            return
+        ip = get_ipython()
+        if ip is None:
+            return
+        ip.events.register("pre_run_cell", self._pre)
+        ip.events.register("post_run_cell", self._post)
+        ip.set_custom_exc((Exception, KeyboardInterrupt), self._on_exception)
+
+    def _uninstall_hooks(self) -> None:
+        from IPython import get_ipython
+
+        ip = get_ipython()
+        if ip is None:
+            return
+        for name, cb in (("pre_run_cell", self._pre), ("post_run_cell", self._post)):
+            try:
+                ip.events.unregister(name, cb)
+            except ValueError:
+                pass
+        ip.set_custom_exc((), None)
+
+    def _pre(self, *_):
+        self.cell += 1
+        self.running = True
+
+    def _post(self, *_):
+        self.running = False
+        if self.abort_pending:
+            self._abort()
+        self.sink.flush(1.0)
+
+    def _on_exception(self, shell, etype, value, tb, tb_offset=None):
+        self.report_failure(value)
+        return shell.showtraceback((etype, value, tb), tb_offset=tb_offset)
+
+    def report_failure(self, value: BaseException) -> None:
+        self.last_failure = {
+            "type": "failed", "rank": self.rank, "cell": self.cell, "time": time.time(),
+            "error": _summary(value), "traceback": "".join(traceback.format_exception(value))[-8000:],
+        }
+        self.sink.send_control(self.last_failure)
+
+    # -- commands from the client -------------------------------------------------------------------------------
+    def _listen(self) -> None:
+        import json
+
+        import zmq
+
+        poller = zmq.Poller()
+        poller.register(self._sub, zmq.POLLIN)
+        while not self._stop:
+            try:
+                if not poller.poll(100):
+                    continue
+                msg = json.loads(self._sub.recv(zmq.NOBLOCK))
+            except Exception:
+                continue
+            kind = msg.get("type")
+            if kind == "failed" and msg.get("rank") != self.rank and self.running:
+                cell = self.cell
+                threading.Timer(GRACE, self._check_stuck, args=(cell, msg.get("rank"))).start()
+            elif kind == "abort":
+                self.abort_pending = True
+                if not self.running:
+                    self._abort()
+                elif self.backend == "nccl":  # NCCL's abort unblocks a pending collective; gloo's does not
+                    threading.Thread(target=self._abort, daemon=True).start()
+
+    def _check_stuck(self, cell: int, failed_rank) -> None:
+        if self.running and self.cell == cell:
+            self.sink.send_control({"type": "stuck", "rank": self.rank, "cell": cell, "failed": failed_rank})
+
+    def _abort(self) -> None:
+        """Tear down every process group of this rank: peers blocked on it in a collective fail at once."""
+        self.abort_pending = False
+        try:
+            import torch.distributed as tdist
+
+            if tdist.is_initialized():
+                tdist.distributed_c10d._abort_process_group()
+            from ..distributed import groups
+
+            groups.clear_cache()
+        except Exception:
+            pass
+        self.aborted = True
+
+    def close(self) -> None:
+        self._stop = True
+        self._uninstall_hooks()
+        self.set_tracing(False)
+        self.sink.close()
+        self._thread.join(1.0)
+        self._sub.close()
+        self._ctx.term()
+
+
+def setup(cfg: dict) -> dict:
+    """Run once on each engine: environment, device binding, process group, stream and hooks."""
+    global _state
+    os.environ.update(cfg["env"])  # before torch is imported: CUDA_VISIBLE_DEVICES, OMP_NUM_THREADS
+    import torch
+
+    if cfg.get("threads"):
+        torch.set_num_threads(int(cfg["threads"]))
+    from ..distributed import env as denv
+
+    if _state is not None:
+        _state.close()
+    _state = _EngineState(cfg)
+    denv.init_parallel_env(backend=cfg["backend"] or None, timeout=cfg["timeout"])
+    import torch.distributed as tdist
+
+    _state.backend = tdist.get_backend()
+    dev = denv.device()
+    gpu = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return {
+        "rank": tdist.get_rank(), "world": tdist.get_world_size(), "pid": os.getpid(), "host": socket.gethostname(),
+        "backend": _state.backend, "device": str(dev) if dev.type == "cpu" or gpu is None else f"cuda:{gpu}",
+        "threads": torch.get_num_threads(), "python": sys.version.split()[0],
+    }
+
+
+def reinit(port: int, timeout: float) -> bool:
+    """Make a fresh default process group (after an abort), on a new store port."""
+    import torch.distributed as tdist
+
+    from ..distributed import env as denv
+
+    if tdist.is_initialized():
+        try:
+            tdist.distributed_c10d._abort_process_group()
+        except Exception:
+            pass
+    from ..distributed import groups
+
+    groups.clear_cache()
+    os.environ["MASTER_PORT"] = str(port)
+    denv.init_parallel_env(backend=_state.backend if _state else None, timeout=timeout)
+    if _state is not None:
+        _state.aborted = False
+        _state.abort_pending = False
+    return True
+
+
+def stream_count(flush: bool = True) -> tuple[int, int]:
+    """(rank, events handed to the stream so far), after flushing the queue."""
+    if _state is None:
+        return (-1, 0)
+    return (_state.rank, _state.sink.flush(2.0) if flush else _state.sink.sent)
+
+
+def set_tracing(on: bool) -> bool:
+    if _state is not None:
+        _state.set_tracing(on)
+    return on
+
+
+def guarded_call(func, *args, **kwargs):
+    """Call ``func`` like a %%px cell: a failure is reported to the client so that the other ranks stop."""
+    st = _state
+    if st is None:
+        return func(*args, **kwargs)
+    st._pre()
+    try:
+        return func(*args, **kwargs)
+    except BaseException as e:
+        st.report_failure(e)
+        raise
+    finally:
+        st._post()
+
+
+def shutdown() -> None:
+    """Leave the process group and close the stream (called by Cluster.stop before the engines exit)."""
+    global _state
+    try:
+        import torch.distributed as tdist
+
+        if tdist.is_initialized():
+            tdist.destroy_process_group()
+    except Exception:
+        pass
+    if _state is not None:
+        _state.close()
+        _state = None

@@ -1,0 +1,163 @@
+"""Block layout: which slice of the global tensor each mesh coordinate holds."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from .mesh import ProcessMesh
+from .placements import Partial, Placement, ReduceType, Shard, parse_placement
+
+__all__ = [
+    "Block",
+    "Layout",
+    "chunk",
+    "normalize_placements",
+    "local_block",
+    "local_shape",
+    "layout",
+    "shard_axes",
+    "partial_fill",
+    "dense_to_local",
+]
+
+Block = tuple  # tuple of (start, stop) per tensor dim
+
+
+def chunk(n: int, k: int, i: int) -> tuple[int, int]:
+    """Chunk ``i`` of ``n`` items split ``k`` ways: ceil-sized, the tail short or empty (5 on 4 → 2,2,1,0)."""
+    size = -(-n // k) if n else 0
+    start = min(i * size, n)
+    return start, min(start + size, n)
+
+
+def normalize_placements(shape: Sequence[int], mesh: ProcessMesh, placements) -> tuple[Placement, ...]:
+    """Validate ``placements`` against ``shape`` and ``mesh``; negative Shard dims become positive."""
+    if placements is None:
+        raise ValueError("placements must be a list with one placement per mesh axis")
+    try:
+        placements = list(placements)
+    except TypeError:
+        raise ValueError(f"placements must be a list, got {placements!r}") from None
+    if len(placements) != mesh.ndim:
+        raise ValueError(
+            f"got {len(placements)} placements {placements} for a {mesh.ndim}-D mesh {mesh.shape}; "
+            f"give exactly one per mesh axis"
+        )
+    ndim = len(shape)
+    out = []
+    for p in placements:
+        if isinstance(p, str):
+            p = parse_placement(p)
+        if not isinstance(p, Placement):
+            raise ValueError(f"{p!r} is not a placement; use Shard(d), Replicate() or Partial()")
+        if isinstance(p, Shard):
+            if not -ndim <= p.dim < ndim:
+                raise ValueError(
+                    f"Shard({p.dim}) is out of range for a {ndim}-D tensor of shape {list(shape)}; "
+                    f"valid dims are {list(range(-ndim, ndim)) if ndim else 'none'}"
+                )
+            p = Shard(p.dim % ndim)
+        out.append(p)
+    return tuple(out)
+
+
+def shard_axes(placements: Sequence[Placement], dim: int) -> list[int]:
+    """Mesh axes that shard tensor dim ``dim``, outer first (mesh axis order is nesting order)."""
+    return [i for i, p in enumerate(placements) if isinstance(p, Shard) and p.dim == dim]
+
+
+def local_block(shape, mesh: ProcessMesh, placements, coord) -> Block:
+    """The (start, stop) per tensor dim held at mesh coordinate ``coord`` (nested ceil chunks)."""
+    bounds = [[0, int(n)] for n in shape]
+    for axis, p in enumerate(placements):
+        if isinstance(p, Shard):
+            lo, hi = bounds[p.dim]
+            a, b = chunk(hi - lo, mesh.shape[axis], coord[axis])
+            bounds[p.dim] = [lo + a, lo + b]
+    return tuple((a, b) for a, b in bounds)
+
+
+def local_shape(shape, mesh: ProcessMesh, placements, coord) -> tuple[int, ...]:
+    return tuple(b - a for a, b in local_block(shape, mesh, placements, coord))
+
+
+def partial_fill(placements, coord) -> str:
+    """How a dense tensor becomes Partial at ``coord``: 'value', 'zero' or 'one'.
+
+    SUM keeps the value at coordinate 0 of each Partial axis and zeros elsewhere; AVG, MAX and MIN keep the
+    value everywhere; PROD keeps it at coordinate 0 and ones elsewhere. Every reduction gives the tensor back.
+    """
+    fill = "value"
+    for axis, p in enumerate(placements):
+        if isinstance(p, Partial) and coord[axis] != 0:
+            if p.reduce_type == ReduceType.kRedSum:
+                return "zero"
+            if p.reduce_type == ReduceType.kRedProd:
+                fill = "one"
+    return fill
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Blocks of every mesh coordinate for one (shape, mesh, placements)."""
+
+    shape: tuple
+    mesh: ProcessMesh
+    placements: tuple
+
+    def coords(self):
+        return np.ndindex(*self.mesh.shape)
+
+    def block(self, coord) -> Block:
+        return local_block(self.shape, self.mesh, self.placements, coord)
+
+    def block_of(self, rank: int) -> Block | None:
+        c = self.mesh.coordinate(rank)
+        return None if c is None else self.block(c)
+
+    def fill(self, coord) -> str:
+        return partial_fill(self.placements, coord)
+
+    def blocks(self) -> dict:
+        """rank -> block, for every rank of the mesh."""
+        return {self.mesh.rank_at(c): self.block(c) for c in self.coords()}
+
+    def owners(self) -> dict:
+        """block -> ranks holding it (mesh order); Partial summands share a block with their partners."""
+        out: dict = {}
+        for c in self.coords():
+            out.setdefault(self.block(c), []).append(self.mesh.rank_at(c))
+        return out
+
+    def is_partial(self) -> bool:
+        return any(isinstance(p, Partial) for p in self.placements)
+
+    def max_block_numel(self) -> int:
+        n = 1
+        for axis_dim in range(len(self.shape)):
+            axes = shard_axes(self.placements, axis_dim)
+            size = int(self.shape[axis_dim])
+            for a in axes:
+                size = -(-size // self.mesh.shape[a])
+            n *= size
+        return n
+
+
+def layout(shape, mesh: ProcessMesh, placements) -> Layout:
+    shape = tuple(int(s) for s in shape)
+    return Layout(shape, mesh, normalize_placements(shape, mesh, placements))
+
+
+def dense_to_local(value: np.ndarray, mesh: ProcessMesh, placements, coord) -> np.ndarray:
+    """The local value ``shard_tensor`` gives coordinate ``coord`` for a dense ``value`` (numpy)."""
+    block = local_block(value.shape, mesh, placements, coord)
+    local = value[tuple(slice(a, b) for a, b in block)].copy()
+    fill = partial_fill(placements, coord)
+    if fill == "zero":
+        local[...] = 0
+    elif fill == "one":
+        local[...] = 1
+    return local

@@ -1,0 +1,230 @@
+"""ProcessMesh: an N-D grid of process ids with named axes."""
+
+from __future__ import annotations
+
+import os
+from typing import Callable, Sequence
+
+import numpy as np
+
+__all__ = ["ProcessMesh", "set_rank_getter", "current_rank"]
+
+_rank_getter: Callable[[], int | None] | None = None
+
+
+def set_rank_getter(fn: Callable[[], int | None] | None) -> None:
+    """The runtime installs its ``get_rank`` here so the pure core can ask "which rank am I"."""
+    global _rank_getter
+    _rank_getter = fn
+
+
+def current_rank() -> int | None:
+    if _rank_getter is not None:
+        r = _rank_getter()
+        if r is not None:
+            return r
+    env = os.environ.get("RANK") or os.environ.get("PADDLE_TRAINER_ID")
+    return int(env) if env is not None else None
+
+
+class ProcessMesh:
+    """An N-D array of distinct, non-negative process ids; axis i is named ``dim_names[i]``."""
+
+    __slots__ = ("_ids", "_dim_names", "_index", "_hash")
+
+    def __init__(self, mesh=None, dim_names: Sequence[str] | None = None, shape=None, process_ids=None):
+        if mesh is None:
+            if shape is None or process_ids is None:
+                raise ValueError("ProcessMesh needs `mesh`, or both `shape` and `process_ids`")
+            arr = np.asarray(process_ids).reshape(shape)
+        elif isinstance(mesh, ProcessMesh):
+            arr = mesh._ids
+            dim_names = dim_names if dim_names is not None else mesh._dim_names
+        else:
+            try:
+                arr = np.asarray(mesh)
+            except ValueError as e:
+                raise ValueError(f"ProcessMesh rows must all have the same length: {mesh!r}") from e
+        if arr.dtype == object or arr.size == 0:
+            raise ValueError(f"ProcessMesh needs a non-empty, rectangular array of ints, got {mesh!r}")
+        if arr.ndim == 0:
+            arr = arr.reshape(1)
+        if not np.issubdtype(arr.dtype, np.integer):
+            if np.issubdtype(arr.dtype, np.floating) and np.all(arr == np.round(arr)):
+                arr = arr.astype(np.int64)
+            else:
+                raise ValueError(f"process ids must be integers, got {arr.dtype}")
+        arr = np.ascontiguousarray(arr, dtype=np.int64)
+        flat = arr.ravel()
+        if (flat < 0).any():
+            raise ValueError(f"process ids must be non-negative, got {sorted(set(flat[flat < 0].tolist()))}")
+        uniq, counts = np.unique(flat, return_counts=True)
+        if (counts > 1).any():
+            raise ValueError(f"process ids must be distinct; repeated: {uniq[counts > 1].tolist()}")
+        if dim_names is None:
+            dim_names = [f"d{i}" for i in range(arr.ndim)]
+        dim_names = [str(n) for n in dim_names]
+        if len(dim_names) != arr.ndim:
+            raise ValueError(f"{len(dim_names)} dim_names {dim_names} for a {arr.ndim}-D mesh")
+        if len(set(dim_names)) != len(dim_names):
+            raise ValueError(f"dim_names must be distinct, got {dim_names}")
+        arr.setflags(write=False)
+        self._ids = arr
+        self._dim_names = tuple(dim_names)
+        self._index = None
+        self._hash = None
+
+    # -- Paddle's surface -------------------------------------------------------------------------
+    @property
+    def mesh(self) -> list:
+        return self._ids.tolist()
+
+    @property
+    def shape(self) -> list[int]:
+        return list(self._ids.shape)
+
+    @property
+    def ndim(self) -> int:
+        return self._ids.ndim
+
+    @property
+    def process_ids(self) -> list[int]:
+        return self._ids.ravel().tolist()
+
+    @property
+    def dim_names(self) -> list[str]:
+        return list(self._dim_names)
+
+    @property
+    def size(self) -> int:
+        return int(self._ids.size)
+
+    @property
+    def ids(self) -> np.ndarray:
+        """The id array itself (read-only numpy)."""
+        return self._ids
+
+    def contains(self, rank: int) -> bool:
+        return rank in self._rank_index()
+
+    def get_dim_size(self, dim) -> int:
+        return int(self._ids.shape[self.axis(dim)])
+
+    def axis(self, dim) -> int:
+        """Mesh axis index for an axis name or (possibly negative) index."""
+        if isinstance(dim, str):
+            if dim not in self._dim_names:
+                raise ValueError(f"unknown mesh dim name {dim!r}; this mesh has {list(self._dim_names)}")
+            return self._dim_names.index(dim)
+        if isinstance(dim, (int, np.integer)) and not isinstance(dim, bool):
+            d = int(dim)
+            if not -self.ndim <= d < self.ndim:
+                raise ValueError(f"mesh axis {dim} out of range for a {self.ndim}-D mesh")
+            return d % self.ndim
+        raise ValueError(f"mesh dim must be a name or an int, got {dim!r}")
+
+    def get_mesh_with_dim(self, dim_name, index=None) -> "ProcessMesh":
+        """This mesh with axis ``dim_name`` moved to the front; with ``index``, the slice at that index."""
+        ax = self.axis(dim_name)
+        order = [ax] + [i for i in range(self.ndim) if i != ax]
+        arr = self._ids.transpose(order)
+        names = [self._dim_names[i] for i in order]
+        if index is None:
+            return ProcessMesh(arr, names)
+        if self.ndim == 1:
+            return ProcessMesh(arr[index : index + 1] if isinstance(index, int) else arr[index], names)
+        return ProcessMesh(arr[index], names[1:])
+
+    def get_submesh_with_dim(self, dim_name, rank: int | None = None) -> "ProcessMesh | None":
+        """The 1-D sub-mesh along ``dim_name`` through ``rank`` (default: the calling rank)."""
+        ax = self.axis(dim_name)
+        rank = current_rank() if rank is None else rank
+        if rank is None:
+            raise ValueError("get_submesh_with_dim needs a rank: no process group and no RANK variable")
+        coord = self.coordinate(rank)
+        if coord is None:
+            return None
+        idx = list(coord)
+        idx[ax] = slice(None)
+        return ProcessMesh(self._ids[tuple(idx)], [self._dim_names[ax]])
+
+    def get_group(self, dim_name=None):
+        raise NotImplementedError("use meshviz.distributed.mesh_group(mesh, axis) for a process group")
+
+    # -- coordinates ------------------------------------------------------------------------------
+    def _rank_index(self) -> dict:
+        if self._index is None:
+            it = np.ndindex(*self._ids.shape)
+            self._index = {int(self._ids[c]): c for c in it}
+        return self._index
+
+    def coordinate(self, rank: int) -> tuple[int, ...] | None:
+        """Mesh coordinate of ``rank``, or None when the rank is not in the mesh."""
+        return self._rank_index().get(int(rank))
+
+    def rank_at(self, coord) -> int:
+        return int(self._ids[tuple(coord)])
+
+    def axis_groups(self, axis) -> list[tuple[int, ...]]:
+        """Every line of the mesh along ``axis``: the ranks that talk in a collective on that axis, in mesh order."""
+        ax = self.axis(axis)
+        moved = np.moveaxis(self._ids, ax, -1).reshape(-1, self._ids.shape[ax])
+        return [tuple(row) for row in moved.tolist()]
+
+    def axis_group_of(self, rank: int, axis) -> tuple[int, ...] | None:
+        coord = self.coordinate(rank)
+        if coord is None:
+            return None
+        ax = self.axis(axis)
+        idx = list(coord)
+        idx[ax] = slice(None)
+        return tuple(self._ids[tuple(idx)].tolist())
+
+    # -- indexing, equality -----------------------------------------------------------------------
+    def __getitem__(self, index) -> "ProcessMesh":
+        if not isinstance(index, tuple):
+            index = (index,)
+        kept = []
+        pos = 0
+        for item in index:
+            if item is Ellipsis:
+                raise ValueError("ProcessMesh indexing does not take ...")
+            if not isinstance(item, (int, np.integer)):
+                kept.append(pos)
+            pos += 1
+        kept += list(range(pos, self.ndim))
+        sub = self._ids[index]
+        if sub.ndim == 0:
+            return ProcessMesh([int(sub)], [self._dim_names[-1]])
+        return ProcessMesh(sub, [self._dim_names[i] for i in kept])
+
+    def __eq__(self, other) -> bool:
+        if not isinstance(other, ProcessMesh):
+            return NotImplemented
+        return (
+            self._ids.shape == other._ids.shape
+            and self._dim_names == other._dim_names
+            and bool((self._ids == other._ids).all())
+        )
+
+    def __hash__(self) -> int:
+        if self._hash is None:
+            self._hash = hash((self._ids.shape, tuple(self._ids.ravel().tolist()), self._dim_names))
+        return self._hash
+
+    def __repr__(self) -> str:
+        if self.size <= 64:
+            body = str(self.mesh)
+        else:
+            body = f"<{self.size} ids {self.process_ids[0]}..{self.process_ids[-1]}>"
+        return f"ProcessMesh(shape={self.shape}, mesh={body}, dim_names={self.dim_names})"
+
+    def to_dict(self) -> dict:
+        return {"shape": self.shape, "process_ids": self.process_ids, "dim_names": self.dim_names}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ProcessMesh":
+        return cls(shape=d["shape"], process_ids=d["process_ids"], dim_names=d.get("dim_names"))
+
+    def __reduce__(self):
+        return (ProcessMesh, (self.mesh, self.dim_names))

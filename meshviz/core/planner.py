@@ -1,0 +1,385 @@
+"""The reshard planner: (shape, source layout, target layout) -> ordered steps, each one collective on one mesh axis."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+from .layout import chunk, local_block, normalize_placements, shard_axes
+from .mesh import ProcessMesh
+from .placements import Partial, Placement, ReduceType, Replicate, Shard
+
+__all__ = ["OPS", "Step", "Plan", "plan_reshard", "simulate", "apply_step", "initial_locals", "assemble"]
+
+# operation -> what moves
+OPS = {
+    "all_reduce": "Partial -> Replicate: every rank of a line gets the reduction",
+    "all_gather": "Shard -> Replicate: every rank of a line gets all blocks",
+    "reduce_scatter": "Partial -> Shard: each rank of a line gets its chunk of the reduction",
+    "all_to_all": "Shard(a) -> Shard(b): each rank sends every partner the piece it will own",
+    "slice": "Replicate -> Shard: each rank keeps its chunk, nothing moves",
+    "zero_fill": "Replicate -> Partial: coordinate 0 keeps the value, the others hold the reduction's identity",
+    "send_recv": "across meshes: each target rank receives its block from one source rank",
+}
+
+
+@dataclass(frozen=True)
+class Step:
+    """One step of a plan: an operation along one mesh axis (or a transfer between meshes)."""
+
+    op: str
+    mesh: ProcessMesh
+    axis: int | None
+    before: tuple
+    after: tuple
+    shape: tuple
+    groups: tuple = ()  # lines of ranks along `axis`, mesh order; for send_recv: (src, dst) pairs
+    bytes: int = 0  # bytes a rank receives in this step (the largest over ranks)
+    dim: int | None = None  # tensor dim gathered / sliced / scattered (all_to_all: the source dim)
+    dst_dim: int | None = None  # all_to_all: the target dim
+    reduce: ReduceType | None = None
+    target_mesh: ProcessMesh | None = None  # send_recv
+    blocks: tuple | None = None  # send_recv between meshes of different shapes: the block each pair moves
+
+    @property
+    def axis_name(self) -> str | None:
+        return None if self.axis is None else self.mesh.dim_names[self.axis]
+
+    def describe(self) -> str:
+        before = "[" + ", ".join(map(repr, self.before)) + "]"
+        after = "[" + ", ".join(map(repr, self.after)) + "]"
+        where = f"axis {self.axis_name}" if self.axis is not None else "between meshes"
+        extra = ""
+        if self.op == "all_to_all":
+            extra = f" dim {self.dim}->{self.dst_dim}"
+        elif self.dim is not None:
+            extra = f" dim {self.dim}"
+        if self.reduce is not None:
+            extra += f" {self.reduce.short}"
+        return f"{self.op:<14} {where}{extra}: {before} -> {after}, {_fmt_bytes(self.bytes)}/rank"
+
+    def __repr__(self) -> str:
+        return f"Step({self.describe()})"
+
+    def group_of(self, rank: int):
+        """The line (or pairs) ``rank`` takes part in for this step; None when it has no part."""
+        if self.op == "send_recv":
+            mine = tuple(p for p in self.groups if rank in p)
+            return mine or None
+        return self.mesh.axis_group_of(rank, self.axis) if self.mesh.contains(rank) else None
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The ordered steps of one reshard."""
+
+    shape: tuple
+    itemsize: int
+    src_mesh: ProcessMesh
+    src_placements: tuple
+    dst_mesh: ProcessMesh
+    dst_placements: tuple
+    steps: tuple = field(default_factory=tuple)
+
+    def __iter__(self):
+        return iter(self.steps)
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+    def __getitem__(self, i) -> Step:
+        return self.steps[i]
+
+    @property
+    def ops(self) -> list[str]:
+        return [s.op for s in self.steps]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(s.bytes for s in self.steps)
+
+    @property
+    def cross_mesh(self) -> bool:
+        return self.src_mesh != self.dst_mesh
+
+    def describe(self) -> str:
+        src = "[" + ", ".join(map(repr, self.src_placements)) + "]"
+        dst = "[" + ", ".join(map(repr, self.dst_placements)) + "]"
+        head = f"reshard {list(self.shape)}: {src} -> {dst}"
+        if self.cross_mesh:
+            head += f" (mesh {self.src_mesh.shape} -> {self.dst_mesh.shape})"
+        lines = [head] + [f"  {i}. {s.describe()}" for i, s in enumerate(self.steps)]
+        if not self.steps:
+            lines.append("  (nothing to do)")
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return self.describe()
+
+
+# -- byte model ---------------------------------------------------------------------------------------
+
+
+def _max_block_shape(shape, mesh: ProcessMesh, placements) -> list[int]:
+    out = []
+    for d, n in enumerate(shape):
+        size = int(n)
+        for a in shard_axes(placements, d):
+            size = -(-size // mesh.shape[a])
+        out.append(size)
+    return out
+
+
+def _numel(shape) -> int:
+    return int(np.prod(shape, dtype=np.int64)) if len(shape) else 1
+
+
+# -- planning -----------------------------------------------------------------------------------------
+
+
+class _Builder:
+    def __init__(self, shape, mesh, placements, itemsize):
+        self.shape = shape
+        self.mesh = mesh
+        self.cur = list(placements)
+        self.itemsize = itemsize
+        self.steps: list[Step] = []
+
+    def add(self, op, axis, new, **kw):
+        before = tuple(self.cur)
+        self.cur[axis] = new
+        k = self.mesh.shape[axis]
+        blk = _numel(_max_block_shape(self.shape, self.mesh, before))
+        if op == "all_gather":
+            nbytes = (k - 1) * blk
+        elif op == "all_reduce":
+            nbytes = 2 * (k - 1) * -(-blk // k)
+        elif op in ("reduce_scatter", "all_to_all"):
+            nbytes = (k - 1) * -(-blk // k)
+        else:
+            nbytes = 0
+        self.steps.append(
+            Step(op, self.mesh, axis, before, tuple(self.cur), self.shape,
+                 groups=tuple(self.mesh.axis_groups(axis)) if k > 1 or op != "slice" else (),
+                 bytes=int(nbytes) * self.itemsize, **kw)
+        )
+
+
+def _plan_same_mesh(shape, mesh, src, dst, itemsize) -> list[Step]:
+    b = _Builder(shape, mesh, src, itemsize)
+    n = mesh.ndim
+    ndim = len(shape)
+
+    # 1. Partial axes that do not stay Partial: all-reduce now, unless the target shards them (reduce-scatter later).
+    for i in range(n):
+        c, t = b.cur[i], dst[i]
+        if isinstance(c, Partial) and c != t and not isinstance(t, Shard):
+            b.add("all_reduce", i, Replicate(), reduce=c.reduce_type)
+
+    # 2. Un-shard what the target does not keep, from the last tensor dim down, innermost mesh axis first.
+    for d in reversed(range(ndim)):
+        cur_axes = shard_axes(b.cur, d)
+        tgt_axes = shard_axes(dst, d)
+        keep = 0
+        while keep < min(len(cur_axes), len(tgt_axes)) and cur_axes[keep] == tgt_axes[keep]:
+            keep += 1
+        for i in reversed(cur_axes[keep:]):
+            t = dst[i]
+            if isinstance(t, Shard) and t.dim != d and _a2a_ok(b.cur, dst, i, t.dim):
+                b.add("all_to_all", i, Shard(t.dim), dim=d, dst_dim=t.dim)
+            else:
+                b.add("all_gather", i, Replicate(), dim=d)
+
+    # 3. Target shards and partials, outer mesh axis first.
+    for i in range(n):
+        c, t = b.cur[i], dst[i]
+        if c == t:
+            continue
+        if isinstance(t, Shard):
+            if isinstance(c, Partial):
+                b.add("reduce_scatter", i, t, dim=t.dim, reduce=c.reduce_type)
+            else:
+                b.add("slice", i, t, dim=t.dim)
+        elif isinstance(t, Partial):
+            if isinstance(c, Partial):  # a different reduction: settle the old one first
+                b.add("all_reduce", i, Replicate(), reduce=c.reduce_type)
+            b.add("zero_fill", i, t, reduce=t.reduce_type)
+        else:
+            raise AssertionError(f"planner left axis {i} as {c}, target {t}")  # pragma: no cover
+    return b.steps
+
+
+def _a2a_ok(cur, dst, axis, b_dim) -> bool:
+    """Can axis ``axis`` (innermost shard of its dim) switch to Shard(b_dim) by an all-to-all?"""
+    cur_b = shard_axes(cur, b_dim)
+    want = [j for j in shard_axes(dst, b_dim) if j < axis]
+    return cur_b == want
+
+
+def plan_reshard(shape: Sequence[int], src_mesh: ProcessMesh, src_placements, dst_mesh: ProcessMesh | None = None,
+                 dst_placements=None, itemsize: int = 4) -> Plan:
+    """Plan a reshard. Same mesh: per-axis collectives in DESIGN.md's order. Other mesh of the same shape: reshard on
+    the source, then send/recv between ranks at the same coordinate. Other shape: replicate on the source, send each
+    target rank its block, then fill Partial axes on the target.
+    """
+    shape = tuple(int(s) for s in shape)
+    if dst_mesh is None:
+        dst_mesh = src_mesh
+    if dst_placements is None:
+        raise ValueError("plan_reshard needs target placements")
+    src = normalize_placements(shape, src_mesh, src_placements)
+    dst = normalize_placements(shape, dst_mesh, dst_placements)
+    if src_mesh == dst_mesh or (src_mesh.shape == dst_mesh.shape and src_mesh.process_ids == dst_mesh.process_ids):
+        steps = _plan_same_mesh(shape, src_mesh, src, dst, itemsize)
+    elif src_mesh.shape == dst_mesh.shape:
+        steps = _plan_same_mesh(shape, src_mesh, src, dst, itemsize)
+        blk = _numel(_max_block_shape(shape, src_mesh, dst))
+        pairs = tuple(zip(src_mesh.process_ids, dst_mesh.process_ids))
+        steps.append(Step("send_recv", src_mesh, None, dst, dst, shape, groups=pairs,
+                          bytes=blk * itemsize, target_mesh=dst_mesh))
+    else:
+        rep = tuple(Replicate() for _ in range(src_mesh.ndim))
+        steps = _plan_same_mesh(shape, src_mesh, src, rep, itemsize)
+        dense_dst = tuple(Replicate() if isinstance(p, Partial) else p for p in dst)
+        src_ids = src_mesh.process_ids
+        pairs, blocks = [], []
+        for j, coord in enumerate(np.ndindex(*dst_mesh.shape)):
+            t = dst_mesh.rank_at(coord)
+            s = t if src_mesh.contains(t) else src_ids[j % len(src_ids)]
+            pairs.append((s, t))
+            blocks.append(local_block(shape, dst_mesh, dense_dst, coord))
+        blk = _numel(_max_block_shape(shape, dst_mesh, dense_dst))
+        steps.append(Step("send_recv", src_mesh, None, rep, dense_dst, shape, groups=tuple(pairs),
+                          bytes=blk * itemsize, target_mesh=dst_mesh, blocks=tuple(blocks)))
+        b = _Builder(shape, dst_mesh, dense_dst, itemsize)
+        for i, p in enumerate(dst):
+            if isinstance(p, Partial):
+                b.add("zero_fill", i, p, reduce=p.reduce_type)
+        steps += b.steps
+    return Plan(shape, itemsize, src_mesh, src, dst_mesh, dst, tuple(steps))
+
+
+# -- simulation on numpy (one process, any mesh size) -------------------------------------------------
+
+
+def initial_locals(value: np.ndarray, mesh: ProcessMesh, placements) -> dict:
+    """rank -> local value that ``shard_tensor(value, mesh, placements)`` gives each rank."""
+    from .layout import dense_to_local
+
+    placements = normalize_placements(value.shape, mesh, placements)
+    return {mesh.rank_at(c): dense_to_local(value, mesh, placements, c) for c in np.ndindex(*mesh.shape)}
+
+
+def _reduce(arrs, rt: ReduceType):
+    stack = np.stack(arrs)
+    if rt == ReduceType.kRedSum:
+        return stack.sum(0)
+    if rt == ReduceType.kRedAvg:
+        return stack.mean(0)
+    if rt == ReduceType.kRedMax:
+        return stack.max(0)
+    if rt == ReduceType.kRedMin:
+        return stack.min(0)
+    return stack.prod(0)
+
+
+def _take(arr, dim, k, i):
+    a, b = chunk(arr.shape[dim], k, i)
+    idx = [slice(None)] * arr.ndim
+    idx[dim] = slice(a, b)
+    return arr[tuple(idx)]
+
+
+def apply_step(step: Step, locals_: dict) -> dict:
+    """Run one step on simulated ranks: ``locals_`` maps rank -> numpy local value; returns the new map."""
+    out = dict(locals_)
+    mesh = step.mesh
+    if step.op == "send_recv":
+        new = {}
+        for j, (s, t) in enumerate(step.groups):
+            v = locals_[s]
+            if step.blocks is not None:
+                v = v[tuple(slice(a, b) for a, b in step.blocks[j])]
+            new[t] = v.copy()
+        return new
+    k = mesh.shape[step.axis]
+    if step.op == "slice":
+        for r in locals_:
+            out[r] = _take(locals_[r], step.dim, k, mesh.coordinate(r)[step.axis])
+        return out
+    if step.op == "zero_fill":
+        for r in locals_:
+            if mesh.coordinate(r)[step.axis] != 0:
+                if step.reduce == ReduceType.kRedSum:
+                    out[r] = np.zeros_like(locals_[r])
+                elif step.reduce == ReduceType.kRedProd:
+                    out[r] = np.ones_like(locals_[r])
+        return out
+    for line in step.groups:
+        vals = [locals_[r] for r in line]
+        if step.op == "all_gather":
+            full = np.concatenate(vals, axis=step.dim)
+            for r in line:
+                out[r] = full
+        elif step.op == "all_reduce":
+            red = _reduce(vals, step.reduce)
+            for r in line:
+                out[r] = red
+        elif step.op == "reduce_scatter":
+            red = _reduce(vals, step.reduce)
+            for i, r in enumerate(line):
+                out[r] = _take(red, step.dim, k, i)
+        elif step.op == "all_to_all":
+            full = np.concatenate(vals, axis=step.dim)
+            for i, r in enumerate(line):
+                out[r] = _take(full, step.dst_dim, k, i)
+        else:  # pragma: no cover
+            raise ValueError(f"unknown step {step.op}")
+    return out
+
+
+def simulate(plan: Plan, value: np.ndarray) -> dict:
+    """Execute a plan on simulated ranks starting from ``shard_tensor(value)``; rank -> final local value."""
+    locals_ = initial_locals(value, plan.src_mesh, plan.src_placements)
+    for step in plan.steps:
+        locals_ = apply_step(step, locals_)
+    return locals_
+
+
+def assemble(locals_: dict, shape, mesh: ProcessMesh, placements) -> np.ndarray:
+    """The global value a set of local values stands for (Partial axes reduced)."""
+    placements = normalize_placements(shape, mesh, placements)
+    dense = [Replicate() if isinstance(p, Partial) else p for p in placements]
+    partial_axes = [i for i, p in enumerate(placements) if isinstance(p, Partial)]
+    out = None
+    for c in np.ndindex(*mesh.shape):
+        if any(c[i] != 0 for i in partial_axes):
+            continue
+        value = _reduce_partial(locals_, mesh, placements, c, partial_axes)
+        if out is None:
+            out = np.zeros(shape, dtype=value.dtype)
+        blk = local_block(shape, mesh, dense, c)
+        out[tuple(slice(a, b) for a, b in blk)] = value
+    return out
+
+
+def _reduce_partial(locals_, mesh, placements, c, axes):
+    if not axes:
+        return locals_[mesh.rank_at(c)]
+    i, rest = axes[0], axes[1:]
+    vals = []
+    for j in range(mesh.shape[i]):
+        cc = list(c)
+        cc[i] = j
+        vals.append(_reduce_partial(locals_, mesh, placements, tuple(cc), rest))
+    return _reduce(vals, placements[i].reduce_type)

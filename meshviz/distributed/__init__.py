@@ -1,0 +1,68 @@
+"""Paddle's distributed API on torch: ``import meshviz.distributed as dist``."""
+
+from ..core import Partial, ProcessMesh, ReduceType, Replicate, Shard
+from .api import (
+    dtensor_from_local,
+    dtensor_to_local,
+    is_dist_tensor,
+    local_map,
+    plan_of,
+    reshard,
+    shard_tensor,
+    unshard_dtensor,
+)
+from .dtensor import DistTensor
+from .env import (
+    ParallelEnv,
+    barrier,
+    destroy_process_group,
+    get_rank,
+    get_world_size,
+    init_parallel_env,
+    is_initialized,
+    spawn,
+)
+
+__all__ = [
+    "ProcessMesh", "Shard", "Replicate", "Partial", "ReduceType",
+    "init_parallel_env", "get_rank", "get_world_size", "is_initialized", "barrier", "spawn",
+    "ParallelEnv", "destroy_process_group",
+    "DistTensor", "shard_tensor", "reshard", "dtensor_from_local", "dtensor_to_local", "unshard_dtensor",
+    "local_map", "is_dist_tensor", "plan_of",
+]
+
+# --- training API (collectives, DataParallel, fleet, checkpoint) -----------------------------------
+from . import collective
+from .collective import (
+    Group,
+    P2POp,
+    ReduceOp,
+    all_gather,
+    all_gather_object,
+    all_reduce,
+    alltoall,
+    alltoall_single,
+    barrier,
+    batch_isend_irecv,
+    broadcast,
+    broadcast_object_list,
+    gather,
+    get_backend,
+    get_group,
+    irecv,
+    isend,
+    new_group,
+    recv,
+    reduce,
+    reduce_scatter,
+    scatter,
+    send,
+    wait,
+)
+
+__all__ += [
+    "Group", "P2POp", "ReduceOp", "all_gather", "all_gather_object", "all_reduce", "alltoall",
+    "alltoall_single", "batch_isend_irecv", "broadcast", "broadcast_object_list", "gather", "get_backend",
+    "get_group", "irecv", "isend", "new_group", "recv", "reduce", "reduce_scatter", "scatter", "send", "wait",
+]
+# --- end training API ---------------------------------------------------------------------------------

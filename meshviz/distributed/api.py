@@ -1,0 +1,313 @@
+"""Paddle's auto-parallel tensor API: shard_tensor, reshard, dtensor_from_local, unshard_dtensor, local_map."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import torch
+import torch.distributed as tdist
+
+from .. import trace
+from ..core.layout import local_block, normalize_placements, partial_fill
+from ..core.mesh import ProcessMesh
+from ..core.placements import Partial, Replicate, Shard
+from ..core.planner import plan_reshard
+from . import groups
+from .dtensor import DistTensor, make_dtensor
+from .env import init_parallel_env
+from .reshard import run_plan
+
+__all__ = [
+    "shard_tensor",
+    "dtensor_from_local",
+    "dtensor_to_local",
+    "unshard_dtensor",
+    "reshard",
+    "local_map",
+    "is_dist_tensor",
+    "plan_of",
+]
+
+
+def _rank() -> int:
+    return tdist.get_rank()
+
+
+def _check(mesh, placements, shape) -> tuple:
+    """Validate everything a call needs, on every rank, before any communication."""
+    if not isinstance(mesh, ProcessMesh):
+        raise ValueError(f"expected a ProcessMesh, got {type(mesh).__name__}: {mesh!r}")
+    pl = normalize_placements(shape, mesh, placements)
+    init_parallel_env()
+    groups.check_mesh_in_world(mesh)
+    return pl
+
+
+def _as_tensor(data, dtype=None) -> torch.Tensor:
+    if isinstance(data, torch.Tensor):
+        return data if dtype is None else data.to(dtype)
+    if isinstance(data, np.ndarray):
+        return torch.from_numpy(data).to(dtype) if dtype else torch.from_numpy(data)
+    return torch.as_tensor(data, dtype=dtype)
+
+
+def _emit_placed(t: DistTensor, how: str) -> None:
+    if not trace.active():
+        return
+    local = t._dtensor._local_tensor
+    trace.emit(trace.Event(
+        kind="placed", name=t._mv_name, tensor_id=t._mv_id, op=how, mesh=t.process_mesh.to_dict(),
+        placements_after=[repr(p) for p in t.placements], shape_after=list(t.shape),
+        local_shape=list(local.shape), values=trace.small_values(local),
+        extra={"dtype": str(t.dtype).replace("torch.", "")},
+    ))
+
+
+def _local_block_of(dense: torch.Tensor, mesh: ProcessMesh, placements) -> torch.Tensor:
+    coord = mesh.coordinate(_rank())
+    if coord is None:
+        return dense.detach().new_empty(0)
+    blk = local_block(dense.shape, mesh, placements, coord)
+    local = dense.detach()[tuple(slice(a, b) for a, b in blk)]
+    fill = partial_fill(placements, coord)
+    if fill == "zero":
+        return torch.zeros_like(local).contiguous()
+    if fill == "one":
+        return torch.ones_like(local).contiguous()
+    return local.clone().contiguous()
+
+
+class _Shard(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, dense, mesh, placements):
+        ctx.mesh, ctx.placements, ctx.shape = mesh, placements, dense.shape
+        dt = make_dtensor(_local_block_of(dense, mesh, placements), mesh, placements, dense.shape)
+        return DistTensor(dt, mesh)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if grad is None:
+            return None, None, None
+        full = _reshard_fn(grad, ctx.mesh, [Replicate()] * ctx.mesh.ndim)
+        local = full._dtensor._local_tensor
+        if not ctx.mesh.contains(_rank()):
+            local = torch.zeros(ctx.shape, dtype=grad.dtype, device=grad.device)
+        return local, None, None
+
+
+def shard_tensor(data, mesh: ProcessMesh, placements: Sequence, dtype=None, place=None, stop_gradient=None,
+                 name: str | None = None):
+    """Every rank passes the same full tensor; each keeps the block its mesh coordinate holds. No communication.
+
+    A parameter stays a parameter (``nn.Parameter`` of a DistTensor). Ranks outside the mesh hold an empty block.
+    """
+    if isinstance(data, DistTensor):
+        out = reshard(data, mesh, placements)
+    else:
+        dense = _as_tensor(data, dtype)
+        pl = _check(mesh, placements, tuple(dense.shape))
+        is_param = isinstance(data, torch.nn.Parameter)
+        requires_grad = dense.requires_grad if stop_gradient is None else not stop_gradient
+        if dense.requires_grad and not dense.is_leaf:
+            out = _Shard.apply(dense, mesh, pl)
+        else:
+            dt = make_dtensor(_local_block_of(dense, mesh, pl), mesh, pl, dense.shape)
+            out = DistTensor(dt, mesh, requires_grad=requires_grad and not is_param)
+        if is_param:
+            out = torch.nn.Parameter(out, requires_grad=requires_grad)
+        out._mv_name = name or getattr(data, "_mv_name", None)
+        _emit_placed(out, "shard_tensor")
+        return out
+    if name:
+        out._mv_name = name
+    return out
+
+
+class _FromLocal(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, local, mesh, placements, shape):
+        ctx.mesh, ctx.placements = mesh, placements
+        return DistTensor(make_dtensor(local, mesh, placements, shape), mesh)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if grad is None:
+            return None, None, None, None
+        want = [Replicate() if p.is_partial() else p for p in ctx.placements]
+        if list(grad.placements) != want or grad.process_mesh != ctx.mesh:
+            grad = _reshard_fn(grad, ctx.mesh, want)
+        return grad._dtensor._local_tensor, None, None, None
+
+
+class _ToLocal(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t):
+        ctx.mesh, ctx.placements, ctx.shape = t.process_mesh, t.placements, t.shape
+        local = t._dtensor._local_tensor
+        return local.view_as(local)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if grad is None:
+            return None
+        want = [Replicate() if p.is_partial() else p for p in ctx.placements]
+        return DistTensor(make_dtensor(grad, ctx.mesh, want, ctx.shape), ctx.mesh)
+
+
+def _global_shape(local: torch.Tensor, mesh: ProcessMesh, placements) -> list[int]:
+    shape = list(local.shape)
+    for axis, p in enumerate(placements):
+        if isinstance(p, Shard):
+            if not -len(shape) <= p.dim < len(shape):
+                raise ValueError(f"Shard({p.dim}) is out of range for a {len(shape)}-D local tensor")
+            shape[p.dim % len(shape)] *= mesh.shape[axis]
+    return shape
+
+
+def dtensor_from_local(local_tensor, mesh: ProcessMesh, placements, shape=None):
+    """A dist tensor whose block on this rank is ``local_tensor`` (global shape: local x mesh, unless ``shape``)."""
+    local = _as_tensor(local_tensor)
+    if not isinstance(mesh, ProcessMesh):
+        raise ValueError(f"expected a ProcessMesh, got {mesh!r}")
+    if shape is None:
+        if len(placements) != mesh.ndim:
+            raise ValueError(f"got {len(placements)} placements for a {mesh.ndim}-D mesh")
+        shape = _global_shape(local, mesh, [p for p in placements])
+    pl = _check(mesh, placements, tuple(shape))
+    if not mesh.contains(_rank()):
+        local = local.new_empty(0)
+    else:
+        want = [b - a for a, b in local_block(shape, mesh, pl, mesh.coordinate(_rank()))]
+        if list(local.shape) != want:
+            raise ValueError(f"local tensor of shape {list(local.shape)} on rank {_rank()} does not match the "
+                             f"block {want} that {pl} on {mesh} gives a global shape {list(shape)}")
+    out = _FromLocal.apply(local, mesh, pl, tuple(shape))
+    _emit_placed(out, "dtensor_from_local")
+    return out
+
+
+def dtensor_to_local(dist_tensor, mesh=None, placements=None) -> torch.Tensor:
+    """This rank's block of ``dist_tensor`` (differentiable)."""
+    if not isinstance(dist_tensor, DistTensor):
+        raise ValueError(f"dtensor_to_local expects a dist tensor, got {type(dist_tensor).__name__}")
+    return _ToLocal.apply(dist_tensor)
+
+
+def is_dist_tensor(t) -> bool:
+    return isinstance(t, DistTensor)
+
+
+def plan_of(t: DistTensor, mesh: ProcessMesh, placements):
+    """The plan ``reshard(t, mesh, placements)`` would run (no communication)."""
+    return plan_reshard(tuple(t.shape), t.process_mesh, t.placements, mesh, placements,
+                        itemsize=t.element_size())
+
+
+def _grad_layout(placements):
+    """A reshard's gradient goes back with Replicate and Partial trading places."""
+    out = []
+    for p in placements:
+        if isinstance(p, Partial):
+            out.append(Replicate())
+        elif isinstance(p, Replicate):
+            out.append(Partial())
+        else:
+            out.append(p)
+    return out
+
+
+class _Reshard(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t, mesh, placements, name):
+        ctx.src_mesh, ctx.src_placements, ctx.name = t.process_mesh, t.placements, name
+        return _run_reshard(t, mesh, placements, name)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if grad is None:
+            return None, None, None, None
+        if not isinstance(grad, DistTensor):
+            raise RuntimeError("reshard backward expected a dist gradient")
+        back = _grad_layout(ctx.src_placements)
+        return _run_reshard(grad, ctx.src_mesh, back, ctx.name and ctx.name + ".grad"), None, None, None
+
+
+def _run_reshard(t: DistTensor, mesh: ProcessMesh, placements, name=None) -> DistTensor:
+    plan = plan_of(t, mesh, placements)
+    local = t._dtensor._local_tensor
+    rank = _rank()
+    src_has = t.process_mesh.contains(rank)
+    new = run_plan(plan, local if src_has else None, rank, dtype=t.dtype, device=local.device,
+                   name=name, tensor_id=t._mv_id)
+    if new is None or not mesh.contains(rank):
+        new = local.new_empty(0)
+    out = DistTensor(make_dtensor(new, mesh, plan.dst_placements, t.shape), mesh)
+    out._mv_name = name
+    return out
+
+
+def _reshard_fn(t, mesh, placements):
+    return _Reshard.apply(t, mesh, list(placements), getattr(t, "_mv_name", None))
+
+
+def reshard(dist_tensor, mesh: ProcessMesh, placements: Sequence):
+    """Move ``dist_tensor`` to ``placements`` on ``mesh``, running the planner's steps; differentiable."""
+    if not isinstance(dist_tensor, DistTensor):
+        raise ValueError(
+            f"reshard expects a dist tensor (from shard_tensor or dtensor_from_local), got "
+            f"{type(dist_tensor).__name__}")
+    pl = _check(mesh, placements, tuple(dist_tensor.shape))
+    groups.mesh_groups(dist_tensor.process_mesh)
+    groups.mesh_groups(mesh)
+    if dist_tensor.requires_grad and torch.is_grad_enabled():
+        out = _reshard_fn(dist_tensor, mesh, pl)
+    else:
+        out = _run_reshard(dist_tensor, mesh, pl, dist_tensor._mv_name)
+    out._mv_name = dist_tensor._mv_name
+    return out
+
+
+def unshard_dtensor(dist_tensor) -> torch.Tensor:
+    """The dense global value (a collective: every rank calls it); differentiable. Empty off the mesh."""
+    if not isinstance(dist_tensor, DistTensor):
+        return dist_tensor
+    mesh = dist_tensor.process_mesh
+    full = reshard(dist_tensor, mesh, [Replicate()] * mesh.ndim)
+    return dtensor_to_local(full)
+
+
+def local_map(func, out_placements, in_placements=None, process_mesh=None, reshard_inputs=False):
+    """Wrap ``func`` to run on local blocks: dist inputs become their blocks, outputs become dist tensors
+    with ``out_placements`` (one list per output; None for a non-tensor output)."""
+
+    def wrapped(*args, **kwargs):
+        mesh = process_mesh
+        flat_in = list(args)
+        if in_placements is not None and len(in_placements) != len(flat_in):
+            raise ValueError(f"local_map: {len(in_placements)} in_placements for {len(flat_in)} inputs")
+        locals_ = []
+        for i, a in enumerate(flat_in):
+            if isinstance(a, DistTensor):
+                mesh = mesh or a.process_mesh
+                want = None if in_placements is None else in_placements[i]
+                if want is not None and list(want) != a.placements:
+                    if not reshard_inputs:
+                        raise ValueError(f"local_map: input {i} is {a.placements}, expected {list(want)}; "
+                                         f"pass reshard_inputs=True to reshard it")
+                    a = reshard(a, a.process_mesh, want)
+                locals_.append(dtensor_to_local(a))
+            else:
+                locals_.append(a)
+        if mesh is None:
+            raise ValueError("local_map needs a process_mesh when no input is a dist tensor")
+        out = func(*locals_, **kwargs)
+        single = not isinstance(out, (tuple, list))
+        outs = [out] if single else list(out)
+        ops = [out_placements] if single and out_placements and not isinstance(out_placements[0], (list, tuple)) \
+            else list(out_placements)
+        res = [dtensor_from_local(o, mesh, p) if p is not None and isinstance(o, torch.Tensor) else o
+               for o, p in zip(outs, ops)]
+        return res[0] if single else type(out)(res)
+
+    return wrapped

@@ -1,0 +1,277 @@
+"""DistTensor: a torch.Tensor with Paddle's dist attributes, backed by a torch DTensor on a mesh-ordered DeviceMesh."""
+
+from __future__ import annotations
+
+import itertools
+import time
+import weakref
+
+import torch
+import torch.distributed as tdist
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import Partial as TPartial
+from torch.distributed.tensor import Replicate as TReplicate
+from torch.distributed.tensor import Shard as TShard
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map
+
+from .. import trace
+from ..core.mesh import ProcessMesh
+from ..core.placements import Partial, Placement, ReduceType, Replicate, Shard
+from . import groups
+
+__all__ = ["DistTensor", "is_dist", "to_torch_placements", "from_torch_placements", "wrap", "make_dtensor"]
+
+_TORCH_REDUCE = {
+    ReduceType.kRedSum: "sum",
+    ReduceType.kRedAvg: "avg",
+    ReduceType.kRedMax: "max",
+    ReduceType.kRedMin: "min",
+    ReduceType.kRedProd: "product",
+}
+_FROM_TORCH_REDUCE = {v: k for k, v in _TORCH_REDUCE.items()}
+_pmesh_of: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # DeviceMesh -> ProcessMesh
+_ids = itertools.count(1)
+
+
+def to_torch_placements(placements) -> tuple:
+    out = []
+    for p in placements:
+        if isinstance(p, Shard):
+            out.append(TShard(p.dim))
+        elif isinstance(p, Replicate):
+            out.append(TReplicate())
+        elif isinstance(p, Partial):
+            out.append(TPartial(_TORCH_REDUCE[p.reduce_type]))
+        else:
+            raise ValueError(f"not a placement: {p!r}")
+    return tuple(out)
+
+
+def from_torch_placements(placements) -> list[Placement]:
+    out: list[Placement] = []
+    for p in placements:
+        if p.is_shard():
+            out.append(Shard(p.dim))
+        elif p.is_replicate():
+            out.append(Replicate())
+        elif p.is_partial():
+            out.append(Partial(_FROM_TORCH_REDUCE.get(getattr(p, "reduce_op", "sum"), ReduceType.kRedSum)))
+        else:
+            raise ValueError(f"unsupported torch placement {p!r}")
+    return out
+
+
+def device_mesh_for(mesh: ProcessMesh):
+    dm = groups.device_mesh(mesh)
+    _pmesh_of[dm] = mesh
+    return dm
+
+
+def process_mesh_of(dm) -> ProcessMesh:
+    pm = _pmesh_of.get(dm)
+    if pm is None:
+        names = dm.mesh_dim_names or [f"d{i}" for i in range(dm.ndim)]
+        pm = ProcessMesh(dm.mesh.tolist(), list(names))
+        _pmesh_of[dm] = pm
+    return pm
+
+
+def _contiguous_stride(shape) -> tuple:
+    stride, acc = [], 1
+    for s in reversed(list(shape)):
+        stride.append(acc)
+        acc *= max(int(s), 1)
+    return tuple(reversed(stride))
+
+
+def make_dtensor(local: torch.Tensor, mesh: ProcessMesh, placements, shape) -> DTensor:
+    """A DTensor (no autograd history) whose local value is ``local`` and global shape ``shape``."""
+    dm = device_mesh_for(mesh)
+    return DTensor.from_local(
+        local.detach(), dm, to_torch_placements(placements), run_check=False,
+        shape=torch.Size(shape), stride=_contiguous_stride(shape),
+    )
+
+
+class DistTensor(torch.Tensor):
+    """A distributed tensor: global ``shape``, ``placements`` on ``process_mesh``, this rank's block locally."""
+
+    _dtensor: DTensor
+    _pmesh: ProcessMesh
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @staticmethod
+    def __new__(cls, dtensor: DTensor, process_mesh: ProcessMesh | None = None, requires_grad: bool = False):
+        r = torch.Tensor._make_wrapper_subclass(
+            cls, dtensor.shape, strides=dtensor.stride(), dtype=dtensor.dtype,
+            device=dtensor.device, requires_grad=requires_grad,
+        )
+        r._dtensor = dtensor
+        r._pmesh = process_mesh if process_mesh is not None else process_mesh_of(dtensor.device_mesh)
+        r._mv_id = next(_ids)
+        r._mv_name = None
+        return r
+
+    # -- Paddle's dist attributes -----------------------------------------------------------------
+    @property
+    def placements(self) -> list[Placement]:
+        return from_torch_placements(self._dtensor.placements)
+
+    @property
+    def process_mesh(self) -> ProcessMesh:
+        return self._pmesh
+
+    def is_dist(self) -> bool:
+        return True
+
+    def _local_value(self) -> torch.Tensor:
+        """This rank's block (a differentiable view; empty on ranks outside the mesh)."""
+        from .api import dtensor_to_local
+
+        return dtensor_to_local(self)
+
+    def to_local(self) -> torch.Tensor:
+        return self._local_value()
+
+    @property
+    def local_shape(self) -> list[int]:
+        return list(self._dtensor._local_tensor.shape)
+
+    @property
+    def name(self) -> str | None:
+        return self._mv_name
+
+    @name.setter
+    def name(self, value):
+        self._mv_name = value
+
+    def full_tensor(self) -> torch.Tensor:
+        from .api import unshard_dtensor
+
+        return unshard_dtensor(self)
+
+    def numpy(self):
+        raise RuntimeError(
+            "a DistTensor has no single numpy value on one rank; use dist.unshard_dtensor(t).numpy() "
+            "for the global value (a collective: every rank must call it) or t._local_value().numpy()"
+        )
+
+    def __repr__(self, *, tensor_contents=None) -> str:  # never communicates
+        local = self._dtensor._local_tensor
+        rank = tdist.get_rank() if tdist.is_initialized() else 0
+        where = "" if self._pmesh.contains(rank) else " (not in mesh)"
+        return (
+            f"DistTensor(shape={list(self.shape)}, dtype={str(self.dtype).replace('torch.', '')}, "
+            f"process_mesh={self._pmesh}, placements=[{', '.join(map(repr, self.placements))}], "
+            f"rank {rank}{where} local_value=\n{local.detach()})"
+        )
+
+    # -- dispatch ---------------------------------------------------------------------------------
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        first: list[DistTensor] = []
+
+        def find(x):
+            if isinstance(x, DistTensor) and not first:
+                first.append(x)
+            return x
+
+        tree_map(find, (args, kwargs))
+        ref = first[0]
+        meshes = set()
+        by_id = {}
+
+        def unwrap(x):
+            if isinstance(x, DistTensor):
+                meshes.add(x._pmesh)
+                by_id[id(x._dtensor)] = x
+                return x._dtensor
+            if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) and x.dim() > 0 and x.numel() > 1:
+                # a dense tensor meeting a dist one is replicated on its mesh, as in Paddle
+                return make_dtensor(_local_for_replicate(x, ref._pmesh), ref._pmesh,
+                                    [Replicate()] * ref._pmesh.ndim, x.shape)
+            return x
+
+        uargs, ukwargs = tree_map(unwrap, (args, kwargs))
+        if len(meshes) > 1:
+            raise ValueError(
+                f"{func}: inputs live on different meshes {sorted(map(repr, meshes))}; "
+                f"dist.reshard one of them onto the other's mesh first"
+            )
+        if trace.active():
+            with _CommObserver(str(func.__name__ if hasattr(func, "__name__") else func)):
+                out = func(*uargs, **ukwargs)
+        else:
+            out = func(*uargs, **ukwargs)
+
+        def wrap_out(x):
+            if isinstance(x, DTensor):
+                hit = by_id.get(id(x))
+                if hit is not None:
+                    return hit
+                return DistTensor(x, ref._pmesh if x.device_mesh is ref._dtensor.device_mesh else None)
+            return x
+
+        return tree_map(wrap_out, out)
+
+
+def _local_for_replicate(x: torch.Tensor, mesh: ProcessMesh) -> torch.Tensor:
+    rank = tdist.get_rank() if tdist.is_initialized() else 0
+    return x.detach() if mesh.contains(rank) else x.detach().new_empty(0)
+
+
+def is_dist(x) -> bool:
+    return isinstance(x, DistTensor)
+
+
+def wrap(dt: DTensor, mesh: ProcessMesh, requires_grad: bool = False) -> DistTensor:
+    return DistTensor(dt, mesh, requires_grad=requires_grad)
+
+
+_COLLECTIVES = {
+    "all_reduce": "all_reduce",
+    "all_reduce_": "all_reduce",
+    "all_gather_into_tensor": "all_gather",
+    "all_gather_into_tensor_out": "all_gather",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "all_to_all_single": "all_to_all",
+    "broadcast": "broadcast",
+    "broadcast_": "broadcast",
+}
+
+
+class _CommObserver(TorchDispatchMode):
+    """Sees the collectives DTensor issues inside an op, so nothing moves unseen."""
+
+    def __init__(self, context: str):
+        super().__init__()
+        self.context = context
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if any(issubclass(t, (DTensor, DistTensor)) for t in types):
+            return NotImplemented  # let DTensor desugar the op into collectives first, then see those
+        ns = getattr(func, "namespace", "")
+        name = getattr(func, "_opname", "")
+        if ns in ("_c10d_functional", "c10d_functional") and name in _COLLECTIVES:
+            t0 = time.time()
+            out = func(*args, **kwargs)
+            inp = args[0] if args else None
+            nbytes = inp.numel() * inp.element_size() if isinstance(inp, torch.Tensor) else 0
+            group = None
+            gname = args[-1] if args and isinstance(args[-1], str) else kwargs.get("group_name")
+            if gname:
+                try:
+                    from torch.distributed.distributed_c10d import _resolve_process_group
+
+                    group = tdist.get_process_group_ranks(_resolve_process_group(gname))
+                except Exception:
+                    group = None
+            trace.emit(trace.Event(
+                kind="collective", op=_COLLECTIVES[name], start=t0, group=group, bytes=int(nbytes),
+                extra={"implicit": True, "inside": self.context},
+            ))
+            return out
+        return func(*args, **kwargs)

@@ -1,0 +1,15 @@
+"""Where ``fleet.distributed_model`` hands a pp_degree > 1 model over to the pipeline runtime."""
+
+from __future__ import annotations
+
+__all__ = ["_pipeline_model"]
+
+
+def _pipeline_model(model, hcg, strategy):
+    """Wrap ``model`` (a PipelineLayer) for pipeline-parallel training on ``hcg``'s pipe group.
+
+    ``strategy.pipeline_configs`` gives micro_batch_size, accumulate_steps and schedule_mode.
+    """
+    raise NotImplementedError(
+        "fleet.distributed_model with pp_degree > 1 needs the pipeline runtime "
+        "(meshviz.distributed.fleet.pipeline_hook._pipeline_model), which is not available yet")

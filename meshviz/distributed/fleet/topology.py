@@ -1,0 +1,236 @@
+"""Paddle's hybrid-parallel topology: ranks laid out over (dp, pp, sharding, mp) in the strategy's order."""
+
+from __future__ import annotations
+
+import collections
+from functools import reduce
+from itertools import product
+
+from ..collective import new_group
+from ..env import get_rank, get_world_size
+
+__all__ = ["ParallelMode", "CommunicateTopology", "HybridCommunicateGroup"]
+
+_HYBRID_PARALLEL_GROUP = None
+
+# hybrid_configs short name -> topology axis name
+AXIS_NAMES = {"dp": "data", "pp": "pipe", "sharding": "sharding", "sep": "sep", "mp": "model"}
+
+
+class ParallelMode:
+    DATA_PARALLEL = 0
+    TENSOR_PARALLEL = 1
+    PIPELINE_PARALLEL = 2
+    SHARDING_PARALLEL = 3
+    SEGMENT_PARALLEL = 4
+    MODEL_PARALLEL = TENSOR_PARALLEL
+
+
+class CommunicateTopology:
+    """Rank = row-major index of the coordinate over ``dims`` (the first name is the outermost axis)."""
+
+    def __init__(self, hybrid_group_names=("data", "pipe", "sharding", "model"), dims=(1, 1, 1, 1)):
+        self._parallel_names = list(hybrid_group_names)
+        self._dims = [int(d) for d in dims]
+        self.coordinate = collections.namedtuple("Coordinate", self._parallel_names)
+        self._world_size = reduce(lambda x, y: x * y, self._dims, 1)
+        coords = [self.coordinate(*x) for x in product(*[range(d) for d in self._dims])]
+        self._coord2rank = dict(zip(coords, range(len(coords))))
+        self._rank2coord = {r: c for c, r in self._coord2rank.items()}
+
+    def get_hybrid_group_names(self):
+        return self._parallel_names
+
+    def get_dim(self, axis_name):
+        return self._dims[self._parallel_names.index(axis_name)] if axis_name in self._parallel_names else 1
+
+    get_dim_size = get_dim
+
+    def world_size(self):
+        return self._world_size
+
+    def get_rank(self, **args):
+        return self._coord2rank[self.coordinate(**args)]
+
+    def get_coord(self, rank):
+        return self._rank2coord[rank]
+
+    def get_axis_list(self, axis_name, index):
+        axis = self._parallel_names.index(axis_name)
+        return sorted(r for c, r in self._coord2rank.items() if c[axis] == index)
+
+    def get_comm_list(self, axis_name):
+        """Every group along ``axis_name``: the ranks that differ only in that coordinate."""
+        others = [n for n in self._parallel_names if n != axis_name]
+        out = []
+        for x in product(*[range(self.get_dim(n)) for n in others]):
+            key = dict(zip(others, x))
+            line = []
+            for i in range(self.get_dim(axis_name)):
+                key[axis_name] = i
+                line.append(self._coord2rank[self.coordinate(**key)])
+            out.append(line)
+        return out
+
+    def get_rank_from_stage(self, global_rank, **kwargs):
+        return self.get_rank(**self.get_coord(global_rank)._replace(**kwargs)._asdict())
+
+    def __repr__(self) -> str:
+        return "CommunicateTopology(" + ", ".join(f"{n}={d}" for n, d in zip(self._parallel_names, self._dims)) + ")"
+
+
+class HybridCommunicateGroup:
+    """This rank's groups and coordinates along each parallel axis (every rank builds every group)."""
+
+    def __init__(self, topology: CommunicateTopology):
+        self.nranks = get_world_size()
+        self.global_rank = get_rank()
+        self._topo = topology
+        self._dp_degree = topology.get_dim("data")
+        self._mp_degree = topology.get_dim("model")
+        self._pp_degree = topology.get_dim("pipe")
+        self._sharding_degree = topology.get_dim("sharding")
+        self._sep_degree = topology.get_dim("sep")
+        if topology.world_size() != self.nranks:
+            raise ValueError(f"hybrid degrees {topology} multiply to {topology.world_size()}, but the world has "
+                             f"{self.nranks} ranks")
+        coord = topology.get_coord(self.global_rank)
+        self._data_parallel_id = getattr(coord, "data", 0)
+        self._model_parallel_id = getattr(coord, "model", 0)
+        self._sharding_parallel_id = getattr(coord, "sharding", 0)
+        self._sep_parallel_id = getattr(coord, "sep", 0)
+        self.stage_id = getattr(coord, "pipe", 0)
+        # same creation order as Paddle: pipe, data, model, sharding, then the check group
+        self._pp_group, self._pp_comm_group = self._set_comm_group("pipe")
+        self._dp_group, self._dp_comm_group = self._set_comm_group("data")
+        self._mp_group, self._mp_comm_group = self._set_comm_group("model")
+        self._sharding_group, self._sharding_comm_group = self._set_comm_group("sharding")
+        self._sep_group = self._sep_comm_group = None
+        if self._sep_degree > 1:
+            self._sep_group, self._sep_comm_group = self._set_comm_group("sep")
+        self._check_group, self._check_comm_group = self._set_check_group("data")
+        self.is_first_stage = self.stage_id == 0
+        self.is_last_stage = self.stage_id == self._pp_degree - 1
+        if self._pp_degree > 1:
+            for line in topology.get_comm_list("pipe"):
+                if self.global_rank in line:
+                    i = line.index(self.global_rank)
+                    self.next_rank = line[(i + 1) % self._pp_degree]
+                    self.prev_rank = line[(i - 1) % self._pp_degree]
+        global _HYBRID_PARALLEL_GROUP
+        _HYBRID_PARALLEL_GROUP = self
+
+    def _set_comm_group(self, axis_name):
+        mine = comm = None
+        if axis_name not in self._topo.get_hybrid_group_names():
+            return None, None
+        for line in self._topo.get_comm_list(axis_name):
+            g = new_group(line)
+            if self.global_rank in line:
+                mine, comm = line, g
+        return mine, comm
+
+    def _set_check_group(self, axis_name):
+        mine = comm = None
+        for idx in range(self._topo.get_dim(axis_name)):
+            line = self._topo.get_axis_list(axis_name, idx)
+            g = new_group(line)
+            if self.global_rank in line:
+                mine, comm = line, g
+        return mine, comm
+
+    def get_parallel_mode(self):
+        if self._pp_degree == 1 and self._mp_degree == 1 and self._sep_degree == 1 and self._sharding_degree == 1:
+            return ParallelMode.DATA_PARALLEL
+        if self._pp_degree == 1 and self._mp_degree == 1 and self._sep_degree == 1:
+            return ParallelMode.SHARDING_PARALLEL
+        if self._pp_degree == 1 and self._mp_degree == 1:
+            return ParallelMode.SEGMENT_PARALLEL
+        if self._pp_degree == 1:
+            return ParallelMode.TENSOR_PARALLEL
+        return ParallelMode.PIPELINE_PARALLEL
+
+    def topology(self):
+        return self._topo
+
+    def get_global_rank(self):
+        return self.global_rank
+
+    # data parallel
+    def get_data_parallel_rank(self):
+        return self._data_parallel_id
+
+    def get_data_parallel_world_size(self):
+        return self._dp_degree
+
+    def get_data_parallel_group(self):
+        return self._dp_comm_group
+
+    def get_data_parallel_group_src_rank(self):
+        return self._dp_comm_group.ranks[0]
+
+    # model (tensor) parallel
+    def get_model_parallel_rank(self):
+        return self._model_parallel_id
+
+    def get_model_parallel_world_size(self):
+        return self._mp_degree
+
+    def get_model_parallel_group(self):
+        return self._mp_comm_group
+
+    def get_model_parallel_group_src_rank(self):
+        return self._mp_comm_group.ranks[0]
+
+    # pipeline parallel
+    def get_stage_id(self):
+        return self.stage_id
+
+    def get_pipe_parallel_rank(self):
+        return self.stage_id
+
+    def get_pipe_parallel_world_size(self):
+        return self._pp_degree
+
+    def get_pipe_parallel_group(self):
+        return self._pp_comm_group
+
+    def get_rank_from_stage(self, stage_id, **kwargs):
+        return self._topo.get_rank_from_stage(self.global_rank, pipe=stage_id, **kwargs)
+
+    def _get_p2p_next_rank(self):
+        return self.next_rank
+
+    def _get_p2p_prev_rank(self):
+        return self.prev_rank
+
+    # sharding parallel
+    def get_sharding_parallel_rank(self):
+        return self._sharding_parallel_id
+
+    def get_sharding_parallel_world_size(self):
+        return self._sharding_degree
+
+    def get_sharding_parallel_group(self):
+        return self._sharding_comm_group
+
+    def get_sharding_parallel_group_src_rank(self):
+        return self._sharding_comm_group.ranks[0]
+
+    # sep
+    def get_sep_parallel_rank(self):
+        return self._sep_parallel_id
+
+    def get_sep_parallel_world_size(self):
+        return self._sep_degree
+
+    def get_sep_parallel_group(self):
+        return self._sep_comm_group
+
+    def get_check_parallel_group(self, sharding=False):
+        return self._check_comm_group
+
+    def __repr__(self) -> str:
+        return (f"HybridCommunicateGroup(rank={self.global_rank}, dp={self._dp_degree}, pp={self._pp_degree}, "
+                f"sharding={self._sharding_degree}, mp={self._mp_degree}; dp_group={self._dp_group}, "
+                f"pp_group={self._pp_group}, sharding_group={self._sharding_group}, mp_group={self._mp_group})")

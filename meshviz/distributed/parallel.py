@@ -1,0 +1,191 @@
+"""Paddle's DataParallel on torch DDP, and fused_allreduce_gradients."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as tdist
+from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from .. import trace
+from .collective import ReduceOp, _resolve, all_reduce
+from .env import init_parallel_env
+
+__all__ = ["DataParallel", "fused_allreduce_gradients", "sync_params_buffers"]
+
+_FUSE_BYTES = 128 * 1024 * 1024  # gradients per fused all-reduce, as Paddle's 128 MB groups
+
+
+class DataParallel(nn.Module):
+    """Run ``layers`` data-parallel: parameters broadcast from the group's first rank, gradients averaged.
+
+    Built on ``torch.nn.parallel.DistributedDataParallel``: buckets of ``comm_buffer_size`` MB, the first bucket
+    (the parameters defined first, whose gradients are ready last) of ``last_comm_buffer_size`` MB.
+    ``state_dict()`` keys are those of ``layers`` (no wrapper prefix); other attributes pass through to it.
+    """
+
+    def __init__(self, layers: nn.Module, strategy=None, comm_buffer_size=25, last_comm_buffer_size=1,
+                 find_unused_parameters=False, group=None):
+        super().__init__()
+        if not isinstance(layers, nn.Module):
+            raise TypeError(f"DataParallel wraps an nn.Module, got {type(layers).__name__}")
+        for name, v in (("comm_buffer_size", comm_buffer_size), ("last_comm_buffer_size", last_comm_buffer_size)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
+                raise ValueError(f"DataParallel: {name} must be a positive number of MB, got {v!r}")
+        init_parallel_env()
+        ranks, pg, member = _resolve(group)
+        if not member:
+            raise ValueError(f"DataParallel: this rank ({tdist.get_rank()}) is not in the group {ranks}")
+        self._layers = layers
+        self.group = group
+        self._ranks = ranks
+        self.comm_buffer_size = comm_buffer_size
+        self.last_comm_buffer_size = last_comm_buffer_size
+        self.find_unused_parameters = find_unused_parameters
+        has_grad = any(p.requires_grad for p in layers.parameters())
+        if has_grad:
+            if trace.active():
+                nbytes = sum(t.numel() * t.element_size() for t in layers.state_dict().values())
+                trace.emit(trace.Event(kind="collective", op="broadcast", group=list(ranks), bytes=nbytes,
+                                       name="DataParallel.sync_params", extra={"src": ranks[0]}))
+            ddp = DDP(
+                layers,
+                process_group=pg,
+                bucket_cap_mb=comm_buffer_size,
+                bucket_cap_mb_list=[last_comm_buffer_size, comm_buffer_size],
+                find_unused_parameters=find_unused_parameters,
+                broadcast_buffers=True,
+            )
+        else:  # nothing to train: only make the replicas equal
+            sync_params_buffers(layers, group)
+            ddp = None
+        object.__setattr__(self, "_ddp", ddp)  # kept out of the module tree: keys stay free of a prefix
+        if ddp is not None and trace.active():
+            ddp.register_comm_hook((list(ranks), pg), _traced_allreduce_hook)
+
+    # -- running ---------------------------------------------------------------------------------
+    def forward(self, *inputs, **kwargs):
+        if self._ddp is None:
+            return self._layers(*inputs, **kwargs)
+        return self._ddp(*inputs, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Inside: gradients accumulate locally. The next backward outside averages the accumulated sum."""
+        if self._ddp is None:
+            yield
+            return
+        with self._ddp.no_sync():
+            yield
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        if self._ddp is not None:
+            self._ddp.training = mode
+        return self
+
+    # -- state -------------------------------------------------------------------------------------
+    def state_dict(self, destination=None, include_sublayers=True, structured_name_prefix="", prefix=None,
+                   keep_vars=False, **kwargs):
+        prefix = structured_name_prefix if prefix is None else prefix
+        return self._layers.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
+
+    def set_state_dict(self, state_dict, use_structured_name=True, strict=True):
+        return self._layers.load_state_dict(_strip_prefix(state_dict), strict=strict)
+
+    def load_state_dict(self, state_dict, strict=True, assign=False):
+        return self._layers.load_state_dict(_strip_prefix(state_dict), strict=strict, assign=assign)
+
+    load_dict = set_state_dict
+    set_dict = set_state_dict
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            layers = self._modules.get("_layers")
+            if layers is None:
+                raise
+            return getattr(layers, name)
+
+    def extra_repr(self) -> str:
+        return f"group={self._ranks}, comm_buffer_size={self.comm_buffer_size}MB"
+
+
+def _strip_prefix(sd):
+    keys = list(sd.keys())
+    for pre in ("module.", "_layers."):
+        if keys and all(k.startswith(pre) for k in keys):
+            return type(sd)((k[len(pre):], v) for k, v in sd.items())
+    return sd
+
+
+def _traced_allreduce_hook(state, bucket):
+    """DDP's own averaging all-reduce, plus an event per bucket (installed only when tracing at wrap time)."""
+    ranks, pg = state
+    buf = bucket.buffer()
+    with trace.span("collective", op="all_reduce", group=ranks, bytes=buf.numel() * buf.element_size(),
+                    name="DataParallel.bucket", extra={"reduce_op": "avg", "bucket": bucket.index()}):
+        buf.div_(len(ranks))
+        fut = tdist.all_reduce(buf, group=pg, async_op=True).get_future()
+    return fut.then(lambda f: f.value()[0])
+
+
+def sync_params_buffers(model: nn.Module, group=None, src_rank=None, is_model_parallel=False):
+    """Broadcast ``model``'s parameters and buffers from ``src_rank`` (default: the group's first rank).
+
+    With ``is_model_parallel`` the parameters marked ``is_distributed`` (model-parallel shards) are skipped.
+    """
+    from .collective import broadcast
+
+    ranks, pg, member = _resolve(group)
+    if not member:
+        return
+    src = ranks[0] if src_rank is None else src_rank
+    tensors = [t for t in list(model.parameters()) + list(model.buffers())
+               if not (is_model_parallel and getattr(t, "is_distributed", False))]
+    for dtype in sorted({t.dtype for t in tensors}, key=str):
+        ts = [t for t in tensors if t.dtype == dtype]
+        flat = _flatten_dense_tensors([t.detach() for t in ts])
+        broadcast(flat, src, group=group)
+        with torch.no_grad():
+            for t, v in zip(ts, _unflatten_dense_tensors(flat, ts)):
+                t.copy_(v)
+
+
+def fused_allreduce_gradients(parameter_list, hcg=None):
+    """Average the gradients of ``parameter_list`` over the data-parallel group of ``hcg`` (None: the world).
+
+    Gradients are packed into buffers of up to 128 MB per dtype, each all-reduced once, then divided by the
+    group size, as Paddle does. Parameters without a gradient are skipped.
+    """
+    group = None if hcg is None else hcg.get_data_parallel_group()
+    _fused_mean(parameter_list, group)
+
+
+def _fused_mean(parameter_list, group):
+    init_parallel_env()
+    ranks, pg, member = _resolve(group)
+    if not member or len(ranks) == 1:
+        return
+    params = [p for p in parameter_list if getattr(p, "grad", None) is not None]
+    by_dtype: dict = {}
+    for p in params:
+        by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+    for dtype in sorted(by_dtype, key=str):
+        grads = by_dtype[dtype]
+        bucket, size = [], 0
+        for g in grads + [None]:
+            if g is not None:
+                bucket.append(g)
+                size += g.numel() * g.element_size()
+            if bucket and (g is None or size >= _FUSE_BYTES):
+                flat = _flatten_dense_tensors(bucket)
+                all_reduce(flat, op=ReduceOp.SUM, group=group)
+                flat.div_(len(ranks))
+                for gr, v in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
+                    gr.copy_(v)
+                bucket, size = [], 0

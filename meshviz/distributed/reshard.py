@@ -1,0 +1,225 @@
+"""Executes the planner's reshard steps with torch collectives on this rank's local block."""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import torch
+import torch.distributed as tdist
+
+from .. import trace
+from ..core.layout import chunk, local_block
+from ..core.placements import ReduceType
+from ..core.planner import Plan, Step
+from . import groups
+
+__all__ = ["run_plan", "run_step"]
+
+_all_gather_single = getattr(tdist, "all_gather_single", tdist.all_gather_into_tensor)
+_reduce_scatter_single = getattr(tdist, "reduce_scatter_single", tdist.reduce_scatter_tensor)
+
+_plan_ids = itertools.count(1)
+
+_TORCH_OP = {
+    ReduceType.kRedSum: tdist.ReduceOp.SUM,
+    ReduceType.kRedMax: tdist.ReduceOp.MAX,
+    ReduceType.kRedMin: tdist.ReduceOp.MIN,
+    ReduceType.kRedProd: tdist.ReduceOp.PRODUCT,
+    ReduceType.kRedAvg: tdist.ReduceOp.SUM,  # then divided: gloo has no AVG
+}
+
+
+def _block_shape(step: Step, placements, mesh, coord) -> list[int]:
+    return [b - a for a, b in local_block(step.shape, mesh, placements, coord)]
+
+
+def _line_coords(step: Step, rank: int):
+    coord = step.mesh.coordinate(rank)
+    out = []
+    for j in range(step.mesh.shape[step.axis]):
+        c = list(coord)
+        c[step.axis] = j
+        out.append(tuple(c))
+    return coord, out
+
+
+def _all_gather(step: Step, local: torch.Tensor, group, coords) -> torch.Tensor:
+    d = step.dim
+    k = len(coords)
+    sizes = [_block_shape(step, step.before, step.mesh, c)[d] for c in coords]
+    out_shape = list(local.shape)
+    out_shape[d] = sum(sizes)
+    if len(set(sizes)) == 1 and d == 0:
+        out = local.new_empty(out_shape)
+        _all_gather_single(out, local.contiguous(), group=group)
+        return out
+    m = max(sizes)
+    moved = local.movedim(d, 0)
+    if moved.shape[0] < m:
+        pad = moved.new_zeros((m - moved.shape[0],) + tuple(moved.shape[1:]))
+        moved = torch.cat([moved, pad])
+    buf = moved.new_empty((k * m,) + tuple(moved.shape[1:]))
+    _all_gather_single(buf, moved.contiguous(), group=group)
+    pieces = [buf[i * m : i * m + s] for i, s in enumerate(sizes)]
+    return torch.cat(pieces).movedim(0, d).contiguous()
+
+
+def _all_reduce(step: Step, local: torch.Tensor, group, k: int) -> torch.Tensor:
+    out = local.clone()
+    tdist.all_reduce(out, op=_TORCH_OP[step.reduce], group=group)
+    if step.reduce == ReduceType.kRedAvg:
+        out = out / k if not out.is_floating_point() else out.div_(k)
+    return out
+
+
+def _reduce_scatter(step: Step, local: torch.Tensor, group, coords, my_index) -> torch.Tensor:
+    d = step.dim
+    k = len(coords)
+    sizes = [chunk(local.shape[d], k, j) for j in range(k)]
+    lens = [b - a for a, b in sizes]
+    if step.reduce in (ReduceType.kRedSum, ReduceType.kRedAvg) and d == 0 and len(set(lens)) == 1:
+        out = local.new_empty((lens[0],) + tuple(local.shape[1:]))
+        _reduce_scatter_single(out, local.contiguous(), op=tdist.ReduceOp.SUM, group=group)
+    else:
+        # every reduction and uneven chunks: an all-to-all of the chunks, then a local reduction
+        moved = local.movedim(d, 0)
+        pieces = [moved[a:b].contiguous() for a, b in sizes]
+        recv = [torch.empty_like(pieces[my_index]) for _ in range(k)]
+        _all_to_all(recv, pieces, group)
+        stack = torch.stack(recv)
+        if step.reduce in (ReduceType.kRedSum, ReduceType.kRedAvg):
+            red = stack.sum(0)
+        elif step.reduce == ReduceType.kRedMax:
+            red = stack.amax(0)
+        elif step.reduce == ReduceType.kRedMin:
+            red = stack.amin(0)
+        else:
+            red = stack.prod(0)
+        out = red.movedim(0, d).contiguous()
+    if step.reduce == ReduceType.kRedAvg:
+        out = out / k
+    return out
+
+
+def _all_to_all(recv: list, send: list, group) -> None:
+    """all_to_all on flattened buffers (works on gloo, uneven pieces included)."""
+    inp = torch.cat([t.reshape(-1) for t in send]) if send else None
+    out = torch.empty(sum(t.numel() for t in recv), dtype=send[0].dtype, device=send[0].device)
+    tdist.all_to_all_single(out, inp, output_split_sizes=[t.numel() for t in recv],
+                            input_split_sizes=[t.numel() for t in send], group=group)
+    off = 0
+    for t in recv:
+        n = t.numel()
+        t.copy_(out[off : off + n].view_as(t))
+        off += n
+
+
+def _all_to_all_dims(step: Step, local: torch.Tensor, group, coords, my_index) -> torch.Tensor:
+    a, b = step.dim, step.dst_dim
+    k = len(coords)
+    # what I send partner j: my block along a, partner j's chunk along b
+    splits = [chunk(local.shape[b], k, j) for j in range(k)]
+    send = [local.narrow(b, lo, hi - lo).contiguous() for lo, hi in splits]
+    a_sizes = [_block_shape(step, step.before, step.mesh, c)[a] for c in coords]
+    my_b = splits[my_index][1] - splits[my_index][0]
+    recv = []
+    for j in range(k):
+        shp = list(local.shape)
+        shp[a] = a_sizes[j]
+        shp[b] = my_b
+        recv.append(local.new_empty(shp))
+    _all_to_all(recv, send, group)
+    return torch.cat(recv, dim=a).contiguous()
+
+
+def _slice(step: Step, local: torch.Tensor, k: int, my_index: int) -> torch.Tensor:
+    lo, hi = chunk(local.shape[step.dim], k, my_index)
+    return local.narrow(step.dim, lo, hi - lo).clone()
+
+
+def _send_recv(step: Step, local: torch.Tensor | None, rank: int, dtype, device) -> torch.Tensor | None:
+    dst_mesh = step.target_mesh
+    ops, result, pending = [], None, []
+    for j, (s, t) in enumerate(step.groups):
+        blk = step.blocks[j] if step.blocks is not None else None
+        if s == rank:
+            v = local if blk is None else local[tuple(slice(a, b) for a, b in blk)]
+            if t == rank:
+                result = v.clone()
+            else:
+                ops.append(tdist.P2POp(tdist.isend, v.contiguous(), t))
+        elif t == rank:
+            coord = dst_mesh.coordinate(t)
+            shp = _block_shape(step, step.after, dst_mesh, coord)
+            buf = torch.empty(shp, dtype=dtype, device=device)
+            ops.append(tdist.P2POp(tdist.irecv, buf, s))
+            pending.append(buf)
+    if ops:
+        for w in tdist.batch_isend_irecv(ops):
+            w.wait()
+    if pending:
+        result = pending[0]
+    return result
+
+
+def run_step(step: Step, local, rank: int, dtype, device):
+    """One step on this rank; returns the new local value (None: this rank holds nothing afterwards)."""
+    if step.op == "send_recv":
+        return _send_recv(step, local, rank, dtype, device)
+    if local is None or not step.mesh.contains(rank):
+        return local
+    coord, coords = _line_coords(step, rank)
+    my_index = coord[step.axis]
+    k = len(coords)
+    if step.op == "slice":
+        return _slice(step, local, k, my_index)
+    if step.op == "zero_fill":
+        if my_index == 0 or step.reduce not in (ReduceType.kRedSum, ReduceType.kRedProd):
+            return local.clone()
+        return torch.zeros_like(local) if step.reduce == ReduceType.kRedSum else torch.ones_like(local)
+    line, group = groups.axis_group(step.mesh, step.axis, rank)
+    if k == 1:
+        return local.clone()
+    if step.op == "all_gather":
+        return _all_gather(step, local, group, coords)
+    if step.op == "all_reduce":
+        return _all_reduce(step, local, group, k)
+    if step.op == "reduce_scatter":
+        return _reduce_scatter(step, local, group, coords, my_index)
+    if step.op == "all_to_all":
+        return _all_to_all_dims(step, local, group, coords, my_index)
+    raise ValueError(f"unknown step {step.op}")
+
+
+def run_plan(plan: Plan, local, rank: int, *, dtype=None, device=None, name=None, tensor_id=None):
+    """Run every step of ``plan`` on this rank, emitting one ``reshard_step`` event per step it took part in."""
+    dtype = dtype if dtype is not None else local.dtype
+    device = device if device is not None else local.device
+    tracing = trace.active()
+    plan_id = next(_plan_ids) if tracing else None
+    if tracing:
+        trace.emit(trace.Event(
+            kind="reshard", name=name, tensor_id=tensor_id, plan_id=plan_id, mesh=plan.src_mesh.to_dict(),
+            placements_before=[repr(p) for p in plan.src_placements],
+            placements_after=[repr(p) for p in plan.dst_placements],
+            shape_before=list(plan.shape), shape_after=list(plan.shape), bytes=plan.total_bytes,
+            extra={"target_mesh": plan.dst_mesh.to_dict(), "ops": plan.ops},
+        ))
+    for i, step in enumerate(plan.steps):
+        part = step.group_of(rank)
+        t0 = time.time()
+        local = run_step(step, local, rank, dtype, device)
+        if tracing and part is not None:
+            trace.emit(trace.Event(
+                kind="reshard_step", op=step.op, name=name, tensor_id=tensor_id, plan_id=plan_id, step=i,
+                start=t0, mesh=step.mesh.to_dict(), axis=step.axis,
+                group=[list(p) for p in part] if step.op == "send_recv" else list(part),
+                bytes=step.bytes, placements_before=[repr(p) for p in step.before],
+                placements_after=[repr(p) for p in step.after], shape_before=list(plan.shape),
+                shape_after=list(plan.shape), local_shape=None if local is None else list(local.shape),
+                values=None if local is None else trace.small_values(local),
+                extra={"dim": step.dim, "dst_dim": step.dst_dim,
+                       "reduce": None if step.reduce is None else step.reduce.short},
+            ))
+    return local

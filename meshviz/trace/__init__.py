@@ -1,0 +1,23 @@
+"""Events the runtime emits and the widgets draw, and where they go."""
+
+from .events import KINDS, MAX_VALUES, Event, from_json, small_values, to_json
+from .recorder import (
+    JSONLSink,
+    MemorySink,
+    active,
+    add_sink,
+    clear_sinks,
+    emit,
+    load_events,
+    record,
+    remove_sink,
+    replay,
+    set_rank,
+    span,
+)
+
+__all__ = [
+    "Event", "KINDS", "MAX_VALUES", "small_values", "to_json", "from_json",
+    "active", "emit", "span", "add_sink", "remove_sink", "clear_sinks", "set_rank",
+    "MemorySink", "JSONLSink", "record", "replay", "load_events",
+]

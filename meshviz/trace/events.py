@@ -1,0 +1,99 @@
+"""Event records: plain, JSON-serialisable dataclasses that the runtime emits and the widgets draw."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["Event", "KINDS", "MAX_VALUES", "small_values", "to_json", "from_json", "now"]
+
+# kind of event -> what it describes
+KINDS = {
+    "placed": "a tensor got a layout (shard_tensor, dtensor_from_local, a parameter sharded)",
+    "reshard": "a whole reshard: before/after layout and the plan id its steps share",
+    "reshard_step": "one step of a reshard plan, as it ran on this rank",
+    "collective": "a collective call (all_reduce, all_gather, ..., also ones DTensor issues inside an op)",
+    "send": "a point-to-point send",
+    "recv": "a point-to-point receive",
+    "compute": "a block of compute (pipeline forward/backward of a micro-batch, a training step)",
+    "ownership": "which rank owns which parameter/gradient/optimizer-state shard",
+    "mark": "a free-form marker (cell start, step boundary)",
+}
+
+MAX_VALUES = 64  # tensor elements an event may carry
+
+_seq = itertools.count()
+now = time.time
+
+
+@dataclass
+class Event:
+    kind: str
+    rank: int = -1
+    seq: int = field(default_factory=lambda: next(_seq))
+    start: float = field(default_factory=time.time)
+    end: float | None = None
+    name: str | None = None  # user-visible tensor / op name
+    tensor_id: int | None = None
+    op: str | None = None  # collective or step operation
+    mesh: dict | None = None  # ProcessMesh.to_dict()
+    axis: int | None = None  # mesh axis
+    group: list | None = None  # ranks talking, in mesh order
+    peer: int | None = None  # send/recv partner
+    bytes: int = 0
+    placements_before: list | None = None  # short strings, e.g. ["S(0)", "R"]
+    placements_after: list | None = None
+    shape_before: list | None = None  # global shapes
+    shape_after: list | None = None
+    local_shape: list | None = None
+    values: list | None = None  # at most MAX_VALUES elements of the local value, row-major
+    plan_id: int | None = None
+    step: int | None = None  # index of the step in its plan
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def duration(self) -> float:
+        return 0.0 if self.end is None else self.end - self.start
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Event":
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+def small_values(tensor, limit: int = MAX_VALUES) -> list | None:
+    """Up to ``limit`` leading elements of a tensor-like as a flat list of Python numbers."""
+    if tensor is None:
+        return None
+    try:
+        flat = tensor.reshape(-1)
+        n = flat.shape[0]
+        head = flat[: min(n, limit)]
+        if hasattr(head, "detach"):
+            head = head.detach().cpu()
+        return [v if isinstance(v, (int, float, bool)) else float(v) for v in head.tolist()]
+    except Exception:
+        return None
+
+
+def _default(o: Any):
+    if hasattr(o, "tolist"):
+        return o.tolist()
+    if isinstance(o, (set, tuple)):
+        return list(o)
+    return str(o)
+
+
+def to_json(event: Event) -> str:
+    return json.dumps(event.to_dict(), default=_default, separators=(",", ":"))
+
+
+def from_json(line: str) -> Event:
+    return Event.from_dict(json.loads(line))

@@ -1,0 +1,175 @@
+"""Recorders and sinks: where emitted events go (memory, a JSONL file, a live stream)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+from typing import Callable, Iterable
+
+from .events import Event, from_json, to_json
+
+__all__ = [
+    "active",
+    "emit",
+    "span",
+    "add_sink",
+    "remove_sink",
+    "clear_sinks",
+    "set_rank",
+    "MemorySink",
+    "JSONLSink",
+    "record",
+    "replay",
+    "load_events",
+]
+
+_sinks: list[Callable[[Event], None]] = []
+_lock = threading.Lock()
+_rank: int | None = None
+
+
+def active() -> bool:
+    """True when at least one sink listens; callers skip building events otherwise (tracing off costs nil)."""
+    return bool(_sinks)
+
+
+def set_rank(rank: int | None) -> None:
+    global _rank
+    _rank = rank
+
+
+def _my_rank() -> int:
+    if _rank is not None:
+        return _rank
+    env = os.environ.get("RANK")
+    return int(env) if env is not None else 0
+
+
+def emit(event: Event) -> Event:
+    if event.rank < 0:
+        event.rank = _my_rank()
+    if event.end is None:
+        event.end = time.time()
+    for sink in list(_sinks):
+        try:
+            sink(event)
+        except Exception:  # a broken sink must never break training
+            pass
+    return event
+
+
+@contextlib.contextmanager
+def span(kind: str, **fields):
+    """Time a block and emit one event for it; yields the Event (or None when tracing is off) to fill in."""
+    if not _sinks:
+        yield None
+        return
+    ev = Event(kind=kind, **fields)
+    ev.start = time.time()
+    try:
+        yield ev
+    finally:
+        ev.end = time.time()
+        emit(ev)
+
+
+def add_sink(sink: Callable[[Event], None]) -> Callable[[Event], None]:
+    with _lock:
+        if sink not in _sinks:
+            _sinks.append(sink)
+    return sink
+
+
+def remove_sink(sink) -> None:
+    with _lock:
+        if sink in _sinks:
+            _sinks.remove(sink)
+    close = getattr(sink, "close", None)
+    if close is not None:
+        close()
+
+
+def clear_sinks() -> None:
+    for s in list(_sinks):
+        remove_sink(s)
+
+
+class MemorySink:
+    """Keeps events in a list."""
+
+    def __init__(self, limit: int | None = None):
+        self.events: list[Event] = []
+        self.limit = limit
+
+    def __call__(self, event: Event) -> None:
+        self.events.append(event)
+        if self.limit is not None and len(self.events) > self.limit:
+            del self.events[: len(self.events) - self.limit]
+
+    def of_kind(self, *kinds: str) -> list[Event]:
+        return [e for e in self.events if e.kind in kinds]
+
+    def __len__(self) -> int:
+        return len(self.events)
+
+    def __repr__(self) -> str:
+        return f"MemorySink({len(self.events)} events)"
+
+
+class JSONLSink:
+    """Appends one JSON object a line; ``{rank}`` in the path is replaced by the rank."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self._fh = None
+
+    def __call__(self, event: Event) -> None:
+        if self._fh is None:
+            path = self.path.replace("{rank}", str(event.rank))
+            d = os.path.dirname(path)
+            if d:
+                os.makedirs(d, exist_ok=True)
+            self._fh = open(path, "a", encoding="utf-8")
+        self._fh.write(to_json(event) + "\n")
+        self._fh.flush()
+
+    def close(self) -> None:
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
+
+
+@contextlib.contextmanager
+def record(path: str | None = None):
+    """Record events emitted inside the block; yields a MemorySink, and also writes JSONL to ``path``."""
+    mem = MemorySink()
+    add_sink(mem)
+    js = add_sink(JSONLSink(path)) if path else None
+    try:
+        yield mem
+    finally:
+        remove_sink(mem)
+        if js is not None:
+            remove_sink(js)
+
+
+def load_events(paths: str | Iterable[str]) -> list[Event]:
+    """Read events from one or more JSONL files, ordered by (start time, rank, seq)."""
+    if isinstance(paths, (str, os.PathLike)):
+        paths = [paths]
+    out: list[Event] = []
+    for p in paths:
+        with open(p, encoding="utf-8") as fh:
+            out.extend(from_json(line) for line in fh if line.strip())
+    out.sort(key=lambda e: (e.start, e.rank, e.seq))
+    return out
+
+
+def replay(paths, sink: Callable[[Event], None]) -> int:
+    """Feed recorded events to ``sink`` in order; returns how many."""
+    events = load_events(paths)
+    for e in events:
+        sink(e)
+    return len(events)

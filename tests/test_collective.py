@@ -1,0 +1,244 @@
+"""Collectives against their definitions on 4 gloo ranks, and bad input raising on every rank."""
+
+import pytest
+import torch
+
+from meshviz.testing import run_ranks
+
+W = 4
+
+
+def _val(r, n=3):
+    return torch.arange(n, dtype=torch.float32) + 10 * r + 1
+
+
+def _collectives():
+    import meshviz.distributed as dist
+    from meshviz import trace
+
+    dist.init_parallel_env()
+    r = dist.get_rank()
+    out = {}
+    mem = trace.MemorySink()
+    trace.add_sink(mem)
+
+    # all_reduce, every op, sync and async
+    for name in ("SUM", "MAX", "MIN", "PROD", "AVG"):
+        t = _val(r)
+        dist.all_reduce(t, op=getattr(dist.ReduceOp, name))
+        out[f"all_reduce_{name}"] = t
+    t = _val(r)
+    task = dist.all_reduce(t, sync_op=False)
+    task.wait()
+    out["all_reduce_async"] = (t, task.is_completed())
+    ti = torch.tensor([r * 3 + 1, 7])
+    dist.all_reduce(ti, op=dist.ReduceOp.AVG)
+    out["all_reduce_avg_int"] = ti
+
+    # all_gather into an empty list and into a given list
+    lst = []
+    dist.all_gather(lst, _val(r))
+    out["all_gather"] = lst
+    lst2 = [torch.zeros(3) for _ in range(W)]
+    dist.all_gather(lst2, _val(r), sync_op=False).wait()
+    out["all_gather_given"] = lst2
+    objs = []
+    dist.all_gather_object(objs, {"rank": r, "sq": r * r})
+    out["all_gather_object"] = objs
+
+    t = _val(r)
+    dist.broadcast(t, src=2)
+    out["broadcast"] = t
+
+    for name in ("SUM", "AVG", "MAX"):
+        t = _val(r)
+        dist.reduce(t, dst=1, op=getattr(dist.ReduceOp, name))
+        out[f"reduce_{name}"] = t
+
+    t = torch.zeros(3)
+    dist.scatter(t, [_val(10 + i) for i in range(W)] if r == 3 else None, src=3)
+    out["scatter"] = t
+
+    g = []
+    dist.gather(_val(r), g if r == 0 else None, dst=0)
+    out["gather"] = g
+
+    for name in ("SUM", "AVG", "MAX"):
+        t = torch.zeros(3)
+        dist.reduce_scatter(t, [_val(r) * (i + 1) for i in range(W)], op=getattr(dist.ReduceOp, name))
+        out[f"reduce_scatter_{name}"] = t
+
+    outs = []
+    dist.alltoall([torch.full((2,), 100.0 * r + j) for j in range(W)], outs)
+    out["alltoall"] = outs
+
+    t_out = torch.zeros(W)
+    dist.alltoall_single(torch.arange(W, dtype=torch.float32) + 100 * r, t_out)
+    out["alltoall_single"] = t_out
+    # uneven: rank r sends j+1 rows to rank j, so rank r receives r+1 rows from everyone
+    ins = torch.cat([torch.full((j + 1,), 10.0 * r + j) for j in range(W)])
+    t_out = torch.zeros(W * (r + 1))
+    dist.alltoall_single(ins, t_out, [j + 1 for j in range(W)], [r + 1] * W)
+    out["alltoall_single_uneven"] = t_out
+
+    # point to point: a ring with send/recv, then batch_isend_irecv the other way
+    nxt, prv = (r + 1) % W, (r - 1) % W
+    buf = torch.zeros(3)
+    if r % 2 == 0:
+        dist.send(_val(r), dst=nxt)
+        dist.recv(buf, src=prv)
+    else:
+        dist.recv(buf, src=prv)
+        dist.send(_val(r), dst=nxt)
+    out["sendrecv"] = buf
+    buf2 = torch.zeros(3)
+    tasks = dist.batch_isend_irecv([dist.P2POp(dist.isend, _val(r), prv), dist.P2POp(dist.irecv, buf2, nxt)])
+    for tk in tasks:
+        tk.wait()
+    out["batch_p2p"] = buf2
+    buf3 = torch.zeros(3)
+    if r == 0:
+        dist.isend(_val(r), 3).wait()
+    elif r == 3:
+        dist.irecv(buf3, 0).wait()
+    out["isend_irecv"] = buf3
+
+    # groups: sorted ranks, group ranks, collectives inside a subgroup with global src
+    g13 = dist.new_group([3, 1])
+    g02 = dist.new_group([0, 2])
+    out["group"] = (g13.ranks, g13.nranks, g13.rank, g13.is_member(), g13.get_group_rank(3),
+                    g13.get_group_rank(0), g13.get_global_rank(0), dist.get_group(g13.id) is g13)
+    mine = g13 if r in (1, 3) else g02
+    t = _val(r)
+    dist.all_reduce(t, group=mine)
+    out["group_all_reduce"] = t
+    t = _val(r)
+    dist.broadcast(t, src=mine.ranks[1], group=mine)
+    out["group_broadcast"] = t
+    t = _val(r)
+    dist.all_reduce(t, group=g13)  # a non-member returns at once, tensor untouched
+    out["non_member"] = t
+    dist.barrier(group=g13)
+    dist.barrier()
+    dist.wait(t)
+
+    evs = [e for e in mem.events if e.kind == "collective" and e.op == "all_reduce"]
+    out["events"] = (len(evs), evs[0].group, evs[0].bytes, evs[0].extra.get("reduce_op"),
+                     sorted({e.kind for e in mem.events}))
+    trace.remove_sink(mem)
+    return out
+
+
+def _expect_all(r):
+    vals = [_val(i) for i in range(W)]
+    return vals
+
+
+@pytest.mark.timeout(120)
+def test_collectives_match_definitions():
+    res = run_ranks(_collectives, W)
+    vals = [_val(i) for i in range(W)]
+    stack = torch.stack(vals)
+    for r, out in enumerate(res):
+        torch.testing.assert_close(out["all_reduce_SUM"], stack.sum(0))
+        torch.testing.assert_close(out["all_reduce_MAX"], stack.max(0).values)
+        torch.testing.assert_close(out["all_reduce_MIN"], stack.min(0).values)
+        torch.testing.assert_close(out["all_reduce_PROD"], stack.prod(0))
+        torch.testing.assert_close(out["all_reduce_AVG"], stack.mean(0))
+        torch.testing.assert_close(out["all_reduce_async"][0], stack.sum(0))
+        assert out["all_reduce_async"][1] is True
+        # ints: sum (1+4+7+10=22, 28) floor-divided by 4
+        assert out["all_reduce_avg_int"].tolist() == [5, 7]
+        for got in (out["all_gather"], out["all_gather_given"]):
+            assert len(got) == W
+            for i in range(W):
+                torch.testing.assert_close(got[i], vals[i])
+        assert out["all_gather_object"] == [{"rank": i, "sq": i * i} for i in range(W)]
+        torch.testing.assert_close(out["broadcast"], vals[2])
+        if r == 1:
+            torch.testing.assert_close(out["reduce_SUM"], stack.sum(0))
+            torch.testing.assert_close(out["reduce_AVG"], stack.mean(0))
+            torch.testing.assert_close(out["reduce_MAX"], stack.max(0).values)
+        else:  # non-destination inputs are left as they were
+            torch.testing.assert_close(out["reduce_SUM"], vals[r])
+            torch.testing.assert_close(out["reduce_AVG"], vals[r])
+        torch.testing.assert_close(out["scatter"], _val(10 + r))
+        if r == 0:
+            assert len(out["gather"]) == W
+            for i in range(W):
+                torch.testing.assert_close(out["gather"][i], vals[i])
+        torch.testing.assert_close(out["reduce_scatter_SUM"], stack.sum(0) * (r + 1))
+        torch.testing.assert_close(out["reduce_scatter_AVG"], stack.mean(0) * (r + 1))
+        torch.testing.assert_close(out["reduce_scatter_MAX"], stack.max(0).values * (r + 1))
+        for i in range(W):
+            torch.testing.assert_close(out["alltoall"][i], torch.full((2,), 100.0 * i + r))
+        torch.testing.assert_close(out["alltoall_single"], torch.tensor([100.0 * i + r for i in range(W)]))
+        exp = torch.cat([torch.full((r + 1,), 10.0 * i + r) for i in range(W)])
+        torch.testing.assert_close(out["alltoall_single_uneven"], exp)
+        torch.testing.assert_close(out["sendrecv"], vals[(r - 1) % W])
+        torch.testing.assert_close(out["batch_p2p"], vals[(r + 1) % W])
+        torch.testing.assert_close(out["isend_irecv"], vals[0] if r == 3 else torch.zeros(3))
+        ranks, n, grank, member, g3, g0, glob0, found = out["group"]
+        assert ranks == [1, 3] and n == 2 and g3 == 1 and g0 == -1 and glob0 == 1 and found
+        assert grank == {1: 0, 3: 1}.get(r, -1) and member == (r in (1, 3))
+        peers = [1, 3] if r in (1, 3) else [0, 2]
+        torch.testing.assert_close(out["group_all_reduce"], vals[peers[0]] + vals[peers[1]])
+        torch.testing.assert_close(out["group_broadcast"], vals[peers[1]])
+        exp = vals[1] + vals[3] if r in (1, 3) else vals[r]
+        torch.testing.assert_close(out["non_member"], exp)
+        n_ev, group, nbytes, rop, kinds = out["events"]
+        assert n_ev >= 7 and group == [0, 1, 2, 3] and nbytes == 12 and rop == "sum"
+        assert {"collective", "send", "recv"} <= set(kinds)
+
+
+def _bad_inputs():
+    import meshviz.distributed as dist
+
+    dist.init_parallel_env()
+    r = dist.get_rank()
+    errs = {}
+
+    def catch(name, fn):
+        try:
+            fn()
+            errs[name] = None
+        except ValueError as e:
+            errs[name] = str(e)
+
+    t = torch.ones(2)
+    catch("op", lambda: dist.all_reduce(t, op=7))
+    catch("op_str", lambda: dist.all_reduce(t, op="sum"))
+    catch("reduce_op", lambda: dist.reduce(t, dst=0, op=-1))
+    catch("src", lambda: dist.broadcast(t, src=5))
+    catch("dst", lambda: dist.reduce(t, dst=9))
+    catch("dup", lambda: dist.new_group([0, 1, 1]))
+    catch("out_of_world", lambda: dist.new_group([0, 4]))
+    g = dist.new_group([0, 1])
+    catch("src_not_in_group", lambda: dist.broadcast(t, src=2, group=g))
+    catch("scatter_src", lambda: dist.scatter(t, None, src=3, group=g))
+    catch("split", lambda: dist.alltoall_single(torch.ones(4), torch.ones(4)))
+    # after all that, the process group still works: nothing was sent
+    s = torch.ones(1) * (r + 1)
+    dist.all_reduce(s)
+    errs["after"] = s.item()
+    return errs
+
+
+@pytest.mark.timeout(60)
+def test_bad_input_raises_on_every_rank():
+    res = run_ranks(_bad_inputs, 3)
+    for errs in res:
+        assert "unknown reduce op" in errs["op"] and "unknown reduce op" in errs["op_str"]
+        assert "unknown reduce op" in errs["reduce_op"]
+        assert "src=5" in errs["src"] and "dst=9" in errs["dst"]
+        assert "duplicate" in errs["dup"] and "outside the world" in errs["out_of_world"]
+        assert "not in the group" in errs["src_not_in_group"] and "not in the group" in errs["scatter_src"]
+        assert "divisible" in errs["split"]
+        assert errs["after"] == 6.0
+
+
+def test_reduce_op_values_match_paddle():
+    import meshviz.distributed as dist
+
+    assert (dist.ReduceOp.SUM, dist.ReduceOp.MAX, dist.ReduceOp.MIN, dist.ReduceOp.PROD, dist.ReduceOp.AVG) == \
+        (0, 1, 2, 3, 4)

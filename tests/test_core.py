@@ -1,0 +1,255 @@
+"""Pure core: meshes, placements, block layout, the reshard planner (one process, no torch.distributed)."""
+
+import sys
+import time
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from meshviz.core import Partial, ProcessMesh, ReduceType, Replicate, Shard, chunk, layout, parse_placement
+from meshviz.core.layout import local_block
+from meshviz.core.planner import assemble, initial_locals, plan_reshard, simulate
+
+SEED_MESH = [[2, 4, 5], [0, 1, 3]]
+
+
+def test_core_imports_no_torch_distributed():
+    import subprocess
+
+    code = "import sys, meshviz.core, meshviz.trace; print('torch.distributed' in sys.modules, 'torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["False", "False"]
+
+
+# -- ProcessMesh ----------------------------------------------------------------------------------------
+
+
+def test_mesh_surface_seed():
+    m = ProcessMesh(SEED_MESH, dim_names=["x", "y"])
+    assert m.shape == [2, 3] and m.ndim == 2 and m.size == 6
+    assert m.process_ids == [2, 4, 5, 0, 1, 3]
+    assert m.dim_names == ["x", "y"]
+    assert m.contains(3) and not m.contains(6)
+    assert m.get_dim_size("y") == 3 and m.get_dim_size(0) == 2
+    t = m.get_mesh_with_dim("y")
+    assert t.shape == [3, 2] and t.process_ids == [2, 0, 4, 1, 5, 3] and t.dim_names == ["y", "x"]
+    assert m.get_mesh_with_dim("y", 1).process_ids == [4, 1]
+    col = m[:, 1]
+    assert col.process_ids == [4, 1] and col.dim_names == ["x"]
+    assert m[0].process_ids == [2, 4, 5] and m[0].dim_names == ["y"]
+    assert m[1, 0:2].process_ids == [0, 1]
+    assert m.coordinate(0) == (1, 0) and m.coordinate(5) == (0, 2) and m.coordinate(9) is None
+    assert m.get_submesh_with_dim("y", rank=1).process_ids == [0, 1, 3]
+    assert m.get_submesh_with_dim("x", rank=1).process_ids == [4, 1]
+    assert m.axis_groups("x") == [(2, 0), (4, 1), (5, 3)]
+    assert m.axis_groups("y") == [(2, 4, 5), (0, 1, 3)]
+
+
+def test_mesh_equality_hash_repr():
+    a = ProcessMesh(SEED_MESH, ["x", "y"])
+    b = ProcessMesh([[2, 4, 5], [0, 1, 3]], ["x", "y"])
+    assert a == b and hash(a) == hash(b) and len({a, b}) == 1
+    assert a != ProcessMesh(SEED_MESH, ["a", "b"])
+    assert a != ProcessMesh([[0, 1, 2], [3, 4, 5]], ["x", "y"])
+    assert repr(a) == "ProcessMesh(shape=[2, 3], mesh=[[2, 4, 5], [0, 1, 3]], dim_names=['x', 'y'])"
+    assert ProcessMesh([0, 1]).dim_names == ["d0"]
+    assert ProcessMesh(shape=[2, 2], process_ids=[3, 2, 1, 0]).mesh == [[3, 2], [1, 0]]
+
+
+@pytest.mark.parametrize(
+    "mesh,names,msg",
+    [
+        ([0, 0, 1], None, "distinct"),
+        ([0, -1], None, "non-negative"),
+        ([[0, 1], [2]], None, "same length|rectangular"),
+        ([0, 1], ["x", "y"], "dim_names"),
+        ([[0, 1], [2, 3]], ["x", "x"], "distinct"),
+    ],
+)
+def test_mesh_bad_input(mesh, names, msg):
+    with pytest.raises(ValueError, match=msg):
+        ProcessMesh(mesh, names)
+
+
+def test_unknown_dim_name():
+    m = ProcessMesh([[0, 1], [2, 3]], ["x", "y"])
+    with pytest.raises(ValueError, match="unknown mesh dim name 'z'"):
+        m.get_dim_size("z")
+
+
+# -- placements -----------------------------------------------------------------------------------------
+
+
+def test_placements_values_and_reprs():
+    assert Shard(0) == Shard(0) and Shard(0) != Shard(1) and hash(Shard(1)) == hash(Shard(1))
+    assert Replicate() == Replicate() and Partial() == Partial(ReduceType.kRedSum)
+    assert Partial(ReduceType.kRedMax) != Partial()
+    assert [repr(p) for p in (Shard(1), Replicate(), Partial(), Partial(ReduceType.kRedAvg))] == [
+        "S(1)", "R", "P(sum)", "P(avg)"]
+    assert Shard(1).is_shard() and Shard(1).is_shard(1) and not Shard(1).is_shard(0)
+    assert Replicate().is_replicated() and not Replicate().is_shard() and Partial().is_partial()
+    assert [r.name for r in ReduceType] == ["kRedSum", "kRedMax", "kRedMin", "kRedProd", "kRedAvg"]
+    for p in (Shard(2), Replicate(), Partial(ReduceType.kRedProd)):
+        assert parse_placement(repr(p)) == p
+    assert parse_placement("Shard(dim=1)") == Shard(1)
+    assert parse_placement("Partial(reduce_type=ReduceType.kRedMax)") == Partial(ReduceType.kRedMax)
+    with pytest.raises(ValueError, match="unknown reduce type"):
+        Partial("median")
+
+
+# -- layout ---------------------------------------------------------------------------------------------
+
+
+def test_chunks_uneven():
+    assert [chunk(10, 4, i) for i in range(4)] == [(0, 3), (3, 6), (6, 9), (9, 10)]
+    assert [b - a for a, b in (chunk(6, 4, i) for i in range(4))] == [2, 2, 2, 0]
+    assert [b - a for a, b in (chunk(5, 4, i) for i in range(4))] == [2, 2, 1, 0]
+
+
+def test_seed_2d_layout_blocks():
+    m = ProcessMesh([[0, 1], [2, 3]], ["x", "y"])
+    lay = layout([4, 4], m, [Shard(0), Shard(1)])
+    assert lay.block_of(1) == ((0, 2), (2, 4))
+    co = layout([4, 4], m, [Shard(0), Shard(0)])
+    assert [co.block_of(r)[0] for r in range(4)] == [(0, 1), (1, 2), (2, 3), (3, 4)]
+    seed = ProcessMesh(SEED_MESH, ["x", "y"])
+    lay = layout([4, 3], seed, [Shard(0), Shard(1)])
+    assert lay.block_of(0) == ((2, 4), (0, 1))  # rank 0 sits at (1, 0), not (0, 0)
+    assert lay.block_of(2) == ((0, 2), (0, 1))
+
+
+@pytest.mark.parametrize(
+    "placements,msg",
+    [([Shard(2)], r"Shard\(2\) is out of range for a 2-D tensor"), ([Shard(0), Shard(1)], "2 placements"),
+     (["x"], "cannot read placement"), ([3], "not a placement")],
+)
+def test_bad_placements(placements, msg):
+    with pytest.raises(ValueError, match=msg):
+        layout([2, 3], ProcessMesh([0, 1]), placements)
+
+
+def test_partial_from_dense_every_reduction_gives_back_the_tensor():
+    v = np.array([[1.0, 2, 3], [4, 5, 6]])
+    m = ProcessMesh([0, 1, 2])
+    for rt in ReduceType:
+        locs = initial_locals(v, m, [Partial(rt)])
+        np.testing.assert_allclose(assemble(locs, v.shape, m, [Partial(rt)]), v)
+    locs = initial_locals(v, m, [Partial()])
+    assert locs[0].tolist() == v.tolist() and not locs[1].any() and not locs[2].any()
+
+
+# -- planner --------------------------------------------------------------------------------------------
+
+
+def _ops(src, dst, shape=(4, 4), mesh=None):
+    mesh = mesh or ProcessMesh([0, 1])
+    return plan_reshard(shape, mesh, src, mesh, dst).ops
+
+
+def test_planner_1d_table():
+    assert _ops([Replicate()], [Shard(0)]) == ["slice"]
+    assert _ops([Shard(0)], [Replicate()]) == ["all_gather"]
+    assert _ops([Partial()], [Replicate()]) == ["all_reduce"]
+    assert _ops([Partial()], [Shard(1)]) == ["reduce_scatter"]
+    assert _ops([Shard(0)], [Shard(1)]) == ["all_to_all"]
+    assert _ops([Replicate()], [Partial()]) == ["zero_fill"]
+    assert _ops([Shard(0)], [Partial()]) == ["all_gather", "zero_fill"]
+    assert _ops([Shard(0)], [Shard(0)]) == []
+
+
+def test_planner_nd_order_and_groups():
+    m = ProcessMesh(SEED_MESH, ["x", "y"])
+    p = plan_reshard([4, 6], m, [Partial(), Shard(1)], m, [Replicate(), Replicate()])
+    assert p.ops == ["all_reduce", "all_gather"]
+    assert p[0].axis == 0 and p[0].groups == ((2, 0), (4, 1), (5, 3))
+    assert p[1].axis == 1 and p[1].groups == ((2, 4, 5), (0, 1, 3))
+    # float32 4x6, [P, S(1)]: local 4x2; all_reduce over 2 ranks ring = 2*(1)*ceil(8/2) elems
+    assert p[0].bytes == 2 * 1 * 4 * 4 and p[1].bytes == 2 * 8 * 4
+
+
+def test_planner_cross_mesh_same_shape_is_positional_send_recv():
+    m0 = ProcessMesh([[0, 1], [2, 3]], ["x", "y"])
+    m1 = ProcessMesh([[4, 5], [6, 7]], ["x", "y"])
+    p = plan_reshard([2, 4, 8], m0, [Shard(0), Partial()], m1, [Shard(0), Shard(2)])
+    assert p.ops == ["reduce_scatter", "send_recv"]
+    assert p[-1].groups == ((0, 4), (1, 5), (2, 6), (3, 7))
+    assert p[-1].bytes == 1 * 4 * 4 * 4
+
+
+def test_planner_1024_ranks_fast():
+    big = ProcessMesh(np.arange(1024).reshape(32, 32), ["x", "y"])
+    t = time.perf_counter()
+    for _ in range(10):
+        p = plan_reshard([8192, 8192], big, [Shard(0), Partial()], big, [Replicate(), Shard(1)])
+    assert (time.perf_counter() - t) / 10 < 0.2
+    assert p.ops == ["all_gather", "reduce_scatter"]
+    assert len(p[0].groups) == 32 and len(p[0].groups[0]) == 32
+
+
+# -- property tests -------------------------------------------------------------------------------------
+
+
+@st.composite
+def layouts(draw, max_mesh_dims=3):
+    ndim_mesh = draw(st.integers(1, max_mesh_dims))
+    mesh_shape = [draw(st.integers(1, 3)) for _ in range(ndim_mesh)]
+    n = int(np.prod(mesh_shape))
+    ids = draw(st.permutations(list(range(n + draw(st.integers(0, 2))))))[:n]
+    mesh = ProcessMesh(np.array(ids).reshape(mesh_shape))
+    ndim_t = draw(st.integers(1, 3))
+    shape = [draw(st.integers(0, 7)) for _ in range(ndim_t)]
+
+    def placement():
+        return draw(st.one_of(
+            st.builds(Shard, st.integers(0, ndim_t - 1)), st.just(Replicate()),
+            st.builds(Partial, st.sampled_from(list(ReduceType)))))
+
+    return mesh, shape, [placement() for _ in range(ndim_mesh)], [placement() for _ in range(ndim_mesh)]
+
+
+@settings(max_examples=300, deadline=None)
+@given(layouts())
+def test_blocks_tile_the_tensor_once_per_replica(case):
+    mesh, shape, src, _ = case
+    dense = [Replicate() if p.is_partial() else p for p in src]
+    lay = layout(shape, mesh, dense)
+    cover = np.zeros(shape, dtype=int)
+    for c in lay.coords():
+        blk = lay.block(c)
+        cover[tuple(slice(a, b) for a, b in blk)] += 1
+    replicas = int(np.prod([mesh.shape[i] for i, p in enumerate(dense) if not p.is_shard()]))
+    assert (cover == replicas).all()
+
+
+@settings(max_examples=400, deadline=None)
+@given(layouts(), st.booleans())
+def test_every_plan_gives_the_single_process_answer(case, other_mesh):
+    mesh, shape, src, dst = case
+    dst_mesh = mesh
+    if other_mesh:
+        dst_mesh = ProcessMesh(np.array(mesh.process_ids)[::-1].reshape(mesh.shape) + 10)
+    value = np.random.default_rng(0).integers(1, 4, size=shape).astype(np.float64)
+    plan = plan_reshard(shape, mesh, src, dst_mesh, dst)
+    out = simulate(plan, value)
+    assert set(out) == set(dst_mesh.process_ids)
+    for r, loc in out.items():
+        blk = local_block(shape, dst_mesh, [Replicate() if p.is_partial() else p for p in plan.dst_placements],
+                          dst_mesh.coordinate(r))
+        assert loc.shape == tuple(b - a for a, b in blk)
+    np.testing.assert_allclose(assemble(out, shape, dst_mesh, plan.dst_placements), value)
+
+
+@settings(max_examples=100, deadline=None)
+@given(layouts(max_mesh_dims=2), layouts(max_mesh_dims=2))
+def test_plans_between_meshes_of_different_shapes(a, b):
+    mesh, shape, src, _ = a
+    mesh2, _, _, _ = b
+    dst = [Replicate()] * mesh2.ndim
+    dst[0] = Shard(0) if shape else Replicate()
+    dst[-1] = Partial()
+    value = np.arange(int(np.prod(shape)), dtype=np.float64).reshape(shape) + 1
+    plan = plan_reshard(shape, mesh, src, mesh2, dst)
+    out = simulate(plan, value)
+    np.testing.assert_allclose(assemble(out, shape, mesh2, plan.dst_placements), value)

@@ -1,0 +1,254 @@
+"""group_sharded_parallel: each level trains like plain data parallel; saving, errors, ownership, memory."""
+
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as tdist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from meshviz.nn import ClipGradByGlobalNorm
+from meshviz.testing import run_ranks
+
+LEVELS = ("os", "os_g", "p_g_os")
+LR, WD, CLIP, STEPS, B = 0.05, 0.01, 0.5, 4, 3
+
+
+def make_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 10), nn.Tanh(), nn.Linear(10, 3))
+
+
+def batch(step, rank):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(B, 6, generator=g), torch.randn(B, 3, generator=g)
+
+
+def reference(world, steps=STEPS, clip=CLIP):
+    """Single process: the full batch of all ranks, Paddle's global-norm clip, AdamW."""
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+    norms = []
+    for s in range(steps):
+        xs, ys = zip(*(batch(s, r) for r in range(world)))
+        loss = F.mse_loss(model(torch.cat(xs)), torch.cat(ys))
+        loss.backward()
+        norm = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in model.parameters()))
+        norms.append(float(norm))
+        for p in model.parameters():
+            p.grad.mul_(clip / max(float(norm), clip))
+        opt.step()
+        opt.zero_grad()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, opt, norms
+
+
+def full_params(model):
+    out = {}
+    for k, v in model.state_dict().items():
+        out[k] = (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+    return out
+
+
+def _train(levels, segment_size, save_dir=None):
+    import meshviz.distributed as dist
+    from meshviz import trace
+    from meshviz.distributed.sharding import group_sharded_parallel, memory_stats, save_group_sharded_model
+
+    dist.init_parallel_env()
+    rank = dist.get_rank()
+    sink = trace.add_sink(trace.MemorySink())
+    out = {}
+    for level in levels:
+        model = make_model()
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+        model, opt, _ = group_sharded_parallel(model, opt, level, segment_size=segment_size,
+                                               grad_clip=ClipGradByGlobalNorm(CLIP))
+        mem = None
+        for s in range(STEPS):
+            x, y = batch(s, rank)
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+            if s == STEPS - 1:
+                mem = memory_stats(model, opt)
+            opt.clear_grad()
+        res = {"params": full_params(model), "mem": mem, "pieces": opt.ownership}
+        if save_dir is not None:
+            d = os.path.join(save_dir, level)
+            save_group_sharded_model(model, d, opt)
+        out[level] = res
+    out["ownership"] = [(e.name, e.op, e.extra["ranges"]) for e in sink.of_kind("ownership")]
+    out["collectives"] = sorted({e.op for e in sink.of_kind("collective")})
+    return out
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("world", [2, 4])
+def test_levels_match_data_parallel(world):
+    ref, _, norms = reference(world)
+    assert norms[0] > CLIP  # the clip is active, so a wrong global norm would show
+    tmp = tempfile.mkdtemp() if world == 2 else None
+    results = run_ranks(_train, world, LEVELS, 8, tmp, timeout=150)
+    for level in LEVELS:
+        for rank, res in enumerate(results):
+            for k, v in ref.items():
+                torch.testing.assert_close(res[level]["params"][k], v, rtol=1e-5, atol=1e-6,
+                                           msg=lambda m: f"{level} rank {rank} {k}: {m}")
+    # ownership: every rank emitted one event per parameter and level; the ranges tile each parameter
+    own = results[0]["ownership"]
+    assert len(own) == 4 * len(LEVELS)
+    for name, level, ranges in own:
+        if level != "p_g_os":
+            covered = sorted(tuple(r) for r in ranges if r[1] > r[0])
+            n = max(r[1] for r in ranges)
+            assert covered[0][0] == 0 and covered[-1][1] == n
+            assert all(a[1] == b[0] for a, b in zip(covered, covered[1:]))
+    assert {"all_gather", "all_reduce", "reduce_scatter"} <= set(results[0]["collectives"])
+    if tmp:
+        _check_saved(tmp, ref)
+
+
+def _check_saved(tmp, ref):
+    _, ref_opt, _ = reference(2)
+    ref_state = ref_opt.state_dict()["state"]
+    for level in LEVELS:
+        model = nn.Sequential(nn.Linear(6, 10), nn.Tanh(), nn.Linear(10, 3))
+        model.load_state_dict(torch.load(os.path.join(tmp, level, "model.pdmodel")))
+        for k, v in model.state_dict().items():
+            torch.testing.assert_close(v, ref[k], rtol=1e-5, atol=1e-6)
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+        opt.load_state_dict(torch.load(os.path.join(tmp, level, "model.pdopt")))
+        got = opt.state_dict()["state"]
+        assert sorted(got) == sorted(ref_state)
+        for i in ref_state:
+            for key in ("exp_avg", "exp_avg_sq"):
+                torch.testing.assert_close(got[i][key], ref_state[i][key], rtol=1e-5, atol=1e-7)
+            assert float(got[i]["step"]) == STEPS
+
+
+def _memory(world_levels):
+    return _train(world_levels, 1)
+
+
+@pytest.mark.timeout(120)
+def test_memory_per_rank_shrinks_with_level():
+    res = run_ranks(_memory, 2, LEVELS, timeout=100)
+    psi = 60 + 10 + 30 + 3
+    for r in res:
+        m = {lv: r[lv]["mem"] for lv in LEVELS}
+        assert m["os"]["params"] == 4 * psi and m["os"]["grads"] == 4 * psi
+        assert m["os"]["states"] <= 8 * psi / 2 + 64
+        assert m["os_g"]["params"] == 4 * psi and m["os_g"]["grads"] <= 4 * psi / 2 + 32
+        assert m["p_g_os"]["params"] <= 4 * psi / 2 + 64 and m["p_g_os"]["states"] <= 8 * psi / 2 + 128
+
+
+def _small_stays_whole():
+    import meshviz.distributed as dist
+    from meshviz.distributed.sharding import group_sharded_parallel
+
+    dist.init_parallel_env()
+    out = {}
+    for level in LEVELS:
+        model = make_model()
+        opt = torch.optim.AdamW(model.parameters(), lr=LR)
+        _, opt, _ = group_sharded_parallel(model, opt, level)  # default segment_size 2**20
+        out[level] = [(p.name, p.mode, p.owners()) for p in opt.ownership]
+    return out
+
+
+@pytest.mark.timeout(90)
+def test_default_segment_size_keeps_small_parameters_whole():
+    res = run_ranks(_small_stays_whole, 2, timeout=80)
+    assert res[0] == res[1]
+    os_ = res[0]["os"]
+    assert all(mode == "whole" and len(owners) == 1 for _, mode, owners in os_)
+    # greedy by size: the 60-element weight on rank 0, the 30-element weight on rank 1
+    owners = {name: o[0] for name, _, o in os_}
+    assert owners["0.weight"] == 0 and owners["2.weight"] == 1
+    assert all(mode == "replicated" for _, mode, _ in res[0]["p_g_os"])
+
+
+def _bad_level(level):
+    from meshviz.distributed.sharding import group_sharded_parallel
+
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters())
+    try:
+        group_sharded_parallel(model, opt, level)
+    except ValueError as e:
+        return str(e), tdist.is_initialized()
+    return None, tdist.is_initialized()
+
+
+@pytest.mark.timeout(60)
+def test_unknown_level_raises_on_every_rank_before_communication():
+    res = run_ranks(_bad_level, 2, "p_g", timeout=50)
+    for msg, initialised in res:
+        assert msg is not None and "'p_g'" in msg
+        assert "'os'" in msg and "'os_g'" in msg and "'p_g_os'" in msg
+        assert not initialised  # raised before the process group even started
+
+
+def _amp(level):
+    import meshviz.distributed as dist
+    from meshviz.distributed.sharding import group_sharded_parallel
+
+    dist.init_parallel_env()
+    rank = dist.get_rank()
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    model, opt, scaler = group_sharded_parallel(model, opt, level, scaler=scaler, segment_size=8)
+    losses = []
+    for s in range(3):
+        x, y = batch(s, rank)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = F.mse_loss(model(x).float(), y)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.clear_grad()
+        losses.append(float(loss))
+    return full_params(model), type(scaler).__name__, losses
+
+
+def _amp_reference(world):
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    for s in range(3):
+        xs, ys = zip(*(batch(s, r) for r in range(world)))
+        losses = []
+        for x, y in zip(xs, ys):  # same bf16 rounding as each rank
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                losses.append(F.mse_loss(model(x).float(), y))
+        (sum(losses) / world).backward()
+        opt.step()
+        opt.zero_grad()
+    return model.state_dict()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("level", ["os_g", "p_g_os"])
+def test_scaler_with_bf16_autocast(level):
+    res = run_ranks(_amp, 2, level, timeout=100)
+    ref = _amp_reference(2)
+    for params, kind, losses in res:
+        assert kind == "GroupShardedScaler"
+        for k, v in ref.items():
+            torch.testing.assert_close(params[k], v, rtol=1e-4, atol=1e-5)
+
+
+def test_clip_grad_by_global_norm_single_process():
+    model = make_model()
+    x, y = batch(0, 0)
+    F.mse_loss(model(x), y).backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    norm = torch.sqrt(sum((g ** 2).sum() for g in grads))
+    clip = ClipGradByGlobalNorm(float(norm) / 2)
+    got = clip(model.parameters())
+    assert abs(float(got) - float(norm)) < 1e-5
+    for p, g in zip(model.parameters(), grads):
+        torch.testing.assert_close(p.grad, g / 2)
+    with pytest.raises(ValueError):
+        ClipGradByGlobalNorm(0)
