@@ -25,6 +25,19 @@ def _summary(value: BaseException) -> str:
     return text if len(text) <= 500 else text[:497] + "..."
 
 
+def _broke_process_group(value: BaseException) -> bool:
+    """Did this error come out of a collective (peer gone, timeout)? Then this rank's process group is unusable."""
+    try:
+        import torch.distributed as tdist
+
+        if isinstance(value, getattr(tdist, "DistError", ())):
+            return True
+    except Exception:
+        return False
+    text = str(value)
+    return any(k in text for k in ("gloo/transport", "Connection closed by peer", "Connection reset", "NCCL"))
+
+
 class _EngineState:
     """Per-engine glue: the stream sink, the cell hooks and a thread listening for the client's commands."""
 
@@ -105,6 +118,8 @@ class _EngineState:
 
     def _on_exception(self, shell, etype, value, tb, tb_offset=None):
         self.report_failure(value)
+        if self.abort_pending or _broke_process_group(value):
+            self._abort()  # cascade: peers blocked on this rank fail now instead of at the timeout
         return shell.showtraceback((etype, value, tb), tb_offset=tb_offset)
 
     def report_failure(self, value: BaseException) -> None:
@@ -240,6 +255,8 @@ def guarded_call(func, *args, **kwargs):
         return func(*args, **kwargs)
     except BaseException as e:
         st.report_failure(e)
+        if st.abort_pending or _broke_process_group(e):
+            st._abort()
         raise
     finally:
         st._post()

@@ -65,4 +65,9 @@ __all__ += [
     "alltoall_single", "batch_isend_irecv", "broadcast", "broadcast_object_list", "gather", "get_backend",
     "get_group", "irecv", "isend", "new_group", "recv", "reduce", "reduce_scatter", "scatter", "send", "wait",
 ]
+from . import fleet
+from .checkpoint import load_state_dict, save_state_dict
+from .parallel import DataParallel, fused_allreduce_gradients
+
+__all__ += ["fleet", "DataParallel", "fused_allreduce_gradients", "save_state_dict", "load_state_dict"]
 # --- end training API ---------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from ..core.mesh import ProcessMesh
 from ..core.placements import Partial, Replicate, Shard
 from ..core.planner import plan_reshard
 from . import groups
-from .dtensor import DistTensor, make_dtensor
+from .dtensor import DistTensor, make_dist
 from .env import init_parallel_env
 from .reshard import run_plan
 
@@ -82,8 +82,7 @@ class _Shard(torch.autograd.Function):
     @staticmethod
     def forward(ctx, dense, mesh, placements):
         ctx.mesh, ctx.placements, ctx.shape = mesh, placements, dense.shape
-        dt = make_dtensor(_local_block_of(dense, mesh, placements), mesh, placements, dense.shape)
-        return DistTensor(dt, mesh)
+        return make_dist(_local_block_of(dense, mesh, placements), mesh, placements, dense.shape)
 
     @staticmethod
     def backward(ctx, grad):
@@ -112,8 +111,8 @@ def shard_tensor(data, mesh: ProcessMesh, placements: Sequence, dtype=None, plac
         if dense.requires_grad and not dense.is_leaf:
             out = _Shard.apply(dense, mesh, pl)
         else:
-            dt = make_dtensor(_local_block_of(dense, mesh, pl), mesh, pl, dense.shape)
-            out = DistTensor(dt, mesh, requires_grad=requires_grad and not is_param)
+            out = make_dist(_local_block_of(dense, mesh, pl), mesh, pl, dense.shape,
+                            requires_grad=requires_grad and not is_param)
         if is_param:
             out = torch.nn.Parameter(out, requires_grad=requires_grad)
         out._mv_name = name or getattr(data, "_mv_name", None)
@@ -128,7 +127,7 @@ class _FromLocal(torch.autograd.Function):
     @staticmethod
     def forward(ctx, local, mesh, placements, shape):
         ctx.mesh, ctx.placements = mesh, placements
-        return DistTensor(make_dtensor(local, mesh, placements, shape), mesh)
+        return make_dist(local, mesh, placements, shape)
 
     @staticmethod
     def backward(ctx, grad):
@@ -152,7 +151,7 @@ class _ToLocal(torch.autograd.Function):
         if grad is None:
             return None
         want = [Replicate() if p.is_partial() else p for p in ctx.placements]
-        return DistTensor(make_dtensor(grad, ctx.mesh, want, ctx.shape), ctx.mesh)
+        return make_dist(grad, ctx.mesh, want, ctx.shape)
 
 
 def _global_shape(local: torch.Tensor, mesh: ProcessMesh, placements) -> list[int]:
@@ -242,7 +241,7 @@ def _run_reshard(t: DistTensor, mesh: ProcessMesh, placements, name=None) -> Dis
                    name=name, tensor_id=t._mv_id)
     if new is None or not mesh.contains(rank):
         new = local.new_empty(0)
-    out = DistTensor(make_dtensor(new, mesh, plan.dst_placements, t.shape), mesh)
+    out = make_dist(new, mesh, plan.dst_placements, t.shape)
     out._mv_name = name
     return out
 

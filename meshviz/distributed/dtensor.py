@@ -20,7 +20,7 @@ from ..core.mesh import ProcessMesh
 from ..core.placements import Partial, Placement, ReduceType, Replicate, Shard
 from . import groups
 
-__all__ = ["DistTensor", "is_dist", "to_torch_placements", "from_torch_placements", "wrap", "make_dtensor"]
+__all__ = ["DistTensor", "is_dist", "to_torch_placements", "from_torch_placements", "wrap", "make_dtensor", "make_dist"]
 
 _TORCH_REDUCE = {
     ReduceType.kRedSum: "sum",
@@ -85,13 +85,26 @@ def _contiguous_stride(shape) -> tuple:
     return tuple(reversed(stride))
 
 
+def representable(placements) -> bool:
+    """torch DTensor holds one Partial reduction per tensor; mixed ones live only in meshviz."""
+    return len({p.reduce_type for p in placements if isinstance(p, Partial)}) <= 1
+
+
 def make_dtensor(local: torch.Tensor, mesh: ProcessMesh, placements, shape) -> DTensor:
     """A DTensor (no autograd history) whose local value is ``local`` and global shape ``shape``."""
     dm = device_mesh_for(mesh)
+    if not representable(placements):
+        placements = [Replicate() if isinstance(p, Partial) else p for p in placements]
     return DTensor.from_local(
         local.detach(), dm, to_torch_placements(placements), run_check=False,
         shape=torch.Size(shape), stride=_contiguous_stride(shape),
     )
+
+
+def make_dist(local: torch.Tensor, mesh: ProcessMesh, placements, shape, requires_grad: bool = False):
+    pl = list(placements)
+    return DistTensor(make_dtensor(local, mesh, pl, shape), mesh, requires_grad=requires_grad,
+                      placements=None if representable(pl) else pl)
 
 
 class DistTensor(torch.Tensor):
@@ -102,7 +115,8 @@ class DistTensor(torch.Tensor):
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     @staticmethod
-    def __new__(cls, dtensor: DTensor, process_mesh: ProcessMesh | None = None, requires_grad: bool = False):
+    def __new__(cls, dtensor: DTensor, process_mesh: ProcessMesh | None = None, requires_grad: bool = False,
+                placements=None):
         r = torch.Tensor._make_wrapper_subclass(
             cls, dtensor.shape, strides=dtensor.stride(), dtype=dtensor.dtype,
             device=dtensor.device, requires_grad=requires_grad,
@@ -111,11 +125,14 @@ class DistTensor(torch.Tensor):
         r._pmesh = process_mesh if process_mesh is not None else process_mesh_of(dtensor.device_mesh)
         r._mv_id = next(_ids)
         r._mv_name = None
+        r._pl = placements  # set only when torch DTensor cannot hold them (mixed Partial reductions)
         return r
 
     # -- Paddle's dist attributes -----------------------------------------------------------------
     @property
     def placements(self) -> list[Placement]:
+        if self._pl is not None:
+            return list(self._pl)
         return from_torch_placements(self._dtensor.placements)
 
     @property
@@ -185,6 +202,10 @@ class DistTensor(torch.Tensor):
 
         def unwrap(x):
             if isinstance(x, DistTensor):
+                if x._pl is not None and func not in _METADATA_OPS:
+                    raise ValueError(
+                        f"{func}: a tensor with mixed Partial reductions {x._pl} cannot enter an op; "
+                        f"dist.reshard it first")
                 meshes.add(x._pmesh)
                 by_id[id(x._dtensor)] = x
                 return x._dtensor
@@ -211,10 +232,15 @@ class DistTensor(torch.Tensor):
                 hit = by_id.get(id(x))
                 if hit is not None:
                     return hit
-                return DistTensor(x, ref._pmesh if x.device_mesh is ref._dtensor.device_mesh else None)
+                keep = ref._pl if func in _METADATA_OPS else None
+                return DistTensor(x, ref._pmesh if x.device_mesh is ref._dtensor.device_mesh else None,
+                                  placements=keep)
             return x
 
         return tree_map(wrap_out, out)
+
+
+_METADATA_OPS = {torch.ops.aten.detach.default, torch.ops.aten.alias.default}
 
 
 def _local_for_replicate(x: torch.Tensor, mesh: ProcessMesh) -> torch.Tensor:

@@ -407,6 +407,22 @@ class GroupShardedScaler(ShardedGradScaler):
             sync()
         return super().unscale_(optimizer)
 
+    def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16=True):
+        # local blocks of DTensor gradients and plain gradients together; one found_inf per rank, so every
+        # rank joins the same single all-reduce whatever devices its shards live on
+        per = {}
+        with torch.no_grad():
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        g = _local(p.grad)
+                        per.setdefault((g.device, g.dtype), []).append(g)
+            for (dev, _), grads in per.items():
+                fi = torch.zeros(1, device=dev)
+                torch._amp_foreach_non_finite_check_and_unscale_(grads, fi, inv_scale.to(dev))
+                found_inf += fi.to(found_inf.device)
+        return {found_inf.device: found_inf}
+
     def minimize(self, optimizer, *args, **kwargs):
         self.step(optimizer)
         self.update()

@@ -1,0 +1,594 @@
+"""Paddle's ``dist.to_static`` / ``DistModel``: train, eval and predict steps over a torch layer, with programs."""
+
+from __future__ import annotations
+
+import copy
+import inspect
+
+import torch
+import torch.distributed as tdist
+import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+from ... import trace
+from .strategy import Strategy
+
+__all__ = ["to_static", "DistModel", "Program"]
+
+MODES = ("train", "eval", "predict")
+
+
+def _is_dist(t) -> bool:
+    try:
+        from ..api import is_dist_tensor
+    except Exception:  # the dist-tensor runtime is optional here
+        return hasattr(t, "placements") and hasattr(t, "full_tensor")
+    return is_dist_tensor(t) or hasattr(t, "full_tensor")
+
+
+def _world() -> int:
+    return tdist.get_world_size() if tdist.is_initialized() else 1
+
+
+def _shape_str(t) -> str:
+    if not isinstance(t, torch.Tensor):
+        return repr(t)
+    dt = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16", torch.float64: "f64",
+          torch.int64: "i64", torch.int32: "i32", torch.bool: "b8"}.get(t.dtype, str(t.dtype).replace("torch.", ""))
+    return f"{dt}{list(t.shape)}"
+
+
+class Program:
+    """A readable program: ``graph`` (a torch.fx Graph), ``kind`` (serial/dist, main/startup), ``mode``.
+
+    ``str(program)`` lists its nodes with shapes; ``ops()`` the op names in order; ``collectives()`` the
+    communication nodes (c10d / functional collectives) of a dist program.
+    """
+
+    COMM = ("c10d", "_c10d_functional", "c10d_functional", "_dtensor")
+
+    def __init__(self, kind: str, mode: str, graph: torch.fx.Graph | None, header: list, note: str = ""):
+        self.kind, self.mode, self.graph, self.header, self.note = kind, mode, graph, header, note
+
+    @staticmethod
+    def _is_comm(node) -> bool:
+        t = node.target
+        ns = getattr(t, "namespace", None) or getattr(getattr(t, "_schema", None), "name", "").split("::")[0]
+        return node.op == "call_function" and ns in Program.COMM
+
+    def ops(self) -> list:
+        if self.graph is None:
+            return []
+        return [str(n.target) for n in self.graph.nodes if n.op == "call_function"]
+
+    def collectives(self) -> list:
+        if self.graph is None:
+            return []
+        return [str(n.target) for n in self.graph.nodes if self._is_comm(n)]
+
+    def __str__(self) -> str:
+        lines = [f"{self.kind} program ({self.mode})"] + [f"  {h}" for h in self.header]
+        if self.note:
+            lines.append(f"  # {self.note}")
+        if self.graph is not None:
+            for n in self.graph.nodes:
+                shape = n.meta.get("shape")
+                mark = "  <-- communication" if self._is_comm(n) else ""
+                args = ", ".join(_fmt_arg(a) for a in n.args)
+                if n.op == "placeholder":
+                    lines.append(f"  %{n.name}: {shape or ''} = input")
+                elif n.op == "output":
+                    lines.append(f"  return {args}")
+                else:
+                    lines.append(f"  %{n.name}: {shape or ''} = {n.target}({args}){mark}")
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        n = len(self.ops())
+        return f"Program({self.kind}, {self.mode}, {n} ops, {len(self.collectives())} collectives)"
+
+
+def _fmt_arg(a) -> str:
+    if isinstance(a, torch.fx.Node):
+        return f"%{a.name}"
+    if isinstance(a, (list, tuple)):
+        inner = ", ".join(_fmt_arg(x) for x in a)
+        return f"[{inner}]"
+    if isinstance(a, torch.ScriptObject) or type(a).__name__.startswith("ProcessGroup"):
+        return "<group>"
+    return repr(a)
+
+
+class _Recorder(TorchDispatchMode):
+    """Records the aten and c10d ops one real step runs on this rank (on local blocks; subclasses desugar)."""
+
+    def __init__(self):
+        super().__init__()
+        self.records = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if any(getattr(t, "__torch_dispatch__", None) is not torch.Tensor.__torch_dispatch__ for t in types):
+            return NotImplemented
+        out = func(*args, **kwargs)
+        if getattr(func, "namespace", None) != "profiler" and func is not torch.ops.aten.detach.default:
+            self.records.append((func, args, kwargs, out))
+        return out
+
+
+def _graph_from_records(records, names: dict) -> torch.fx.Graph:
+    g = torch.fx.Graph()
+    env = {}
+    counter = [0]
+
+    def node_for(x):
+        if not isinstance(x, torch.Tensor):
+            return x
+        key = id(x)
+        if key not in env:
+            nm = names.get(key)
+            if nm is None:
+                nm = f"in{counter[0]}"
+                counter[0] += 1
+            n = g.placeholder(nm.replace(".", "_"))
+            n.meta["shape"] = _shape_str(x)
+            env[key] = n
+        return env[key]
+
+    last = None
+    for func, args, kwargs, out in records:
+        node = g.call_function(func, tree_map(node_for, tuple(args)), tree_map(node_for, dict(kwargs)))
+        flat, _ = tree_flatten(out)
+        tensors = [t for t in flat if isinstance(t, torch.Tensor)]
+        node.meta["shape"] = ", ".join(_shape_str(t) for t in tensors)
+        for t in tensors:
+            env[id(t)] = node
+        last = node
+    g.output(last)
+    return g
+
+
+class DistModel:
+    """A layer, loss and optimizer as one step function per mode (Paddle's DistModel; use ``to_static``).
+
+    ``train()``: ``__call__(inputs..., labels...)`` runs forward, backward and (every ``k_steps`` calls) the
+    optimizer, and returns the loss. ``eval()``: returns the loss. ``predict()``: ``__call__(inputs...)``
+    returns ``{"out0": ..., "out1": ...}``. With ``strategy.return_numpy`` (Paddle's default) values come back
+    as numpy arrays, else as torch tensors. On more than one rank with plain (not dist) parameters the ranks
+    train as data parallel: parameters start from rank 0, each rank feeds its own part of the batch, gradients
+    are averaged, and the loss returned is the mean over the ranks (the loss of the whole batch).
+    """
+
+    def __init__(self, layer, loader=None, loss=None, optimizer=None, strategy=None, input_spec=None):
+        if not isinstance(layer, nn.Module):
+            raise ValueError(f"to_static: layer must be a torch.nn.Module, got {type(layer).__name__}")
+        if loss is not None and not callable(loss):
+            raise ValueError(f"to_static: loss must be callable, got {type(loss).__name__}")
+        if optimizer is not None and not hasattr(optimizer, "step"):
+            raise ValueError(f"to_static: optimizer must be a torch optimizer, got {type(optimizer).__name__}")
+        if strategy is None:
+            strategy = Strategy()
+        if not isinstance(strategy, Strategy):
+            raise ValueError(f"to_static: strategy must be a dist.Strategy, got {type(strategy).__name__}")
+        if strategy.pipeline.enable:
+            raise ValueError("to_static: strategy.pipeline is not supported here; build the pipeline with "
+                             "meshviz's pipeline API and pass each stage's layer")
+        gm = strategy.gradient_merge
+        k = int(gm.k_steps) if gm.enable else 1
+        if k < 1:
+            raise ValueError(f"to_static: gradient_merge.k_steps must be >= 1, got {gm.k_steps}")
+        amp = strategy.amp
+        if amp.enable and str(amp.dtype) not in ("float16", "bfloat16"):
+            raise ValueError(f"to_static: amp.dtype must be 'float16' or 'bfloat16', got {amp.dtype!r}")
+        if amp.enable and str(amp.level).lower() not in ("o0", "o1", "o2"):
+            raise ValueError(f"to_static: amp.level must be 'O0', 'O1' or 'O2', got {amp.level!r}")
+        sh = strategy.sharding
+        if sh.enable and optimizer is not None and sh.stage not in (1, 2, 3):
+            raise ValueError(f"to_static: sharding.stage must be 1, 2 or 3, got {sh.stage}")
+        if sh.enable and optimizer is not None and any(_is_dist(p) for p in layer.parameters()):
+            raise ValueError("to_static: sharding with dist-tensor parameters is not supported; "
+                             "shard the optimizer over plain parameters")
+
+        self._serial_layer = _skeleton(layer)
+        self._layer = layer
+        self._loss = loss
+        self._optimizer = optimizer
+        self._strategy = strategy
+        self._loader = loader
+        self._input_spec = input_spec
+        self._k, self._avg = k, bool(gm.avg)
+        self._micro = 0
+        self._scaler = None
+        self._programs = {}
+        self._examples = {}
+        self._n_inputs = _count_inputs(layer, input_spec)
+        self._names = {}
+        self._sharded = False
+        self._dp = False
+
+        world = _world()
+        if world > 1:
+            plain = [p for p in layer.parameters() if not _is_dist(p)]
+            with torch.no_grad():
+                for p in plain:  # data parallel starts from rank 0's parameters
+                    with trace.span("collective", op="broadcast", group=list(range(world)),
+                                    bytes=p.numel() * p.element_size()):
+                        tdist.broadcast(p.data, src=0)
+            self._dp = bool(plain)
+        self._device_type = next((p.device.type for p in layer.parameters()), "cpu")
+        if amp.enable and str(amp.dtype) == "float16" and amp.use_dynamic_loss_scaling and optimizer is not None:
+            self._scaler = torch.amp.GradScaler(
+                self._device_type, init_scale=float(amp.init_loss_scaling), growth_factor=float(amp.incr_ratio),
+                backoff_factor=float(amp.decr_ratio), growth_interval=int(amp.incr_every_n_steps),
+            )
+        if sh.enable and optimizer is not None:
+            from ..sharding import group_sharded_parallel
+
+            degree = world if sh.degree == 8 and world < 8 else int(sh.degree)
+            if degree != world:
+                raise ValueError(f"to_static: sharding.degree ({sh.degree}) must equal the number of ranks ({world})")
+            level = {1: "os", 2: "os_g", 3: "p_g_os"}[sh.stage]
+            self._layer, self._optimizer, self._scaler = group_sharded_parallel(
+                layer, optimizer, level, scaler=self._scaler, segment_size=1 if level == "p_g_os" else 2**20)
+            self._sharded, self._dp = True, False
+        self._forward = self._layer
+        if strategy.fused_passes.enable:
+            self._forward = torch.compile(self._layer)
+
+        self._mode = None
+        if optimizer is not None and loss is not None:
+            self.train()
+        elif loss is not None:
+            self.eval()
+        else:
+            self.predict()
+
+    # modes ------------------------------------------------------------------------------------------------
+    def train(self):
+        """Set "train" mode: ``__call__`` updates the parameters and returns the loss."""
+        self._mode = "train"
+        self._layer.train()
+
+    def eval(self):
+        """Set "eval" mode: ``__call__`` returns the loss."""
+        self._mode = "eval"
+        self._layer.eval()
+
+    def predict(self):
+        """Set "predict" mode: ``__call__`` returns ``{"out0": ...}``."""
+        self._mode = "predict"
+        self._layer.eval()
+
+    @property
+    def mode(self):
+        return self._mode
+
+    def _validate_mode(self, mode):
+        if mode is None and self._mode is None:
+            raise ValueError("Please set the mode or call train()/eval()/predict() first.")
+        mode = self._mode if mode is None else mode
+        if mode not in MODES:
+            raise ValueError("mode can only be 'train', 'eval' or 'predict'.")
+        return mode
+
+    # the step ---------------------------------------------------------------------------------------------
+    def __call__(self, *args):
+        if self._mode is None:
+            raise ValueError("Please call train()/eval()/predict() first.")
+        if self._mode == "train" and (self._optimizer is None or self._loss is None):
+            raise ValueError("Please set optimizer and loss function before training.")
+        if self._mode == "eval" and self._loss is None:
+            raise ValueError("Please set loss function before evaluation.")
+        feeds = []
+        for item in args:
+            if isinstance(item, (list, tuple)):
+                feeds += list(item)
+            elif isinstance(item, torch.Tensor):
+                feeds.append(item)
+            else:
+                raise TypeError(f"The inputs of DistModel should be list or tensor, but got {type(item)}")
+        n = self._n_inputs
+        if self._mode == "predict":
+            if n is not None and len(feeds) != n:
+                raise ValueError(f"predict takes the model's {n} input(s), got {len(feeds)} tensors")
+            inputs, labels = feeds, []
+        else:
+            n = n if n is not None else max(len(feeds) - 1, 1)
+            if len(feeds) <= n:
+                raise ValueError(f"{self._mode} takes {n} input(s) and then the label(s), got {len(feeds)} tensors")
+            inputs, labels = feeds[:n], feeds[n:]
+        self._examples.setdefault(self._mode, (inputs, labels))
+        record = self._mode not in self._programs
+        rec = _Recorder() if record else None
+        with trace.span("compute", op=f"dist_model_{self._mode}"):
+            if rec is not None:
+                with rec:
+                    out = self._step(inputs, labels)
+                self._programs[self._mode] = (rec.records, self._local_names())
+            else:
+                out = self._step(inputs, labels)
+        return out
+
+    def _autocast(self):
+        amp = self._strategy.amp
+        if not amp.enable or str(amp.level).lower() == "o0":
+            return torch.autocast(self._device_type, enabled=False)
+        dtype = torch.float16 if str(amp.dtype) == "float16" else torch.bfloat16
+        return torch.autocast(self._device_type, dtype=dtype)
+
+    def _step(self, inputs, labels):
+        if self._mode == "predict":
+            with torch.no_grad(), self._autocast():
+                outs = self._forward(*inputs)
+            outs = outs if isinstance(outs, (tuple, list)) else [outs]
+            return {f"out{i}": self._out(o, local=True) for i, o in enumerate(outs)}
+        if self._mode == "eval":
+            with torch.no_grad(), self._autocast():
+                loss = self._loss(self._forward(*inputs), *labels)
+            return self._out(self._global_loss(loss))
+        with self._autocast():
+            loss = self._loss(self._forward(*inputs), *labels)
+        scaled = loss / self._k if (self._k > 1 and self._avg) else loss
+        if self._scaler is not None:
+            scaled = self._scaler.scale(scaled)
+        scaled.backward()
+        self._micro += 1
+        if self._micro % self._k == 0:
+            if self._dp:
+                self._average_grads()
+            if self._scaler is not None:
+                self._scaler.step(self._optimizer)
+                self._scaler.update()
+            else:
+                self._optimizer.step()
+            self._optimizer.zero_grad()
+        return self._out(self._global_loss(loss.detach()))
+
+    def _average_grads(self):
+        grads = [p.grad for p in self._layer.parameters() if p.grad is not None and not _is_dist(p.grad)]
+        if not grads:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        world = _world()
+        with trace.span("collective", op="all_reduce", group=list(range(world)),
+                        bytes=flat.numel() * flat.element_size()):
+            tdist.all_reduce(flat)
+        flat.div_(world)
+        off = 0
+        for g in grads:
+            g.copy_(flat[off : off + g.numel()].view_as(g))
+            off += g.numel()
+
+    def _global_loss(self, loss):
+        if _is_dist(loss):
+            return loss.full_tensor()
+        if (self._dp or self._sharded) and _world() > 1 and self._strategy.split_data:
+            loss = loss.detach().float().clone()
+            tdist.all_reduce(loss)
+            return loss / _world()
+        return loss
+
+    def _out(self, t, local=False):
+        if _is_dist(t):
+            t = t._local_value() if (local and hasattr(t, "_local_value")) else t.full_tensor()
+        t = t.detach()
+        return t.float().cpu().numpy() if self._strategy.return_numpy else t
+
+    # programs ---------------------------------------------------------------------------------------------
+    def _local_names(self) -> dict:
+        names = {}
+        for n, p in self._layer.named_parameters():
+            loc = p
+            if hasattr(p, "_local_tensor"):
+                loc = p._local_tensor
+            elif hasattr(p, "_dtensor"):
+                loc = p._dtensor._local_tensor
+            names[id(loc)] = n
+            names[id(p)] = n
+        return names
+
+    def dist_main_program(self, mode=None) -> Program:
+        """This rank's program for ``mode``: the ops it ran on its local blocks, collectives included.
+
+        Recorded from the first call in that mode (run one step first).
+        """
+        mode = self._validate_mode(mode)
+        if mode not in self._programs:
+            raise ValueError(f"dist_main_program({mode!r}): run one {mode} step first; the dist program is "
+                             f"recorded from what this rank actually runs")
+        records, names = self._programs[mode]
+        rank = tdist.get_rank() if tdist.is_initialized() else 0
+        header = [f"rank {rank} of {_world()}", f"parameters: {len(list(self._layer.parameters()))}"]
+        return Program("dist main", mode, _graph_from_records(records, names), header)
+
+    def serial_main_program(self, mode=None) -> Program:
+        """The whole model's program for ``mode`` (global shapes, no communication), traced with torch.fx."""
+        mode = self._validate_mode(mode)
+        inputs, labels = self._global_examples(mode)
+        layer = self._serial_layer
+        params = dict(layer.named_parameters())
+        loss_fn = self._loss
+
+        def step(params, inputs, labels):
+            out = torch.func.functional_call(layer, params, tuple(inputs))
+            if mode == "predict":
+                return out
+            loss = loss_fn(out, *labels)
+            if mode == "eval":
+                return loss
+            grads = torch.autograd.grad(loss, [p for p in params.values() if p.requires_grad])
+            return loss, grads
+
+        from torch.fx.experimental.proxy_tensor import make_fx
+
+        header = [f"{n}: {_shape_str(p)}" for n, p in params.items()]
+        if mode == "train" and self._optimizer is not None:
+            header.append(f"then {type(self._optimizer).__name__} updates {len(params)} parameters")
+        try:
+            gm = make_fx(step)(params, inputs, labels)
+            for n in gm.graph.nodes:
+                val = n.meta.get("val")
+                if isinstance(val, torch.Tensor):
+                    n.meta["shape"] = _shape_str(val)
+            return Program("serial main", mode, gm.graph, header)
+        except Exception as e:  # a forward that calls distributed ops cannot run serially on meta tensors
+            return Program("serial main", mode, None, header, note=f"not traceable serially: {e}")
+
+    def _global_examples(self, mode):
+        spec = self._input_spec
+        if spec is not None:
+            inputs = [_meta_from_spec(s) for s in spec]
+            ex = self._examples.get(mode) or next(iter(self._examples.values()), ([], []))
+            labels = [torch.empty(t.shape, dtype=t.dtype, device="meta") for t in ex[1]]
+            return inputs, labels
+        if mode in self._examples or self._examples:
+            inputs, labels = self._examples.get(mode) or next(iter(self._examples.values()))
+        elif self._loader is not None:
+            batch = next(iter(self._loader))
+            batch = list(batch) if isinstance(batch, (list, tuple)) else [batch]
+            n = self._n_inputs or max(len(batch) - 1, 1)
+            inputs, labels = batch[:n], batch[n:]
+        else:
+            raise ValueError("serial program: pass input_spec or a loader to to_static, or run one step first")
+        scale = _world() if (self._dp and self._strategy.split_data) else 1
+
+        def meta(t):
+            shape = list(t.shape)
+            if shape and scale > 1:
+                shape[0] *= scale
+            return torch.empty(shape, dtype=t.dtype, device="meta")
+
+        return [meta(t) for t in inputs], [meta(t) for t in labels] if mode != "predict" else []
+
+    def dist_startup_program(self, mode=None) -> Program:
+        """How this rank's parameters and optimizer states start: local shapes, where they come from."""
+        mode = self._validate_mode(mode)
+        header = []
+        for n, p in self._layer.named_parameters():
+            where = "sliced from the full tensor (no communication)" if _is_dist(p) else (
+                "broadcast from rank 0" if self._dp else "initialised locally")
+            local = _local_of(p)
+            placements = getattr(p, "placements", None)
+            header.append(f"{n}: global {list(p.shape)} local {list(local.shape)}"
+                          f"{' ' + str(placements) if placements is not None else ''}; {where}")
+        if self._sharded and mode == "train":
+            for pc in self._optimizer.ownership:
+                header.append(f"opt state of {pc.name}: {pc.mode}, ranges {list(pc.ranges)}")
+        return Program("dist startup", mode, None, header)
+
+    def serial_startup_program(self, mode=None) -> Program:
+        """The parameters (and, in train mode, optimizer states) the whole model starts with."""
+        mode = self._validate_mode(mode)
+        header = [f"{n}: {_shape_str(p)}" for n, p in self._serial_layer.named_parameters()]
+        if mode == "train" and self._optimizer is not None:
+            header.append(f"optimizer: {type(self._optimizer).__name__}")
+        return Program("serial startup", mode, None, header)
+
+    # state ------------------------------------------------------------------------------------------------
+    def state_dict(self, mode="all") -> dict:
+        """'param': the layer's state dict; 'opt': optimizer states as ``{param}.{state}`` keys; 'all': both."""
+        if mode not in ("all", "param", "opt"):
+            raise ValueError(f"state_dict: mode must be 'all', 'param' or 'opt', got {mode!r}")
+        out = {}
+        if mode in ("all", "param"):
+            out.update(self._layer.state_dict())
+        if mode in ("all", "opt") and self._optimizer is not None:
+            out.update(self._opt_state())
+        return out
+
+    def _opt_state(self) -> dict:
+        if self._sharded:
+            full = self._optimizer.full_state_dict()
+            order = [pc.name for pc in self._optimizer.ownership]
+            return {f"{order[i]}.{k}": v for i, st in full["state"].items() for k, v in st.items()}
+        by_id = {id(p): n for n, p in self._layer.named_parameters()}
+        out = {}
+        for p, st in self._optimizer.state.items():
+            for k, v in st.items():
+                out[f"{by_id.get(id(p), '?')}.{k}"] = v
+        return out
+
+    def set_state_dict(self, state_dict: dict) -> None:
+        """Load values (as ``state_dict`` gives them) into the layer's parameters and the optimizer."""
+        own = self._layer.state_dict()
+        params = {k: v for k, v in state_dict.items() if k in own}
+        with torch.no_grad():
+            for k, v in params.items():
+                cur = own[k]
+                if _is_dist(cur) and not _is_dist(v):
+                    raise ValueError(f"set_state_dict: {k} is a dist tensor; pass a dist tensor for it")
+                cur.copy_(v)
+        rest = {k: v for k, v in state_dict.items() if k not in own}
+        if rest:
+            if self._optimizer is None or self._sharded:
+                raise ValueError(f"set_state_dict: unknown keys {sorted(rest)[:5]}")
+            by_name = dict(self._layer.named_parameters())
+            for key, v in rest.items():
+                pname, _, skey = key.rpartition(".")
+                if pname not in by_name:
+                    raise ValueError(f"set_state_dict: unknown key {key!r}")
+                st = self._optimizer.state[by_name[pname]]
+                if torch.is_tensor(st.get(skey)):
+                    st[skey].copy_(v)
+                else:
+                    st[skey] = v.clone() if torch.is_tensor(v) else v
+
+
+def _local_of(p):
+    if hasattr(p, "_local_value"):
+        return p._local_value()
+    if hasattr(p, "to_local"):
+        return p.to_local()
+    return p
+
+
+def _meta_from_spec(s):
+    if isinstance(s, torch.Tensor):
+        return torch.empty(s.shape, dtype=s.dtype, device="meta")
+    shape = getattr(s, "shape", None)
+    dtype = getattr(s, "dtype", torch.float32)
+    if shape is None and isinstance(s, (tuple, list)) and len(s) == 2:
+        shape, dtype = s
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    shape = [1 if (d is None or d == -1) else int(d) for d in shape]
+    return torch.empty(shape, dtype=dtype, device="meta")
+
+
+def _count_inputs(layer, input_spec):
+    if input_spec is not None:
+        return len(input_spec)
+    try:
+        sig = inspect.signature(layer.forward)
+    except (TypeError, ValueError):
+        return None
+    n = 0
+    for prm in sig.parameters.values():
+        if prm.kind in (prm.VAR_POSITIONAL, prm.VAR_KEYWORD):
+            return None
+        if prm.kind in (prm.POSITIONAL_ONLY, prm.POSITIONAL_OR_KEYWORD) and prm.default is prm.empty:
+            n += 1
+    return n or None
+
+
+def _skeleton(layer):
+    """A copy of the layer on the meta device with global shapes: the serial model, no data, no communication."""
+    memo = {}
+    for p in layer.parameters():
+        memo[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=p.requires_grad)
+    for b in layer.buffers():
+        memo[id(b)] = torch.empty(b.shape, dtype=b.dtype, device="meta")
+    try:
+        return copy.deepcopy(layer, memo)
+    except Exception:
+        return None
+
+
+def to_static(layer, loader=None, loss=None, optimizer=None, strategy=None, input_spec=None) -> DistModel:
+    """Turn ``layer`` (its parameters may be dist tensors) with ``loss`` and ``optimizer`` into a DistModel.
+
+    Mode by default: loss and optimizer -> "train"; loss only -> "eval"; neither -> "predict".
+    ``loader`` and ``input_spec`` (tensors, or ``(shape, dtype)`` pairs) describe the inputs for the programs.
+    """
+    return DistModel(layer, loader, loss, optimizer, strategy, input_spec)

@@ -1,0 +1,202 @@
+"""Paddle's ``fleet``: hybrid-parallel set-up (dp, pp, sharding, mp), distributed model and optimizer."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from ..env import barrier, get_rank, get_world_size, init_parallel_env
+from . import topology
+from .strategy import DistributedStrategy
+from .topology import AXIS_NAMES, CommunicateTopology, HybridCommunicateGroup, ParallelMode
+
+__all__ = [
+    "init", "DistributedStrategy", "distributed_model", "distributed_optimizer", "get_hybrid_communicate_group",
+    "get_hybrid_parallel_topology", "worker_index", "worker_num", "is_first_worker", "barrier_worker",
+    "local_rank", "is_worker", "HybridCommunicateGroup", "CommunicateTopology", "ParallelMode",
+    "HybridParallelOptimizer", "Fleet", "fleet", "meta_parallel", "utils",
+]
+
+
+class HybridParallelOptimizer:
+    """Wraps a torch optimizer: ``step()`` first averages what Paddle averages, then steps.
+
+    With mp, sharding or pp > 1 and dp > 1, the gradients are averaged over the data-parallel group (in pure
+    data parallel, ``DataParallel`` already did it during backward); with sharding > 1 over the sharding group.
+    """
+
+    def __init__(self, optimizer, hcg, strategy):
+        self._inner_opt = optimizer
+        self._hcg = hcg
+        self._strategy = strategy
+
+    def _params(self):
+        return [p for g in self._inner_opt.param_groups for p in g["params"]]
+
+    def _sync_grads(self):
+        from .utils.hybrid_parallel_util import _sharding_mean, fused_allreduce_gradients
+
+        hcg = self._hcg
+        if hcg is None:
+            return
+        mode = hcg.get_parallel_mode()
+        if hcg.get_sharding_parallel_world_size() > 1:
+            _sharding_mean(self._params(), hcg)
+        if mode != ParallelMode.DATA_PARALLEL and hcg.get_data_parallel_world_size() > 1:
+            fused_allreduce_gradients(self._params(), hcg)
+
+    def step(self, closure=None):
+        self._sync_grads()
+        return self._inner_opt.step(closure) if closure is not None else self._inner_opt.step()
+
+    def clear_grad(self, set_to_zero=True):
+        self._inner_opt.zero_grad(set_to_none=not set_to_zero)
+
+    def zero_grad(self, set_to_none=True):
+        self._inner_opt.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self):
+        return self._inner_opt.state_dict()
+
+    def set_state_dict(self, state_dict):
+        return self._inner_opt.load_state_dict(state_dict)
+
+    load_state_dict = set_state_dict
+
+    def __getattr__(self, name):
+        if name.startswith("__") or name == "_inner_opt":
+            raise AttributeError(name)
+        return getattr(self._inner_opt, name)
+
+    def __repr__(self) -> str:
+        return f"HybridParallelOptimizer({type(self._inner_opt).__name__})"
+
+
+class Fleet:
+    """The singleton behind the module functions (``fleet.init``, ``fleet.distributed_model`` ...)."""
+
+    def __init__(self):
+        self._hcg = None
+        self._topology = None
+        self._strategy = None
+
+    def init(self, role_maker=None, is_collective=True, strategy=None, log_level="INFO"):
+        """Start the process group and build the hybrid topology from ``strategy.hybrid_configs``.
+
+        Only collective mode exists here. The degrees must multiply to the world size (``dp_degree=-1``: the
+        rest). Raises ValueError on every rank, before communicating, when they do not.
+        """
+        if not is_collective:
+            raise ValueError("fleet.init: only collective mode (is_collective=True) is supported")
+        if strategy is None:
+            strategy = DistributedStrategy()
+        if not isinstance(strategy, DistributedStrategy):
+            raise TypeError(f"fleet.init: strategy must be a DistributedStrategy, got {type(strategy).__name__}")
+        self._strategy = strategy
+        init_parallel_env()
+        world = get_world_size()
+        h = strategy.hybrid_configs
+        degrees = {k: h[f"{k}_degree"] for k in ("dp", "pp", "sharding", "mp", "sep")}
+        order = list(h["order"])
+        if degrees["sep"] > 1 and "sep" not in order:
+            order.insert(order.index("mp"), "sep")  # Paddle's default place for it
+        others = degrees["pp"] * degrees["sharding"] * degrees["mp"] * degrees["sep"]
+        if degrees["dp"] == -1:
+            if world % others:
+                raise ValueError(f"fleet.init: world size {world} is not divisible by pp*sharding*mp*sep = {others}")
+            degrees["dp"] = world // others
+        if degrees["dp"] * others != world:
+            raise ValueError(
+                f"fleet.init: dp_degree*pp_degree*sharding_degree*mp_degree*sep_degree = "
+                f"{degrees['dp']}*{degrees['pp']}*{degrees['sharding']}*{degrees['mp']}*{degrees['sep']} = "
+                f"{degrees['dp'] * others}, but the world has {world} ranks")
+        names = [AXIS_NAMES[a] for a in order]
+        if degrees["sep"] == 1:
+            names = [n for n in names if n != "sep"]
+            order = [a for a in order if a != "sep"]
+        self._topology = CommunicateTopology(names, [degrees[a] for a in order])
+        self._hcg = HybridCommunicateGroup(self._topology)
+        return None
+
+    def _require_init(self):
+        if self._hcg is None:
+            raise RuntimeError("call fleet.init(is_collective=True, strategy=...) first")
+
+    def get_hybrid_communicate_group(self) -> HybridCommunicateGroup:
+        self._require_init()
+        return self._hcg
+
+    def get_hybrid_parallel_topology(self) -> CommunicateTopology:
+        self._require_init()
+        return self._topology
+
+    def distributed_model(self, model: nn.Module):
+        """Data parallel only: ``DataParallel`` over the dp group. mp/sharding: parameters made consistent
+        (non-split ones over the mp group, all over dp/sharding) and the model returned; gradients are averaged
+        by ``distributed_optimizer``'s step. pp > 1: the pipeline runtime (``pipeline_hook._pipeline_model``)."""
+        from ..parallel import DataParallel, sync_params_buffers
+
+        self._require_init()
+        hcg, strategy = self._hcg, self._strategy
+        mode = hcg.get_parallel_mode()
+        if mode == ParallelMode.PIPELINE_PARALLEL:
+            from .pipeline_hook import _pipeline_model
+
+            return _pipeline_model(model, hcg, strategy)
+        if get_world_size() == 1:
+            return model
+        if mode == ParallelMode.DATA_PARALLEL:
+            return DataParallel(
+                model,
+                comm_buffer_size=strategy.fuse_grad_size_in_MB,
+                last_comm_buffer_size=strategy.last_comm_group_size_MB,
+                find_unused_parameters=strategy.find_unused_parameters,
+                group=hcg.get_data_parallel_group(),
+            )
+        if hcg.get_model_parallel_world_size() > 1:
+            sync_params_buffers(model, hcg.get_model_parallel_group(), is_model_parallel=True)
+        if hcg.get_sharding_parallel_world_size() > 1:
+            sync_params_buffers(model, hcg.get_sharding_parallel_group())
+        if hcg.get_data_parallel_world_size() > 1:
+            sync_params_buffers(model, hcg.get_data_parallel_group())
+        return model
+
+    def distributed_optimizer(self, optimizer, strategy=None):
+        if strategy is not None and self._strategy is None:
+            self._strategy = strategy
+        return HybridParallelOptimizer(optimizer, self._hcg, strategy or self._strategy)
+
+    def worker_index(self) -> int:
+        return get_rank()
+
+    def worker_num(self) -> int:
+        return get_world_size()
+
+    def local_rank(self) -> int:
+        import os
+
+        return int(os.environ.get("LOCAL_RANK", "0"))
+
+    def is_first_worker(self) -> bool:
+        return get_rank() == 0
+
+    def is_worker(self) -> bool:
+        return True
+
+    def barrier_worker(self) -> None:
+        barrier()
+
+
+fleet = Fleet()
+init = fleet.init
+distributed_model = fleet.distributed_model
+distributed_optimizer = fleet.distributed_optimizer
+get_hybrid_communicate_group = fleet.get_hybrid_communicate_group
+get_hybrid_parallel_topology = fleet.get_hybrid_parallel_topology
+worker_index = fleet.worker_index
+worker_num = fleet.worker_num
+local_rank = fleet.local_rank
+is_first_worker = fleet.is_first_worker
+is_worker = fleet.is_worker
+barrier_worker = fleet.barrier_worker
+
+from . import meta_parallel, utils  # noqa: E402  (after fleet exists: they look up its hybrid group)

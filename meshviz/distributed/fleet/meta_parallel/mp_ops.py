@@ -1,0 +1,151 @@
+"""Autograd-aware model-parallel collectives (Megatron's f/g pairs) on plain local tensors."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as tdist
+
+from ...collective import ReduceOp, _resolve, all_gather, all_reduce
+
+__all__ = ["mp_group_of", "group_index", "c_identity", "mp_allreduce", "c_split", "c_concat",
+           "parallel_cross_entropy"]
+
+
+def mp_group_of(mp_group):
+    """The model-parallel group: the one given, else fleet's hybrid group's, else the world."""
+    if mp_group is not None:
+        return mp_group
+    from .. import topology
+
+    hcg = topology._HYBRID_PARALLEL_GROUP
+    return None if hcg is None else hcg.get_model_parallel_group()
+
+
+def group_index(group) -> tuple[int, int]:
+    """(this rank's index in the group, group size)."""
+    ranks, _, _ = _resolve(group)
+    return ranks.index(tdist.get_rank()), len(ranks)
+
+
+class _CIdentity(torch.autograd.Function):
+    """Forward: identity. Backward: sum the gradient over the group."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.contiguous().clone()
+        all_reduce(g, ReduceOp.SUM, group=ctx.group)
+        return g, None
+
+
+class _MpAllreduce(torch.autograd.Function):
+    """Forward: sum over the group. Backward: identity."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        y = x.contiguous().clone()
+        all_reduce(y, ReduceOp.SUM, group=group)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+def _gather_last(x, group):
+    parts = []
+    all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts, dim=-1)
+
+
+class _CSplit(torch.autograd.Function):
+    """Forward: keep this rank's chunk of the last dim. Backward: all-gather the chunks."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        i, n = group_index(group)
+        if x.shape[-1] % n:
+            raise ValueError(f"last dim {x.shape[-1]} is not divisible by the model-parallel size {n}")
+        return x.chunk(n, dim=-1)[i].contiguous()
+
+    @staticmethod
+    def backward(ctx, g):
+        return _gather_last(g, ctx.group), None
+
+
+class _CConcat(torch.autograd.Function):
+    """Forward: all-gather chunks along the last dim. Backward: keep this rank's chunk."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _gather_last(x, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        i, n = group_index(ctx.group)
+        return g.chunk(n, dim=-1)[i].contiguous(), None
+
+
+def c_identity(x, group=None):
+    return _CIdentity.apply(x, group)
+
+
+def mp_allreduce(x, group=None):
+    return _MpAllreduce.apply(x, group)
+
+
+def c_split(x, group=None):
+    return _CSplit.apply(x, group)
+
+
+def c_concat(x, group=None):
+    return _CConcat.apply(x, group)
+
+
+class _ParallelCrossEntropy(torch.autograd.Function):
+    """Softmax cross-entropy over logits split along the class dim; never builds the full logits."""
+
+    @staticmethod
+    def forward(ctx, logits, label, group, ignore_index):
+        i, n = group_index(group)
+        v = logits.shape[-1]
+        start = i * v
+        lmax = logits.detach().max(dim=-1, keepdim=True).values.clone()
+        all_reduce(lmax, ReduceOp.MAX, group=group)
+        shifted = logits.detach() - lmax
+        exp = shifted.exp()
+        sumexp = exp.sum(dim=-1, keepdim=True)
+        all_reduce(sumexp, ReduceOp.SUM, group=group)
+        in_range = (label >= start) & (label < start + v)
+        local = torch.where(in_range, label - start, torch.zeros_like(label))
+        picked = shifted.gather(-1, local.unsqueeze(-1)) * in_range.unsqueeze(-1).to(shifted.dtype)
+        all_reduce(picked, ReduceOp.SUM, group=group)
+        ignore = (label == ignore_index).unsqueeze(-1)
+        loss = (sumexp.log() - picked).masked_fill(ignore, 0.0)
+        ctx.save_for_backward(exp / sumexp, local, in_range, ignore)
+        return loss
+
+    @staticmethod
+    def backward(ctx, g):
+        softmax, local, in_range, ignore = ctx.saved_tensors
+        grad = softmax.clone()
+        grad.scatter_add_(-1, local.unsqueeze(-1), -in_range.unsqueeze(-1).to(grad.dtype))
+        grad = (grad * g).masked_fill(ignore, 0.0)
+        return grad, None, None, None
+
+
+def parallel_cross_entropy(logits, label, group=None, ignore_index=-100):
+    """Loss per sample, shape ``label``'s with a trailing 1 (Paddle's [N, 1])."""
+    if label.dim() == logits.dim():
+        if label.shape[-1] != 1:
+            raise ValueError(f"label shape {list(label.shape)} must be logits' without the class dim, or with 1")
+        label = label.squeeze(-1)
+    if label.shape != logits.shape[:-1]:
+        raise ValueError(f"label shape {list(label.shape)} does not match logits {list(logits.shape)}")
+    return _ParallelCrossEntropy.apply(logits, label.long(), group, ignore_index)

@@ -1,0 +1,6 @@
+"""Entry point of ``python -m meshviz.launch``."""
+
+from .main import main
+
+if __name__ == "__main__":
+    main()

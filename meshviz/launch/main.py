@@ -1,0 +1,209 @@
+"""Paddle's launch flags mapped onto torch.distributed's elastic launcher (torchrun's machinery)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+import tempfile
+
+__all__ = ["main", "launch", "parse_args", "build_config"]
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m meshviz.launch",
+        description="Start a distributed training script on this node, Paddle's way (on torchrun's agent).")
+    p.add_argument("--nproc_per_node", type=int, default=None, help="processes on this node (default: one per "
+                   "device in --devices, else one per GPU, else 1)")
+    p.add_argument("--nnodes", type=int, default=None, help="number of nodes (default 1, or len(--ips))")
+    p.add_argument("--master", default=None, help="ip:port of the rendezvous on node 0 (needed with nnodes > 1)")
+    p.add_argument("--rank", type=int, default=-1, help="this node's rank, 0..nnodes-1")
+    p.add_argument("--devices", "--gpus", "--xpus", dest="devices", default=None,
+                   help="comma-separated device ids, one process each (labels only on CPU)")
+    p.add_argument("--ips", default=None, help="comma-separated node ips (legacy); node 0's is the master")
+    p.add_argument("--log_dir", default="log", help="where workerlog.N (local rank N) goes (default: log)")
+    p.add_argument("--max_restart", type=int, default=3, help="restarts of the local workers on failure")
+    p.add_argument("--job_id", default="default", help="run id shared by the nodes of one job")
+    p.add_argument("--run_mode", default="collective", help="only 'collective' is supported")
+    p.add_argument("--start_port", type=int, default=6070, help="master port with --ips and no --master")
+    p.add_argument("training_script", help="the script to run")
+    p.add_argument("training_script_args", nargs=argparse.REMAINDER)
+    return p.parse_args(argv)
+
+
+def _local_ips() -> set[str]:
+    ips = {"127.0.0.1", "localhost"}
+    try:
+        host = socket.gethostname()
+        ips.add(host)
+        ips.update(info[4][0] for info in socket.getaddrinfo(host, None))
+    except OSError:
+        pass
+    return ips
+
+
+def build_config(args: argparse.Namespace):
+    """(LaunchConfig, environment for the workers) from the parsed flags; ValueError on inconsistent flags."""
+    import torch
+    from torch.distributed.launcher.api import LaunchConfig
+
+    from ..distributed.env import free_port
+
+    if args.run_mode != "collective":
+        raise ValueError(f"--run_mode {args.run_mode!r}: only 'collective' is supported")
+    devices = [d.strip() for d in args.devices.split(",") if d.strip()] if args.devices else None
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    nproc = args.nproc_per_node
+    if nproc is None:
+        nproc = len(devices) if devices else (gpus or 1)
+    if nproc < 1:
+        raise ValueError(f"--nproc_per_node must be >= 1, got {nproc}")
+    if devices is not None and nproc > len(devices):
+        raise ValueError(f"--nproc_per_node {nproc} asks for more processes than the {len(devices)} devices "
+                         f"listed in --devices {args.devices}")
+    if devices is None and gpus and nproc > gpus:
+        raise ValueError(f"--nproc_per_node {nproc} asks for more processes than this node's {gpus} GPUs")
+    ips = [i.strip() for i in args.ips.split(",") if i.strip()] if args.ips else None
+    nnodes = args.nnodes if args.nnodes is not None else (len(ips) if ips else 1)
+    if nnodes < 1:
+        raise ValueError(f"--nnodes must be >= 1, got {nnodes}")
+    if ips and len(ips) != nnodes:
+        raise ValueError(f"--ips lists {len(ips)} nodes but --nnodes is {nnodes}")
+    node_rank = args.rank
+    if node_rank < 0:
+        if nnodes == 1:
+            node_rank = 0
+        elif ips:
+            mine = [i for i, ip in enumerate(ips) if ip in _local_ips()]
+            if len(mine) != 1:
+                raise ValueError(f"cannot tell which of --ips {ips} is this node; pass --rank")
+            node_rank = mine[0]
+        else:
+            raise ValueError("--nnodes > 1 needs --rank (this node's rank)")
+    if not 0 <= node_rank < nnodes:
+        raise ValueError(f"--rank {node_rank} outside 0..{nnodes - 1}")
+    master = args.master
+    if master is None:
+        if nnodes > 1:
+            if not ips:
+                raise ValueError("--nnodes > 1 needs --master ip:port (or --ips)")
+            master = f"{ips[0]}:{args.start_port}"
+        else:
+            master = f"127.0.0.1:{free_port()}"
+    host, _, port = master.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"--master must be ip:port, got {master!r}")
+    if args.max_restart < 0:
+        raise ValueError(f"--max_restart must be >= 0, got {args.max_restart}")
+
+    env = {"MESHVIZ_LAUNCH_MERGE_STDERR": "1"}
+    if devices:
+        env["MESHVIZ_LAUNCH_DEVICES"] = ",".join(devices[:nproc])
+        env["MESHVIZ_LAUNCH_GPU"] = "1" if gpus else "0"
+    logs = _WorkerLogs(args.log_dir, tee_ranks={0} if node_rank == 0 else set())
+    config = LaunchConfig(
+        min_nodes=nnodes,
+        max_nodes=nnodes,
+        nproc_per_node=nproc,
+        run_id=args.job_id,
+        rdzv_backend="static",
+        rdzv_endpoint=master,
+        rdzv_configs={"rank": node_rank, "timeout": int(os.environ.get("MESHVIZ_RDZV_TIMEOUT", "900"))},
+        max_restarts=args.max_restart,
+        monitor_interval=0.1,
+        start_method="spawn",
+        logs_specs=logs,
+    )
+    return config, env
+
+
+def _make_logs_specs():
+    from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs
+
+    class WorkerLogs(LogsSpecs):
+        """Paddle's layout: ``<log_dir>/workerlog.<local rank>``, stdout and stderr together; rank 0 tee'd."""
+
+        def __init__(self, log_dir, tee_ranks=frozenset()):
+            os.makedirs(log_dir, exist_ok=True)
+            super().__init__(log_dir=log_dir)
+            self._tee_ranks = set(tee_ranks)
+            self._err_dir = tempfile.mkdtemp(prefix="meshviz-launch-")
+
+        @property
+        def root_log_dir(self) -> str:
+            return str(self._root_log_dir)
+
+        def reify(self, envs):
+            dest = LogsDest()
+            for local_rank in range(len(envs)):
+                path = os.path.join(self._root_log_dir, f"workerlog.{local_rank}")
+                dest.stdouts[local_rank] = path
+                dest.stderrs[local_rank] = ""  # the worker joins stderr to stdout
+                if local_rank in self._tee_ranks:
+                    dest.tee_stdouts[local_rank] = path
+                dest.error_files[local_rank] = os.path.join(self._err_dir, f"error.{local_rank}.json")
+            return dest
+
+    return WorkerLogs
+
+
+class _LazyLogs:
+    cls = None
+
+
+def _WorkerLogs(log_dir, tee_ranks=frozenset()):
+    if _LazyLogs.cls is None:
+        _LazyLogs.cls = _make_logs_specs()
+    return _LazyLogs.cls(log_dir, tee_ranks)
+
+
+def _banner(args, config) -> str:
+    rows = [("nnodes", config.min_nodes), ("nproc_per_node", config.nproc_per_node), ("node rank",
+            config.rdzv_configs["rank"]), ("master", config.rdzv_endpoint), ("devices", args.devices),
+            ("log_dir", args.log_dir), ("max_restart", config.max_restarts), ("job_id", config.run_id),
+            ("training_script", args.training_script), ("training_script_args", args.training_script_args)]
+    lines = ["-----------  Configuration Arguments -----------"]
+    lines += [f"{k}: {v}" for k, v in rows]
+    lines.append("------------------------------------------------")
+    return "\n".join(lines)
+
+
+def launch(argv=None) -> int:
+    """Parse ``argv``, start the local workers, wait; returns the exit code (0 when every worker succeeded)."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import elastic_launch
+
+    args = parse_args(argv)
+    try:
+        config, env = build_config(args)
+    except ValueError as e:
+        print(f"meshviz.launch: error: {e}", file=sys.stderr)
+        return 2
+    if not os.path.isfile(args.training_script):
+        print(f"meshviz.launch: error: no such script {args.training_script!r}", file=sys.stderr)
+        return 2
+    print(_banner(args, config), flush=True)
+    os.environ.update(env)
+    try:
+        elastic_launch(config, entrypoint=sys.executable)(
+            "-u", "-m", "meshviz.launch._worker", args.training_script, *args.training_script_args)
+    except ChildFailedError as e:
+        failed = sorted(e.failures)
+        print(f"meshviz.launch: worker(s) with global rank {failed} failed; see "
+              f"{os.path.join(args.log_dir, 'workerlog.N')}", file=sys.stderr)
+        for rank, f in sorted(e.failures.items()):
+            path = os.path.join(args.log_dir, f"workerlog.{f.local_rank}")
+            if os.path.exists(path):
+                with open(path, errors="replace") as fh:
+                    tail = fh.read().splitlines()[-15:]
+                print(f"---- tail of {path} (rank {rank}, exit code {f.exitcode}) ----", file=sys.stderr)
+                print("\n".join(tail), file=sys.stderr)
+        return 1
+    return 0
+
+
+def main(argv=None) -> None:
+    """Console script ``fleetrun`` and ``python -m meshviz.launch``."""
+    sys.exit(launch(argv))

@@ -1,0 +1,252 @@
+"""The base of every view: matplotlib rendering, static PNG/HTML, a widget, and a throttled live source."""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import os
+import threading
+import time
+
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+__all__ = ["View", "Live", "as_events", "new_figure", "fig_png"]
+
+DPI = 90
+
+
+def new_figure(width: float, height: float) -> Figure:
+    """A figure of its own (no pyplot state), safe to build on any thread."""
+    fig = Figure(figsize=(width, height), dpi=DPI)
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def fig_png(fig: Figure, dpi: int = DPI) -> bytes:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=dpi)
+    return buf.getvalue()
+
+
+def as_events(source):
+    """(events so far, live source or None) for a Cluster-like object, a list of events, or a JSONL path."""
+    from ..trace import Event, load_events
+
+    if source is None:
+        return [], None
+    if isinstance(source, (str, os.PathLike)):
+        return load_events(source), None
+    if hasattr(source, "subscribe") and hasattr(source, "unsubscribe"):
+        return [], source
+    if isinstance(source, Event):
+        return [source], None
+    try:
+        events = list(source)
+    except TypeError:
+        raise ValueError(f"source must be a Cluster, a list of events or a JSONL path, got {source!r}") from None
+    return [e if isinstance(e, Event) else Event.from_dict(e) for e in events], None
+
+
+class Live:
+    """Feeds events from a source's background thread to a view, redrawing at most once per ``interval`` s."""
+
+    def __init__(self, view: "View", source, interval: float = 0.15):
+        self.view = view
+        self.source = source
+        self.interval = interval
+        self.received = 0
+        self._pending: list = []
+        self._cv = threading.Condition()
+        self._stopped = False
+        self._seen: set = set()
+        self._thread = threading.Thread(target=self._run, name=f"meshviz-{type(view).__name__}", daemon=True)
+        source.subscribe(self._on_event)
+        backlog = getattr(source, "events", None)
+        if backlog is not None:
+            with self._cv:
+                self._pending[:0] = list(backlog)
+        self._thread.start()
+
+    def _on_event(self, event) -> None:  # called on the source's thread: only queue
+        with self._cv:
+            self._pending.append(event)
+            self._cv.notify()
+
+    def _run(self) -> None:
+        last = 0.0
+        while True:
+            with self._cv:
+                while not self._pending and not self._stopped:
+                    self._cv.wait()
+                if self._stopped:
+                    return
+            wait = last + self.interval - time.monotonic()
+            if wait > 0:  # let events pile up: one redraw per interval however fast they come
+                time.sleep(wait)
+            with self._cv:
+                batch, self._pending = self._pending, []
+            fresh = []
+            for e in batch:
+                key = (e.rank, e.seq, e.kind, e.start)
+                if key not in self._seen:
+                    self._seen.add(key)
+                    fresh.append(e)
+            self.received += len(fresh)
+            try:
+                if fresh:
+                    self.view._ingest(fresh)
+                    self.view._refresh()
+            except Exception as exc:  # a drawing bug must not kill the stream
+                self.view._error = f"{type(exc).__name__}: {exc}"
+            last = time.monotonic()
+
+    def flush(self, timeout: float = 5.0) -> bool:
+        """Wait until every event received so far is drawn."""
+        t_end = time.monotonic() + timeout
+        while time.monotonic() < t_end:
+            with self._cv:
+                idle = not self._pending
+            if idle and not self.view._busy:
+                return True
+            time.sleep(0.01)
+        return False
+
+    def stop(self) -> None:
+        try:
+            self.source.unsubscribe(self._on_event)
+        except Exception:
+            pass
+        with self._cv:
+            self._stopped = True
+            self._cv.notify()
+
+
+class View:
+    """A picture of something meshviz knows about; shows as a widget, a PNG, or one line of text."""
+
+    width = 9.0
+    height = 4.0
+
+    def __init__(self, source=None, interval: float = 0.15):
+        self._lock = threading.RLock()
+        self._widget = None
+        self._image = None
+        self._status = None
+        self._live: Live | None = None
+        self._error: str | None = None
+        self._busy = False
+        self.redraws = 0
+        self.events: list = []
+        if source is not None:
+            events, live = as_events(source)
+            if events:
+                self._ingest(events)
+            if live is not None:
+                self._live = Live(self, live, interval)
+
+    # -- to override ------------------------------------------------------------------------------
+    def _draw(self, fig: Figure) -> None:
+        raise NotImplementedError
+
+    def _size(self) -> tuple[float, float]:
+        return self.width, self.height
+
+    def _ingest(self, events) -> None:
+        """Take new events (from a source); subclasses keep what they draw."""
+        self.events.extend(events)
+
+    def _controls(self):
+        return []
+
+    # -- rendering --------------------------------------------------------------------------------
+    def figure(self) -> Figure:
+        with self._lock:
+            fig = new_figure(*self._size())
+            self._draw(fig)
+            return fig
+
+    def png(self, dpi: int = DPI) -> bytes:
+        return fig_png(self.figure(), dpi)
+
+    def save(self, path, dpi: int = 110) -> str:
+        """Write the picture to ``path`` (.png, .svg or .pdf by suffix); returns the path."""
+        self.figure().savefig(os.fspath(path), dpi=dpi)
+        return os.fspath(path)
+
+    def _repr_png_(self) -> bytes:
+        return self.png()
+
+    def _repr_html_(self) -> str:
+        data = base64.b64encode(self.png()).decode("ascii")
+        text = html.escape(repr(self))
+        return f'<figure><img src="data:image/png;base64,{data}" alt="{text}"/><figcaption><code>{text}</code></figcaption></figure>'
+
+    # -- widget -----------------------------------------------------------------------------------
+    @property
+    def widget(self):
+        """The ipywidgets form of this view (built on first use)."""
+        if self._widget is None:
+            import ipywidgets as w
+
+            self._image = w.Image(value=self._widget_png(), format="png", layout=w.Layout(max_width="100%"))
+            self._status = w.HTML(value=self._status_html())
+            self._widget = w.VBox(self._controls() + [self._image, self._status])
+        return self._widget
+
+    def _widget_png(self) -> bytes:
+        return self.png()
+
+    def _status_html(self) -> str:
+        text = html.escape(repr(self))
+        if self._error:
+            text += f' <span style="color:#b00">{html.escape(self._error)}</span>'
+        return f"<code>{text}</code>"
+
+    def _refresh(self) -> None:
+        """Redraw the widget's picture (any thread); a view without a widget only counts."""
+        with self._lock:
+            self._busy = True
+            try:
+                self.redraws += 1
+                if self._image is not None:
+                    self._image.value = self._widget_png()
+                    self._status.value = self._status_html()
+            finally:
+                self._busy = False
+
+    def _ipython_display_(self):
+        from IPython.display import display
+
+        bundle = {"text/plain": repr(self)}
+        try:
+            bundle.update(self.widget._repr_mimebundle_() or {})
+            bundle["text/plain"] = repr(self)
+        except Exception:  # no widget front end: the static picture still shows
+            pass
+        bundle["image/png"] = self._image.value if self._image is not None else self.png()
+        display(bundle, raw=True)
+
+    # -- live -------------------------------------------------------------------------------------
+    def feed(self, events) -> "View":
+        """Add events (replay, or a source of your own) and redraw."""
+        evs, _ = as_events(list(events) if not isinstance(events, (str, os.PathLike)) else events)
+        with self._lock:
+            self._ingest(evs)
+        self._refresh()
+        return self
+
+    def flush(self, timeout: float = 5.0) -> bool:
+        """Wait until the live source's events so far are drawn (True when there is nothing pending)."""
+        return True if self._live is None else self._live.flush(timeout)
+
+    def close(self) -> None:
+        """Stop following the live source."""
+        if self._live is not None:
+            self._live.stop()
+            self._live = None
+
+    @property
+    def live(self) -> bool:
+        return self._live is not None

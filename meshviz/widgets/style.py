@@ -1,0 +1,73 @@
+"""Colours, number formats and small parsers shared by the views."""
+
+from __future__ import annotations
+
+import colorsys
+import re
+
+import numpy as np
+from matplotlib import colormaps
+
+__all__ = ["GREY", "EMPTY", "block_colours", "fmt_bytes", "parse_ints", "parse_placements", "parse_ids"]
+
+GREY = np.array([0.86, 0.86, 0.86])  # ranks outside the mesh of interest
+EMPTY = np.array([1.0, 1.0, 1.0])
+_TAB = np.array(colormaps["tab20"].colors)[[0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19]]
+
+
+def block_colours(n: int) -> np.ndarray:
+    """``n`` distinct RGB colours (tab20 first, then golden-ratio hues); block i of a picture gets colour i."""
+    if n <= len(_TAB):
+        return _TAB[:n].copy()
+    out = [_TAB[i] for i in range(len(_TAB))]
+    for i in range(len(_TAB), n):
+        h = (i * 0.6180339887) % 1.0
+        out.append(colorsys.hsv_to_rgb(h, 0.45 + 0.25 * ((i // 7) % 2), 0.92 - 0.12 * ((i // 3) % 2)))
+    return np.array(out)
+
+
+def fmt_bytes(n) -> str:
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"  # pragma: no cover
+
+
+def parse_ints(text) -> list[int]:
+    """``"2,4"``, ``"2x4"``, ``"[2, 4]"`` or a sequence -> [2, 4]; ``""`` -> []."""
+    if isinstance(text, (list, tuple)):
+        return [int(v) for v in text]
+    parts = [p for p in re.split(r"[\s,x×*\[\]()]+", str(text).strip()) if p]
+    try:
+        return [int(p) for p in parts]
+    except ValueError:
+        raise ValueError(f"expected integers such as '2,4', got {text!r}") from None
+
+
+def parse_placements(text) -> list:
+    """``"S(0), R"`` or ``"[P(sum), S(1)]"`` or a sequence -> placements."""
+    from ..core import parse_placement
+
+    if isinstance(text, (list, tuple)):
+        return [parse_placement(p) for p in text]
+    s = str(text).strip().strip("[]")
+    items = [t for t in re.findall(r"[A-Za-z]+(?:\([^)]*\))?", s)]
+    if not items:
+        raise ValueError(f"no placements in {text!r}; write e.g. 'S(0), R'")
+    return [parse_placement(t) for t in items]
+
+
+def parse_ids(text, shape) -> np.ndarray:
+    """Process ids for a mesh of ``shape``: blank or 'range' -> 0..n-1, 'reversed', or an explicit list."""
+    n = int(np.prod(shape)) if len(shape) else 1
+    s = str(text).strip().lower() if not isinstance(text, (list, tuple, np.ndarray)) else None
+    if s in ("", "range", "arange", None) and not isinstance(text, (list, tuple, np.ndarray)):
+        return np.arange(n).reshape(shape)
+    if s == "reversed":
+        return np.arange(n)[::-1].reshape(shape)
+    ids = np.asarray(text).ravel().tolist() if s is None else parse_ints(text)
+    if len(ids) != n:
+        raise ValueError(f"{len(ids)} process ids for a mesh of shape {list(shape)} ({n} ranks)")
+    return np.asarray(ids).reshape(shape)

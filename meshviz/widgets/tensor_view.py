@@ -1,0 +1,281 @@
+"""TensorView: a global tensor's index space cut into blocks, coloured like the mesh cells that hold them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..core import Partial, ProcessMesh, Replicate, layout, parse_placement
+from ..core.layout import dense_to_local
+from ..core.placements import placements_str
+from ..core.planner import assemble
+from .base import View
+from .draw import draw_blocks, draw_mesh
+from .mesh_view import as_mesh
+from .style import GREY, block_colours
+
+__all__ = ["TensorView", "TensorState", "tensor_state", "draw_tensor_state"]
+
+MAX_SUMMAND_PANELS = 4
+MAX_VALUE_NUMEL = 4096  # values are simulated per rank only for tensors this small
+_OP_SYMBOL = {"sum": "+", "avg": "avg", "max": "max", "min": "min", "prod": "×"}
+
+
+@dataclass
+class TensorState:
+    """What a tensor picture draws: blocks, who holds them, Partial summands and (small tensors) values."""
+
+    shape: tuple
+    mesh: ProcessMesh
+    placements: tuple
+    order: list  # distinct blocks; block i has colour i
+    blocks: dict  # block -> ranks holding it (mesh order); equals Layout.owners()
+    summands: list  # per Partial summand: block -> ranks (one entry when nothing is Partial)
+    summand_ranks: list  # per summand: the ranks that hold it
+    fills: dict  # rank -> 'value' | 'zero' | 'one'
+    locals: dict | None = None  # rank -> numpy local value
+    reduce: str | None = None  # 'sum', 'max', ... or 'mixed'
+    empty: list = field(default_factory=list)  # ranks holding an empty block
+
+    @property
+    def colours(self) -> np.ndarray:
+        return block_colours(len(self.order))
+
+    @property
+    def is_partial(self) -> bool:
+        return self.reduce is not None
+
+    def rank_block(self) -> dict:
+        return {r: b for b, rs in self.blocks.items() for r in rs}
+
+    def cell_rgb(self, world: ProcessMesh | None = None) -> np.ndarray:
+        """Mesh-shaped colours: each cell the colour of its block (pale for identity summands)."""
+        mesh = world or self.mesh
+        cols = self.colours
+        idx = {b: i for i, b in enumerate(self.order)}
+        of = self.rank_block()
+        rgb = np.broadcast_to(GREY, tuple(mesh.shape) + (3,)).copy()
+        for c in np.ndindex(*mesh.shape):
+            r = mesh.rank_at(c)
+            if r in of:
+                col = cols[idx[of[r]]]
+                rgb[c] = col if self.fills.get(r, "value") == "value" else col * 0.3 + 0.7
+        return rgb
+
+    def dense(self, ranks=None) -> np.ndarray | None:
+        """The global picture built from the values of ``ranks`` (default: the first holder of each block)."""
+        if self.locals is None:
+            return None
+        out = np.full(self.shape, np.nan)
+        for blk, holders in self.blocks.items():
+            pick = [r for r in holders if ranks is None or r in ranks]
+            if not pick or pick[0] not in self.locals:
+                continue
+            v = self.locals[pick[0]]
+            sl = tuple(slice(a, b) for a, b in blk)
+            if v is not None and np.size(v) == np.prod([b - a for a, b in blk]):
+                out[sl] = np.asarray(v, dtype=float).reshape(out[sl].shape)
+        return out
+
+    def value(self) -> np.ndarray | None:
+        """The global value (Partial summands reduced), when every rank's local value is known."""
+        if self.locals is None or any(r not in self.locals for r in self.mesh.process_ids):
+            return None
+        try:
+            return np.asarray(assemble(self.locals, self.shape, self.mesh, self.placements), dtype=float)
+        except Exception:
+            return None
+
+
+def tensor_state(shape, mesh, placements, value=None, locals=None) -> TensorState:
+    """Compute what to draw for ``shape`` laid out on ``mesh`` with ``placements`` (from the core's layout)."""
+    mesh = as_mesh(mesh)
+    placements = [parse_placement(p) for p in placements]
+    lay = layout(shape, mesh, placements)
+    owners = lay.owners()
+    order = sorted(owners)
+    paxes = [i for i, p in enumerate(lay.placements) if isinstance(p, Partial)]
+    psizes = [mesh.shape[i] for i in paxes]
+    k = int(np.prod(psizes)) if paxes else 1
+    summands = [dict() for _ in range(k)]
+    summand_ranks = [[] for _ in range(k)]
+    fills = {}
+    empty = []
+    for c in np.ndindex(*mesh.shape):
+        r = mesh.rank_at(c)
+        blk = lay.block(c)
+        j = int(np.ravel_multi_index([c[i] for i in paxes], psizes)) if paxes else 0
+        summands[j].setdefault(blk, []).append(r)
+        summand_ranks[j].append(r)
+        fills[r] = lay.fill(c)
+        if any(a >= b for a, b in blk):
+            empty.append(r)
+    reduce = None
+    if paxes:
+        kinds = {lay.placements[i].reduce_type.short for i in paxes}
+        reduce = kinds.pop() if len(kinds) == 1 else "mixed"
+    if locals is None and value is not None:
+        value = np.asarray(value)
+        if tuple(value.shape) != tuple(lay.shape):
+            raise ValueError(f"value of shape {list(value.shape)} for a tensor of shape {list(lay.shape)}")
+        if value.size <= MAX_VALUE_NUMEL and mesh.size <= 1024:
+            locals = {mesh.rank_at(c): dense_to_local(value, mesh, lay.placements, c)
+                      for c in np.ndindex(*mesh.shape)}
+    return TensorState(lay.shape, mesh, lay.placements, order, {b: tuple(r) for b, r in owners.items()},
+                       [{b: tuple(r) for b, r in s.items()} for s in summands], summand_ranks, fills, locals,
+                       reduce, empty)
+
+
+def _rank_list(ranks, limit=6) -> str:
+    ranks = list(ranks)
+    s = ",".join(map(str, ranks[:limit]))
+    return s + (",…" if len(ranks) > limit else "")
+
+
+def draw_tensor_state(fig, spec, st: TensorState, *, title=None, world=None, groups_axis=None, show_mesh=True,
+                      mesh_title=None):
+    """Draw [mesh | blocks] (or [mesh | summand + summand ... = value] for Partial) into ``spec``."""
+    cols = st.colours
+    k = len(st.summands)
+    shown = min(k, MAX_SUMMAND_PANELS)
+    n_tensor = 1 if not st.is_partial else shown + 1
+    widths = ([1.0] if show_mesh else []) + [1.0] * n_tensor
+    gs = spec.subgridspec(1, len(widths), width_ratios=widths, wspace=0.35)
+    col = 0
+    if show_mesh:
+        hatched = st.empty
+        text_extra = {r: "zeros" if f == "zero" else "ones" for r, f in st.fills.items() if f != "value"} \
+            if st.mesh.size <= 64 else None
+        draw_mesh(fig, gs[0, 0], world or st.mesh, st.cell_rgb(world), hatched=hatched, groups_axis=groups_axis,
+                  title=mesh_title, text_extra=text_extra)
+        col = 1
+    labels = [_rank_list(st.blocks[b]) for b in st.order]
+    if not st.is_partial:
+        ax = fig.add_subplot(gs[0, col])
+        draw_blocks(ax, st.shape, st.order, cols, values=st.dense(), labels=labels,
+                    title=title or f"{list(st.shape)} {placements_str(st.placements)}")
+        _note_empty(ax, st)
+        return
+    sym = _OP_SYMBOL.get(st.reduce, "⊕")
+    for j in range(shown):
+        ax = fig.add_subplot(gs[0, col + j])
+        holders = st.summand_ranks[j]
+        faded = [i for i, b in enumerate(st.order)
+                 if all(st.fills.get(r) != "value" for r in st.summands[j].get(b, ()))]
+        slabels = [_rank_list(st.summands[j].get(b, ())) for b in st.order]
+        draw_blocks(ax, st.shape, st.order, cols, values=st.dense(set(holders)), labels=slabels, faded=faded,
+                    title=f"summand {j}: ranks {_rank_list(holders, 4)}")
+        if j < shown - 1 or k > shown:
+            ax.text(1.12, 0.5, sym if j < shown - 1 else f"{sym} …{k - shown} more", transform=ax.transAxes,
+                    fontsize=13 if len(sym) == 1 else 9, ha="center", va="center", fontweight="bold")
+    ax = fig.add_subplot(gs[0, col + shown])
+    value = st.value()
+    dense_cols = cols
+    draw_blocks(ax, st.shape, st.order, dense_cols, values=value, labels=None,
+                title=f"= {st.reduce}(summands)" if len(sym) > 1 else "= reduced value")
+    ax.text(-0.12, 0.5, "=", transform=ax.transAxes, fontsize=14, ha="center", va="center", fontweight="bold")
+    if title:
+        pos = spec.get_position(fig)
+        fig.text((pos.x0 + pos.x1) / 2, pos.y1 + 0.02, title, ha="center", va="bottom", fontsize=9)
+    _note_empty(ax, st)
+
+
+def _note_empty(ax, st: TensorState):
+    if st.empty:
+        ax.text(0.0, -0.22, f"empty block on rank{'s' if len(st.empty) > 1 else ''} {_rank_list(st.empty, 8)}",
+                transform=ax.transAxes, fontsize=7, color="#a00", va="top")
+
+
+class TensorView(View):
+    """A tensor's blocks: ``TensorView(shape, mesh, placements, value=None)``, ``TensorView(dist_tensor)``, or
+    ``TensorView(source=events)`` (follows the latest ``placed``/``reshard`` tensor, with the ranks' values).
+    """
+
+    def __init__(self, shape=None, mesh=None, placements=None, value=None, name: str | None = None, world=None,
+                 source=None, tensor_id=None, interval=0.15):
+        if shape is not None and hasattr(shape, "process_mesh") and hasattr(shape, "placements"):
+            t = shape
+            shape, mesh, placements = tuple(t.shape), t.process_mesh, list(t.placements)
+            name = name or getattr(t, "_mv_name", None)
+        self.name = name
+        self.tensor_id = tensor_id
+        self.world = as_mesh(world) if world is not None else None
+        self.state: TensorState | None = None
+        if shape is not None:
+            if mesh is None or placements is None:
+                raise ValueError("TensorView needs shape, mesh and placements (or a dist tensor, or source=)")
+            self.state = tensor_state(shape, mesh, placements, value=value)
+        self._rank_values: dict = {}
+        super().__init__(source=source, interval=interval)
+
+    # the data the picture is computed from
+    @property
+    def blocks(self) -> dict:
+        return {} if self.state is None else dict(self.state.blocks)
+
+    @property
+    def summands(self) -> list:
+        return [] if self.state is None else list(self.state.summands)
+
+    def _ingest(self, events) -> None:
+        super()._ingest(events)
+        for e in events:
+            if self.tensor_id is not None and e.tensor_id != self.tensor_id:
+                continue
+            if self.name is not None and e.name is not None and e.name != self.name and self.tensor_id is None:
+                continue
+            if e.kind == "placed" and e.mesh and e.placements_after is not None:
+                self._set_layout(e.shape_after, e.mesh, e.placements_after, e.tensor_id)
+                self._take_values(e)
+            elif e.kind == "reshard" and e.mesh:
+                tgt = (e.extra or {}).get("target_mesh") or e.mesh
+                self._set_layout(e.shape_after or e.shape_before, tgt, e.placements_after, e.tensor_id)
+                self._pending_steps = len((e.extra or {}).get("ops") or [])
+            elif e.kind == "reshard_step" and self.state is not None and e.step is not None:
+                if e.step == getattr(self, "_pending_steps", 0) - 1:
+                    self._take_values(e)
+
+    def _set_layout(self, shape, mesh, placements, tid):
+        st = tensor_state(shape, ProcessMesh.from_dict(mesh) if isinstance(mesh, dict) else mesh, placements)
+        if self.state is None or (st.shape, st.mesh, st.placements) != (self.state.shape, self.state.mesh,
+                                                                        self.state.placements):
+            self._rank_values = {}
+        self.state = st
+        self._tid = tid
+
+    def _take_values(self, e):
+        if e.values is None or e.local_shape is None or e.rank not in self.state.mesh.process_ids:
+            return
+        n = int(np.prod(e.local_shape)) if e.local_shape else 1
+        if len(e.values) == n:
+            self._rank_values[e.rank] = np.asarray(e.values, dtype=float).reshape(e.local_shape)
+            self.state.locals = dict(self._rank_values)
+
+    def _size(self):
+        if self.state is None:
+            return 4.0, 1.5
+        panels = 1 + (1 if not self.state.is_partial else min(len(self.state.summands), MAX_SUMMAND_PANELS) + 1)
+        return min(14.0, 3.3 * panels + 0.6), 3.6
+
+    def _draw(self, fig) -> None:
+        if self.state is None:
+            fig.text(0.5, 0.5, "waiting for a placed tensor…", ha="center", va="center", fontsize=10)
+            return
+        spec = fig.add_gridspec(1, 1, left=0.07, right=0.97, top=0.8, bottom=0.2)[0]
+        st = self.state
+        head = f"{self.name + ' ' if self.name else ''}{list(st.shape)} {placements_str(st.placements)}"
+        if st.is_partial:
+            head += f"  — Partial: the tensor is the {st.reduce} of {len(st.summands)} summands"
+        draw_tensor_state(fig, spec, st, title=head if st.is_partial else None, world=self.world,
+                          mesh_title="mesh (cell colour = block)")
+        if not st.is_partial:
+            fig.suptitle(head, fontsize=10)
+
+    def __repr__(self) -> str:
+        if self.state is None:
+            return "<TensorView (waiting for a placed tensor)>"
+        st = self.state
+        extra = f", {len(st.summands)} summands" if st.is_partial else ""
+        return (f"<TensorView {list(st.shape)} {placements_str(st.placements)} on mesh {st.mesh.shape}: "
+                f"{len(st.order)} blocks{extra}>")

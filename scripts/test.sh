@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Set up (with test tools and a headless browser), then run every test: unit, multi-process, notebooks, browser.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh --test
+if [ -f scripts/install_browser.sh ]; then
+  bash scripts/install_browser.sh
+fi
+export IPP_NONINTERACTIVE=1 PYTHONWARNINGS=ignore::FutureWarning
+.venv/bin/python -m pytest tests notebooks --nbval-lax -p no:cacheprovider "$@"

@@ -1,0 +1,83 @@
+"""save_state_dict/load_state_dict: saved sharded on 4 ranks, loaded on 2 (and 1) in other layouts, bit-exact."""
+
+import pytest
+import torch
+
+from meshviz.testing import run_ranks
+
+
+def _full():
+    g = torch.Generator().manual_seed(3)
+    return {"w": torch.randn(10, 3, generator=g), "b": torch.randn(8, 4, generator=g),
+            "plain": torch.arange(6.0), "step": 7, "opt": {"m": torch.randn(5, generator=g)}}
+
+
+def _save4(path):
+    import meshviz.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    dist.init_parallel_env()
+    mesh = init_device_mesh("cpu", (4,))
+    f = _full()
+    sd = {"w": distribute_tensor(f["w"], mesh, [Shard(0)]),  # 10 rows on 4: 3, 3, 3, 1
+          "b": distribute_tensor(f["b"], mesh, [Shard(1)]),
+          "plain": f["plain"], "step": f["step"],
+          "opt": {"m": distribute_tensor(f["opt"]["m"], mesh, [Shard(0)])}}
+    dist.save_state_dict(sd, path)
+    return sd["w"].to_local().shape[0]
+
+
+def _load2(path):
+    import meshviz.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    dist.init_parallel_env()
+    mesh = init_device_mesh("cpu", (2,))
+    z = {k: torch.zeros_like(v) for k, v in _full().items() if isinstance(v, torch.Tensor)}
+    w = distribute_tensor(z["w"], mesh, [Replicate()])
+    b = distribute_tensor(z["b"], mesh, [Shard(0)])
+    m = distribute_tensor(torch.zeros(5), mesh, [Replicate()])
+    plain = torch.zeros(6)
+    sd = {"w": w, "b": b, "plain": plain, "step": 0, "opt": {"m": m}}
+    dist.load_state_dict(sd, path)
+    return {"w": sd["w"].to_local(), "b": sd["b"].to_local(), "plain": sd["plain"], "step": sd["step"],
+            "m": sd["opt"]["m"].to_local(), "in_place": sd["w"] is w and sd["plain"] is plain}
+
+
+@pytest.mark.timeout(120)
+def test_save_on_4_sharded_load_on_2_replicated(tmp_path):
+    path = str(tmp_path / "ckpt")
+    assert run_ranks(_save4, 4, path) == [3, 3, 3, 1]
+    f = _full()
+    res = run_ranks(_load2, 2, path)
+    for r, out in enumerate(res):
+        assert torch.equal(out["w"], f["w"])
+        assert torch.equal(out["b"], f["b"].chunk(2, dim=0)[r])
+        assert torch.equal(out["plain"], f["plain"]) and out["step"] == 7
+        assert torch.equal(out["m"], f["opt"]["m"])
+        assert out["in_place"]
+    # and into plain tensors in one process without any process group
+    import meshviz.distributed as dist
+
+    sd = {"w": torch.zeros(10, 3), "b": torch.zeros(8, 4), "plain": torch.zeros(6), "step": 0,
+          "opt": {"m": torch.zeros(5)}}
+    dist.load_state_dict(sd, path)
+    for k in ("w", "b", "plain"):
+        assert torch.equal(sd[k], f[k])
+    assert torch.equal(sd["opt"]["m"], f["opt"]["m"]) and sd["step"] == 7
+
+
+def test_plain_round_trip_single_process(tmp_path):
+    import meshviz.distributed as dist
+    from meshviz.distributed.checkpoint import _to_dcp
+
+    sd = {"a": torch.randn(3, 2), "n": {"c": torch.arange(4)}}
+    dist.save_state_dict(sd, str(tmp_path / "c"))
+    new = {"a": torch.zeros(3, 2), "n": {"c": torch.zeros(4, dtype=torch.long)}}
+    dist.load_state_dict(new, str(tmp_path / "c"))
+    assert torch.equal(new["a"], sd["a"]) and torch.equal(new["n"]["c"], sd["n"]["c"])
+    assert _to_dcp(sd["a"]) is sd["a"]
+    with pytest.raises(TypeError):
+        dist.save_state_dict([1], str(tmp_path / "d"))

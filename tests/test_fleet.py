@@ -1,0 +1,374 @@
+"""fleet: topology against Paddle's layout, meta_parallel layers against unsplit torch layers, seed 004 training."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from meshviz.testing import run_ranks
+
+V, D, H = 8, 4, 8
+
+
+def _batch(step, dp_rank, b=2, t=3):
+    g = torch.Generator().manual_seed(1000 * step + dp_rank)
+    return torch.randint(0, V, (b, t), generator=g), torch.randint(0, V, (b, t), generator=g)
+
+
+class MPNet(nn.Module):
+    def __init__(self):
+        from meshviz.distributed.fleet import meta_parallel as mpu
+
+        super().__init__()
+        self.emb = mpu.VocabParallelEmbedding(V, D)
+        self.up = mpu.ColumnParallelLinear(D, H, gather_output=False)
+        self.down = mpu.RowParallelLinear(H, D, input_is_parallel=True)
+        self.head = mpu.ColumnParallelLinear(D, V, gather_output=False)
+        self.ce = mpu.ParallelCrossEntropy()
+
+    def forward(self, ids, labels):
+        h = self.down(torch.relu(self.up(self.emb(ids))))
+        return self.ce(self.head(h), labels).mean()
+
+
+class RefNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(V, D)
+        self.up = nn.Linear(D, H)
+        self.down = nn.Linear(H, D)
+        self.head = nn.Linear(D, V)
+
+    def forward(self, ids, labels):
+        h = self.down(torch.relu(self.up(self.emb(ids))))
+        return F.cross_entropy(self.head(h).reshape(-1, V), labels.reshape(-1))
+
+
+def _hybrid():
+    import meshviz.distributed as dist
+    from meshviz.distributed import fleet
+    from meshviz.distributed.fleet import meta_parallel as mpu
+
+    dist.init_parallel_env()
+    r = dist.get_rank()
+    out = {}
+    s = fleet.DistributedStrategy()
+    s.hybrid_configs = {"dp_degree": 2, "mp_degree": 2, "pp_degree": 1}
+    fleet.init(is_collective=True, strategy=s)
+    hcg = fleet.get_hybrid_communicate_group()
+    out["topo"] = dict(
+        dp=(hcg.get_data_parallel_rank(), hcg.get_data_parallel_world_size(), hcg.get_data_parallel_group().ranks),
+        mp=(hcg.get_model_parallel_rank(), hcg.get_model_parallel_world_size(),
+            hcg.get_model_parallel_group().ranks),
+        pp=(hcg.get_stage_id(), hcg.get_pipe_parallel_world_size(), hcg.get_pipe_parallel_group().ranks),
+        sharding=(hcg.get_sharding_parallel_rank(), hcg.get_sharding_parallel_world_size()),
+        mode=hcg.get_parallel_mode(), glob=hcg.get_global_rank(),
+        workers=(fleet.worker_index(), fleet.worker_num(), fleet.is_first_worker()),
+    )
+    fleet.barrier_worker()
+
+    # each layer alone against its unsplit twin (same seed on every rank -> same full weights)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 4, generator=g)
+    gy = torch.randn(3, 6, generator=g)
+    torch.manual_seed(21)
+    col = mpu.ColumnParallelLinear(4, 6)  # gather_output=True
+    xc = x.clone().requires_grad_()
+    y = col(xc)
+    (y * gy).sum().backward()
+    out["col"] = (y.detach(), xc.grad, col.weight.detach(), col.bias.detach(), col.weight.grad, col.bias.grad)
+    torch.manual_seed(22)
+    row = mpu.RowParallelLinear(6, 3)  # input_is_parallel=False
+    x6 = torch.randn(3, 6, generator=g).requires_grad_()
+    gy3 = torch.randn(3, 3, generator=g)
+    y = row(x6)
+    (y * gy3).sum().backward()
+    out["row"] = (y.detach(), x6.grad, row.weight.detach(), row.bias.detach(), row.weight.grad, row.bias.grad)
+    torch.manual_seed(23)
+    emb = mpu.VocabParallelEmbedding(V, 3)
+    ids = torch.tensor([[0, 7, 3], [4, 4, 1]])
+    y = emb(ids)
+    gy = torch.randn(2, 3, 3, generator=g)
+    (y * gy).sum().backward()
+    out["emb"] = (y.detach(), emb.weight.detach(), emb.weight.grad)
+    logits = torch.randn(5, V, generator=g)
+    labels = torch.tensor([0, 7, -100, 3, 4])
+    local = logits.chunk(2, dim=-1)[hcg.get_model_parallel_rank()].clone().requires_grad_()
+    loss = mpu.ParallelCrossEntropy()(local, labels.unsqueeze(-1))
+    gl = torch.arange(1.0, 6.0).unsqueeze(-1)
+    (loss * gl).sum().backward()
+    out["ce"] = (loss.detach(), local.grad)
+    errs = []
+    for fn in (lambda: mpu.ColumnParallelLinear(4, 5), lambda: mpu.RowParallelLinear(3, 4),
+               lambda: mpu.VocabParallelEmbedding(7, 2)):
+        try:
+            fn()
+        except ValueError as e:
+            errs.append(str(e))
+    out["layer_errs"] = errs
+
+    # hybrid training: distributed_model + distributed_optimizer, dp rank d trains on batch d
+    torch.manual_seed(0)
+    model = fleet.distributed_model(MPNet())
+    opt = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.5))
+    losses = []
+    for step in range(3):
+        ids, lab = _batch(step, hcg.get_data_parallel_rank())
+        loss = model(ids, lab)
+        loss.backward()
+        opt.step()
+        opt.clear_grad()
+        losses.append(loss.item())
+    out["losses"] = losses
+    out["params"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return out
+
+
+def _assemble(shards, dim):
+    return torch.cat(shards, dim=dim)
+
+
+@pytest.mark.timeout(150)
+def test_hybrid_dp2_mp2():
+    res = run_ranks(_hybrid, 4)
+    # Paddle's topology with order [dp, pp, sharding, mp]: rank = dp_index * 2 + mp_index
+    for r, out in enumerate(res):
+        t = out["topo"]
+        dp_i, mp_i = divmod(r, 2)
+        assert t["dp"] == (dp_i, 2, [mp_i, mp_i + 2])
+        assert t["mp"] == (mp_i, 2, [2 * dp_i, 2 * dp_i + 1])
+        assert t["pp"] == (0, 1, [r]) and t["sharding"] == (0, 1)
+        assert t["mode"] == 1 and t["glob"] == r  # TENSOR_PARALLEL
+        assert t["workers"] == (r, 4, r == 0)
+        assert len(out["layer_errs"]) == 3 and all("divisible" in e for e in out["layer_errs"])
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 4, generator=g)
+    gy = torch.randn(3, 6, generator=g)
+    torch.manual_seed(21)
+    ref = nn.Linear(4, 6)
+    xr = x.clone().requires_grad_()
+    y = ref(xr)
+    (y * gy).sum().backward()
+    for pair in ((0, 1), (2, 3)):
+        a, b = res[pair[0]]["col"], res[pair[1]]["col"]
+        torch.testing.assert_close(_assemble([a[2], b[2]], 0), ref.weight.detach(), rtol=0, atol=0)
+        torch.testing.assert_close(_assemble([a[3], b[3]], 0), ref.bias.detach(), rtol=0, atol=0)
+        for o in (a, b):
+            torch.testing.assert_close(o[0], y.detach())
+            torch.testing.assert_close(o[1], xr.grad)
+        torch.testing.assert_close(_assemble([a[4], b[4]], 0), ref.weight.grad)
+        torch.testing.assert_close(_assemble([a[5], b[5]], 0), ref.bias.grad)
+
+    torch.manual_seed(22)
+    ref = nn.Linear(6, 3)
+    x6 = torch.randn(3, 6, generator=g).requires_grad_()
+    gy3 = torch.randn(3, 3, generator=g)
+    y = ref(x6)
+    (y * gy3).sum().backward()
+    a, b = res[0]["row"], res[1]["row"]
+    torch.testing.assert_close(_assemble([a[2], b[2]], 1), ref.weight.detach(), rtol=0, atol=0)
+    for o in (a, b):
+        torch.testing.assert_close(o[0], y.detach())
+        torch.testing.assert_close(o[1], x6.grad)
+        torch.testing.assert_close(o[3], ref.bias.detach())
+        torch.testing.assert_close(o[5], ref.bias.grad)
+    torch.testing.assert_close(_assemble([a[4], b[4]], 1), ref.weight.grad)
+
+    torch.manual_seed(23)
+    ref = nn.Embedding(V, 3)
+    ids = torch.tensor([[0, 7, 3], [4, 4, 1]])
+    y = ref(ids)
+    gy = torch.randn(2, 3, 3, generator=g)
+    (y * gy).sum().backward()
+    a, b = res[2]["emb"], res[3]["emb"]
+    torch.testing.assert_close(_assemble([a[1], b[1]], 0), ref.weight.detach(), rtol=0, atol=0)
+    for o in (a, b):
+        torch.testing.assert_close(o[0], y.detach())
+    torch.testing.assert_close(_assemble([a[2], b[2]], 0), ref.weight.grad)
+
+    logits = torch.randn(5, V, generator=g).requires_grad_()
+    labels = torch.tensor([0, 7, -100, 3, 4])
+    loss = F.cross_entropy(logits, labels, reduction="none")
+    (loss * torch.arange(1.0, 6.0)).sum().backward()
+    a, b = res[0]["ce"], res[1]["ce"]
+    for o in (a, b):
+        assert o[0].shape == (5, 1)
+        torch.testing.assert_close(o[0].squeeze(-1), loss.detach())
+    torch.testing.assert_close(_assemble([a[1], b[1]], 1), logits.grad)
+
+    # hybrid training equals one process on both dp ranks' batches
+    torch.manual_seed(0)
+    ref = RefNet()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    for step in range(3):
+        b0, b1 = _batch(step, 0), _batch(step, 1)
+        ids, lab = torch.cat([b0[0], b1[0]]), torch.cat([b0[1], b1[1]])
+        loss = ref(ids, lab)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        torch.testing.assert_close((res[0]["losses"][step] + res[2]["losses"][step]) / 2, loss.item())
+        assert res[0]["losses"][step] == pytest.approx(res[1]["losses"][step], abs=1e-6)
+    splits = {"emb.weight": 0, "up.weight": 0, "up.bias": 0, "down.weight": 1, "head.weight": 0, "head.bias": 0}
+    sd = ref.state_dict()
+    for k, v in sd.items():
+        for pair in ((0, 1), (2, 3)):
+            if k in splits:
+                got = _assemble([res[pair[0]]["params"][k], res[pair[1]]["params"][k]], splits[k])
+            else:
+                got = res[pair[0]]["params"][k]
+                torch.testing.assert_close(res[pair[1]]["params"][k], got)
+            torch.testing.assert_close(got, v, rtol=1e-5, atol=1e-6)
+
+
+class LinearNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self._linear1 = nn.Linear(10, 10)
+        self._linear2 = nn.Linear(10, 1)
+
+    def forward(self, x):
+        return self._linear2(self._linear1(x))
+
+
+def _seed004(steps=6):
+    """Seed 004's fleet program; each rank draws its own batch of 10."""
+    from meshviz.distributed import fleet
+
+    fleet.init(is_collective=True)
+    torch.manual_seed(2020)
+    layer = LinearNet()
+    adam = torch.optim.Adam(layer.parameters(), lr=0.001)
+    strategy = fleet.DistributedStrategy()
+    adam = fleet.distributed_optimizer(adam, strategy=strategy)
+    dp_layer = fleet.distributed_model(layer)
+    g = torch.Generator().manual_seed(fleet.worker_index())
+    losses = []
+    for step in range(steps):
+        inputs = torch.randn(10, 10, generator=g)
+        labels = torch.randn(10, 1, generator=g)
+        loss = F.mse_loss(dp_layer(inputs), labels)
+        loss.backward()
+        adam.step()
+        adam.clear_grad()
+        losses.append(loss.item())
+    return losses, {k: v.clone() for k, v in dp_layer.state_dict().items()}, type(dp_layer).__name__
+
+
+def _seed004_single_on(ranks, steps=6):
+    """The same program in one process on the concatenation of ``ranks``' batches."""
+    torch.manual_seed(2020)
+    layer = LinearNet()
+    adam = torch.optim.Adam(layer.parameters(), lr=0.001)
+    gens = [torch.Generator().manual_seed(r) for r in ranks]
+    losses = []
+    for _ in range(steps):
+        xs, ys = zip(*[(torch.randn(10, 10, generator=g), torch.randn(10, 1, generator=g)) for g in gens])
+        loss = F.mse_loss(layer(torch.cat(xs)), torch.cat(ys))
+        loss.backward()
+        adam.step()
+        adam.zero_grad()
+        losses.append(loss.item())
+    return losses, layer.state_dict()
+
+
+@pytest.mark.timeout(120)
+def test_seed004_single_and_two_ranks():
+    (one,) = run_ranks(_seed004, 1)
+    losses, params = _seed004_single_on([0])
+    assert one[2] == "LinearNet"  # one worker: the model itself
+    assert one[0] == pytest.approx(losses, abs=1e-6)
+    two = run_ranks(_seed004, 2)
+    losses, params = _seed004_single_on([0, 1])
+    for r in range(2):
+        assert two[r][2] == "DataParallel"
+        for k, v in params.items():
+            torch.testing.assert_close(two[r][1][k], v, rtol=1e-5, atol=1e-6)
+    # the 2-rank run's loss (mean of the ranks' halves) is the single run's loss on the whole batch
+    for step in range(6):
+        assert (two[0][0][step] + two[1][0][step]) / 2 == pytest.approx(losses[step], abs=1e-6)
+
+
+def _orders_and_errors():
+    import meshviz.distributed as dist
+    from meshviz.distributed import fleet
+
+    dist.init_parallel_env()
+    out = {}
+    s = fleet.DistributedStrategy()
+    s.hybrid_configs = {"mp_degree": 2, "order": ["mp", "pp", "sharding", "dp"]}  # dp_degree -1 -> 2
+    fleet.init(is_collective=True, strategy=s)
+    hcg = fleet.get_hybrid_communicate_group()
+    out["order"] = (hcg.get_data_parallel_group().ranks, hcg.get_model_parallel_group().ranks,
+                    hcg.get_data_parallel_world_size())
+    s = fleet.DistributedStrategy()
+    s.hybrid_configs = {"sharding_degree": 2}
+    fleet.init(is_collective=True, strategy=s)
+    hcg = fleet.get_hybrid_communicate_group()
+    out["sharding"] = (hcg.get_parallel_mode(), hcg.get_sharding_parallel_group().ranks,
+                       hcg.get_data_parallel_group().ranks)
+    s = fleet.DistributedStrategy()
+    s.hybrid_configs = {"pp_degree": 2}
+    s.pipeline_configs = {"micro_batch_size": 2}
+    s.pipeline_configs = {"accumulate_steps": 4}
+    out["pipeline_configs"] = s.pipeline_configs
+    fleet.init(is_collective=True, strategy=s)
+    hcg = fleet.get_hybrid_communicate_group()
+    out["pp"] = (hcg.get_parallel_mode(), hcg.get_pipe_parallel_group().ranks, hcg.get_stage_id())
+    try:
+        fleet.distributed_model(nn.Linear(2, 2))
+        out["pp_model"] = None
+    except NotImplementedError as e:
+        out["pp_model"] = str(e)
+    errs = []
+    bad = fleet.DistributedStrategy()
+    bad.hybrid_configs = {"dp_degree": 3, "mp_degree": 2}
+    for fn in (lambda: fleet.init(is_collective=True, strategy=bad),
+               lambda: setattr(fleet.DistributedStrategy(), "hybrid_configs", {"dp_degre": 2}),
+               lambda: setattr(fleet.DistributedStrategy(), "hybrid_configs", {"order": ["dp", "mp"]}),
+               lambda: setattr(fleet.DistributedStrategy(), "hybrid_configs", {"mp_degree": 0})):
+        try:
+            fn()
+        except ValueError as e:
+            errs.append(str(e))
+    out["errs"] = errs
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_orders_modes_and_errors():
+    res = run_ranks(_orders_and_errors, 4)
+    for r, out in enumerate(res):
+        # order [mp, pp, sharding, dp]: rank = mp_index * 2 + dp_index
+        mp_i, dp_i = divmod(r, 2)
+        assert out["order"] == ([2 * mp_i, 2 * mp_i + 1], [dp_i, dp_i + 2], 2)
+        # sharding 2 with dp 2, order [dp, pp, sharding, mp]: rank = dp * 2 + sharding
+        dp_i, sh_i = divmod(r, 2)
+        assert out["sharding"] == (3, [2 * dp_i, 2 * dp_i + 1], [sh_i, sh_i + 2])
+        # pp 2 with dp 2: rank = dp * 2 + stage
+        assert out["pp"] == (2, [2 * dp_i, 2 * dp_i + 1], r % 2)
+        assert out["pipeline_configs"]["micro_batch_size"] == 2 and out["pipeline_configs"]["accumulate_steps"] == 4
+        assert out["pipeline_configs"]["schedule_mode"] == "1F1B"
+        assert "pipeline" in out["pp_model"]
+        errs = out["errs"]
+        assert len(errs) == 4
+        assert "world has 4 ranks" in errs[0] and "unknown keys" in errs[1] and "order" in errs[2]
+        assert "positive" in errs[3]
+
+
+def test_strategy_defaults_and_merge():
+    from meshviz.distributed import fleet
+
+    s = fleet.DistributedStrategy()
+    h = s.hybrid_configs
+    assert h["dp_degree"] == -1 and h["mp_degree"] == 1 and h["order"] == ["dp", "pp", "sharding", "mp"]
+    h["mp_degree"] = 4  # a copy, as in Paddle
+    assert s.hybrid_configs["mp_degree"] == 1
+    s.hybrid_configs = {"mp_degree": 2}
+    s.hybrid_configs = {"pp_degree": 2}
+    assert (s.hybrid_configs["mp_degree"], s.hybrid_configs["pp_degree"]) == (2, 2)
+    import meshviz.distributed.fleet.meta_parallel as mp  # noqa: F401
+    from meshviz.distributed.fleet.utils.hybrid_parallel_util import fused_allreduce_gradients
+
+    assert fused_allreduce_gradients is fleet.utils.fused_allreduce_gradients
