@@ -227,3 +227,44 @@ def test_data_parallel_and_sharding_equal_eager_on_the_whole_batch(strategy_dict
         assert colls  # the per-rank program shows its communication
         if not strategy_dict:
             assert "broadcast from rank 0" in startup
+
+
+def _demo(steps):
+    """Seed 003's DemoNet: Paddle's Shard(1) on linear_0.weight ([in, out]) is Shard(0) on torch's [out, in]."""
+    import meshviz.distributed as dist
+
+    dist.init_parallel_env()
+    mesh = dist.ProcessMesh([0, 1], dim_names=["x"])
+
+    class DemoNet(Net):
+        def __init__(self):
+            super().__init__()
+            self.linear_0.weight = dist.shard_tensor(self.linear_0.weight, mesh, [dist.Shard(0)])
+            self.linear_1.weight = dist.shard_tensor(self.linear_1.weight, mesh, [dist.Shard(1)])
+
+    net = DemoNet()
+    dm = to_static(net, None, nn.MSELoss(), torch.optim.SGD(net.parameters(), lr=0.1))
+    losses = [float(dm(*data(s))) for s in range(steps)]  # every rank feeds the same batch
+    dm.eval()
+    ev = float(dm(*data(50)))
+    dm.predict()
+    out = dm(data(50)[0])["out0"]
+    params = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+              for k, v in net.state_dict().items()}
+    local_w0 = tuple(net.linear_0.weight._local_value().shape)
+    return losses, ev, out, params, local_w0, dm.dist_main_program("train").collectives()
+
+
+@pytest.mark.timeout(120)
+def test_seed_demo_net_with_dist_tensor_weights_equals_eager():
+    batches = [data(s) for s in range(3)]
+    ref, ref_losses = eager(3, batches)
+    x, y = data(50)
+    for losses, ev, out, params, local_w0, colls in run_ranks(_demo, 2, 3, timeout=100):
+        np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+        assert abs(ev - float(F.mse_loss(ref(x), y))) < 1e-5
+        np.testing.assert_allclose(out, ref(x).detach().numpy(), rtol=1e-5, atol=1e-6)
+        for k, v in ref.state_dict().items():
+            torch.testing.assert_close(params[k], v, rtol=1e-5, atol=1e-6)
+        assert local_w0 == (IMAGE // 2, IMAGE)
+        assert any("all_reduce" in c or "allreduce" in c for c in colls)

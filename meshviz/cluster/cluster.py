@@ -402,7 +402,11 @@ class Cluster:
                 res = child.result() if exc is None else None
                 if isinstance(res, BaseException):  # ipyparallel resolves a remote error as the result
                     exc = res
-                if exc is None:
+                if exc is not None and type(exc).__name__ == "EngineError":  # the controller saw it die
+                    self._dead.setdefault(r, "engine died while running")
+                    self.state = "broken"
+                    out.append(RankOutcome(r, eid, "died", self._dead[r]))
+                elif exc is None:
                     val = res if not hasattr(res, "execution_count") else None
                     out.append(RankOutcome(r, eid, "ok", value=val))
                 else:

@@ -11,7 +11,7 @@ import traceback
 
 __all__ = ["setup", "reinit", "stream_count", "guarded_call", "state"]
 
-GRACE = 0.2  # seconds a rank may still be running after a peer failed before it counts as stuck
+GRACE = 0.1  # seconds a rank may still be running after a peer failed before it counts as stuck
 
 _state: "_EngineState | None" = None
 
@@ -119,7 +119,10 @@ class _EngineState:
     def _on_exception(self, shell, etype, value, tb, tb_offset=None):
         self.report_failure(value)
         if self.abort_pending or _broke_process_group(value):
-            self._abort()  # cascade: peers blocked on this rank fail now instead of at the timeout
+            # cascade: peers blocked on this rank fail now instead of at the timeout. Gloo closes its sockets
+            # only when the group is freed, and the traceback's frames hold the pending work (and so the group).
+            traceback.clear_frames(tb)
+            self._abort()
         return shell.showtraceback((etype, value, tb), tb_offset=tb_offset)
 
     def report_failure(self, value: BaseException) -> None:
@@ -256,22 +259,31 @@ def guarded_call(func, *args, **kwargs):
     except BaseException as e:
         st.report_failure(e)
         if st.abort_pending or _broke_process_group(e):
+            traceback.clear_frames(e.__traceback__)
             st._abort()
         raise
     finally:
         st._post()
 
 
-def shutdown() -> None:
-    """Leave the process group and close the stream (called by Cluster.stop before the engines exit)."""
-    global _state
-    try:
-        import torch.distributed as tdist
+def shutdown(exit_after: float | None = 0.2) -> None:
+    """Flush and close the stream, then leave: the process exits ``exit_after`` s later (Cluster.stop calls this).
 
-        if tdist.is_initialized():
-            tdist.destroy_process_group()
-    except Exception:
-        pass
+    Exiting at once skips the interpreter teardown of torch and gloo threads (seconds on a busy machine), and
+    the process group is not destroyed: peers may still hold sockets to this rank.
+    """
+    global _state
     if _state is not None:
         _state.close()
         _state = None
+    if exit_after is not None:
+        def _exit():
+            time.sleep(exit_after)
+            for f in (sys.stdout, sys.stderr):
+                try:
+                    f.flush()
+                except Exception:
+                    pass
+            os._exit(0)
+
+        threading.Thread(target=_exit, daemon=True).start()

@@ -12,6 +12,16 @@ from .api import (
     unshard_dtensor,
 )
 from .dtensor import DistTensor
+from .shard_api import (
+    ShardDataloader,
+    ShardingStage1,
+    ShardingStage2,
+    ShardingStage3,
+    shard_dataloader,
+    shard_layer,
+    shard_optimizer,
+    shard_scaler,
+)
 from .env import (
     ParallelEnv,
     barrier,
@@ -29,6 +39,8 @@ __all__ = [
     "ParallelEnv", "destroy_process_group",
     "DistTensor", "shard_tensor", "reshard", "dtensor_from_local", "dtensor_to_local", "unshard_dtensor",
     "local_map", "is_dist_tensor", "plan_of",
+    "shard_layer", "shard_optimizer", "shard_scaler", "shard_dataloader", "ShardDataloader",
+    "ShardingStage1", "ShardingStage2", "ShardingStage3",
 ]
 
 # --- training API (collectives, DataParallel, fleet, checkpoint) -----------------------------------
@@ -67,7 +79,9 @@ __all__ += [
 ]
 from . import fleet
 from .checkpoint import load_state_dict, save_state_dict
+from .fleet.topology import ParallelMode
 from .parallel import DataParallel, fused_allreduce_gradients
 
-__all__ += ["fleet", "DataParallel", "fused_allreduce_gradients", "save_state_dict", "load_state_dict"]
+__all__ += ["fleet", "DataParallel", "fused_allreduce_gradients", "save_state_dict", "load_state_dict",
+            "ParallelMode"]
 # --- end training API ---------------------------------------------------------------------------------

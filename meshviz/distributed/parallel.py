@@ -57,7 +57,6 @@ class DataParallel(nn.Module):
                 bucket_cap_mb=comm_buffer_size,
                 bucket_cap_mb_list=[last_comm_buffer_size, comm_buffer_size],
                 find_unused_parameters=find_unused_parameters,
-                broadcast_buffers=True,
             )
         else:  # nothing to train: only make the replicas equal
             sync_params_buffers(layers, group)

@@ -108,6 +108,7 @@ def build_config(args: argparse.Namespace):
         max_nodes=nnodes,
         nproc_per_node=nproc,
         run_id=args.job_id,
+        role="worker",
         rdzv_backend="static",
         rdzv_endpoint=master,
         rdzv_configs={"rank": node_rank, "timeout": int(os.environ.get("MESHVIZ_RDZV_TIMEOUT", "900"))},
@@ -190,10 +191,12 @@ def launch(argv=None) -> int:
         elastic_launch(config, entrypoint=sys.executable)(
             "-u", "-m", "meshviz.launch._worker", args.training_script, *args.training_script_args)
     except ChildFailedError as e:
-        failed = sorted(e.failures)
-        print(f"meshviz.launch: worker(s) with global rank {failed} failed; see "
+        stopped = {-15, -9}  # the agent ends the other workers once one fails
+        failed = sorted(r for r, f in e.failures.items() if f.exitcode not in stopped) or sorted(e.failures)
+        print(f"meshviz.launch: worker(s) with global rank {failed} failed; the others were stopped. Logs: "
               f"{os.path.join(args.log_dir, 'workerlog.N')}", file=sys.stderr)
-        for rank, f in sorted(e.failures.items()):
+        for rank in failed:
+            f = e.failures[rank]
             path = os.path.join(args.log_dir, f"workerlog.{f.local_rank}")
             if os.path.exists(path):
                 with open(path, errors="replace") as fh:

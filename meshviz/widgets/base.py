@@ -12,7 +12,7 @@ import time
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-__all__ = ["View", "Live", "as_events", "new_figure", "fig_png"]
+__all__ = ["View", "Live", "Replayer", "as_events", "new_figure", "fig_png"]
 
 DPI = 90
 
@@ -225,7 +225,7 @@ class View:
             bundle["text/plain"] = repr(self)
         except Exception:  # no widget front end: the static picture still shows
             pass
-        bundle["image/png"] = self._image.value if self._image is not None else self.png()
+        bundle["image/png"] = self.png()  # the static picture, for nbconvert and GitHub
         display(bundle, raw=True)
 
     # -- live -------------------------------------------------------------------------------------
@@ -250,3 +250,50 @@ class View:
     @property
     def live(self) -> bool:
         return self._live is not None
+
+
+class Replayer:
+    """A live source that plays recorded events (a list or a JSONL path) on a thread, like a Cluster would.
+
+    ``speed``: recorded seconds per real second (``None``: as fast as possible); gaps are capped at ``max_gap``.
+    """
+
+    def __init__(self, events, speed: float | None = 1.0, max_gap: float = 0.25):
+        self.recorded, _ = as_events(events)
+        self.speed = speed
+        self.max_gap = max_gap
+        self.events: list = []
+        self._subs: list = []
+        self._thread: threading.Thread | None = None
+
+    def subscribe(self, callback):
+        self._subs.append(callback)
+        return callback
+
+    def unsubscribe(self, callback) -> None:
+        if callback in self._subs:
+            self._subs.remove(callback)
+
+    def start(self) -> "Replayer":
+        self._thread = threading.Thread(target=self._run, name="meshviz-replay", daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        prev = None
+        for e in self.recorded:
+            if self.speed and prev is not None:
+                time.sleep(min(self.max_gap, max(0.0, (e.start - prev) / self.speed)))
+            prev = e.start
+            self.events.append(e)
+            for cb in list(self._subs):
+                cb(e)
+
+    def join(self, timeout: float | None = None) -> bool:
+        if self._thread is not None:
+            self._thread.join(timeout)
+            return not self._thread.is_alive()
+        return True
+
+    def __repr__(self) -> str:
+        return f"<Replayer {len(self.events)}/{len(self.recorded)} events>"

@@ -15,7 +15,7 @@ from .draw import draw_blocks, draw_mesh
 from .mesh_view import as_mesh
 from .style import GREY, block_colours
 
-__all__ = ["TensorView", "TensorState", "tensor_state", "draw_tensor_state"]
+__all__ = ["TensorView", "TensorState", "tensor_state", "draw_tensor_state", "state_panels"]
 
 MAX_SUMMAND_PANELS = 4
 MAX_VALUE_NUMEL = 4096  # values are simulated per rank only for tensors this small
@@ -133,28 +133,39 @@ def _rank_list(ranks, limit=6) -> str:
     return s + (",…" if len(ranks) > limit else "")
 
 
+def state_panels(st: TensorState) -> int:
+    """Panels ``draw_tensor_state`` uses: the mesh, then one tensor (or the summands and their reduction)."""
+    return 2 if not st.is_partial else 2 + min(len(st.summands), MAX_SUMMAND_PANELS)
+
+
 def draw_tensor_state(fig, spec, st: TensorState, *, title=None, world=None, groups_axis=None, show_mesh=True,
-                      mesh_title=None):
-    """Draw [mesh | blocks] (or [mesh | summand + summand ... = value] for Partial) into ``spec``."""
+                      mesh_title=None, slots: int | None = None, text_extra=None):
+    """Draw [mesh | blocks] (or [mesh | summand + summand ... = value] for Partial) into ``spec``.
+
+    ``slots``: the width to lay out for (so rows of a storyboard line up); unused slots stay blank.
+    """
     cols = st.colours
     k = len(st.summands)
     shown = min(k, MAX_SUMMAND_PANELS)
     n_tensor = 1 if not st.is_partial else shown + 1
     widths = ([1.0] if show_mesh else []) + [1.0] * n_tensor
+    if slots is not None and slots > len(widths):
+        widths.append(float(slots - len(widths)))
     gs = spec.subgridspec(1, len(widths), width_ratios=widths, wspace=0.35)
     col = 0
     if show_mesh:
         hatched = st.empty
-        text_extra = {r: "zeros" if f == "zero" else "ones" for r, f in st.fills.items() if f != "value"} \
-            if st.mesh.size <= 64 else None
+        extra = {r: "zeros" if f == "zero" else "ones" for r, f in st.fills.items() if f != "value"} \
+            if st.mesh.size <= 64 else {}
+        for r, t in (text_extra or {}).items():
+            extra[r] = (extra[r] + " " + t) if r in extra else t
         draw_mesh(fig, gs[0, 0], world or st.mesh, st.cell_rgb(world), hatched=hatched, groups_axis=groups_axis,
-                  title=mesh_title, text_extra=text_extra)
+                  title=mesh_title, text_extra=extra or None)
         col = 1
     labels = [_rank_list(st.blocks[b]) for b in st.order]
     if not st.is_partial:
         ax = fig.add_subplot(gs[0, col])
-        draw_blocks(ax, st.shape, st.order, cols, values=st.dense(), labels=labels,
-                    title=title or f"{list(st.shape)} {placements_str(st.placements)}")
+        draw_blocks(ax, st.shape, st.order, cols, values=st.dense(), labels=labels, title=title)
         _note_empty(ax, st)
         return
     sym = _OP_SYMBOL.get(st.reduce, "⊕")
@@ -174,7 +185,8 @@ def draw_tensor_state(fig, spec, st: TensorState, *, title=None, world=None, gro
     dense_cols = cols
     draw_blocks(ax, st.shape, st.order, dense_cols, values=value, labels=None,
                 title=f"= {st.reduce}(summands)" if len(sym) > 1 else "= reduced value")
-    ax.text(-0.12, 0.5, "=", transform=ax.transAxes, fontsize=14, ha="center", va="center", fontweight="bold")
+    ax.set_ylabel("")
+    ax.text(-0.16, 0.5, "=", transform=ax.transAxes, fontsize=14, ha="center", va="center", fontweight="bold")
     if title:
         pos = spec.get_position(fig)
         fig.text((pos.x0 + pos.x1) / 2, pos.y1 + 0.02, title, ha="center", va="bottom", fontsize=9)

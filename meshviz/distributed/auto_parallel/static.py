@@ -55,7 +55,7 @@ class Program:
     def _is_comm(node) -> bool:
         t = node.target
         ns = getattr(t, "namespace", None) or getattr(getattr(t, "_schema", None), "name", "").split("::")[0]
-        return node.op == "call_function" and ns in Program.COMM
+        return node.op == "call_function" and ns in Program.COMM and "_wrap_tensor_autograd" not in str(t)
 
     def ops(self) -> list:
         if self.graph is None:
@@ -109,6 +109,10 @@ class _Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        if any(issubclass(t, FakeTensor) for t in types):  # shape propagation inside DTensor: not a real op
+            return func(*args, **kwargs)
         if any(getattr(t, "__torch_dispatch__", None) is not torch.Tensor.__torch_dispatch__ for t in types):
             return NotImplemented
         out = func(*args, **kwargs)
@@ -154,7 +158,7 @@ class DistModel:
 
     ``train()``: ``__call__(inputs..., labels...)`` runs forward, backward and (every ``k_steps`` calls) the
     optimizer, and returns the loss. ``eval()``: returns the loss. ``predict()``: ``__call__(inputs...)``
-    returns ``{"out0": ..., "out1": ...}``. With ``strategy.return_numpy`` (Paddle's default) values come back
+    returns ``{"out0": ..., "out1": ...}`` (a dist-tensor output as its global value). With ``strategy.return_numpy`` (Paddle's default) values come back
     as numpy arrays, else as torch tensors. On more than one rank with plain (not dist) parameters the ranks
     train as data parallel: parameters start from rank 0, each rank feeds its own part of the batch, gradients
     are averaged, and the loss returned is the mean over the ranks (the loss of the whole batch).
@@ -303,8 +307,12 @@ class DistModel:
         rec = _Recorder() if record else None
         with trace.span("compute", op=f"dist_model_{self._mode}"):
             if rec is not None:
-                with rec:
-                    out = self._step(inputs, labels)
+                fwd, self._forward = self._forward, self._layer  # record eager ops; compile skips under a mode
+                try:
+                    with rec:
+                        out = self._step(inputs, labels)
+                finally:
+                    self._forward = fwd
                 self._programs[self._mode] = (rec.records, self._local_names())
             else:
                 out = self._step(inputs, labels)
@@ -322,7 +330,7 @@ class DistModel:
             with torch.no_grad(), self._autocast():
                 outs = self._forward(*inputs)
             outs = outs if isinstance(outs, (tuple, list)) else [outs]
-            return {f"out{i}": self._out(o, local=True) for i, o in enumerate(outs)}
+            return {f"out{i}": self._out(o) for i, o in enumerate(outs)}
         if self._mode == "eval":
             with torch.no_grad(), self._autocast():
                 loss = self._loss(self._forward(*inputs), *labels)

@@ -1,0 +1,390 @@
+"""Auto-parallel training helpers: shard_layer, shard_optimizer (ShardingStage1/2/3), shard_scaler, shard_dataloader."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as tdist
+
+from .. import trace
+from ..core.mesh import ProcessMesh
+from ..core.placements import Replicate, Shard
+from .api import dtensor_from_local, reshard, shard_tensor
+from .dtensor import DistTensor
+from .env import init_parallel_env
+
+__all__ = [
+    "shard_layer",
+    "shard_optimizer",
+    "ShardingStage1",
+    "ShardingStage2",
+    "ShardingStage3",
+    "shard_scaler",
+    "shard_dataloader",
+    "ShardDataloader",
+]
+
+
+# -- shard_layer --------------------------------------------------------------------------------------------
+
+
+def _replicate_rest(layer: torch.nn.Module, mesh: ProcessMesh) -> None:
+    for mod_name, mod in layer.named_modules():
+        for pname, p in list(mod.named_parameters(recurse=False)):
+            if not isinstance(p, DistTensor):
+                new = shard_tensor(p, mesh, [Replicate()] * mesh.ndim,
+                                   name=f"{mod_name}.{pname}" if mod_name else pname)
+                setattr(mod, pname, new)
+            elif p.name is None:
+                p.name = f"{mod_name}.{pname}" if mod_name else pname
+        for bname, b in list(mod.named_buffers(recurse=False)):
+            if b is not None and not isinstance(b, DistTensor):
+                mod._buffers[bname] = shard_tensor(b, mesh, [Replicate()] * mesh.ndim)
+
+
+def shard_layer(layer: torch.nn.Module, process_mesh: ProcessMesh, shard_fn=None, input_fn=None, output_fn=None):
+    """Convert every parameter and buffer of ``layer`` to a dist tensor on ``process_mesh``.
+
+    ``shard_fn(name, sublayer, mesh)`` runs for every sub-layer (itself included) and may shard its parameters;
+    whatever it leaves dense becomes Replicate. ``input_fn(inputs, mesh)`` / ``output_fn(outputs, mesh)`` run
+    before / after ``forward``.
+    """
+    if not isinstance(layer, torch.nn.Module):
+        raise ValueError(f"shard_layer expects an nn.Module, got {type(layer).__name__}")
+    if not isinstance(process_mesh, ProcessMesh):
+        raise ValueError(f"shard_layer expects a ProcessMesh, got {process_mesh!r}")
+    init_parallel_env()
+    if shard_fn is not None:
+        for name, sub in list(layer.named_modules()):
+            shard_fn(name, sub, process_mesh)
+    _replicate_rest(layer, process_mesh)
+    if input_fn is not None:
+        layer.register_forward_pre_hook(lambda _m, inputs: input_fn(inputs, process_mesh))
+    if output_fn is not None:
+        layer.register_forward_hook(lambda _m, inputs, outputs: output_fn(outputs, process_mesh))
+    return layer
+
+
+# -- shard_optimizer ----------------------------------------------------------------------------------------
+
+
+class _ShardingStage:
+    stage = 0
+
+    def __init__(self, mesh_dim=0, mesh: ProcessMesh | None = None):
+        # Paddle spells it ShardingStage1(mesh_dim, mesh) and also ShardingStage1(mesh=..., sharding_mesh_dim=...)
+        if isinstance(mesh_dim, ProcessMesh):
+            mesh_dim, mesh = 0, mesh_dim
+        self.axis = mesh_dim
+        self.mesh = mesh
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(axis={self.axis!r})"
+
+    def sharded(self, p: DistTensor) -> list | None:
+        """Placements that shard ``p`` along the sharding axis, or None when it cannot be (already sharded there,
+        or dim 0 already split by another axis)."""
+        mesh = p.process_mesh
+        if self.mesh is not None and self.mesh != mesh:
+            return None
+        axis = mesh.axis(self.axis)
+        pl = list(p.placements)
+        if not isinstance(pl[axis], Replicate) or p.dim() == 0 or p.shape[0] < mesh.shape[axis]:
+            return None
+        if any(isinstance(q, Shard) and q.dim == 0 for q in pl):
+            return None
+        pl[axis] = Shard(0)
+        return pl
+
+
+class ShardingStage1(_ShardingStage):
+    """Optimizer states sharded along one mesh axis; gradients all-reduced, parameters all-gathered after the step."""
+
+    stage = 1
+
+
+class ShardingStage2(ShardingStage1):
+    """Stage 1 and gradients reduce-scattered: each rank keeps only the gradient shard it updates."""
+
+    stage = 2
+
+
+class ShardingStage3(ShardingStage2):
+    """Stage 2 and parameters themselves sharded; they are gathered when an op needs them."""
+
+    stage = 3
+
+
+class _ShardOptimizer:
+    """Wraps a torch optimizer whose parameters are dist tensors (Paddle's shard_optimizer result)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, shard_fn=None, gradient_accumulation_steps: int = 1):
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise ValueError(f"shard_optimizer expects a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if not isinstance(gradient_accumulation_steps, int) or gradient_accumulation_steps < 1:
+            raise ValueError(f"gradient_accumulation_steps must be a positive int, got {gradient_accumulation_steps}")
+        if shard_fn is not None and not isinstance(shard_fn, _ShardingStage):
+            raise ValueError(f"shard_fn must be ShardingStage1/2/3, got {shard_fn!r}")
+        self._inner = optimizer
+        self._stage = shard_fn
+        self._accum = gradient_accumulation_steps
+        self._calls = 0
+        self._shadow: dict = {}  # param -> sharded leaf the inner optimizer updates (stages 1 and 2)
+        if shard_fn is not None:
+            self._setup_sharding()
+
+    def _setup_sharding(self) -> None:
+        stage = self._stage
+        for group in self._inner.param_groups:
+            new_params = []
+            for p in group["params"]:
+                if not isinstance(p, DistTensor):
+                    new_params.append(p)
+                    continue
+                pl = stage.sharded(p)
+                if pl is None:
+                    new_params.append(p)
+                    continue
+                with torch.no_grad():
+                    sharded = reshard(p.detach(), p.process_mesh, pl)
+                if stage.stage >= 3:
+                    p._dtensor = sharded._dtensor  # the parameter itself now lives sharded
+                    new_params.append(p)
+                    self._emit_ownership(p, "param+grad+state")
+                else:
+                    shadow = torch.nn.Parameter(sharded, requires_grad=True)
+                    self._shadow[p] = shadow
+                    new_params.append(shadow)
+                    self._emit_ownership(p, "state" if stage.stage == 1 else "grad+state")
+            group["params"] = new_params
+
+    def _emit_ownership(self, p, what) -> None:
+        if trace.active():
+            trace.emit(trace.Event(kind="ownership", name=p.name, tensor_id=p._mv_id, op=what,
+                                   mesh=p.process_mesh.to_dict(), shape_after=list(p.shape),
+                                   placements_after=[repr(q) for q in (self._stage.sharded(p) or p.placements)]))
+
+    @property
+    def param_groups(self):
+        return self._inner.param_groups
+
+    @property
+    def state(self):
+        return self._inner.state
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    @torch.no_grad()
+    def _sync_grads(self) -> None:
+        shadows = {id(s) for s in self._shadow.values()}
+        for group in self._inner.param_groups:
+            for q in group["params"]:
+                if isinstance(q, DistTensor) and q.grad is not None and id(q) not in shadows:
+                    want = list(q.placements)
+                    if list(q.grad.placements) != want:
+                        q.grad = reshard(q.grad, q.process_mesh, want)  # Partial grads reduced once, here
+        for p, shadow in self._shadow.items():
+            if p.grad is None:
+                shadow.grad = None
+                continue
+            g = p.grad
+            if self._stage.stage == 1:
+                g = reshard(g, p.process_mesh, p.placements)  # full gradient kept, then this rank's part
+            shadow.grad = reshard(g, shadow.process_mesh, shadow.placements)
+            if self._stage.stage >= 2:
+                p.grad = None
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        self._calls += 1
+        if self._calls % self._accum:
+            return None
+        self._sync_grads()
+        out = self._inner.step(closure) if closure is not None else self._inner.step()
+        for p, shadow in self._shadow.items():
+            full = reshard(shadow.detach(), p.process_mesh, p.placements)
+            p._dtensor = full._dtensor
+        return out
+
+    def clear_grad(self, set_to_zero: bool = True) -> None:
+        if self._calls % self._accum:
+            return
+        self._inner.zero_grad(set_to_none=not set_to_zero)
+        for p in self._shadow:
+            p.grad = None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self._calls % self._accum:
+            return
+        self._inner.zero_grad(set_to_none=set_to_none)
+        for p in self._shadow:
+            p.grad = None
+
+    def state_dict(self):
+        return self._inner.state_dict()
+
+    def load_state_dict(self, sd) -> None:
+        self._inner.load_state_dict(sd)
+
+    set_state_dict = load_state_dict
+
+    def __repr__(self) -> str:
+        return f"ShardOptimizer({type(self._inner).__name__}, stage={self._stage!r}, accumulate={self._accum})"
+
+
+def shard_optimizer(optimizer, shard_fn=None, gradient_accumulation_steps: int = 1):
+    """Make ``optimizer`` step dist parameters: Partial gradients are reduced once before the update; with
+    ``ShardingStage1/2/3(axis, mesh)`` optimizer states (then gradients, then parameters) are sharded along that
+    mesh axis. With ``gradient_accumulation_steps=k`` only every k-th ``step()`` updates (gradients summed)."""
+    return _ShardOptimizer(optimizer, shard_fn, gradient_accumulation_steps)
+
+
+# -- shard_scaler -------------------------------------------------------------------------------------------
+
+
+class _ShardScaler:
+    """A loss scaler whose inf/nan check agrees on every rank (Paddle's GradScaler spelling, torch semantics)."""
+
+    def __init__(self, init_loss_scaling=2.0**15, incr_ratio=2.0, decr_ratio=0.5, incr_every_n_steps=1000,
+                 enable=True):
+        self._scale = float(init_loss_scaling)
+        self._incr, self._decr, self._every = incr_ratio, decr_ratio, incr_every_n_steps
+        self._good = 0
+        self._enable = enable
+        self._found_inf = False
+        self._unscaled = False
+
+    @property
+    def loss_scaling(self) -> float:
+        return self._scale
+
+    def scale(self, loss):
+        return loss * self._scale if self._enable else loss
+
+    def _params(self, optimizer):
+        for g in optimizer.param_groups:
+            yield from g["params"]
+
+    @torch.no_grad()
+    def unscale_(self, optimizer) -> None:
+        if not self._enable or self._unscaled:
+            return
+        bad = torch.zeros(1)
+        for p in self._params(optimizer):
+            if p.grad is None:
+                continue
+            local = p.grad._dtensor._local_tensor if isinstance(p.grad, DistTensor) else p.grad
+            if local.numel() and not torch.isfinite(local).all():
+                bad.fill_(1.0)
+            p.grad.mul_(1.0 / self._scale)
+        if tdist.is_initialized() and tdist.get_world_size() > 1:
+            tdist.all_reduce(bad, op=tdist.ReduceOp.MAX)
+        self._found_inf = bool(bad.item())
+        self._unscaled = True
+
+    def step(self, optimizer):
+        self.unscale_(optimizer)
+        if not self._found_inf:
+            optimizer.step()
+
+    def update(self) -> None:
+        if self._enable:
+            if self._found_inf:
+                self._scale *= self._decr
+                self._good = 0
+            else:
+                self._good += 1
+                if self._good % self._every == 0:
+                    self._scale *= self._incr
+        self._found_inf = False
+        self._unscaled = False
+
+    def minimize(self, optimizer, loss=None):
+        self.step(optimizer)
+        self.update()
+
+
+def shard_scaler(scaler=None):
+    """A loss scaler for dist parameters: every rank skips the step when any rank saw inf/nan."""
+    if isinstance(scaler, _ShardScaler):
+        return scaler
+    if scaler is None:
+        return _ShardScaler()
+    scale = scaler.get_scale() if hasattr(scaler, "get_scale") else getattr(scaler, "_scale", 2.0**15)
+    return _ShardScaler(init_loss_scaling=float(scale))
+
+
+# -- shard_dataloader --------------------------------------------------------------------------------------
+
+
+class ShardDataloader:
+    """Iterates a DataLoader and turns every batch tensor into a dist tensor split along one mesh axis."""
+
+    def __init__(self, dataloader, meshes, input_keys=None, shard_dims=None, is_dataset_splitted=False):
+        meshes = list(meshes) if isinstance(meshes, (list, tuple)) else [meshes]
+        if not meshes or not all(isinstance(m, ProcessMesh) for m in meshes):
+            raise ValueError(f"shard_dataloader: meshes must be a ProcessMesh or a list of them, got {meshes!r}")
+        if isinstance(shard_dims, (list, tuple)):
+            if len(shard_dims) != len(meshes):
+                raise ValueError(f"shard_dataloader: {len(shard_dims)} shard_dims for {len(meshes)} meshes")
+            dims = list(shard_dims)
+        else:
+            dims = [shard_dims] * len(meshes)
+        self._axes = [None if d is None else m.axis(d) for m, d in zip(meshes, dims)]  # raises on unknown names
+        self.dataloader = dataloader
+        self.meshes = meshes
+        self.input_keys = list(input_keys) if input_keys is not None else None
+        self.is_dataset_splitted = is_dataset_splitted
+        init_parallel_env()
+
+    def _placements(self, i: int, ndim: int):
+        mesh = self.meshes[i]
+        pl = [Replicate()] * mesh.ndim
+        axis = self._axes[i]
+        if axis is not None and ndim > 0:
+            pl[axis] = Shard(0)
+        return mesh, pl
+
+    def _convert(self, value, i: int):
+        if isinstance(value, torch.Tensor) and not isinstance(value, DistTensor):
+            mesh, pl = self._placements(min(i, len(self.meshes) - 1), value.dim())
+            if self.is_dataset_splitted:
+                return dtensor_from_local(value, mesh, pl)
+            return shard_tensor(value, mesh, pl)
+        return value
+
+    def _shard(self, batch):
+        if isinstance(batch, dict):
+            keys = self.input_keys or list(batch)
+            return {k: self._convert(v, keys.index(k) if k in keys else 0) for k, v in batch.items()}
+        if isinstance(batch, (list, tuple)):
+            if len(self.meshes) > 1:
+                out = [self._convert(v, i) for i, v in enumerate(batch)]
+            else:
+                out = [self._convert(v, 0) for v in batch]
+            return type(batch)(out) if isinstance(batch, tuple) else out
+        return self._convert(batch, 0)
+
+    def __iter__(self):
+        for batch in self.dataloader:
+            yield self._shard(batch)
+
+    def __call__(self):
+        return iter(self)
+
+    def __len__(self) -> int:
+        return len(self.dataloader)
+
+    def __repr__(self) -> str:
+        return f"ShardDataloader(meshes={len(self.meshes)}, axes={self._axes})"
+
+
+def shard_dataloader(dataloader, meshes, input_keys=None, shard_dims=None, is_dataset_splitted=False):
+    """Split every batch along the mesh axis ``shard_dims`` names (batch dim 0), Replicate on the other axes.
+
+    With several meshes (pipelines), element i of a tuple batch (or ``input_keys[i]`` of a dict batch) goes to
+    ``meshes[i]``; a single tensor goes to ``meshes[0]``. Unlike Paddle, the axis named is the axis used.
+    ``is_dataset_splitted=True``: each rank's loader already yields its own part.
+    """
+    return ShardDataloader(dataloader, meshes, input_keys, shard_dims, is_dataset_splitted)
+

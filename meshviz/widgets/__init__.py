@@ -1,0 +1,14 @@
+"""Views that draw meshes, blocks, Partial summands, reshard steps and pipeline timelines (ipywidgets + matplotlib)."""
+
+from .base import Replayer, View
+from .explorer import Explorer, explore, plan_table
+from .mesh_view import MeshView
+from .pipeline_view import PipelineView, bubble_formula, synthetic_schedule
+from .reshard_view import ReshardView
+from .show import show
+from .tensor_view import TensorState, TensorView, tensor_state
+
+__all__ = [
+    "View", "Replayer", "MeshView", "TensorView", "TensorState", "tensor_state", "ReshardView", "PipelineView",
+    "synthetic_schedule", "bubble_formula", "Explorer", "explore", "plan_table", "show",
+]

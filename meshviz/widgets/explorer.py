@@ -1,0 +1,180 @@
+"""The explorer: mesh, tensor shape and placements as controls -> mesh view, blocks and the reshard plan (no cluster)."""
+
+from __future__ import annotations
+
+import html
+import time
+
+import numpy as np
+
+from ..core import ProcessMesh, plan_reshard
+from ..core.placements import placements_str
+from .mesh_view import MeshView
+from .reshard_view import ReshardView, _groups_text
+from .style import fmt_bytes, parse_ids, parse_ints, parse_placements
+
+__all__ = ["Explorer", "explore", "plan_table"]
+
+
+def plan_table(plan) -> str:
+    """The plan as an HTML table: step, operation, mesh axis, groups, bytes per rank."""
+    rows = []
+    for i, s in enumerate(plan.steps):
+        where = s.axis_name if s.axis is not None else "between meshes"
+        extra = f"dim {s.dim}→{s.dst_dim}" if s.op == "all_to_all" else (f"dim {s.dim}" if s.dim is not None else "")
+        if s.reduce is not None:
+            extra += f" {s.reduce.short}"
+        rows.append(f"<tr><td>{i + 1}</td><td><b>{s.op}</b> {html.escape(extra)}</td><td>{html.escape(where)}</td>"
+                    f"<td>{html.escape(placements_str(s.before))} → {html.escape(placements_str(s.after))}</td>"
+                    f"<td><code>{html.escape(_groups_text(s, 3))}</code></td><td>{fmt_bytes(s.bytes)}</td></tr>")
+    if not rows:
+        rows.append('<tr><td colspan="6">nothing to do: the layouts are the same</td></tr>')
+    head = ("<tr><th>#</th><th>operation</th><th>mesh axis</th><th>placements</th><th>groups that talk</th>"
+            "<th>bytes/rank</th></tr>")
+    total = f"<p>total {fmt_bytes(plan.total_bytes)} received per rank (the busiest rank of each step)</p>"
+    return f'<table style="font-size:12px">{head}{"".join(rows)}</table>{total}'
+
+
+class Explorer:
+    """``meshviz.explore()``: what-if for any mesh, pure planner only (no cluster, no torch.distributed)."""
+
+    def __init__(self, mesh_shape="2,3", ids="[[2,4,5],[0,1,3]]", dim_names="x,y", shape="4,6",
+                 src="P(sum), S(1)", dst="R, R", target_ids="", itemsize: int = 4):
+        self.params = dict(mesh_shape=mesh_shape, ids=ids, dim_names=dim_names, shape=shape, src=src, dst=dst,
+                           target_ids=target_ids, itemsize=itemsize)
+        self.error: str | None = None
+        self.mesh_view: MeshView | None = None
+        self.reshard_view: ReshardView | None = None
+        self.plan = None
+        self.last_redraw_s = 0.0
+        self._w = None
+        self.update()
+
+    # -- the model --------------------------------------------------------------------------------
+    def update(self, **params) -> "Explorer":
+        """Change parameters (same names as the constructor) and recompute; errors land in ``self.error``."""
+        self.params.update(params)
+        t0 = time.perf_counter()
+        try:
+            p = self.params
+            mshape = parse_ints(p["mesh_shape"])
+            if not mshape or any(s < 1 for s in mshape):
+                raise ValueError(f"mesh shape must be positive integers, got {p['mesh_shape']!r}")
+            if int(np.prod(mshape)) > 65536:
+                raise ValueError("the explorer draws meshes of up to 65536 ranks")
+            names = [n for n in str(p["dim_names"]).replace(" ", ",").split(",") if n] or None
+            if names is not None and len(names) != len(mshape):
+                names = [f"d{i}" for i in range(len(mshape))]
+            mesh = ProcessMesh(parse_ids(p["ids"], mshape), names)
+            tgt = mesh
+            if str(p.get("target_ids") or "").strip():
+                tgt = ProcessMesh(parse_ids(p["target_ids"], mshape), mesh.dim_names)
+            shape = parse_ints(p["shape"])
+            plan = plan_reshard(shape, mesh, parse_placements(p["src"]), tgt, parse_placements(p["dst"]),
+                                int(p["itemsize"]))
+        except (ValueError, TypeError) as exc:
+            self.error = str(exc)
+            self._show()
+            return self
+        self.error = None
+        self.plan = plan
+        self.mesh_view = MeshView(mesh, title=f"mesh {mesh.shape} {mesh.dim_names}")
+        if tgt != mesh:
+            self.mesh_view.set_within(mesh.process_ids)
+        self.reshard_view = ReshardView(plan)
+        self._show()
+        self.last_redraw_s = time.perf_counter() - t0
+        return self
+
+    def redraw(self) -> float:
+        """Recompute and render every picture the widget shows; returns the seconds it took."""
+        t0 = time.perf_counter()
+        self.update()
+        if self.error is None and self._w is None:
+            self.mesh_view.png()
+            self.reshard_view.frame_png(self.reshard_view.frame)
+        self.last_redraw_s = time.perf_counter() - t0
+        return self.last_redraw_s
+
+    # -- the widget -------------------------------------------------------------------------------
+    @property
+    def widget(self):
+        if self._w is None:
+            import ipywidgets as w
+
+            lay = w.Layout(width="230px")
+            style = {"description_width": "90px"}
+            self._inputs = {
+                "mesh_shape": w.Text(value=str(self.params["mesh_shape"]), description="mesh shape"),
+                "ids": w.Text(value=str(self.params["ids"]), description="process ids",
+                              placeholder="blank = 0..n-1, 'reversed', or a list"),
+                "dim_names": w.Text(value=str(self.params["dim_names"]), description="axis names"),
+                "shape": w.Text(value=str(self.params["shape"]), description="tensor shape"),
+                "src": w.Text(value=str(self.params["src"]), description="source"),
+                "dst": w.Text(value=str(self.params["dst"]), description="target"),
+                "target_ids": w.Text(value=str(self.params["target_ids"]), description="target ids",
+                                     placeholder="blank = same mesh"),
+            }
+            for k, box in self._inputs.items():
+                box.continuous_update = False
+                box.layout = lay
+                box.style = style
+                box.observe(self._on_change(k), names="value")
+            self._err = w.HTML()
+            self._mesh_img = w.Image(format="png")
+            self._plan_html = w.HTML()
+            self._rv_box = w.VBox()
+            controls = w.VBox(list(self._inputs.values()) + [self._err])
+            self._w = w.VBox([w.HBox([controls, self._mesh_img]), self._plan_html, self._rv_box])
+            self._show()
+        return self._w
+
+    def _on_change(self, key):
+        def cb(change):
+            self.update(**{key: change["new"]})
+        return cb
+
+    def _show(self):
+        if self._w is None:
+            return
+        if self.error is not None:
+            self._err.value = f'<span style="color:#b00">{html.escape(self.error)}</span>'
+            return
+        self._err.value = ""
+        self._mesh_img.value = self.mesh_view.png()
+        self._plan_html.value = plan_table(self.plan)
+        self._rv_box.children = [self.reshard_view.widget]
+
+    def _ipython_display_(self):
+        from IPython.display import display
+
+        bundle = {"text/plain": repr(self)}
+        try:
+            bundle.update(self.widget._repr_mimebundle_() or {})
+            bundle["text/plain"] = repr(self)
+        except Exception:
+            pass
+        if self.reshard_view is not None:
+            bundle["image/png"] = self.reshard_view.png()
+        display(bundle, raw=True)
+
+    def _repr_png_(self):
+        return None if self.reshard_view is None else self.reshard_view.png()
+
+    def save(self, path):
+        return self.reshard_view.save(path)
+
+    def __repr__(self) -> str:
+        if self.error is not None:
+            return f"<Explorer error: {self.error}>"
+        p = self.plan
+        m = p.src_mesh
+        n = len(p.steps)
+        return (f"<Explorer mesh {m.shape} {','.join(m.dim_names)}: {list(p.shape)} "
+                f"{placements_str(p.src_placements)} -> {placements_str(p.dst_placements)}: {n} step"
+                f"{'s' if n != 1 else ''}, {fmt_bytes(p.total_bytes)}/rank>")
+
+
+def explore(**params) -> Explorer:
+    """Open the explorer (see :class:`Explorer` for the parameters)."""
+    return Explorer(**params)

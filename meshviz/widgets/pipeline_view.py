@@ -1,0 +1,331 @@
+"""PipelineView: one row per rank/stage, forward/backward blocks per micro-batch, transfers as arrows, bubble."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import numpy as np
+from matplotlib.lines import Line2D
+from matplotlib.patches import Patch
+
+from ..trace import Event
+from .base import View
+
+__all__ = ["PipelineView", "synthetic_schedule", "bubble_formula"]
+
+PHASE_COLOUR = {"F": (0.55, 0.75, 0.95), "B": (0.96, 0.63, 0.36), "W": (0.6, 0.82, 0.6)}
+MAX_ARROWS = 300
+MAX_LABELS = 400
+
+
+def bubble_formula(p: int, m: int, v: int = 1) -> float:
+    """The schedule's idle fraction: (p-1)/(m+p-1), with the bubble term divided by v for interleaved (VPP)."""
+    if p <= 0 or m <= 0:
+        return 0.0
+    return (p - 1) / (v * m + p - 1)
+
+
+def _orders(p: int, m: int, v: int, schedule: str):
+    """Per device, the ordered list of (phase, virtual stage, micro-batch)."""
+    sched = schedule.upper().replace("-", "").replace("_", "")
+    orders = []
+    for d in range(p):
+        ops = []
+        if v == 1 and sched in ("1F1B", "ONEFONEB"):
+            warm = min(p - d - 1, m)
+            fs = [("F", d, i) for i in range(m)]
+            bs = [("B", d, i) for i in range(m)]
+            ops = fs[:warm]
+            fi, bi = warm, 0
+            while fi < m:
+                ops.append(fs[fi]); fi += 1
+                ops.append(bs[bi]); bi += 1
+            ops += bs[bi:]
+        elif sched in ("FTHENB", "GPIPE"):
+            ops = [("F", c * p + d, i) for c in range(v) for i in range(m)]
+            ops += [("B", c * p + d, i) for c in reversed(range(v)) for i in range(m)]
+        elif sched in ("1F1B", "VPP", "INTERLEAVED", "INTERLEAVED1F1B"):
+            if m % p:
+                raise ValueError(f"the interleaved schedule needs micro_batches ({m}) divisible by stages ({p})")
+            total = m * v
+
+            def unit(k, forward):
+                c = (k // p) % v
+                if not forward:
+                    c = v - 1 - c
+                return c * p + d, (k // (p * v)) * p + k % p
+
+            warm = min((p - d - 1) * 2 + (v - 1) * p, total)
+            f_k = b_k = 0
+            for _ in range(warm):
+                vs, mb = unit(f_k, True); ops.append(("F", vs, mb)); f_k += 1
+            while f_k < total:
+                vs, mb = unit(f_k, True); ops.append(("F", vs, mb)); f_k += 1
+                vs, mb = unit(b_k, False); ops.append(("B", vs, mb)); b_k += 1
+            while b_k < total:
+                vs, mb = unit(b_k, False); ops.append(("B", vs, mb)); b_k += 1
+        else:
+            raise ValueError(f"unknown schedule {schedule!r}; use 'FThenB', '1F1B' or 'VPP'")
+        orders.append(ops)
+    return orders
+
+
+def synthetic_schedule(stages: int = 4, micro_batches: int = 8, schedule: str = "1F1B", chunks: int = 1,
+                       forward: float = 1.0, backward: float = 2.0, comm: float = 0.0, ranks=None,
+                       bytes_per_transfer: int = 0) -> list[Event]:
+    """Events of a pipeline schedule run on an ideal machine: ``compute`` blocks and their ``send``/``recv``.
+
+    Times are in seconds from 0; a forward (backward) of one micro-batch on one stage takes ``forward``
+    (``backward``) split over ``chunks`` virtual stages per rank. Feeds ``PipelineView`` before a real run does.
+    """
+    p, m, v = int(stages), int(micro_batches), int(chunks)
+    if p < 1 or m < 1 or v < 1:
+        raise ValueError("stages, micro_batches and chunks must be >= 1")
+    ranks = list(range(p)) if ranks is None else list(ranks)
+    if len(ranks) != p:
+        raise ValueError(f"{len(ranks)} ranks for {p} stages")
+    nv = p * v
+    dur = {"F": forward / v, "B": backward / v}
+    orders = _orders(p, m, v, schedule)
+    done: dict = {}
+    free = [0.0] * p
+    pos = [0] * p
+    events: list[Event] = []
+    seq = 0
+    remaining = sum(len(o) for o in orders)
+    while remaining:
+        progressed = False
+        for d in range(p):
+            while pos[d] < len(orders[d]):
+                ph, vs, mb = orders[d][pos[d]]
+                deps = []
+                if ph == "F" and vs > 0:
+                    deps.append(("F", vs - 1, mb))
+                if ph == "B":
+                    deps.append(("F", vs, mb))
+                    if vs < nv - 1:
+                        deps.append(("B", vs + 1, mb))
+                if any(dp not in done for dp in deps):
+                    break
+                ready = free[d]
+                for dp in deps:
+                    t = done[dp]
+                    if dp[1] % p != d:  # comes from another rank
+                        t += comm
+                    ready = max(ready, t)
+                end = ready + dur[ph]
+                done[(ph, vs, mb)] = end
+                free[d] = end
+                events.append(Event(kind="compute", rank=ranks[d], seq=seq, start=ready, end=end, name=f"{ph}{mb}",
+                                    op=ph, extra={"stage": vs, "micro_batch": mb, "phase": ph, "chunk": vs // p}))
+                seq += 1
+                nxt = vs + 1 if ph == "F" else vs - 1
+                if 0 <= nxt < nv and nxt % p != d:
+                    dst = nxt % p
+                    events.append(Event(kind="send", rank=ranks[d], seq=seq, start=end, end=end, op="send",
+                                        peer=ranks[dst], bytes=bytes_per_transfer,
+                                        extra={"micro_batch": mb, "phase": ph}))
+                    events.append(Event(kind="recv", rank=ranks[dst], seq=seq + 1, start=end, end=end + comm,
+                                        op="recv", peer=ranks[d], bytes=bytes_per_transfer,
+                                        extra={"micro_batch": mb, "phase": ph}))
+                    seq += 2
+                pos[d] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            raise RuntimeError(f"schedule {schedule!r} deadlocks for p={p}, m={m}, v={v}")
+    events.sort(key=lambda e: (e.start, e.rank, e.seq))
+    return events
+
+
+class PipelineView(View):
+    """A timeline from events (``compute`` with extra stage/micro_batch/phase, ``send``/``recv``, cross-mesh
+    ``reshard_step`` send/recv, collectives): ``PipelineView(events)``, ``PipelineView(source=cluster)``, or
+    ``PipelineView.synthetic(stages=4, micro_batches=8, schedule='1F1B')``.
+    """
+
+    width = 11.0
+
+    def __init__(self, events=None, source=None, schedule: str | None = None, interval: float = 0.15):
+        self.schedule = schedule
+        self.blocks: list[dict] = []
+        self.transfers: list[dict] = []
+        self.comms: list[dict] = []
+        self._sends = defaultdict(list)
+        self._recvs = defaultdict(list)
+        self._xmesh = defaultdict(dict)
+        super().__init__(source=source if source is not None else events, interval=interval)
+
+    @classmethod
+    def synthetic(cls, stages=4, micro_batches=8, schedule="1F1B", chunks=1, **kw) -> "PipelineView":
+        return cls(synthetic_schedule(stages, micro_batches, schedule, chunks, **kw), schedule=schedule)
+
+    # -- data -------------------------------------------------------------------------------------
+    def _ingest(self, events) -> None:
+        super()._ingest(events)
+        for e in events:
+            if e.kind == "compute":
+                x = e.extra or {}
+                ph = str(x.get("phase", e.op if e.op in PHASE_COLOUR else "F"))
+                self.blocks.append({"rank": e.rank, "stage": x.get("stage"), "micro_batch": x.get("micro_batch"),
+                                    "phase": ph, "chunk": x.get("chunk", 0), "start": e.start,
+                                    "end": e.end if e.end is not None else e.start, "name": e.name})
+            elif e.kind in ("send", "recv") and e.peer is not None:
+                if e.kind == "send":
+                    key = (e.rank, e.peer)
+                    q = self._recvs[key]
+                    if q:
+                        self._add_transfer(e, q.pop(0), "p2p")
+                    else:
+                        self._sends[key].append(e)
+                else:
+                    key = (e.peer, e.rank)
+                    q = self._sends[key]
+                    if q:
+                        self._add_transfer(q.pop(0), e, "p2p")
+                    else:
+                        self._recvs[key].append(e)
+            elif e.kind == "reshard_step" and e.op == "send_recv" and e.group:
+                for pair in e.group:
+                    s, t = int(pair[0]), int(pair[1])
+                    key = (e.plan_id, e.tensor_id, s, t)
+                    side = "src" if e.rank == s else "dst" if e.rank == t else None
+                    if side is None:
+                        continue
+                    slot = self._xmesh[key]
+                    slot[side] = e
+                    if "src" in slot and "dst" in slot and not slot.get("done"):
+                        slot["done"] = True
+                        self._add_transfer(slot["src"], slot["dst"], "reshard")
+            elif e.kind in ("collective", "reshard_step"):
+                self.comms.append({"rank": e.rank, "op": e.op, "start": e.start,
+                                   "end": e.end if e.end is not None else e.start})
+
+    def _add_transfer(self, s: Event, r: Event, how: str):
+        self.transfers.append({"src": s.rank, "dst": r.rank, "start": s.start,
+                               "end": r.end if r.end is not None else r.start, "bytes": s.bytes or r.bytes,
+                               "how": how, "name": s.name})
+
+    @property
+    def ranks(self) -> list[int]:
+        rs = {b["rank"] for b in self.blocks} | {t["src"] for t in self.transfers} | {t["dst"] for t in self.transfers}
+        return sorted(rs)
+
+    @property
+    def stages(self) -> dict:
+        """rank -> sorted stages it ran."""
+        out = defaultdict(set)
+        for b in self.blocks:
+            if b["stage"] is not None:
+                out[b["rank"]].add(b["stage"])
+        return {r: sorted(s) for r, s in out.items()}
+
+    @property
+    def micro_batches(self) -> int:
+        return len({b["micro_batch"] for b in self.blocks if b["micro_batch"] is not None})
+
+    @property
+    def chunks(self) -> int:
+        st = self.stages
+        return max((len(s) for s in st.values()), default=1) or 1
+
+    @property
+    def bubble(self) -> float | None:
+        """Measured idle fraction: 1 - busy time / (ranks x makespan), over the ranks that computed."""
+        if not self.blocks:
+            return None
+        t0 = min(b["start"] for b in self.blocks)
+        t1 = max(b["end"] for b in self.blocks)
+        rows = {b["rank"] for b in self.blocks}
+        if t1 <= t0:
+            return None
+        busy = sum(b["end"] - b["start"] for b in self.blocks)
+        return 1.0 - busy / (len(rows) * (t1 - t0))
+
+    @property
+    def formula(self) -> float | None:
+        p = len({b["rank"] for b in self.blocks})
+        m = self.micro_batches
+        if not p or not m:
+            return None
+        return bubble_formula(p, m, self.chunks)
+
+    # -- drawing ----------------------------------------------------------------------------------
+    def _size(self):
+        return self.width, max(2.2, 0.55 * max(1, len(self.ranks)) + 1.6)
+
+    def _draw(self, fig) -> None:
+        ranks = self.ranks
+        if not ranks:
+            fig.text(0.5, 0.5, "waiting for pipeline events (compute, send/recv)…", ha="center", va="center")
+            return
+        ax = fig.add_axes((0.12, 0.2, 0.86, 0.62))
+        row = {r: i for i, r in enumerate(ranks)}
+        times = [b["start"] for b in self.blocks] + [t["start"] for t in self.transfers] + \
+                [c["start"] for c in self.comms]
+        t0 = min(times)
+        t1 = max([b["end"] for b in self.blocks] + [t["end"] for t in self.transfers] + [c["end"] for c in self.comms])
+        span = max(t1 - t0, 1e-9)
+        unit, scale = ("s", 1.0) if span >= 1 else ("ms", 1e3) if span >= 1e-3 else ("µs", 1e6)
+        by = defaultdict(list)
+        for b in self.blocks:
+            shade = 1.0 - 0.18 * (b["chunk"] or 0)
+            col = tuple(min(1.0, c * shade) for c in PHASE_COLOUR.get(b["phase"], (0.7, 0.7, 0.7)))
+            by[(b["rank"], col)].append(((b["start"] - t0) * scale, (b["end"] - b["start"]) * scale))
+        for (r, col), bars in by.items():
+            ax.broken_barh(bars, (row[r] - 0.38, 0.76), facecolors=[col], edgecolors="black", linewidth=0.5)
+        if len(self.blocks) <= MAX_LABELS:
+            for b in self.blocks:
+                if b["micro_batch"] is not None:
+                    ax.text(((b["start"] + b["end"]) / 2 - t0) * scale, row[b["rank"]], str(b["micro_batch"]),
+                            ha="center", va="center", fontsize=7 if len(self.blocks) < 120 else 5)
+        for c in self.comms:
+            ax.broken_barh([((c["start"] - t0) * scale, max((c["end"] - c["start"]) * scale, span * scale * 0.002))],
+                           (row.get(c["rank"], 0) + 0.38, 0.12), facecolors=["#555"])
+        for t in self.transfers[:MAX_ARROWS]:
+            colour = "#c0392b" if t["how"] == "reshard" else "#444"
+            ax.annotate("", xy=((t["end"] - t0) * scale, row[t["dst"]] - 0.4 * np.sign(row[t["dst"]] - row[t["src"]] or 1)),
+                        xytext=((t["start"] - t0) * scale, row[t["src"]] + 0.4 * np.sign(row[t["dst"]] - row[t["src"]] or 1)),
+                        arrowprops=dict(arrowstyle="-|>", color=colour, lw=0.8, alpha=0.8, shrinkA=0, shrinkB=0))
+        st = self.stages
+        labels = []
+        for r in ranks:
+            s = st.get(r)
+            labels.append(f"rank {r}" + (f" · stage {','.join(map(str, s))}" if s else ""))
+        ax.set_yticks(range(len(ranks)), labels, fontsize=8)
+        ax.set_ylim(len(ranks) - 0.5, -0.5)
+        ax.set_xlim(0, span * scale * 1.01)
+        ax.set_xlabel(f"time ({unit}, measured from the events)", fontsize=8)
+        ax.tick_params(labelsize=7)
+        ax.grid(axis="x", alpha=0.3)
+        fig.text(0.12, 0.93, self._headline(), fontsize=9.5, va="bottom")
+        handles = [Patch(facecolor=PHASE_COLOUR[k], edgecolor="black", linewidth=0.5, label=lab)
+                   for k, lab in (("F", "forward"), ("B", "backward"), ("W", "weight grad"))
+                   if any(b["phase"] == k for b in self.blocks)]
+        if any(t["how"] == "reshard" for t in self.transfers):
+            handles.append(Line2D([], [], color="#c0392b", label="reshard send/recv"))
+        if any(t["how"] == "p2p" for t in self.transfers):
+            handles.append(Line2D([], [], color="#444", label="send/recv"))
+        if handles:
+            ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=len(handles),
+                      fontsize=7, frameon=False)
+
+    def _headline(self) -> str:
+        p = len({b["rank"] for b in self.blocks})
+        m = self.micro_batches
+        v = self.chunks
+        head = f"{self.schedule + ' · ' if self.schedule else ''}{p} stage ranks, {m} micro-batches"
+        if v > 1:
+            head += f", {v} chunks each"
+        if self.bubble is not None:
+            f = "(p−1)/(v·m+p−1)" if v > 1 else "(p−1)/(m+p−1)"
+            head += f" · bubble measured {self.bubble:.1%} vs formula {f} = {self.formula:.1%}"
+        if self.transfers:
+            head += f" · {len(self.transfers)} transfers"
+        return head
+
+    def __repr__(self) -> str:
+        if not self.blocks and not self.transfers:
+            return "<PipelineView (no pipeline events yet)>"
+        return (f"<PipelineView {len(self.ranks)} ranks, {self.micro_batches} micro-batches: "
+                f"{len(self.blocks)} blocks, {len(self.transfers)} transfers>")

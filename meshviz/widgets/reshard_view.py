@@ -1,0 +1,313 @@
+"""ReshardView: a reshard as its planned steps (before, each step, after), stepped with a slider, live from events."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..core import ProcessMesh, parse_placement
+from ..core.placements import placements_str
+from ..core.planner import Plan, apply_step, initial_locals, plan_reshard
+from .base import View, fig_png, new_figure
+from .mesh_view import as_mesh
+from .style import fmt_bytes
+from .tensor_view import TensorState, draw_tensor_state, state_panels, tensor_state
+
+__all__ = ["ReshardView", "step_caption"]
+
+MAX_SIM = 200_000  # simulate values per rank only when numel x ranks stays below this
+MAX_BOARD_STEPS = 8
+_VERB = {
+    "all_reduce": "all-reduce: every rank of a group gets the {reduce} of the group",
+    "all_gather": "all-gather: every rank of a group gets all blocks of dim {dim}",
+    "reduce_scatter": "reduce-scatter: each rank gets its chunk (dim {dim}) of the {reduce}",
+    "all_to_all": "all-to-all: dim {dim} gathered, dim {dst_dim} split",
+    "slice": "slice: each rank keeps its chunk of dim {dim}, nothing moves",
+    "zero_fill": "fill: coordinate 0 keeps the value, the others hold the {reduce} identity",
+    "send_recv": "send/recv between meshes",
+}
+
+
+def _groups_text(step, limit=4) -> str:
+    gs = list(step.groups)
+    if step.op == "send_recv":
+        body = ", ".join(f"{s}→{t}" for s, t in gs[:limit * 2])
+        return body + (f", … ({len(gs)} pairs)" if len(gs) > limit * 2 else "")
+    body = " ".join("[" + ",".join(map(str, g)) + "]" for g in gs[:limit])
+    return body + (f" … ({len(gs)} groups)" if len(gs) > limit else "")
+
+
+def step_caption(step, i: int | None = None, n: int | None = None) -> str:
+    """One line for a step: op, mesh axis, groups, bytes per rank."""
+    where = f"along axis {step.axis_name}" if step.axis is not None else "between meshes"
+    head = f"step {i + 1}/{n}: " if i is not None else ""
+    return f"{head}{step.op} {where} · groups {_groups_text(step)} · {fmt_bytes(step.bytes)}/rank"
+
+
+class ReshardView(View):
+    """``ReshardView(shape, src_mesh, src_placements, dst_mesh=None, dst_placements=..., value=None)``, or
+    ``ReshardView(plan)``, or ``ReshardView(source=events_or_cluster)`` (follows ``reshard``/``reshard_step``).
+
+    ``steps`` are the planner's steps and ``states`` the layout (and, for small tensors, every rank's values,
+    simulated with the planner's own ``apply_step`` or taken from the events) before and after each step.
+    """
+
+    width = 10.0
+
+    def __init__(self, shape=None, src_mesh=None, src_placements=None, dst_mesh=None, dst_placements=None,
+                 value=None, plan: Plan | None = None, itemsize: int = 4, name: str | None = None, source=None,
+                 plan_id=None, interval=0.15):
+        if isinstance(shape, Plan):
+            plan, shape = shape, None
+        if plan is None and shape is not None:
+            src_mesh = as_mesh(src_mesh)
+            dst_mesh = as_mesh(dst_mesh) if dst_mesh is not None else src_mesh
+            if dst_placements is None:
+                raise ValueError("ReshardView needs dst_placements")
+            plan = plan_reshard(shape, src_mesh, [parse_placement(p) for p in src_placements], dst_mesh,
+                                [parse_placement(p) for p in dst_placements], itemsize)
+        self.name = name
+        self.plan: Plan | None = None
+        self.states: list[TensorState] = []
+        self.frame = 0
+        self.follow = True
+        self.plan_id = plan_id
+        self.ran: set = set()
+        self.mismatch: list[str] = []
+        self._cache: dict = {}
+        self._slider = None
+        self._value = value
+        if plan is not None:
+            self._set_plan(plan, value)
+        super().__init__(source=source, interval=interval)
+
+    # -- data -------------------------------------------------------------------------------------
+    @property
+    def steps(self) -> list:
+        return [] if self.plan is None else list(self.plan.steps)
+
+    @property
+    def n_frames(self) -> int:
+        return len(self.steps) + 1
+
+    def _set_plan(self, plan: Plan, value=None):
+        self.plan = plan
+        self._cache = {}
+        shape = tuple(plan.shape)
+        numel = int(np.prod(shape)) if shape else 1
+        sim = numel * max(plan.src_mesh.size, plan.dst_mesh.size) <= MAX_SIM and numel <= 4096
+        locals_ = None
+        if sim:
+            if value is None:
+                value = np.arange(1, numel + 1, dtype=float).reshape(shape)
+            locals_ = initial_locals(np.asarray(value, dtype=float), plan.src_mesh, plan.src_placements)
+        self.states = [tensor_state(shape, plan.src_mesh, plan.src_placements, locals=locals_)]
+        for step in plan.steps:
+            if locals_ is not None:
+                locals_ = apply_step(step, locals_)
+            mesh = step.target_mesh if step.op == "send_recv" else step.mesh
+            self.states.append(tensor_state(shape, mesh, step.after, locals=locals_))
+        self.frame = min(self.frame, len(plan.steps))
+
+    def _ingest(self, events) -> None:
+        super()._ingest(events)
+        for e in events:
+            if e.kind == "reshard" and (self.plan_id is None or e.plan_id == self.plan_id) and e.mesh:
+                if getattr(self, "_cur_id", object()) == (e.plan_id, e.tensor_id) and self.plan is not None:
+                    continue
+                src = ProcessMesh.from_dict(e.mesh)
+                dst = ProcessMesh.from_dict((e.extra or {}).get("target_mesh") or e.mesh)
+                plan = plan_reshard(e.shape_before, src, e.placements_before, dst, e.placements_after, 1)
+                itemsize = max(1, round(e.bytes / plan.total_bytes)) if plan.total_bytes and e.bytes else 4
+                if itemsize != 1:
+                    plan = plan_reshard(e.shape_before, src, e.placements_before, dst, e.placements_after, itemsize)
+                self._cur_id = (e.plan_id, e.tensor_id)
+                self.name = e.name or self.name
+                self._set_plan(plan)
+                self.ran = set()
+                self.mismatch = []
+                ops = (e.extra or {}).get("ops")
+                if ops is not None and list(ops) != plan.ops:
+                    self.mismatch.append(f"event lists {ops}, planner says {plan.ops}")
+                if self.follow:
+                    self.frame = 0
+            elif e.kind == "reshard_step" and self.plan is not None and e.step is not None:
+                if getattr(self, "_cur_id", (None, None))[0] != e.plan_id:
+                    continue
+                i = int(e.step)
+                if i >= len(self.plan.steps):
+                    continue
+                if e.op != self.plan.steps[i].op:
+                    self.mismatch.append(f"step {i} ran {e.op}, planner says {self.plan.steps[i].op}")
+                self.ran.add(i)
+                self._take_values(i + 1, e)
+                if self.follow:
+                    self.frame = max(self.ran) + 1
+        self._cache = {}
+
+    def _take_values(self, state_i, e):
+        st = self.states[state_i]
+        if e.values is None or e.local_shape is None:
+            return
+        n = int(np.prod(e.local_shape)) if e.local_shape else 1
+        if len(e.values) != n:
+            return
+        if st.locals is None:
+            st.locals = {}
+        st.locals[e.rank] = np.asarray(e.values, dtype=float).reshape(e.local_shape)
+
+    # -- drawing ----------------------------------------------------------------------------------
+    def _heading(self) -> str:
+        p = self.plan
+        head = f"reshard {self.name + ' ' if self.name else ''}{list(p.shape)}: {placements_str(p.src_placements)}"
+        head += f" → {placements_str(p.dst_placements)}"
+        if p.cross_mesh:
+            head += f"  (mesh {p.src_mesh.process_ids} → {p.dst_mesh.process_ids})"
+        return head + f" · {len(p.steps)} step{'s' if len(p.steps) != 1 else ''}, {fmt_bytes(p.total_bytes)}/rank"
+
+    def _state_title(self, i) -> str:
+        st = self.states[i]
+        where = "before" if i == 0 else ("after" if i == len(self.steps) else f"after step {i}")
+        return f"{where}: {placements_str(st.placements)} on mesh {st.mesh.shape}"
+
+    def _slots(self, states) -> int:
+        return max(3, max(state_panels(s) for s in states))
+
+    def _width(self, states) -> float:
+        return max(self.width, 3.2 * self._slots(states) + 0.6)
+
+    @staticmethod
+    def _transfer_labels(step):
+        """send_recv: each source cell says where its block goes, each target cell where it came from."""
+        if step is None or step.op != "send_recv" or len(step.groups) > 64:
+            return None, None
+        out, inn = {}, {}
+        for s, t in step.groups:
+            out[s] = (out[s] + "," if s in out else "→") + str(t)
+            inn[t] = f"←{s}"
+        return out, inn
+
+    def frame_figure(self, f: int):
+        """The picture of frame ``f``: 0 is the source layout, f > 0 shows step f with the layout before and after."""
+        f = max(0, min(int(f), len(self.steps)))
+        if self.plan is None:
+            fig = new_figure(4, 1.5)
+            fig.text(0.5, 0.5, "waiting for a reshard…", ha="center", va="center")
+            return fig
+        if f == 0:
+            st = self.states[0]
+            lines = [self._heading()] + [("✓ " if i in self.ran else "  ") + step_caption(s, i, len(self.steps))
+                                         for i, s in enumerate(self.steps)]
+            if not self.steps:
+                lines.append("  nothing to do")
+            h = 3.3 + 0.22 * len(lines)
+            fig = new_figure(self._width([st]), h)
+            top = 1 - (0.22 * len(lines) + 0.2) / h
+            spec = fig.add_gridspec(1, 1, left=0.06, right=0.97, top=top - 0.06, bottom=0.1)[0]
+            for k, line in enumerate(lines):
+                fig.text(0.02, 1 - (0.12 + 0.22 * k) / h, line, fontsize=10 if k == 0 else 8.5,
+                         family="monospace" if k else None, va="top")
+            draw_tensor_state(fig, spec, st, title=None, mesh_title=self._state_title(0), slots=self._slots([st]))
+            return fig
+        step = self.steps[f - 1]
+        before, after = self.states[f - 1], self.states[f]
+        slots = self._slots([before, after])
+        fig = new_figure(self._width([before, after]), 7.2)
+        fig.text(0.02, 0.985, self._heading(), fontsize=10, va="top")
+        ran = " ✓ ran" if (f - 1) in self.ran else ""
+        fig.text(0.02, 0.945, step_caption(step, f - 1, len(self.steps)) + ran, fontsize=9, va="top",
+                 color="#1f4e9a", fontweight="bold")
+        verb = _VERB.get(step.op, step.op).format(reduce=step.reduce.short if step.reduce else "", dim=step.dim,
+                                                   dst_dim=step.dst_dim)
+        fig.text(0.02, 0.91, verb, fontsize=8.5, va="top", style="italic")
+        gs = fig.add_gridspec(2, 1, left=0.06, right=0.97, top=0.82, bottom=0.07, hspace=0.55)
+        out, inn = self._transfer_labels(step)
+        draw_tensor_state(fig, gs[0], before, groups_axis=step.axis, mesh_title=self._state_title(f - 1),
+                          slots=slots, text_extra=out)
+        draw_tensor_state(fig, gs[1], after, mesh_title=self._state_title(f), slots=slots, text_extra=inn)
+        return fig
+
+    def _draw(self, fig) -> None:  # pragma: no cover - figure() is overridden
+        raise NotImplementedError
+
+    def figure(self):
+        """The storyboard: the source layout, then each step with the layout after it."""
+        with self._lock:
+            if self.plan is None:
+                return self.frame_figure(0)
+            steps = self.steps[:MAX_BOARD_STEPS]
+            rows = len(steps) + 1
+            slots = self._slots(self.states[:rows])
+            w = self._width(self.states[:rows])
+            row_h = 3.3
+            h = row_h * rows + 0.5
+            fig = new_figure(w, h)
+            fig.text(0.02, 1 - 0.12 / h, self._heading(), fontsize=10, va="top")
+            gs = fig.add_gridspec(rows, 1, left=0.06, right=0.97, top=1 - 0.75 / h, bottom=0.35 / h, hspace=0.75)
+            for i in range(rows):
+                step = self.steps[i - 1] if i else None
+                cap = step_caption(step, i - 1, len(self.steps)) if step else "before"
+                _, inn = self._transfer_labels(step)
+                pos = gs[i].get_position(fig)
+                fig.text(0.02, pos.y1 + 0.35 / h, cap, fontsize=8.5, va="bottom",
+                         color="#1f4e9a" if i else "black", fontweight="bold")
+                draw_tensor_state(fig, gs[i], self.states[i], mesh_title=self._state_title(i), slots=slots,
+                                  text_extra=inn)
+            if len(self.steps) > MAX_BOARD_STEPS:
+                fig.text(0.5, 0.005, f"… {len(self.steps) - MAX_BOARD_STEPS} more steps", ha="center", fontsize=8)
+            return fig
+
+    def frame_png(self, f: int) -> bytes:
+        if f not in self._cache:
+            self._cache[f] = fig_png(self.frame_figure(f))
+        return self._cache[f]
+
+    # -- widget -----------------------------------------------------------------------------------
+    def _widget_png(self) -> bytes:
+        return self.frame_png(self.frame)
+
+    def _controls(self):
+        import ipywidgets as w
+
+        n = len(self.steps)
+        self._play = w.Play(value=self.frame, min=0, max=n, interval=1200, description="play")
+        self._slider = w.IntSlider(value=self.frame, min=0, max=n, description="step", continuous_update=True)
+        w.jslink((self._play, "value"), (self._slider, "value"))
+        self._slider.observe(self._on_slider, names="value")
+        return [w.HBox([self._play, self._slider])]
+
+    def _on_slider(self, change):
+        self.follow = change["new"] >= len(self.steps)
+        self.show_frame(change["new"])
+
+    def show_frame(self, f: int) -> None:
+        self.frame = max(0, min(int(f), len(self.steps)))
+        self._refresh()
+
+    def _refresh(self) -> None:
+        with self._lock:
+            if self._slider is not None:
+                n = len(self.steps)
+                if self._slider.max != n:
+                    self._slider.max = n
+                    self._play.max = n
+                if self._slider.value != self.frame:
+                    self._slider.unobserve(self._on_slider, names="value")
+                    self._slider.value = self.frame
+                    self._slider.observe(self._on_slider, names="value")
+        super()._refresh()
+
+    def _status_html(self) -> str:
+        base = super()._status_html()
+        if self.mismatch:
+            base += '<br><span style="color:#b00">' + "; ".join(self.mismatch) + "</span>"
+        return base
+
+    def __repr__(self) -> str:
+        if self.plan is None:
+            return "<ReshardView (waiting for a reshard)>"
+        p = self.plan
+        n = len(p.steps)
+        mesh = f" mesh {p.src_mesh.shape} -> {p.dst_mesh.shape}" if p.cross_mesh else ""
+        ran = f", ran {len(self.ran)}/{n}" if self.events else ""
+        return (f"<ReshardView {placements_str(p.src_placements)} -> {placements_str(p.dst_placements)}{mesh}: "
+                f"{n} step{'s' if n != 1 else ''}{ran}>")

@@ -1,0 +1,244 @@
+"""meshviz.Cluster: ipyparallel engines as ranks, live events, failures named by rank."""
+
+import json
+import os
+import signal
+import stat
+import time
+
+import pytest
+
+import meshviz
+from meshviz import trace
+from meshviz.cluster import RankError
+
+N = 3
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    c = meshviz.Cluster(n=N, timeout=30)
+    yield c
+    c.stop()
+
+
+def test_ranks_devices_and_state(cluster):
+    assert cluster.state == "ready"
+    assert cluster.ranks == list(range(N))
+    assert cluster.engine_ids == list(range(N))  # rank == engine id on a fresh cluster
+    assert cluster.devices == ["cpu"] * N
+    assert cluster.view.targets == cluster.engine_ids
+    seen = cluster.apply(_whoami)
+    for r, s in enumerate(seen):
+        assert s["rank"] == r and s["world"] == N
+        assert s["env"] == {"RANK": str(r), "WORLD_SIZE": str(N), "LOCAL_RANK": str(r),
+                            "MASTER_ADDR": "127.0.0.1", "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+        assert s["threads"] == 1 and s["backend"] == "gloo" and s["timeout_s"] == 30
+    text = repr(cluster)
+    assert f"Cluster({N} ranks, gloo, ready" in text
+    for r in range(N):
+        assert f"rank {r}: engine {r}, cpu" in text
+    # private state: connection files 0600 in a 0700 dir, controller on loopback
+    assert stat.S_IMODE(os.stat(cluster.state_dir).st_mode) == 0o700
+    sec = os.path.join(cluster.state_dir, "security")
+    files = [f for f in os.listdir(sec) if f.endswith(".json") and f.startswith("ipcontroller")]
+    assert files
+    for f in files:
+        p = os.path.join(sec, f)
+        assert stat.S_IMODE(os.stat(p).st_mode) == 0o600
+        with open(p) as fh:
+            info = json.load(fh)
+        assert info["location"] in ("127.0.0.1", "localhost") or info.get("interface", "").endswith("127.0.0.1")
+
+
+def _whoami():
+    import os
+
+    import torch
+    import torch.distributed as tdist
+
+    keys = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS"]
+    return {"rank": tdist.get_rank(), "world": tdist.get_world_size(), "env": {k: os.environ.get(k) for k in keys},
+            "threads": torch.get_num_threads(), "backend": tdist.get_backend(),
+            "timeout_s": float(os.environ["MESHVIZ_TIMEOUT"])}
+
+
+def test_all_reduce_values_in_rank_order(cluster):
+    ar = cluster.execute(
+        "import torch, torch.distributed as tdist\n"
+        "x = torch.tensor([float(tdist.get_rank() + 1)])\n"
+        "tdist.all_reduce(x)\n"
+        "print(tdist.get_rank(), x.item())\n")
+    assert ar.stdout == [f"{r} {float(sum(range(1, N + 1)))}\n" for r in range(N)]
+
+
+CELL_WAITS = """
+import os, time, torch
+import torch.distributed as tdist
+from meshviz import trace
+from meshviz.trace import Event
+r = tdist.get_rank()
+for i in range(3):
+    trace.emit(Event(kind="mark", name=f"early{i}", values=[r, i]))
+x = torch.tensor([float(r)])
+with trace.span("collective", op="all_reduce", group=list(range(tdist.get_world_size())), bytes=4) as ev:
+    tdist.all_reduce(x)
+    ev.values = x.tolist()
+deadline = time.time() + 20
+while not os.path.exists(FLAG) and time.time() < deadline:
+    time.sleep(0.02)
+trace.emit(Event(kind="mark", name="late"))
+"""
+
+
+def test_events_arrive_while_the_cell_runs(cluster, tmp_path):
+    flag = str(tmp_path / "go")
+    cluster.events.clear()
+    seen = []
+    cb = cluster.subscribe(seen.append)
+    try:
+        ar = cluster.view.execute(CELL_WAITS.replace("FLAG", repr(flag)), block=False)
+        t0 = time.time()
+        while len([e for e in cluster.events if e.kind == "collective"]) < N and time.time() - t0 < 20:
+            time.sleep(0.01)
+        assert not ar.done(), "the cell should still be running"
+        early = list(cluster.events)
+        assert len(early) == 4 * N
+        open(flag, "w").close()
+        ar.get(timeout=30)
+        cluster._sync_events(list(range(N)))
+    finally:
+        cluster.unsubscribe(cb)
+    events = list(cluster.events)
+    assert len(events) == 5 * N and seen[: len(events)] == events
+    total = float(sum(range(N)))
+    for r, evs in cluster.events.by_rank().items():
+        assert [e.name for e in evs] == ["early0", "early1", "early2", None, "late"]  # per-rank order kept
+        assert [e.seq for e in evs] == sorted(e.seq for e in evs)
+        assert [e.values for e in evs[:3]] == [[r, i] for i in range(3)]
+        coll = evs[3]
+        assert coll.op == "all_reduce" and coll.values == [total] and coll.group == list(range(N))
+        assert coll.end >= coll.start
+
+
+def test_record_replays_to_the_same_events(cluster, tmp_path):
+    assert len(cluster.events) > 0
+    path = str(tmp_path / "run.jsonl")
+    n = cluster.record(path)
+    assert n == len(cluster.events)
+    back = trace.load_events(path)
+    key = lambda e: (e.rank, e.seq)  # noqa: E731
+    assert [e.to_dict() for e in sorted(back, key=key)] == [e.to_dict() for e in sorted(cluster.events, key=key)]
+    got = []
+    assert trace.replay(path, got.append) == n and len(got) == n
+
+
+def test_rank_raising_mid_collective_stops_every_rank(cluster):
+    cell = ("import torch, torch.distributed as tdist\n"
+            "if tdist.get_rank() == 1:\n"
+            "    raise ValueError('rank one broke')\n"
+            "x = torch.ones(2)\n"
+            "tdist.all_reduce(x)\n")
+    t0 = time.perf_counter()
+    with pytest.raises(RankError) as info:
+        cluster.execute(cell)
+    took = time.perf_counter() - t0
+    err = info.value
+    assert took < 15, f"ranks stopped after {took:.1f} s, should be well under the 30 s timeout"
+    assert err.ranks == [1]
+    assert "rank 1 raised ValueError: rank one broke" in str(err)
+    assert "rank one broke" in "\n".join(err.render_traceback())
+    by = {o.rank: o for o in err.outcomes}
+    assert by[1].status == "error" and all(by[r].status == "error" for r in range(N))
+    # the process group is re-created before the next execution, and it works
+    ar = cluster.execute("x = torch.ones(1); tdist.all_reduce(x); print(x.item())")
+    assert ar.stdout == [f"{float(N)}\n"] * N
+    assert cluster.state == "ready"
+
+
+def test_same_error_on_every_rank_keeps_the_process_group(cluster):
+    cluster.execute("import torch, torch.distributed as tdist\ny = torch.ones(1); tdist.all_reduce(y)")
+    with pytest.raises(RankError) as info:
+        cluster.execute("undefined_name_xyz")
+    assert "NameError" in str(info.value)
+    time.sleep(0.5)
+    assert cluster.state == "ready"
+    ar = cluster.execute("print(y.item())")  # no reset happened: engine state is intact
+    assert ar.stdout == [f"{float(N)}\n"] * N
+
+
+def test_interrupt_reaches_the_engines(cluster):
+    ar = cluster.view.execute("import time\nfor _ in range(600): time.sleep(0.05)", block=False)
+    time.sleep(1.0)
+    t0 = time.perf_counter()
+    cluster.interrupt()
+    with pytest.raises(Exception) as info:
+        ar.get(timeout=20)
+    assert "KeyboardInterrupt" in str(info.value)
+    assert time.perf_counter() - t0 < 20
+
+
+def test_px_magic_names_the_rank(cluster):
+    IPython = pytest.importorskip("IPython")
+    from IPython.core.interactiveshell import InteractiveShell
+
+    shell = InteractiveShell.instance()
+    cluster.activate()
+    res = shell.run_cell("%%px\nimport torch.distributed as tdist\nif tdist.get_rank() == 2:\n    raise KeyError('two')\n")
+    assert isinstance(res.error_in_exec, RankError)
+    assert res.error_in_exec.ranks == [2]
+    res = shell.run_cell("%%px\nz = tdist.get_rank() * 10\n")
+    assert res.error_in_exec is None
+    assert cluster.view.pull("z", block=True) == [0, 10, 20]
+    del IPython
+
+
+def test_killed_engine_is_reported_and_restart_works(cluster):
+    """Runs last: it breaks the shared cluster, then restarts it."""
+    pid = cluster.info[1]["pid"]
+    ar_future = cluster.view.execute(
+        "import torch, torch.distributed as tdist, time\ntime.sleep(1.0)\nx = torch.ones(1)\ntdist.all_reduce(x)\n",
+        block=False)
+    os.kill(pid, signal.SIGKILL)
+    t0 = time.perf_counter()
+    with pytest.raises(RankError) as info:
+        cluster._finish(ar_future, timeout=40)
+    assert time.perf_counter() - t0 < 25
+    assert 1 in info.value.ranks and "rank 1 died" in str(info.value)
+    assert cluster.state == "broken"
+    assert "DEAD" in repr(cluster)
+    with pytest.raises(RuntimeError, match="rank 1"):
+        cluster.execute("pass")
+    t0 = time.perf_counter()
+    cluster.restart()
+    assert cluster.state == "ready" and cluster.engine_ids == list(range(N))
+    ar = cluster.execute("import torch, torch.distributed as tdist\nx = torch.ones(1); tdist.all_reduce(x)\n"
+                         "print(x.item())")
+    assert ar.stdout == [f"{float(N)}\n"] * N
+
+
+def test_stop_is_quiet_and_cleans_up(capfd):
+    c = meshviz.Cluster(n=2, timeout=20)
+    pids = [i["pid"] for i in c.info]
+    capfd.readouterr()
+    c.stop()
+    out, err = capfd.readouterr()
+    assert out == "" and err == ""
+    assert c.state == "stopped" and "stopped" in repr(c)
+    time.sleep(0.5)
+    import psutil
+
+    for p in pids:
+        assert not psutil.pid_exists(p) or psutil.Process(p).status() == psutil.STATUS_ZOMBIE
+
+
+def test_bad_arguments_raise_before_starting():
+    with pytest.raises(ValueError):
+        meshviz.Cluster(n=0)
+    with pytest.raises(ValueError):
+        meshviz.Cluster(n=2, devices="tpu")
+    with pytest.raises(ValueError):
+        meshviz.Cluster(n=2, timeout=-1)
+    with pytest.raises(ValueError):
+        meshviz.Cluster(n=2, devices=[0])

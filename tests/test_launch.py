@@ -1,0 +1,102 @@
+"""python -m meshviz.launch: Paddle's flags on torchrun's agent, one node and two nodes on loopback."""
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from meshviz.distributed.env import free_port
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _launch(args, cwd, timeout=90, wait=True):
+    cmd = [sys.executable, "-m", "meshviz.launch", *args]
+    env = {**os.environ, "MESHVIZ_RDZV_TIMEOUT": "60", "MESHVIZ_TIMEOUT": "30"}
+    p = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if not wait:
+        return p
+    out, err = p.communicate(timeout=timeout)
+    return p.returncode, out, err
+
+
+def _losses(path):
+    with open(path) as fh:
+        return [float(m) for m in re.findall(r"loss:\[([-0-9.e]+)\]", fh.read())]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_seed004_under_launch_matches_single_process(tmp_path):
+    from tests.test_fleet import _seed004_single_on
+
+    rc, out, err = _launch(["--devices", "0,1", "--log_dir", str(tmp_path / "log"), "--max_restart", "0",
+                            os.path.join(ROOT, "examples", "seed004_fleet.py")], cwd=str(tmp_path))
+    assert rc == 0, err
+    assert "Configuration Arguments" in out and "nproc_per_node: 2" in out
+    l0, l1 = _losses(tmp_path / "log" / "workerlog.0"), _losses(tmp_path / "log" / "workerlog.1")
+    assert len(l0) == len(l1) == 20
+    assert "step:19" in out  # local rank 0's log is also shown on the console
+    ref, _ = _seed004_single_on([0, 1], steps=20)
+    for step in range(20):
+        assert (l0[step] + l1[step]) / 2 == pytest.approx(ref[step], abs=2e-6)
+
+
+SCRIPT = textwrap.dedent("""
+    import os, sys, torch
+    import meshviz.distributed as dist
+    dist.init_parallel_env()
+    r = dist.get_rank()
+    if "--fail" in sys.argv and r == 1:
+        raise RuntimeError("rank 1 fails on purpose")
+    t = torch.ones(1) * (r + 1)
+    dist.all_reduce(t)
+    print(f"rank={r} world={dist.get_world_size()} local={os.environ['LOCAL_RANK']} "
+          f"paddle={os.environ['PADDLE_TRAINER_ID']} sum={t.item()} args={sys.argv[1:]}")
+    print("on stderr", file=sys.stderr)
+""")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_two_nodes_on_loopback(tmp_path):
+    (tmp_path / "s.py").write_text(SCRIPT)
+    port = free_port()
+    procs = [
+        _launch(["--nnodes", "2", "--master", f"127.0.0.1:{port}", "--rank", str(node), "--nproc_per_node", "1",
+                 "--log_dir", str(tmp_path / f"log{node}"), "--max_restart", "0", "--job_id", "t2",
+                 "s.py", "--x", "1"], cwd=str(tmp_path), wait=False)
+        for node in (0, 1)
+    ]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    for node in (0, 1):
+        text = (tmp_path / f"log{node}" / "workerlog.0").read_text()
+        assert f"rank={node} world=2 local=0 paddle={node} sum=3.0 args=['--x', '1']" in text
+        assert "on stderr" in text  # stderr joins stdout in workerlog.N
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_failing_worker_and_bad_flags(tmp_path):
+    (tmp_path / "s.py").write_text(SCRIPT)
+    rc, out, err = _launch(["--nproc_per_node", "3", "--devices", "0,1", "s.py"], cwd=str(tmp_path))
+    assert rc == 2 and "more processes than the 2 devices" in err
+    rc, out, err = _launch(["--nnodes", "2", "s.py"], cwd=str(tmp_path))
+    assert rc == 2 and "--rank" in err
+    rc, out, err = _launch(["--nproc_per_node", "2", "--log_dir", str(tmp_path / "log"), "--max_restart", "0",
+                            "s.py", "--fail"], cwd=str(tmp_path))
+    assert rc == 1
+    assert "global rank [1] failed" in err and "rank 1 fails on purpose" in err
+    assert "rank 1 fails on purpose" in (tmp_path / "log" / "workerlog.1").read_text()
+
+
+def test_fleetrun_entry_point_is_declared():
+    from meshviz.launch.main import main
+
+    assert callable(main)
+    with open(os.path.join(ROOT, "pyproject.toml")) as fh:
+        assert 'fleetrun = "meshviz.launch.main:main"' in fh.read()

@@ -1,0 +1,264 @@
+"""shard_layer, shard_optimizer (stages 1-3), shard_scaler, shard_dataloader on gloo ranks, against one process."""
+
+import numpy as np
+import pytest
+import torch
+
+from meshviz.testing import run_ranks
+
+
+class _Data(torch.utils.data.Dataset):
+    def __init__(self, n=8, seq=3, hidden=6):
+        g = torch.Generator().manual_seed(7)
+        self.x = torch.rand(n, seq, hidden, generator=g)
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return self.x[i]
+
+
+def _weights(hidden=6, inner=8):
+    g = torch.Generator().manual_seed(3)
+    return torch.randn(hidden, inner, generator=g), torch.randn(inner, hidden, generator=g)
+
+
+def _reference_hybrid(steps=3):
+    w0, w1 = (torch.nn.Parameter(w.clone()) for w in _weights())
+    opt = torch.optim.AdamW([w0, w1], lr=0.01)
+    losses = []
+    loader = torch.utils.data.DataLoader(_Data(), batch_size=2)
+    for step, x in enumerate(loader):
+        if step == steps:
+            break
+        loss = torch.matmul(torch.matmul(x, w0), w1).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, w0.detach(), w1.detach()
+
+
+class HybridMlp(torch.nn.Module):
+    """Seed 001 section 4.4: column-parallel stage on mesh0, row-parallel stage on mesh1, data parallel on x."""
+
+    def __init__(self, mesh0, mesh1):
+        import meshviz.distributed as dist
+
+        super().__init__()
+        w0, w1 = _weights()
+        self.mesh1 = mesh1
+        self.w0 = dist.shard_tensor(torch.nn.Parameter(w0.clone()), mesh0, [dist.Replicate(), dist.Shard(1)])
+        self.w1 = dist.shard_tensor(torch.nn.Parameter(w1.clone()), mesh1, [dist.Replicate(), dist.Shard(0)])
+
+    def forward(self, x):
+        import meshviz.distributed as dist
+
+        y = torch.matmul(x, self.w0)
+        y = dist.reshard(y, self.mesh1, [dist.Shard(0), dist.Shard(2)])
+        return torch.matmul(y, self.w1)
+
+
+def hybrid(steps=3):
+    import meshviz.distributed as dist
+
+    dist.init_parallel_env()
+    mesh0 = dist.ProcessMesh([[0, 1], [2, 3]], dim_names=["x", "y"])
+    mesh1 = dist.ProcessMesh([[4, 5], [6, 7]], dim_names=["x", "y"])
+    model = HybridMlp(mesh0, mesh1)
+    loader = torch.utils.data.DataLoader(_Data(), batch_size=2)
+    loader = dist.shard_dataloader(loader, meshes=[mesh0, mesh1], shard_dims="x")
+    opt = dist.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=0.01))
+    losses, placements = [], None
+    for step, x in enumerate(loader):
+        if step == steps:
+            break
+        assert x.placements == [dist.Shard(0), dist.Replicate()] and x.process_mesh == mesh0
+        logits = model(x)
+        loss = logits.mean()
+        placements = [repr(logits.placements), repr(loss.placements)]
+        loss.backward()
+        opt.step()
+        opt.clear_grad()
+        losses.append(float(dist.unshard_dtensor(loss).detach()) if dist.get_rank() >= 4 else None)
+    return {"losses": losses, "pl": placements, "w0": dist.unshard_dtensor(model.w0).detach(),
+            "w1": dist.unshard_dtensor(model.w1).detach()}
+
+
+def test_seed_hybrid_2x2_plus_2x2_on_8_ranks_matches_single_process():
+    ref_losses, ref_w0, ref_w1 = _reference_hybrid()
+    res = run_ranks(hybrid, 8, timeout=240)
+    for r, out in enumerate(res):
+        if r < 4:
+            torch.testing.assert_close(out["w0"], ref_w0, rtol=1e-5, atol=1e-6)
+        else:
+            np.testing.assert_allclose(out["losses"], ref_losses, rtol=1e-5)
+            torch.testing.assert_close(out["w1"], ref_w1, rtol=1e-5, atol=1e-6)
+            assert out["pl"][0] == "[S(0), P(sum)]"
+
+
+def _ref_dp(steps=3):
+    w0, w1 = (torch.nn.Parameter(w.clone()) for w in _weights())
+    opt = torch.optim.AdamW([w0, w1], lr=0.05, weight_decay=0.1)
+    x = _Data().x
+    for _ in range(steps):
+        (torch.matmul(torch.matmul(x, w0).relu(), w1) ** 2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return w0.detach(), w1.detach()
+
+
+def dp_stages(stage, mesh_ids):
+    import meshviz.distributed as dist
+
+    dist.init_parallel_env()
+    mesh = dist.ProcessMesh(mesh_ids, dim_names=["dp", "mp"][: np.asarray(mesh_ids).ndim])
+    w0, w1 = _weights()
+    rep = [dist.Replicate()] * mesh.ndim
+    p0 = dist.shard_tensor(torch.nn.Parameter(w0.clone()), mesh, rep)
+    p1 = dist.shard_tensor(torch.nn.Parameter(w1.clone()), mesh, rep)
+    stages = {0: None, 1: dist.ShardingStage1("dp", mesh), 2: dist.ShardingStage2("dp", mesh),
+              3: dist.ShardingStage3("dp", mesh)}
+    opt = dist.shard_optimizer(torch.optim.AdamW([p0, p1], lr=0.05, weight_decay=0.1), stages[stage])
+    pl = [dist.Shard(0)] + [dist.Replicate()] * (mesh.ndim - 1)
+    x = dist.shard_tensor(_Data().x, mesh, pl)
+    for _ in range(3):
+        (torch.matmul(torch.matmul(x, p0).relu(), p1) ** 2).mean().backward()
+        opt.step()
+        opt.clear_grad()
+    state_pl = None
+    for st in opt.state.values():
+        if "exp_avg" in st:
+            state_pl = repr(st["exp_avg"].placements)
+            local_rows = st["exp_avg"]._local_value().shape[0]
+            break
+    return {"w0": dist.unshard_dtensor(p0).detach(), "w1": dist.unshard_dtensor(p1).detach(),
+            "state": state_pl, "rows": local_rows, "param": repr(p0.placements)}
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_shard_optimizer_stages_match_single_process(stage):
+    ref0, ref1 = _ref_dp()
+    res = run_ranks(dp_stages, 4, stage, [[0, 1], [2, 3]], timeout=120)
+    for out in res:
+        torch.testing.assert_close(out["w0"], ref0, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(out["w1"], ref1, rtol=1e-5, atol=1e-6)
+        if stage:
+            assert out["state"] == "[S(0), R]" and out["rows"] == 3  # 6 rows of w0 split over dp=2
+        else:
+            assert out["state"] == "[R, R]"
+        assert out["param"] == ("[S(0), R]" if stage == 3 else "[R, R]")
+
+
+class DemoNet(torch.nn.Module):
+    """Seed 003's DemoNet; torch Linear weights are [out, in], so Paddle's Shard(1) column split is Shard(0)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(11)
+        self.linear_0 = torch.nn.Linear(16, 16)
+        self.linear_1 = torch.nn.Linear(16, 8)
+        self.relu = torch.nn.ReLU()
+
+    def forward(self, x):
+        return self.linear_1(self.relu(self.linear_0(x)))
+
+
+def layer_shard():
+    import meshviz.distributed as dist
+
+    dist.init_parallel_env()
+    mesh = dist.ProcessMesh([0, 1], dim_names=["x"])
+    model = DemoNet()
+
+    def shard_fn(name, layer, pm):
+        if name == "linear_0":
+            layer.weight = dist.shard_tensor(layer.weight, pm, [dist.Shard(0)])
+            layer.bias = dist.shard_tensor(layer.bias, pm, [dist.Shard(0)])
+        if name == "linear_1":
+            layer.weight = dist.shard_tensor(layer.weight, pm, [dist.Shard(1)])
+
+    def input_fn(inputs, pm):
+        return tuple(dist.shard_tensor(t, pm, [dist.Replicate()]) for t in inputs)
+
+    dist.shard_layer(model, mesh, shard_fn, input_fn=input_fn)
+    pls = {n: repr(p.placements) for n, p in model.named_parameters()}
+    x = torch.rand(4, 16, generator=torch.Generator().manual_seed(5))
+    out = model(x)
+    loss = out.sum()
+    loss.backward()
+    grads = {n: dist.unshard_dtensor(p.grad) for n, p in model.named_parameters()}
+    return pls, dist.unshard_dtensor(out).detach(), grads, repr(out.placements)
+
+
+def test_shard_layer_seed_003_demonet():
+    ref = DemoNet()
+    x = torch.rand(4, 16, generator=torch.Generator().manual_seed(5))
+    out = ref(x)
+    out.sum().backward()
+    res = run_ranks(layer_shard, 2, timeout=120)
+    for pls, got, grads, opl in res:
+        assert pls == {"linear_0.weight": "[S(0)]", "linear_0.bias": "[S(0)]", "linear_1.weight": "[S(1)]",
+                       "linear_1.bias": "[R]"}
+        torch.testing.assert_close(got, out.detach())
+        for n, p in ref.named_parameters():
+            torch.testing.assert_close(grads[n], p.grad, msg=n)
+
+
+def loader_axes():
+    import meshviz.distributed as dist
+
+    dist.init_parallel_env()
+    mesh = dist.ProcessMesh([[0, 1], [2, 3]], dim_names=["x", "y"])
+    data = torch.arange(8.0).reshape(4, 2)
+    loader = torch.utils.data.DataLoader(list(zip(data, data * 10)), batch_size=4)
+    out = {}
+    for axis in ("x", "y", None):
+        batch = next(iter(dist.shard_dataloader(loader, [mesh], shard_dims=axis)))
+        out[axis] = [batch[0]._local_value()[:, 0].tolist(), repr(batch[1].placements)]
+    with pytest.raises(ValueError, match="unknown mesh dim name 'z'"):
+        dist.shard_dataloader(loader, [mesh], shard_dims="z")
+    return out
+
+
+def test_shard_dataloader_uses_the_named_axis():
+    res = run_ranks(loader_axes, 4, timeout=90)
+    # rank r sits at (r // 2, r % 2); 'x' splits rows over the mesh rows, 'y' over the columns
+    assert [res[r]["x"][0] for r in range(4)] == [[0, 2], [0, 2], [4, 6], [4, 6]]
+    assert [res[r]["y"][0] for r in range(4)] == [[0, 2], [4, 6], [0, 2], [4, 6]]
+    assert res[0]["x"][1] == "[S(0), R]" and res[0]["y"][1] == "[R, S(0)]" and res[0][None][1] == "[R, R]"
+
+
+def scaler_run():
+    import meshviz.distributed as dist
+
+    dist.init_parallel_env()
+    mesh = dist.ProcessMesh([0, 1], dim_names=["x"])
+    w0, _ = _weights()
+    p = dist.shard_tensor(torch.nn.Parameter(w0.clone()), mesh, [dist.Shard(1)])
+    opt = dist.shard_optimizer(torch.optim.SGD([p], lr=0.1))
+    scaler = dist.shard_scaler()
+    x = torch.ones(2, 6)
+    loss = torch.matmul(x, p).sum()
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+    skipped_before = dist.unshard_dtensor(p).detach().clone()
+    # an inf on one rank only: every rank must skip
+    loss = torch.matmul(x, p).sum()
+    scaler.scale(loss).backward()
+    if dist.get_rank() == 1:
+        p.grad._local_value().detach().fill_(float("inf"))
+    scaler.step(opt)
+    scaler.update()
+    return skipped_before, dist.unshard_dtensor(p).detach(), scaler.loss_scaling
+
+
+def test_shard_scaler_unscales_and_skips_together():
+    w0, _ = _weights()
+    expect = w0 - 0.1 * torch.ones(6, 8) * 2
+    for before, after, scale in run_ranks(scaler_run, 2, timeout=90):
+        torch.testing.assert_close(before, expect)
+        torch.testing.assert_close(after, before)
+        assert scale == 2.0**14

@@ -1,0 +1,365 @@
+"""Widgets: pictures computed from the layout and the planner, static PNGs, live and replayed events."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from meshviz.core import Partial, ProcessMesh, Replicate, Shard, layout, plan_reshard, simulate
+from meshviz.core.planner import assemble
+from meshviz.trace import Event, to_json
+from meshviz.widgets import (
+    Explorer, MeshView, PipelineView, ReshardView, TensorView, bubble_formula, show, synthetic_schedule,
+)
+from meshviz.widgets.draw import block_image, mesh_panels
+
+PNG = b"\x89PNG\r\n\x1a\n"
+SEED = ProcessMesh([[2, 4, 5], [0, 1, 3]], ["x", "y"])
+MESH0 = ProcessMesh([[0, 1], [2, 3]], ["x", "y"])
+MESH1 = ProcessMesh([[4, 5], [6, 7]], ["x", "y"])
+
+LAYOUTS = [
+    ((4, 6), SEED, [Shard(0), Shard(1)]),
+    ((4, 6), SEED, [Partial(), Shard(1)]),
+    ((4, 6), SEED, [Shard(1), Partial("max")]),
+    ((5, 6), ProcessMesh([0, 1, 2, 3], ["x"]), [Shard(0)]),  # uneven: 2,2,1,0
+    ((4, 4), MESH0, [Shard(0), Shard(0)]),  # co-shard
+    ((2, 4, 4), MESH0, [Shard(0), Shard(2)]),
+    ((3,), SEED, [Replicate(), Shard(0)]),
+]
+
+
+@pytest.mark.parametrize("shape,mesh,placements", LAYOUTS)
+def test_tensor_view_blocks_are_the_layouts(shape, mesh, placements):
+    value = np.arange(1, np.prod(shape) + 1, dtype=float).reshape(shape)
+    v = TensorView(shape, mesh, placements, value=value)
+    lay = layout(shape, mesh, placements)
+    assert v.blocks == {b: tuple(r) for b, r in lay.owners().items()}
+    # each drawn cell is coloured by a block that contains it
+    img, _, _ = block_image(shape, v.state.order)
+    rows, cols = img.shape
+    lead = shape[:-1]
+    for i in range(rows):
+        for j in range(cols):
+            idx = np.unravel_index(i, lead) + (j,) if lead else (j,)
+            k = img[i, j]
+            assert k >= 0
+            assert all(a <= x < b for x, (a, b) in zip(idx, v.state.order[k]))
+    # the picture's value is the tensor (Partial summands reduced)
+    np.testing.assert_array_equal(v.state.value(), value)
+    assert v.png().startswith(PNG)
+
+
+def test_partial_is_drawn_as_summands_not_replicate():
+    value = np.arange(24, dtype=float).reshape(4, 6)
+    v = TensorView((4, 6), SEED, [Partial(), Shard(1)], value=value)
+    st = v.state
+    assert st.reduce == "sum" and len(st.summands) == 2
+    assert st.summand_ranks == [[2, 4, 5], [0, 1, 3]]  # coordinate 0 of axis x keeps the value
+    np.testing.assert_array_equal(st.dense({2, 4, 5}), value)
+    np.testing.assert_array_equal(st.dense({0, 1, 3}), np.zeros((4, 6)))
+    assert {r for r, f in st.fills.items() if f == "zero"} == {0, 1, 3}
+    assert "2 summands" in repr(v)
+    rep = TensorView((4, 6), SEED, [Replicate(), Shard(1)], value=value)
+    assert len(rep.summands) == 1 and rep.state.reduce is None
+
+
+def test_uneven_and_empty_shards_are_reported():
+    v = TensorView((5, 6), ProcessMesh([0, 1, 2, 3], ["x"]), [Shard(0)])
+    assert v.state.empty == [3]
+    assert v.blocks[((6 - 1, 5), (0, 6))] == (3,) or v.blocks[((5, 5), (0, 6))] == (3,)
+    sizes = sorted(b[0][1] - b[0][0] for b in v.blocks)
+    assert sizes == [0, 1, 2, 2]
+
+
+CASES = [
+    ((4, 6), SEED, ["P(sum)", "S(1)"], SEED, ["R", "R"]),  # P -> R
+    ((4, 6), SEED, ["S(0)", "S(1)"], SEED, ["R", "R"]),  # S -> R
+    ((6, 6), SEED, ["P(sum)", "R"], SEED, ["S(0)", "R"]),  # P -> S
+    ((4, 6), SEED, ["S(0)", "S(1)"], SEED, ["S(1)", "S(0)"]),  # S(i) -> S(j)
+    ((2, 4, 4), MESH0, ["S(0)", "R"], MESH1, ["S(0)", "S(2)"]),  # cross-mesh (seed 001, 4.4)
+    ((4, 4), ProcessMesh([0, 1, 2, 3], ["x"]), ["R"], ProcessMesh([4, 5], ["x"]), ["S(0)"]),  # other shape
+]
+
+
+@pytest.mark.parametrize("shape,src_mesh,src,dst_mesh,dst", CASES)
+def test_reshard_view_steps_are_the_planners(shape, src_mesh, src, dst_mesh, dst):
+    v = ReshardView(shape, src_mesh, src, dst_mesh, dst)
+    plan = plan_reshard(shape, src_mesh, src, dst_mesh, dst, 4)
+    assert v.steps == list(plan.steps)
+    assert len(v.states) == len(plan.steps) + 1
+    for step, st in zip(plan.steps, v.states[1:]):
+        assert st.placements == step.after
+        assert st.mesh == (step.target_mesh if step.op == "send_recv" else step.mesh)
+    value = np.arange(1, np.prod(shape) + 1, dtype=float).reshape(shape)
+    final = simulate(plan, value)
+    assert set(v.states[-1].locals) == set(final)
+    for r, loc in final.items():
+        np.testing.assert_array_equal(v.states[-1].locals[r], loc)
+    np.testing.assert_array_equal(v.states[-1].value(), value)
+    for f in range(v.n_frames):
+        assert v.frame_png(f).startswith(PNG)
+    assert v.png().startswith(PNG)
+
+
+def test_reshard_repr_is_short_and_stable():
+    v = ReshardView((4, 6), SEED, ["S(0)", "S(1)"], dst_placements=["R", "R"])
+    assert repr(v) == "<ReshardView [S(0), S(1)] -> [R, R]: 2 steps>"
+    assert [s.op for s in v.steps] == ["all_gather", "all_gather"]
+    x = ReshardView((2, 4, 4), MESH0, ["S(0)", "R"], MESH1, ["S(0)", "S(2)"])
+    assert repr(x) == "<ReshardView [S(0), R] -> [S(0), S(2)] mesh [2, 2] -> [2, 2]: 2 steps>"
+    assert x.steps[-1].op == "send_recv" and x.steps[-1].groups == ((0, 4), (1, 5), (2, 6), (3, 7))
+
+
+def test_mesh_view_facets_greys_and_devices(tmp_path):
+    m3 = ProcessMesh(np.arange(12).reshape(2, 2, 3), ["pp", "dp", "mp"])
+    assert [p[0] for p in mesh_panels(m3)] == ["pp=0", "pp=1"]  # panels of dp x mp
+    assert mesh_panels(m3)[1][2].tolist() == [[6, 7, 8], [9, 10, 11]]
+    m4 = ProcessMesh(np.arange(24).reshape(2, 2, 2, 3), ["a", "b", "c", "d"])
+    assert [p[0] for p in mesh_panels(m4)] == ["a=0, b=0", "a=0, b=1", "a=1, b=0", "a=1, b=1"]
+    world = ProcessMesh(list(range(8)), ["world"])
+    v = MeshView(world, within=ProcessMesh([0, 1, 2, 3], ["x"]), devices=[f"cuda:{i}" for i in range(8)])
+    assert v.greyed == [4, 5, 6, 7]
+    assert v.cells[5] == {"coord": (5,), "device": "cuda:5", "active": False}
+    assert repr(v) == "<MeshView world=8: 8 ranks, 4 greyed>"
+    assert repr(MeshView(SEED)) == "<MeshView x=2, y=3: 6 ranks>"
+    path = v.save(tmp_path / "mesh.png")
+    assert open(path, "rb").read().startswith(PNG)
+    assert MeshView(m3).png().startswith(PNG)
+    html = MeshView(SEED)._repr_html_()
+    assert "data:image/png;base64," in html and "&lt;MeshView x=2, y=3: 6 ranks&gt;" in html
+
+
+def test_big_mesh_draws_fast():
+    e = Explorer(mesh_shape="32,32", ids="reversed", dim_names="x,y", shape="64,64", src="S(0), S(1)",
+                 dst="R, S(0)")
+    assert e.error is None and e.plan.src_mesh.size == 1024
+    best = min(e.redraw() for _ in range(3))
+    assert best < 1.0, f"a 32x32 mesh took {best:.2f} s to redraw"
+
+
+@pytest.mark.parametrize("schedule,v", [("FThenB", 1), ("1F1B", 1), ("VPP", 2)])
+def test_pipeline_bubble_matches_formula_on_an_ideal_machine(schedule, v):
+    pv = PipelineView.synthetic(stages=4, micro_batches=8, schedule=schedule, chunks=v)
+    assert len(pv.blocks) == 2 * 4 * 8 * v
+    assert pv.micro_batches == 8 and pv.chunks == v
+    assert pv.bubble == pytest.approx(bubble_formula(4, 8, v))
+    assert pv.formula == pytest.approx(3 / (8 * v + 3))
+    # every stage-to-stage hop is one matched send/recv arrow
+    assert len(pv.transfers) == 2 * 8 * (4 * v - 1)
+    assert all(t["end"] >= t["start"] for t in pv.transfers)
+    assert pv.png().startswith(PNG)
+
+
+def test_pipeline_schedule_orders_respect_dependencies():
+    evs = synthetic_schedule(3, 6, "1F1B", comm=0.25)
+    done = {(e.extra["phase"], e.extra["stage"], e.extra["micro_batch"]): e for e in evs if e.kind == "compute"}
+    for (ph, s, mb), e in done.items():
+        if ph == "F" and s > 0:
+            assert e.start >= done[("F", s - 1, mb)].end + 0.25 - 1e-9
+        if ph == "B" and s < 2:
+            assert e.start >= done[("B", s + 1, mb)].end + 0.25 - 1e-9
+    pv = PipelineView(evs)
+    assert pv.bubble > bubble_formula(3, 6)  # communication adds idle time
+    with pytest.raises(ValueError):
+        synthetic_schedule(3, 4, "VPP", chunks=2)
+
+
+class FakeSource:
+    """A Cluster-like source: calls subscribers from its own thread."""
+
+    def __init__(self):
+        self.subs = []
+        self.events = []
+
+    def subscribe(self, cb):
+        self.subs.append(cb)
+        return cb
+
+    def unsubscribe(self, cb):
+        self.subs.remove(cb)
+
+    def push(self, events, delay=0.0):
+        def run():
+            for e in events:
+                self.events.append(e)
+                for cb in list(self.subs):
+                    cb(e)
+                if delay:
+                    time.sleep(delay)
+        t = threading.Thread(target=run)
+        t.start()
+        return t
+
+
+def test_live_view_follows_a_source_thread_and_throttles():
+    src = FakeSource()
+    pv = PipelineView(source=src, interval=0.1)
+    pv.widget  # a live view redraws its widget's picture
+    evs = synthetic_schedule(4, 16, "1F1B")
+    t0 = time.monotonic()
+    src.push(evs).join()
+    assert pv.flush(10)
+    elapsed = time.monotonic() - t0
+    assert len(pv.blocks) == 2 * 4 * 16
+    assert pv.bubble == pytest.approx(bubble_formula(4, 16))
+    assert 1 <= pv.redraws <= elapsed / 0.1 + 2
+    assert pv.redraws < len(evs) / 10
+    pv.close()
+    assert src.subs == []
+
+
+def test_live_reshard_view_follows_steps():
+    src = FakeSource()
+    rv = ReshardView(source=src, interval=0.05)
+    assert repr(rv) == "<ReshardView (waiting for a reshard)>"
+    events = _reshard_events(SEED, (4, 6), ["P(sum)", "S(1)"], ["R", "R"])
+    src.push(events[:1 + 6]).join()  # the reshard and step 0 on every rank
+    assert rv.flush(5)
+    assert rv.frame == 1 and rv.ran == {0}
+    src.push(events[7:]).join()
+    assert rv.flush(5)
+    assert rv.frame == 2 and rv.ran == {0, 1} and not rv.mismatch
+    assert repr(rv) == "<ReshardView [P(sum), S(1)] -> [R, R]: 2 steps, ran 2/2>"
+    rv.close()
+
+
+def _reshard_events(mesh, shape, src, dst, dst_mesh=None):
+    """The events the runtime's run_plan emits, built from the planner's simulation (one process)."""
+    dst_mesh = dst_mesh or mesh
+    plan = plan_reshard(shape, mesh, src, dst_mesh, dst, 4)
+    value = np.arange(1, np.prod(shape) + 1, dtype=float).reshape(shape)
+    from meshviz.core.planner import apply_step, initial_locals
+
+    locals_ = initial_locals(value, mesh, plan.src_placements)
+    evs = [Event(kind="reshard", rank=0, plan_id=7, tensor_id=1, name="y", mesh=mesh.to_dict(),
+                 placements_before=[repr(p) for p in plan.src_placements],
+                 placements_after=[repr(p) for p in plan.dst_placements], shape_before=list(shape),
+                 shape_after=list(shape), bytes=plan.total_bytes,
+                 extra={"target_mesh": dst_mesh.to_dict(), "ops": plan.ops})]
+    for i, step in enumerate(plan.steps):
+        locals_ = apply_step(step, locals_)
+        for r in sorted(set(mesh.process_ids) | set(dst_mesh.process_ids)):
+            part = step.group_of(r)
+            if part is None:
+                continue
+            loc = locals_.get(r)
+            evs.append(Event(kind="reshard_step", rank=r, op=step.op, plan_id=7, tensor_id=1, step=i,
+                             mesh=step.mesh.to_dict(), axis=step.axis, bytes=step.bytes,
+                             group=[list(p) for p in part] if step.op == "send_recv" else list(part),
+                             placements_before=[repr(p) for p in step.before],
+                             placements_after=[repr(p) for p in step.after],
+                             local_shape=None if loc is None else list(loc.shape),
+                             values=None if loc is None else loc.ravel().tolist()))
+    return evs
+
+
+def test_replay_from_jsonl(tmp_path):
+    events = _reshard_events(MESH0, (2, 4, 4), ["S(0)", "R"], ["S(0)", "S(2)"], MESH1)
+    path = tmp_path / "trace.jsonl"
+    path.write_text("".join(to_json(e) + "\n" for e in events))
+    rv = ReshardView(source=str(path))
+    assert rv.steps == list(plan_reshard((2, 4, 4), MESH0, ["S(0)", "R"], MESH1, ["S(0)", "S(2)"]).steps)
+    assert rv.ran == {0, 1} and rv.frame == 2
+    value = np.arange(1, 33, dtype=float).reshape(2, 4, 4)
+    np.testing.assert_array_equal(rv.states[-1].value(), value)
+    # the cross-mesh transfer shows in the pipeline view as arrows 0->4, 1->5, 2->6, 3->7
+    pv = PipelineView(str(path))
+    assert sorted((t["src"], t["dst"]) for t in pv.transfers) == [(0, 4), (1, 5), (2, 6), (3, 7)]
+    assert all(t["how"] == "reshard" for t in pv.transfers)
+    tv = TensorView(source=str(path))
+    assert tv.state.mesh == MESH1 and tv.blocks == {b: tuple(r) for b, r in
+                                                      layout((2, 4, 4), MESH1, ["S(0)", "S(2)"]).owners().items()}
+    np.testing.assert_array_equal(tv.state.value(), value)
+    assert isinstance(show(str(path)), ReshardView)
+
+
+def test_explorer_controls_and_errors():
+    e = Explorer()
+    assert repr(e) == "<Explorer mesh [2, 3] x,y: [4, 6] [P(sum), S(1)] -> [R, R]: 2 steps, 96 B/rank>"
+    assert e.plan.ops == ["all_reduce", "all_gather"]
+    e.update(src="S(5), R")
+    assert e.error is not None and "out of range" in e.error and repr(e).startswith("<Explorer error")
+    e.update(src="S(0), S(1)", dst="S(1), S(0)")
+    assert e.error is None and e.plan.ops == plan_reshard((4, 6), SEED, ["S(0)", "S(1)"], SEED,
+                                                          ["S(1)", "S(0)"]).ops
+    e.update(ids="1,2,3")
+    assert "3 process ids" in e.error
+    e.update(ids="", target_ids="reversed")
+    assert e.error is None and e.plan.cross_mesh
+    w = e.widget
+    e._inputs["shape"].value = "8,8"
+    assert e.plan.shape == (8, 8) and e.error is None
+    assert w.children
+
+
+def test_explorer_needs_no_torch_distributed():
+    code = ("import sys, meshviz; e = meshviz.explore(mesh_shape='4,4', ids='', shape='8,8'); e.redraw(); "
+            "assert e.error is None; print('torch.distributed' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
+
+
+def test_show_dispatch_and_display_bundle(monkeypatch):
+    assert isinstance(show(SEED), MeshView)
+    assert isinstance(show(layout((4, 6), SEED, ["S(0)", "R"])), TensorView)
+    assert isinstance(show(plan_reshard((4, 6), SEED, ["S(0)", "R"], SEED, ["R", "R"])), ReshardView)
+    assert isinstance(show(synthetic_schedule(2, 2)), PipelineView)
+    shown = []
+    import IPython.display
+
+    monkeypatch.setattr(IPython.display, "display", lambda obj, raw=False: shown.append(obj))
+    show(SEED)._ipython_display_()
+    bundle = shown[0]
+    assert bundle["text/plain"] == "<MeshView x=2, y=3: 6 ranks>"
+    assert bundle["image/png"].startswith(PNG)
+    assert "application/vnd.jupyter.widget-view+json" in bundle
+
+
+def _traced_reshards():
+    """On 4 ranks: a Partial on [[0,1],[2,3]] all-reduced, then a stage transfer from mesh [0,1] to mesh [2,3]."""
+    import torch
+
+    import meshviz.distributed as dist
+    from meshviz import trace
+
+    dist.init_parallel_env()
+    mesh = ProcessMesh([[0, 1], [2, 3]], ["x", "y"])
+    m0, m1 = ProcessMesh([0, 1], ["pp"]), ProcessMesh([2, 3], ["pp"])
+    x = torch.arange(1, 25, dtype=torch.float32).reshape(4, 6)
+    with trace.record() as rec:
+        a = dist.shard_tensor(x, mesh, [Partial(), Shard(1)])
+        dist.reshard(a, mesh, [Replicate(), Replicate()])
+        b = dist.shard_tensor(x, m0, [Shard(0)])
+        dist.reshard(b, m1, [Shard(0)])
+    return [e.to_dict() for e in rec.events]
+
+
+@pytest.mark.timeout(180)
+def test_views_draw_what_the_runtime_ran():
+    from meshviz.testing import run_ranks
+
+    per_rank = run_ranks(_traced_reshards, 4, timeout=150)
+    events = sorted((Event.from_dict(d) for evs in per_rank for d in evs), key=lambda e: (e.start, e.rank, e.seq))
+    reshards = [e for e in events if e.kind == "reshard"]
+    first, second = sorted({e.plan_id for e in reshards if e.rank == 0})[:2]
+    mesh = ProcessMesh([[0, 1], [2, 3]], ["x", "y"])
+    rv = ReshardView(source=events, plan_id=first)
+    assert rv.steps == list(plan_reshard((4, 6), mesh, ["P(sum)", "S(1)"], mesh, ["R", "R"]).steps)
+    assert rv.ran == set(range(len(rv.steps))) and not rv.mismatch
+    x = np.arange(1, 25, dtype=float).reshape(4, 6)
+    for r in range(4):  # the values the ranks reported after the last step are the full tensor
+        np.testing.assert_array_equal(rv.states[-1].locals[r], x)
+    m0, m1 = ProcessMesh([0, 1], ["pp"]), ProcessMesh([2, 3], ["pp"])
+    xv = ReshardView(source=[e for e in events if e.kind != "reshard" or e.rank in (0, 1)], plan_id=second)
+    assert xv.steps == list(plan_reshard((4, 6), m0, ["S(0)"], m1, ["S(0)"]).steps)
+    np.testing.assert_array_equal(xv.states[-1].value(), x)
+    pv = PipelineView(events)
+    assert sorted((t["src"], t["dst"]) for t in pv.transfers if t["how"] == "reshard") == [(0, 2), (1, 3)]
+    assert pv.png().startswith(PNG)
