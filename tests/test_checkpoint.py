@@ -81,3 +81,41 @@ def test_plain_round_trip_single_process(tmp_path):
     assert _to_dcp(sd["a"]) is sd["a"]
     with pytest.raises(TypeError):
         dist.save_state_dict([1], str(tmp_path / "d"))
+
+
+def _save_dist(path):
+    import meshviz.distributed as dist
+
+    dist.init_parallel_env()
+    mesh = dist.ProcessMesh([[2, 0], [3, 1]], dim_names=["x", "y"])  # ids not increasing
+    t = dist.shard_tensor(_full()["w"].reshape(6, 5), mesh, [dist.Shard(0), dist.Shard(1)])
+    dist.save_state_dict({"t": t}, path)
+    return t._local_value().clone()
+
+
+def _load_dist(path):
+    import meshviz.distributed as dist
+
+    dist.init_parallel_env()
+    mesh = dist.ProcessMesh([1, 0], dim_names=["x"])
+    a = dist.shard_tensor(torch.zeros(6, 5), mesh, [dist.Replicate()])
+    b = dist.shard_tensor(torch.zeros(6, 5), mesh, [dist.Shard(1)])
+    sd = {"t": a}
+    dist.load_state_dict(sd, path)
+    sd2 = {"t": b}
+    dist.load_state_dict(sd2, path)
+    return a._local_value().clone(), b._local_value().clone(), sd["t"] is a
+
+
+@pytest.mark.timeout(120)
+def test_dist_tensors_reshard_on_load(tmp_path):
+    path = str(tmp_path / "dist")
+    full = _full()["w"].reshape(6, 5)
+    saved = run_ranks(_save_dist, 4, path)
+    # rank 0 sits at coordinate (0, 1): rows 0-2, cols 3-4
+    assert torch.equal(saved[0], full[0:3, 3:5])
+    res = run_ranks(_load_dist, 2, path)
+    for r, (rep, sh, same) in enumerate(res):
+        assert torch.equal(rep, full) and same
+        # rank 1 is coordinate 0 of mesh [1, 0]: cols 0-2; rank 0 cols 3-4
+        assert torch.equal(sh, full[:, 0:3] if r == 1 else full[:, 3:5])

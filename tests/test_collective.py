@@ -129,11 +129,6 @@ def _collectives():
     return out
 
 
-def _expect_all(r):
-    vals = [_val(i) for i in range(W)]
-    return vals
-
-
 @pytest.mark.timeout(120)
 def test_collectives_match_definitions():
     res = run_ranks(_collectives, W)

@@ -1,7 +1,6 @@
 """DataParallel and fused_allreduce_gradients (seed 000) against single-process runs."""
 
 import os
-import tempfile
 
 import pytest
 import torch

@@ -152,21 +152,28 @@ def _small_stays_whole():
     for level in LEVELS:
         model = make_model()
         opt = torch.optim.AdamW(model.parameters(), lr=LR)
-        _, opt, _ = group_sharded_parallel(model, opt, level)  # default segment_size 2**20
+        model, opt, _ = group_sharded_parallel(model, opt, level)  # default segment_size 2**20
+        x, y = batch(0, dist.get_rank())
+        F.mse_loss(model(x), y).backward()
+        opt.step()
         out[level] = [(p.name, p.mode, p.owners()) for p in opt.ownership]
+        out[level + "_w"] = model[0].weight.detach().clone()
     return out
 
 
 @pytest.mark.timeout(90)
 def test_default_segment_size_keeps_small_parameters_whole():
     res = run_ranks(_small_stays_whole, 2, timeout=80)
-    assert res[0] == res[1]
+    assert all(res[0][lv] == res[1][lv] for lv in LEVELS)
     os_ = res[0]["os"]
     assert all(mode == "whole" and len(owners) == 1 for _, mode, owners in os_)
     # greedy by size: the 60-element weight on rank 0, the 30-element weight on rank 1
     owners = {name: o[0] for name, _, o in os_}
     assert owners["0.weight"] == 0 and owners["2.weight"] == 1
     assert all(mode == "replicated" for _, mode, _ in res[0]["p_g_os"])
+    for level in LEVELS:  # one step, whole or replicated, gives the same weights everywhere
+        torch.testing.assert_close(res[0][level + "_w"], res[1][level + "_w"])
+        torch.testing.assert_close(res[0][level + "_w"], res[0]["os_w"])
 
 
 def _bad_level(level):

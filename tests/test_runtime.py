@@ -142,6 +142,13 @@ def nd_blocks():
     }
     m4 = dist.ProcessMesh([0, 1, 2, 3])
     res["uneven"] = dist.shard_tensor(torch.arange(5), m4, [dist.Shard(0)])._local_value().numel()
+    # even all-to-all in both directions, and across a 3-D tensor's middle dim
+    value = np.arange(8 * 4 * 8, dtype=np.float32).reshape(8, 4, 8)
+    for src, dst in [(0, 2), (2, 0), (1, 2), (2, 1)]:
+        t = dist.shard_tensor(torch.from_numpy(value), m4, [dist.Shard(src)])
+        got = dist.reshard(t, m4, [dist.Shard(dst)])._local_value().numpy()
+        want = _expect_local(value, m4, [Shard(src)], m4, [Shard(dst)], dist.get_rank())
+        np.testing.assert_array_equal(got, want)
     return res
 
 

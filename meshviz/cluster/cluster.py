@@ -402,7 +402,7 @@ class Cluster:
                 res = child.result() if exc is None else None
                 if isinstance(res, BaseException):  # ipyparallel resolves a remote error as the result
                     exc = res
-                if exc is not None and type(exc).__name__ == "EngineError":  # the controller saw it die
+                if exc is not None and getattr(exc, "ename", type(exc).__name__) == "EngineError":  # the controller saw it die
                     self._dead.setdefault(r, "engine died while running")
                     self.state = "broken"
                     out.append(RankOutcome(r, eid, "died", self._dead[r]))

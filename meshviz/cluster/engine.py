@@ -11,7 +11,7 @@ import traceback
 
 __all__ = ["setup", "reinit", "stream_count", "guarded_call", "state"]
 
-GRACE = 0.1  # seconds a rank may still be running after a peer failed before it counts as stuck
+GRACE = 0.25  # seconds a rank may still be running after a peer failed before it counts as stuck
 
 _state: "_EngineState | None" = None
 
@@ -57,6 +57,7 @@ class _EngineState:
         self.abort_pending = False
         self.aborted = False
         self.last_failure: dict | None = None
+        self.failed_cell = -1
         self._ctx = zmq.Context()
         self._sub = self._ctx.socket(zmq.SUB)
         self._sub.setsockopt(zmq.LINGER, 0)
@@ -126,6 +127,7 @@ class _EngineState:
         return shell.showtraceback((etype, value, tb), tb_offset=tb_offset)
 
     def report_failure(self, value: BaseException) -> None:
+        self.failed_cell = self.cell  # a rank busy reporting its own error is not stuck
         self.last_failure = {
             "type": "failed", "rank": self.rank, "cell": self.cell, "time": time.time(),
             "error": _summary(value), "traceback": "".join(traceback.format_exception(value))[-8000:],
@@ -159,7 +161,7 @@ class _EngineState:
                     threading.Thread(target=self._abort, daemon=True).start()
 
     def _check_stuck(self, cell: int, failed_rank) -> None:
-        if self.running and self.cell == cell:
+        if self.running and self.cell == cell and self.failed_cell != cell:
             self.sink.send_control({"type": "stuck", "rank": self.rank, "cell": cell, "failed": failed_rank})
 
     def _abort(self) -> None:

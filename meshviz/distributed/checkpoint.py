@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.distributed as tdist
 import torch.distributed.checkpoint as dcp
@@ -102,7 +104,9 @@ def save_state_dict(state_dict: dict, path: str, process_group=None, coordinator
         raise TypeError(f"save_state_dict: state_dict must be a dict, got {type(state_dict).__name__}")
     sd = _walk(state_dict, _to_dcp)
     with trace.span("mark", op="save_state_dict", name=str(path), bytes=_nbytes(sd)):
-        dcp.save(sd, checkpoint_id=path, process_group=_group(process_group))
+        with warnings.catch_warnings():  # one process without a group is a supported case, not a mistake
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.save(sd, checkpoint_id=path, process_group=_group(process_group), no_dist=not tdist.is_initialized())
 
 
 def load_state_dict(state_dict: dict, path: str, process_group=None, coordinator_rank: int = 0,
@@ -116,5 +120,7 @@ def load_state_dict(state_dict: dict, path: str, process_group=None, coordinator
         raise TypeError(f"load_state_dict: state_dict must be a dict, got {type(state_dict).__name__}")
     sd = _walk(state_dict, _to_dcp)
     with trace.span("mark", op="load_state_dict", name=str(path), bytes=_nbytes(sd)):
-        dcp.load(sd, checkpoint_id=path, process_group=_group(process_group))
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(sd, checkpoint_id=path, process_group=_group(process_group), no_dist=not tdist.is_initialized())
     _write_back(state_dict, _walk(state_dict, lambda v: v), sd)

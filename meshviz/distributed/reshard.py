@@ -118,11 +118,22 @@ def _all_to_all(recv: list, send: list, group) -> None:
 def _all_to_all_dims(step: Step, local: torch.Tensor, group, coords, my_index) -> torch.Tensor:
     a, b = step.dim, step.dst_dim
     k = len(coords)
-    # what I send partner j: my block along a, partner j's chunk along b
     splits = [chunk(local.shape[b], k, j) for j in range(k)]
-    send = [local.narrow(b, lo, hi - lo).contiguous() for lo, hi in splits]
     a_sizes = [_block_shape(step, step.before, step.mesh, c)[a] for c in coords]
     my_b = splits[my_index][1] - splits[my_index][0]
+    even = local.shape[b] % k == 0 and len(set(a_sizes)) == 1
+    if even:
+        # one copy to pack (partner j's columns become the j-th contiguous piece), none to unpack when a == 0
+        packed = local.unflatten(b, (k, my_b)).movedim(b, 0).contiguous().reshape(-1)
+        out = torch.empty_like(packed)
+        tdist.all_to_all_single(out, packed, group=group)
+        piece = list(local.shape)
+        piece[b] = my_b
+        stacked = out.view([k] + piece)  # [k, ..., a_j, ..., my_b, ...]
+        if a == 0:
+            return stacked.view([k * piece[0]] + piece[1:])
+        return stacked.movedim(0, a).flatten(a, a + 1).contiguous()
+    send = [local.narrow(b, lo, hi - lo).contiguous() for lo, hi in splits]
     recv = []
     for j in range(k):
         shp = list(local.shape)

@@ -238,6 +238,7 @@ class StreamReceiver:
         bind = "*" if host in ("0.0.0.0", "*", "") else host
         port = self._sock.bind_to_random_port(f"tcp://{bind}")
         self.address = f"tcp://{connect_host or host}:{port}"
+        self.batches = 0
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="meshviz-receiver", daemon=True)
         self._thread.start()
@@ -263,6 +264,7 @@ class StreamReceiver:
                     events = [Event.from_dict(d) for d in msg.get("events", ())]
                 except Exception:  # never execute or trust anything in a message; bad ones are dropped
                     continue
+                self.batches += 1
                 if events:
                     self.log._extend(events, arrival)
                 for c in msg.get("control", ()):

@@ -15,6 +15,7 @@ from matplotlib.figure import Figure
 __all__ = ["View", "Live", "Replayer", "as_events", "new_figure", "fig_png"]
 
 DPI = 90
+STATIC_DPI = 72  # the picture stored in notebooks beside the widget
 
 
 def new_figure(width: float, height: float) -> Figure:
@@ -61,6 +62,8 @@ class Live:
         self._cv = threading.Condition()
         self._stopped = False
         self._seen: set = set()
+        self._inflight = False
+        self.latencies: list = []  # seconds from an event's arrival to the redraw that shows it (last 1000)
         self._thread = threading.Thread(target=self._run, name=f"meshviz-{type(view).__name__}", daemon=True)
         source.subscribe(self._on_event)
         backlog = getattr(source, "events", None)
@@ -71,6 +74,8 @@ class Live:
 
     def _on_event(self, event) -> None:  # called on the source's thread: only queue
         with self._cv:
+            if not self._pending:
+                self._first_arrival = time.monotonic()
             self._pending.append(event)
             self._cv.notify()
 
@@ -87,6 +92,8 @@ class Live:
                 time.sleep(wait)
             with self._cv:
                 batch, self._pending = self._pending, []
+                arrived = getattr(self, "_first_arrival", time.monotonic())
+                self._inflight = True
             fresh = []
             for e in batch:
                 key = (e.rank, e.seq, e.kind, e.start)
@@ -101,14 +108,19 @@ class Live:
             except Exception as exc:  # a drawing bug must not kill the stream
                 self.view._error = f"{type(exc).__name__}: {exc}"
             last = time.monotonic()
+            if fresh:
+                self.latencies.append(last - arrived)
+                del self.latencies[:-1000]
+            with self._cv:
+                self._inflight = False
 
     def flush(self, timeout: float = 5.0) -> bool:
         """Wait until every event received so far is drawn."""
         t_end = time.monotonic() + timeout
         while time.monotonic() < t_end:
             with self._cv:
-                idle = not self._pending
-            if idle and not self.view._busy:
+                idle = not self._pending and not self._inflight
+            if idle:
                 return True
             time.sleep(0.01)
         return False
@@ -225,7 +237,7 @@ class View:
             bundle["text/plain"] = repr(self)
         except Exception:  # no widget front end: the static picture still shows
             pass
-        bundle["image/png"] = self.png()  # the static picture, for nbconvert and GitHub
+        bundle["image/png"] = self.png(STATIC_DPI)  # the static picture, for nbconvert and GitHub
         display(bundle, raw=True)
 
     # -- live -------------------------------------------------------------------------------------

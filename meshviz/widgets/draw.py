@@ -118,14 +118,15 @@ def _spec_top(fig, spec):
 def _draw_groups(ax, ndim, axis, rows, cols):
     """Lines through the cells that talk: one per line of the mesh along ``axis`` (within this panel)."""
     kw = dict(color="black", alpha=0.55, linewidth=2.5, marker="o", markersize=3, solid_capstyle="round")
+    off = 0.3  # beside the ids, not over them
     if ndim == 1 or axis == ndim - 1:
         if cols > 1:
             for i in range(rows):
-                ax.plot([0, cols - 1], [i, i], **kw)
+                ax.plot([0, cols - 1], [i + off, i + off], **kw)
     elif axis == ndim - 2:
         if rows > 1:
             for j in range(cols):
-                ax.plot([j, j], [0, rows - 1], **kw)
+                ax.plot([j + off, j + off], [0, rows - 1], **kw)
     else:
         ax.text(0.5, -0.02, "groups: the same cell across panels", transform=ax.transAxes, ha="center",
                 va="top", fontsize=6)

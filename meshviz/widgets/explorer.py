@@ -9,6 +9,7 @@ import numpy as np
 
 from ..core import ProcessMesh, plan_reshard
 from ..core.placements import placements_str
+from .base import STATIC_DPI, fig_png
 from .mesh_view import MeshView
 from .reshard_view import ReshardView, _groups_text
 from .style import fmt_bytes, parse_ids, parse_ints, parse_placements
@@ -155,7 +156,7 @@ class Explorer:
         except Exception:
             pass
         if self.reshard_view is not None:
-            bundle["image/png"] = self.reshard_view.png()
+            bundle["image/png"] = fig_png(self.reshard_view.frame_figure(0), STATIC_DPI)
         display(bundle, raw=True)
 
     def _repr_png_(self):

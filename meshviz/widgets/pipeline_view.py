@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 import numpy as np
+from matplotlib.collections import LineCollection
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
@@ -14,7 +15,8 @@ from .base import View
 __all__ = ["PipelineView", "synthetic_schedule", "bubble_formula"]
 
 PHASE_COLOUR = {"F": (0.55, 0.75, 0.95), "B": (0.96, 0.63, 0.36), "W": (0.6, 0.82, 0.6)}
-MAX_ARROWS = 300
+MAX_ARROWS = 2000
+FANCY_ARROWS = 80  # above this many transfers, arrows become plain lines (annotations are slow to draw)
 MAX_LABELS = 400
 
 
@@ -282,11 +284,7 @@ class PipelineView(View):
         for c in self.comms:
             ax.broken_barh([((c["start"] - t0) * scale, max((c["end"] - c["start"]) * scale, span * scale * 0.002))],
                            (row.get(c["rank"], 0) + 0.38, 0.12), facecolors=["#555"])
-        for t in self.transfers[:MAX_ARROWS]:
-            colour = "#c0392b" if t["how"] == "reshard" else "#444"
-            ax.annotate("", xy=((t["end"] - t0) * scale, row[t["dst"]] - 0.4 * np.sign(row[t["dst"]] - row[t["src"]] or 1)),
-                        xytext=((t["start"] - t0) * scale, row[t["src"]] + 0.4 * np.sign(row[t["dst"]] - row[t["src"]] or 1)),
-                        arrowprops=dict(arrowstyle="-|>", color=colour, lw=0.8, alpha=0.8, shrinkA=0, shrinkB=0))
+        self._draw_transfers(ax, row, t0, scale)
         st = self.stages
         labels = []
         for r in ranks:
@@ -309,6 +307,23 @@ class PipelineView(View):
         if handles:
             ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=len(handles),
                       fontsize=7, frameon=False)
+
+    def _draw_transfers(self, ax, row, t0, scale):
+        """Arrows from the sender's row at send time to the receiver's row at arrival; many: one line collection."""
+        segs, colours = [], []
+        for t in self.transfers[:MAX_ARROWS]:
+            d = 1 if row[t["dst"]] >= row[t["src"]] else -1
+            segs.append((((t["start"] - t0) * scale, row[t["src"]] + 0.4 * d),
+                         ((t["end"] - t0) * scale, row[t["dst"]] - 0.4 * d)))
+            colours.append("#c0392b" if t["how"] == "reshard" else "#444")
+        if len(segs) <= FANCY_ARROWS:
+            for (a, b), c in zip(segs, colours):
+                ax.annotate("", xy=b, xytext=a, arrowprops=dict(arrowstyle="-|>", color=c, lw=0.8, alpha=0.8,
+                                                                shrinkA=0, shrinkB=0))
+        elif segs:
+            ax.add_collection(LineCollection(segs, colors=colours, linewidths=0.7, alpha=0.7))
+            ends = np.array([b for _, b in segs])
+            ax.scatter(ends[:, 0], ends[:, 1], s=6, c=colours, marker="o", linewidths=0, alpha=0.8)
 
     def _headline(self) -> str:
         p = len({b["rank"] for b in self.blocks})

@@ -27,12 +27,21 @@ _VERB = {
 }
 
 
+def _line(g) -> str:
+    g = list(g)
+    if len(g) > 8:
+        return "[" + ",".join(map(str, g[:4])) + ",…," + ",".join(map(str, g[-2:])) + f"] ({len(g)} ranks)"
+    return "[" + ",".join(map(str, g)) + "]"
+
+
 def _groups_text(step, limit=4) -> str:
     gs = list(step.groups)
     if step.op == "send_recv":
         body = ", ".join(f"{s}→{t}" for s, t in gs[:limit * 2])
         return body + (f", … ({len(gs)} pairs)" if len(gs) > limit * 2 else "")
-    body = " ".join("[" + ",".join(map(str, g)) + "]" for g in gs[:limit])
+    if gs and len(gs[0]) > 8:
+        limit = min(limit, 2)
+    body = " ".join(_line(g) for g in gs[:limit])
     return body + (f" … ({len(gs)} groups)" if len(gs) > limit else "")
 
 

@@ -459,7 +459,8 @@ class DistModel:
             inputs, labels = batch[:n], batch[n:]
         else:
             raise ValueError("serial program: pass input_spec or a loader to to_static, or run one step first")
-        scale = _world() if (self._dp and self._strategy.split_data) else 1
+        has_dist = any(_is_dist(p) for p in self._layer.parameters())  # then every rank feeds the whole batch
+        scale = _world() if (self._dp and self._strategy.split_data and not has_dist) else 1
 
         def meta(t):
             shape = list(t.shape)

@@ -269,7 +269,7 @@ class GroupShardedOptimizer:
         else:
             live = [s for s in slots if s.param.grad is not None]
         for s in live:
-            if s.shard is None or not s.owned:
+            if s.shard is None or s.shard is s.param or not s.owned:
                 continue
             g = s.param.grad.detach().reshape(-1)[s.lo : s.hi]
             s.shard.grad = g.to("cpu") if s.shard.device != g.device else g

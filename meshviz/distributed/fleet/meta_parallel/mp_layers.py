@@ -147,7 +147,8 @@ class VocabParallelEmbedding(nn.Module):
         return mp_allreduce(out, self.model_parallel_group)
 
     def extra_repr(self):
-        return f"{self.num_embeddings}, {self.embedding_dim}, local rows {self.vocab_start_index}:{self.vocab_end_index}"
+        return (f"{self.num_embeddings}, {self.embedding_dim}, "
+                f"local rows {self.vocab_start_index}:{self.vocab_end_index}")
 
 
 class ParallelCrossEntropy(nn.Module):
