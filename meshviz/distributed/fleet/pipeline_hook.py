@@ -10,6 +10,9 @@ def _pipeline_model(model, hcg, strategy):
 
     ``strategy.pipeline_configs`` gives micro_batch_size, accumulate_steps and schedule_mode.
     """
-    raise NotImplementedError(
-        "fleet.distributed_model with pp_degree > 1 needs the pipeline runtime "
-        "(meshviz.distributed.fleet.pipeline_hook._pipeline_model), which is not available yet")
+    from ..pipeline import PipelineLayer, PipelineParallel
+
+    if not isinstance(model, PipelineLayer):
+        raise TypeError(f"fleet.distributed_model with pp_degree > 1 needs a PipelineLayer, got "
+                        f"{type(model).__name__}")
+    return PipelineParallel(model, hcg, strategy)

@@ -1,0 +1,461 @@
+"""Paddle's PipelineParallel on torch.distributed.pipelining: FThenB, 1F1B, interleaved (VPP), ZBH1, with events."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import nn
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleLoopedBFS,
+)
+
+from ... import trace
+from ...trace import Event
+from .layers import PipelineLayer
+
+__all__ = ["PipelineParallel", "TracedStage", "SCHEDULE_MODES", "resolve_schedule", "check_pipeline_config",
+           "ActivationMeter"]
+
+SCHEDULE_MODES = ("FThenB", "1F1B", "VPP", "ZBH1")
+
+# (mode, interleaved?) -> torch schedule class
+_CLASSES = {
+    ("FThenB", False): ScheduleGPipe,
+    ("FThenB", True): ScheduleLoopedBFS,
+    ("1F1B", False): Schedule1F1B,
+    ("1F1B", True): ScheduleInterleaved1F1B,
+    ("VPP", True): ScheduleInterleaved1F1B,
+    ("ZBH1", False): ScheduleInterleavedZeroBubble,
+    ("ZBH1", True): ScheduleInterleavedZeroBubble,
+}
+_PHASE = {"F": "F", "B": "B", "I": "B", "W": "W"}  # torch action letter -> event phase
+
+
+def resolve_schedule(mode: str, v: int):
+    """(canonical mode name, torch schedule class) for ``pipeline_configs['schedule_mode']`` and v chunks."""
+    names = {m.lower(): m for m in SCHEDULE_MODES}
+    if not isinstance(mode, str) or mode.lower() not in names:
+        raise ValueError(f"pipeline_configs['schedule_mode'] = {mode!r}: use one of {list(SCHEDULE_MODES)}")
+    mode = names[mode.lower()]
+    if mode == "VPP" and v < 2:
+        raise ValueError("schedule_mode 'VPP' needs PipelineLayer(num_virtual_pipeline_stages=v) with v > 1")
+    if mode == "1F1B" and v > 1:
+        mode = "VPP"
+    return mode, _CLASSES[(mode, v > 1)]
+
+
+def check_pipeline_config(p: int, m: int, v: int, mode: str) -> None:
+    """ValueError for micro-batch counts the schedule cannot run (raised before any communication)."""
+    if mode in ("VPP", "ZBH1") or (v > 1 and mode != "FThenB"):
+        if v > 1 and m < p:
+            raise ValueError(f"interleaved schedule {mode!r}: accumulate_steps ({m}) must be >= pp_degree ({p})")
+        rounds = max(1, m // p)
+        if m % rounds:
+            raise ValueError(f"schedule {mode!r}: accumulate_steps ({m}) must be a multiple of "
+                             f"max(1, accumulate_steps // pp_degree) = {rounds} (torch's round structure); "
+                             f"use a multiple of pp_degree ({p})")
+
+
+def _nbytes(ops) -> int:
+    return sum(op.tensor.numel() * op.tensor.element_size() for op in ops)
+
+
+class ActivationMeter:
+    """Bytes saved for backward per (virtual stage, micro-batch), live from its forward until its backward.
+
+    Parameters saved by autograd are not counted; storages are counted once per micro-batch.
+    """
+
+    def __init__(self):
+        self.live = 0
+        self.peak = 0
+        self._held: dict = {}
+        self._params: set = set()
+
+    def watch(self, module: nn.Module) -> None:
+        self._params |= {p.untyped_storage().data_ptr() for p in module.parameters()}
+
+    def hooks(self, key):
+        seen: set = set()
+        total = [0]
+
+        def pack(t):
+            try:
+                ptr = t.untyped_storage().data_ptr()
+            except Exception:
+                return t
+            if ptr not in self._params and ptr not in seen:
+                seen.add(ptr)
+                total[0] += t.untyped_storage().nbytes()
+            return t
+
+        def done():
+            self._held[key] = total[0]
+            self.live += total[0]
+            self.peak = max(self.peak, self.live)
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), done
+
+    def release(self, key) -> None:
+        self.live -= self._held.pop(key, 0)
+
+    def reset(self) -> None:
+        self.live = self.peak = 0
+        self._held.clear()
+
+
+class TracedStage(PipelineStage):
+    """A torch PipelineStage that emits ``compute`` events per F/B/W block and ``send``/``recv`` per transfer.
+
+    Recv events run from when the receive was posted to when the block that needed it started (the schedule
+    waits on it just before); send events mark when the send was posted (gloo/NCCL isend is asynchronous).
+    """
+
+    def __init__(self, submodule, stage_index, num_stages, device, group, ranks, step_ref, meter=None):
+        super().__init__(submodule, stage_index, num_stages, device, group=group)
+        self._ranks = list(ranks)  # global rank of every pipe position
+        self._p = len(self._ranks)
+        self._step_ref = step_ref  # callable -> current step number
+        self._pending: dict = {}
+        self._meter = meter
+        if meter is not None:
+            meter.watch(submodule)
+
+    # -- transfers -----------------------------------------------------------------------------------
+    def _peer(self, stage_index: int) -> int:
+        return self._ranks[stage_index % self._p]
+
+    def _xfer_fields(self, phase, mb, src, dst):
+        return {"micro_batch": mb, "phase": phase, "stage": self.stage_index, "src_stage": src, "dst_stage": dst,
+                "step": self._step_ref(), "transfer": f"{self._step_ref()}:{phase}{mb}:s{src}->s{dst}"}
+
+    def _posted_recv(self, phase, mb, ops):
+        if ops and trace.active():
+            self._pending[(phase, mb)] = (time.time(), _nbytes(ops))
+        return ops
+
+    def _emit_recv(self, phase, mb):
+        got = self._pending.pop((phase, mb), None)
+        if got is None:
+            return
+        t0, nbytes = got
+        src = self.stage_index - 1 if phase == "F" else self.stage_index + 1
+        trace.emit(Event(kind="recv", start=t0, end=time.time(), op="recv", peer=self._peer(src), bytes=nbytes,
+                         group=[self._peer(src), self._peer(self.stage_index)],
+                         name=f"{'act' if phase == 'F' else 'grad'} mb{mb} s{src}->s{self.stage_index}",
+                         extra=self._xfer_fields(phase, mb, src, self.stage_index)))
+
+    def _emit_send(self, phase, mb, ops):
+        if ops and trace.active():
+            dst = self.stage_index + 1 if phase == "F" else self.stage_index - 1
+            t = time.time()
+            trace.emit(Event(kind="send", start=t, end=t, op="send", peer=self._peer(dst), bytes=_nbytes(ops),
+                             group=[self._peer(self.stage_index), self._peer(dst)],
+                             name=f"{'act' if phase == 'F' else 'grad'} mb{mb} s{self.stage_index}->s{dst}",
+                             extra=self._xfer_fields(phase, mb, self.stage_index, dst)))
+        return ops
+
+    def get_fwd_recv_ops(self, fwd_chunk_id):
+        return self._posted_recv("F", fwd_chunk_id, super().get_fwd_recv_ops(fwd_chunk_id))
+
+    def get_bwd_recv_ops(self, bwd_chunk_id):
+        return self._posted_recv("B", bwd_chunk_id, super().get_bwd_recv_ops(bwd_chunk_id))
+
+    def get_fwd_send_ops(self, fwd_chunk_id):
+        return self._emit_send("F", fwd_chunk_id, super().get_fwd_send_ops(fwd_chunk_id))
+
+    def get_bwd_send_ops(self, bwd_chunk_id):
+        return self._emit_send("B", bwd_chunk_id, super().get_bwd_send_ops(bwd_chunk_id))
+
+    # -- compute -------------------------------------------------------------------------------------
+    def _emit_compute(self, phase, mb, t0):
+        extra = {"stage": self.stage_index, "micro_batch": mb, "phase": phase, "chunk": self.stage_index // self._p,
+                 "step": self._step_ref()}
+        if self._meter is not None:
+            extra["live_activation_bytes"] = self._meter.live
+        trace.emit(Event(kind="compute", start=t0, end=time.time(), op=phase, name=f"{phase}{mb}", extra=extra))
+
+    def forward_one_chunk(self, fwd_chunk_id, args, kwargs=None, save_forward_output=True):
+        if not trace.active():
+            return super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
+        self._emit_recv("F", fwd_chunk_id)
+        t0 = time.time()
+        if self._meter is not None and self.has_backward:
+            ctx, done = self._meter.hooks((self.stage_index, fwd_chunk_id))
+            with ctx:
+                out = super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
+            done()
+        else:
+            out = super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
+        self._emit_compute("F", fwd_chunk_id, t0)
+        return out
+
+    def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
+        if not (self.has_backward and trace.active()):
+            return super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
+        self._emit_recv("B", bwd_chunk_id)
+        t0 = time.time()
+        super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
+        if full_backward and self._meter is not None:
+            self._meter.release((self.stage_index, bwd_chunk_id))
+        self._emit_compute("B", bwd_chunk_id, t0)
+
+    def backward_weight_one_chunk(self, bwd_chunk_id, last_backward=False):
+        if not (self.has_backward and trace.active()):
+            return super().backward_weight_one_chunk(bwd_chunk_id, last_backward)
+        t0 = time.time()
+        super().backward_weight_one_chunk(bwd_chunk_id, last_backward)
+        if self._meter is not None:
+            self._meter.release((self.stage_index, bwd_chunk_id))
+        self._emit_compute("W", bwd_chunk_id, t0)
+
+
+class _MicroLoss:
+    """torch's loss_fn(output, target): the target is the micro-batch index; the label is looked up here.
+
+    Each micro loss is divided by the number of micro-batches before its backward, as Paddle does, so the
+    gradients are those of the mean loss; the unscaled-by-scaler values are kept for the returned loss.
+    """
+
+    def __init__(self, loss_fn, n: int):
+        self.loss_fn = loss_fn
+        self.n = n
+        self.labels = None
+        self.scaler = None
+        self.values: list = []
+
+    def __call__(self, output, index):
+        label = self.labels[int(index.reshape(-1)[0])]
+        loss = self.loss_fn(output, label) / self.n
+        self.values.append(loss.detach())
+        return self.scaler.scale(loss) if self.scaler is not None else loss
+
+
+def _batch_of(x, what: str):
+    if isinstance(x, torch.Tensor):
+        if x.dim() == 0:
+            raise ValueError(f"{what} is a scalar; it needs a batch dimension to split into micro-batches")
+        return x.shape[0]
+    if isinstance(x, (tuple, list)) and x and all(isinstance(t, torch.Tensor) for t in x):
+        sizes = {t.shape[0] if t.dim() else None for t in x}
+        if len(sizes) != 1 or None in sizes:
+            raise ValueError(f"{what}: tensors with different batch sizes {sorted(map(str, sizes))}")
+        return sizes.pop()
+    raise ValueError(f"{what} must be a tensor or a tuple of tensors, got {type(x).__name__}")
+
+
+def _split(x, m: int):
+    if isinstance(x, torch.Tensor):
+        return list(x.tensor_split(m))
+    return [tuple(p) for p in zip(*(t.tensor_split(m) for t in x))]
+
+
+class PipelineParallel(nn.Module):
+    """``fleet.distributed_model(PipelineLayer)`` with pp_degree > 1: ``train_batch`` / ``eval_batch``.
+
+    Stage i runs on the ranks of pipe position i of the hybrid group. A batch ``(inputs, labels)`` of
+    ``micro_batch_size * accumulate_steps`` rows is split into ``accumulate_steps`` micro-batches (rows
+    ``[k*mbs, (k+1)*mbs)``); each micro loss is divided by accumulate_steps before its backward; the returned loss
+    is their sum (the mean micro loss), broadcast from the last stage to every stage. The schedule is torch's:
+    ``schedule_mode`` 'FThenB' (ScheduleGPipe; ScheduleLoopedBFS with virtual stages), '1F1B' (Schedule1F1B;
+    ScheduleInterleaved1F1B with virtual stages), 'VPP' (ScheduleInterleaved1F1B), 'ZBH1'
+    (ScheduleInterleavedZeroBubble: backward split into input-grad B and weight-grad W blocks).
+    """
+
+    def __init__(self, layers, hcg=None, strategy=None):
+        super().__init__()
+        if not isinstance(layers, PipelineLayer):
+            raise TypeError(f"PipelineParallel needs a PipelineLayer, got {type(layers).__name__}")
+        from ..fleet import DistributedStrategy, fleet
+
+        hcg = hcg if hcg is not None else fleet._hcg
+        strategy = strategy if strategy is not None else (fleet._strategy or DistributedStrategy())
+        if hcg is None:
+            raise ValueError("PipelineParallel: call fleet.init(is_collective=True, strategy=...) first")
+        p = hcg.get_pipe_parallel_world_size()
+        if layers.num_stages != p:
+            raise ValueError(f"PipelineLayer has num_stages={layers.num_stages} but pp_degree is {p}")
+        cfg = strategy.pipeline_configs
+        self._layers = layers
+        self._hcg = hcg
+        self._strategy = strategy
+        self.micro_batch_size = int(cfg["micro_batch_size"])
+        self.accumulate_steps = int(cfg["accumulate_steps"])
+        self.num_stages = p
+        self.stage_id = hcg.get_stage_id()
+        self.num_virtual_stages = layers.get_num_virtual_stages()
+        self.schedule_mode, self._cls = resolve_schedule(cfg.get("schedule_mode", "1F1B"), self.num_virtual_stages)
+        check_pipeline_config(p, self.accumulate_steps, self.num_virtual_stages, self.schedule_mode)
+        line = next(ln for ln in hcg.topology().get_comm_list("pipe") if hcg.get_global_rank() in ln)
+        self._ranks = list(line)
+        self._group = hcg.get_pipe_parallel_group()
+        self.is_first_stage = self.stage_id == 0
+        self.is_last_stage = self.stage_id == p - 1
+        self._cache: dict = {}
+        self._step = 0
+        self.meter = ActivationMeter()
+        self._opt_wrappers: dict = {}
+        from ..parallel import sync_params_buffers
+
+        if hcg.get_model_parallel_world_size() > 1:
+            sync_params_buffers(layers, hcg.get_model_parallel_group(), is_model_parallel=True)
+        if hcg.get_sharding_parallel_world_size() > 1:
+            sync_params_buffers(layers, hcg.get_sharding_parallel_group())
+        if hcg.get_data_parallel_world_size() > 1:
+            sync_params_buffers(layers, hcg.get_data_parallel_group())
+
+    # -- schedules -----------------------------------------------------------------------------------
+    def _build(self, kind: str, compute_loss: bool, shapes):
+        key = (kind, compute_loss, shapes)
+        if key in self._cache:
+            return self._cache[key]
+        from ..env import device
+
+        p, v, m = self.num_stages, self.num_virtual_stages, self.accumulate_steps
+        stages = [TracedStage(chunk, vs, p * v, device(), self._group.process_group, self._ranks,
+                              lambda: self._step, self.meter)
+                  for chunk, vs in zip(self._layers._chunks, self._layers.virtual_stages)]
+        loss = _MicroLoss(self._layers._loss_fn, m) if compute_loss else None
+        if kind == "train":
+            cls = self._cls
+        else:
+            cls = ScheduleGPipe if v == 1 else ScheduleLoopedBFS
+        multi = cls not in (ScheduleGPipe, Schedule1F1B)
+        sched = cls(stages if multi else stages[0], m, loss_fn=loss, scale_grads=False)
+        self._cache[key] = (sched, stages, loss)
+        return self._cache[key]
+
+    def schedule_order(self, pipe_rank: int | None = None) -> list[tuple[str, int, int]]:
+        """The compute blocks ``(phase, virtual stage, micro-batch)`` the train schedule runs on a pipe position.
+
+        Read from torch's schedule IR (no communication); phases F, B (full or input-grad backward), W.
+        """
+        sched, _, _ = self._build("train", True, None)
+        order = sched.pipeline_order if hasattr(sched, "pipeline_order") else None
+        if order is None:
+            order = sched._get_pipeline_order()
+        acts = order[self.stage_id if pipe_rank is None else pipe_rank]
+        out = []
+        for a in acts:
+            if a is None:
+                continue
+            ct = str(getattr(a.computation_type, "value", a.computation_type))
+            if ct in _PHASE:
+                out.append((_PHASE[ct], a.stage_index, a.microbatch_index))
+        return out
+
+    # -- data ----------------------------------------------------------------------------------------
+    def _check_data(self, data, need_labels: bool):
+        if not isinstance(data, (tuple, list)) or len(data) != 2:
+            raise ValueError("train_batch/eval_batch: data must be (inputs, labels)")
+        inputs, labels = data
+        want = self.micro_batch_size * self.accumulate_steps
+        for x, what, needed in ((inputs, "inputs", self.is_first_stage), (labels, "labels",
+                                                                          need_labels and self.is_last_stage)):
+            if x is None:
+                if needed:
+                    raise ValueError(f"pipeline stage {self.stage_id}: {what} is None but this stage needs it")
+                continue
+            n = _batch_of(x, what)
+            if n != want:
+                raise ValueError(f"{what} batch size {n} != micro_batch_size ({self.micro_batch_size}) * "
+                                 f"accumulate_steps ({self.accumulate_steps}) = {want}")
+        return inputs, labels
+
+    def _shapes(self, inputs):
+        if inputs is None:
+            return None
+        ts = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
+        return tuple((tuple(t.shape), str(t.dtype)) for t in ts)
+
+    def _run(self, sched, loss, inputs, labels, eval_mode: bool):
+        m = self.accumulate_steps
+        if loss is not None:
+            loss.values = []
+            loss.labels = _split(labels, m) if self.is_last_stage else None
+        args = () if not self.is_first_stage else ((inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs))
+        target = torch.arange(m) if (loss is not None and self.is_last_stage) else None
+        if trace.active():
+            trace.emit(Event(kind="mark", op="pipeline_step", name=f"{self.schedule_mode} step {self._step}",
+                             group=list(self._ranks),
+                             extra={"schedule": "FThenB" if eval_mode else self.schedule_mode, "p": self.num_stages,
+                                    "m": m, "v": self.num_virtual_stages, "step": self._step,
+                                    "stage": self.stage_id, "eval": eval_mode}))
+        self.meter.reset()
+        run = sched.eval if (eval_mode and loss is not None) else sched.step
+        return run(*args, target=target)
+
+    def _final_loss(self, loss) -> torch.Tensor:
+        from ..collective import broadcast
+
+        if self.is_last_stage:
+            total = torch.stack(loss.values).sum() if loss.values else torch.zeros(())
+        else:
+            total = torch.zeros(())
+        total = total.detach().clone().reshape(())
+        buf = total.reshape(1)
+        broadcast(buf, src=self._ranks[-1], group=self._group)
+        return buf.reshape(())
+
+    # -- Paddle API ----------------------------------------------------------------------------------
+    def train_batch(self, data, optimizer, lr_scheduler=None, scaler=None):
+        """One pipelined step: forward/backward every micro-batch, sum shared-weight grads, optimizer step.
+
+        ``optimizer`` may be a torch optimizer; it is wrapped as ``fleet.distributed_optimizer`` would (Paddle
+        requires the wrapped one), so gradients are averaged over the data-parallel group before the step.
+        """
+        from ..fleet import HybridParallelOptimizer
+
+        inputs, labels = self._check_data(data, need_labels=True)
+        if self._layers._loss_fn is None:
+            raise ValueError("train_batch: the PipelineLayer has no loss_fn")
+        if not isinstance(optimizer, HybridParallelOptimizer):
+            optimizer = self._opt_wrappers.setdefault(
+                id(optimizer), HybridParallelOptimizer(optimizer, self._hcg, self._strategy))
+        self._layers.train()
+        sched, _, loss = self._build("train", True, self._shapes(inputs))
+        loss.scaler = scaler
+        self._run(sched, loss, inputs, labels, eval_mode=False)
+        self._layers.allreduce_shared_weight_gradients()
+        out = self._final_loss(loss)
+        if scaler is not None:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
+        optimizer.clear_grad()
+        if lr_scheduler is not None:
+            lr_scheduler.step()
+        self._step += 1
+        return out
+
+    def eval_batch(self, data, compute_loss=False):
+        """Forward every micro-batch (FThenB order, no backward). With ``compute_loss`` the mean micro loss on
+        every stage; without, the last stage's list of micro-batch outputs (other stages: an empty list)."""
+        inputs, labels = self._check_data(data, need_labels=compute_loss)
+        if compute_loss and self._layers._loss_fn is None:
+            raise ValueError("eval_batch(compute_loss=True): the PipelineLayer has no loss_fn")
+        self._layers.eval()
+        sched, stages, loss = self._build("eval", bool(compute_loss), self._shapes(inputs))
+        with torch.no_grad():
+            self._run(sched, loss, inputs, labels, eval_mode=True)
+        self._step += 1
+        if compute_loss:
+            return self._final_loss(loss)
+        last = [s for s in stages if s.is_last]
+        return list(last[0].output_chunks) if last else []
+
+    def forward(self, *inputs, **kwargs):
+        """This rank's stage on its own (chunk 0), as Paddle's wrapper calls its layers."""
+        return self._layers(*inputs, **kwargs)
+
+    def __repr__(self) -> str:
+        return (f"PipelineParallel({self.schedule_mode}, stage {self.stage_id}/{self.num_stages}, "
+                f"v={self.num_virtual_stages}, micro_batch_size={self.micro_batch_size}, "
+                f"accumulate_steps={self.accumulate_steps}, ranks={self._ranks})")
