@@ -363,3 +363,19 @@ def test_views_draw_what_the_runtime_ran():
     pv = PipelineView(events)
     assert sorted((t["src"], t["dst"]) for t in pv.transfers if t["how"] == "reshard") == [(0, 2), (1, 3)]
     assert pv.png().startswith(PNG)
+
+
+def test_live_from_the_clusters_event_log():
+    """The Cluster's client-side EventLog (subscribe/unsubscribe, iterable) works as a live source, backlog too."""
+    from meshviz.trace.stream import EventLog
+
+    log = EventLog()
+    evs = synthetic_schedule(4, 8)
+    log._extend(evs[:10], time.time())
+    pv = PipelineView(source=log, interval=0.05)
+    t = threading.Thread(target=lambda: log._extend(evs[10:], time.time()))
+    t.start()
+    t.join()
+    assert pv.flush(10)
+    assert len(pv.blocks) == 64 and pv.bubble == pytest.approx(bubble_formula(4, 8))
+    pv.close()

@@ -7,10 +7,10 @@ import logging
 import os
 import shutil
 import socket
+import sys
 import tempfile
 import threading
 import time
-from contextlib import nullcontext
 
 from ..trace.stream import EventLog, StreamReceiver
 from . import engine as _engine
@@ -20,17 +20,6 @@ __all__ = ["Cluster", "DEFAULT_CPU_RANKS"]
 
 DEFAULT_CPU_RANKS = 4  # ranks when n=None and there is no GPU
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
-
-
-def _probe():
-    """Runs on each engine before set-up: where it is, and a free port there (rank 0's becomes the store's)."""
-    import os
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("", 0))
-        port = s.getsockname()[1]
-    return {"host": socket.gethostname(), "pid": os.getpid(), "port": port}
 
 
 def _gpu_count() -> int:
@@ -180,7 +169,7 @@ class Cluster:
             self.client = self._ipp.connect_client_sync()
             self.client.wait_for_engines(self.n, timeout=opts["engine_timeout"], interactive=False)
             ids = sorted(self.client.ids)[: self.n]
-            probes = self.client.direct_view(ids).apply_sync(_probe)
+            probes = self.client.direct_view(ids).apply_sync(_engine.probe, not multi)
             self._setup(ids, probes, control)
         except BaseException:
             self.state = "failed"
@@ -199,7 +188,9 @@ class Cluster:
         hosts = [p["host"] for p in probes]
         here = socket.gethostname()
         local = all(h == here for h in hosts)
-        master = "127.0.0.1" if local and self._host() in _LOOPBACK else socket.gethostbyname(hosts[0])
+        loopback = local and self._host() in _LOOPBACK
+        self._loopback = loopback
+        master = "127.0.0.1" if loopback else socket.gethostbyname(hosts[0])
         port = probes[0]["port"]
         gpus = self._devices_spec if self._mode == "list" else None
         ncpu = os.cpu_count() or 1
@@ -211,6 +202,8 @@ class Cluster:
                 "RANK": str(r), "WORLD_SIZE": str(n), "LOCAL_RANK": str(lr), "LOCAL_WORLD_SIZE": str(hosts.count(h)),
                 "MASTER_ADDR": master, "MASTER_PORT": str(port), "MESHVIZ_TIMEOUT": str(self.timeout),
             }
+            if loopback and "GLOO_SOCKET_IFNAME" not in os.environ:
+                env["GLOO_SOCKET_IFNAME"] = "lo0" if sys.platform == "darwin" else "lo"  # gloo's sockets too
             if self._mode == "cpu":
                 env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
                 threads = 1
@@ -219,7 +212,8 @@ class Cluster:
                 threads = max(1, ncpu // max(1, hosts.count(h)))
                 env["OMP_NUM_THREADS"] = str(threads)
             cfgs.append({
-                "rank": r, "env": env, "threads": threads, "timeout": self.timeout,
+                "rank": r, "world": n, "port": port, "loopback": loopback, "env": env, "threads": threads,
+                "timeout": self.timeout,
                 "backend": self.backend or ("gloo" if self._mode == "cpu" else "nccl"),
                 "stream": self._receiver.address, "control": control, "trace": True,
             })
@@ -258,6 +252,8 @@ class Cluster:
                 pass
         self._teardown()
         self.state = "stopped"
+        if self.state_dir and not self.failures and not self._dead:  # logs are kept when something failed
+            shutil.rmtree(self.state_dir, ignore_errors=True)
 
     def _teardown(self) -> None:
         if self._monitor is not None and self._monitor is not threading.current_thread():
@@ -293,8 +289,8 @@ class Cluster:
     def reset(self) -> None:
         """Re-create the process group on the running engines (after a failure tore it down); keeps their state."""
         self._check_alive()
-        port = self.view.apply_async(_probe).get(timeout=10)[0]["port"]
-        ar = self.view.apply_async(_engine.reinit, port, self.timeout)
+        port = self.view.apply_async(_engine.probe, self._loopback).get(timeout=10)[0]["port"]
+        ar = self.view.apply_async(_engine.reinit, port, self.timeout, self._loopback)
         ar.get(timeout=self.timeout + 30)
         self._abort_sent = False
         self._needs_reset = False

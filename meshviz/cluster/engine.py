@@ -9,7 +9,7 @@ import threading
 import time
 import traceback
 
-__all__ = ["setup", "reinit", "stream_count", "guarded_call", "state"]
+__all__ = ["probe", "setup", "reinit", "stream_count", "set_tracing", "guarded_call", "shutdown", "state"]
 
 GRACE = 0.25  # seconds a rank may still be running after a peer failed before it counts as stuck
 
@@ -58,6 +58,7 @@ class _EngineState:
         self.aborted = False
         self.last_failure: dict | None = None
         self.failed_cell = -1
+        self.store = None
         self._ctx = zmq.Context()
         self._sub = self._ctx.socket(zmq.SUB)
         self._sub.setsockopt(zmq.LINGER, 0)
@@ -172,9 +173,7 @@ class _EngineState:
 
             if tdist.is_initialized():
                 tdist.distributed_c10d._abort_process_group()
-            from ..distributed import groups
-
-            groups.clear_cache()
+            _clear_groups()
         except Exception:
             pass
         self.aborted = True
@@ -189,6 +188,82 @@ class _EngineState:
         self._ctx.term()
 
 
+_held: dict[int, socket.socket] = {}  # port -> a bound socket kept until the store takes it over
+
+
+def probe(loopback: bool = True) -> dict:
+    """Where this engine runs, and a port bound here and held open (rank 0's becomes the store's)."""
+    for s in _held.values():
+        s.close()
+    _held.clear()
+    s = socket.socket()
+    s.bind(("127.0.0.1" if loopback else "", 0))
+    port = s.getsockname()[1]
+    _held[port] = s
+    return {"host": socket.gethostname(), "pid": os.getpid(), "port": port}
+
+
+def _clear_groups() -> None:
+    groups = sys.modules.get("meshviz.distributed.groups")
+    if groups is not None:
+        groups.clear_cache()
+
+
+def _init_process_group(rank: int, world: int, backend: str, timeout: float, port: int, loopback: bool):
+    """The default process group on a TCPStore that rank 0 serves; on loopback only when ``loopback``.
+
+    torch's own rendezvous makes the store listen on every interface; here rank 0 hands the store a socket
+    bound to 127.0.0.1 instead.
+    """
+    import datetime
+
+    import torch
+    import torch.distributed as tdist
+
+    master = os.environ["MASTER_ADDR"]
+    to = datetime.timedelta(seconds=timeout)
+    held = _held.pop(port, None)
+    for s in _held.values():
+        s.close()
+    _held.clear()
+    if rank == 0:
+        if held is None:
+            raise RuntimeError(f"rank 0 lost the store port {port}")
+        held.listen(max(128, world))
+        store = tdist.TCPStore(master, port, world, True, timeout=to, master_listen_fd=held.fileno(),
+                               wait_for_workers=False)
+    else:
+        if held is not None:
+            held.close()
+        store = tdist.TCPStore(master, port, world, False, timeout=to)
+    kwargs = {}
+    if backend == "nccl":
+        torch.cuda.set_device(0)  # CUDA_VISIBLE_DEVICES shows this rank its one GPU
+        kwargs["device_id"] = torch.device("cuda", 0)
+    tdist.init_process_group(backend=backend, store=store, rank=rank, world_size=world, timeout=to, **kwargs)
+    os.environ["MASTER_PORT"] = str(port)
+    from .. import trace
+    from ..core.mesh import set_rank_getter
+
+    trace.set_rank(rank)
+    set_rank_getter(tdist.get_rank)
+    if _state is not None:
+        _state.store = store
+        _state.backend = tdist.get_backend()
+    if held is not None:
+        held.close()  # the store has its own duplicate of the descriptor
+
+
+def _preload() -> None:
+    """Import meshviz.distributed in the background: the first %%px cell that uses it need not wait."""
+    try:
+        from ..distributed import env as denv
+
+        denv.init_parallel_env()  # already initialised: only installs the runtime's rank getter
+    except Exception:
+        pass
+
+
 def setup(cfg: dict) -> dict:
     """Run once on each engine: environment, device binding, process group, stream and hooks."""
     global _state
@@ -197,40 +272,35 @@ def setup(cfg: dict) -> dict:
 
     if cfg.get("threads"):
         torch.set_num_threads(int(cfg["threads"]))
-    from ..distributed import env as denv
-
     if _state is not None:
         _state.close()
     _state = _EngineState(cfg)
-    denv.init_parallel_env(backend=cfg["backend"] or None, timeout=cfg["timeout"])
+    _init_process_group(cfg["rank"], cfg["world"], cfg["backend"], cfg["timeout"], cfg["port"], cfg["loopback"])
+    if cfg.get("preload", True):
+        threading.Thread(target=_preload, name="meshviz-preload", daemon=True).start()
     import torch.distributed as tdist
 
-    _state.backend = tdist.get_backend()
-    dev = denv.device()
     gpu = os.environ.get("CUDA_VISIBLE_DEVICES")
+    dev = f"cuda:{gpu}" if _state.backend == "nccl" and gpu else "cpu"
     return {
         "rank": tdist.get_rank(), "world": tdist.get_world_size(), "pid": os.getpid(), "host": socket.gethostname(),
-        "backend": _state.backend, "device": str(dev) if dev.type == "cpu" or gpu is None else f"cuda:{gpu}",
-        "threads": torch.get_num_threads(), "python": sys.version.split()[0],
+        "backend": _state.backend, "device": dev, "threads": torch.get_num_threads(),
     }
 
 
-def reinit(port: int, timeout: float) -> bool:
-    """Make a fresh default process group (after an abort), on a new store port."""
+def reinit(port: int, timeout: float, loopback: bool = True) -> bool:
+    """Make a fresh default process group (after an abort), on a new store port from :func:`probe`."""
     import torch.distributed as tdist
-
-    from ..distributed import env as denv
 
     if tdist.is_initialized():
         try:
             tdist.distributed_c10d._abort_process_group()
         except Exception:
             pass
-    from ..distributed import groups
-
-    groups.clear_cache()
-    os.environ["MASTER_PORT"] = str(port)
-    denv.init_parallel_env(backend=_state.backend if _state else None, timeout=timeout)
+    _clear_groups()
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    backend = _state.backend if _state is not None else "gloo"
+    _init_process_group(rank, world, backend, timeout, port, loopback)
     if _state is not None:
         _state.aborted = False
         _state.abort_pending = False

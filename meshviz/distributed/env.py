@@ -24,6 +24,7 @@ __all__ = [
     "device",
     "ParallelEnv",
     "destroy_process_group",
+    "RankError",
 ]
 
 DEFAULT_TIMEOUT_S = 60.0
@@ -249,8 +250,25 @@ def spawn(func, args=(), nprocs: int = -1, join: bool = True, daemon: bool = Fal
         _spawn_entry,
         args=(func, tuple(args), nprocs, free_port(), env),
         nprocs=nprocs,
-        join=join,
+        join=False,
         daemon=daemon,
         start_method=method,
     )
-    return None if join else SpawnContext(ctx)
+    if not join:
+        return SpawnContext(ctx)
+    try:
+        while not ctx.join():
+            pass
+    except mp.ProcessRaisedException as e:
+        raise RankError(e.error_index, f"rank {e.error_index} raised:\n{e.msg}") from None
+    except mp.ProcessExitedException as e:
+        raise RankError(e.error_index, f"rank {e.error_index} died: {e}") from None
+    return None
+
+
+class RankError(RuntimeError):
+    """A spawned rank raised or died; ``rank`` names it, the message carries its traceback."""
+
+    def __init__(self, rank: int, message: str):
+        super().__init__(message)
+        self.rank = rank

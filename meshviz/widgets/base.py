@@ -67,6 +67,8 @@ class Live:
         self._thread = threading.Thread(target=self._run, name=f"meshviz-{type(view).__name__}", daemon=True)
         source.subscribe(self._on_event)
         backlog = getattr(source, "events", None)
+        if backlog is None and hasattr(source, "__iter__"):  # an EventLog itself
+            backlog = source
         if backlog is not None:
             with self._cv:
                 self._pending[:0] = list(backlog)

@@ -25,11 +25,19 @@ from .parallel import (
     SCHEDULE_MODES,
     ActivationMeter,
     PipelineParallel,
-    TracedStage,
     check_pipeline_config,
     resolve_schedule,
 )
 from .timeline import bubble_formula, compute_order, measured_bubble, peak_activation_bytes, transfers
+
+
+def __getattr__(name):
+    if name == "TracedStage":  # imports torch.distributed.pipelining, which is slow: only when asked
+        from .stage import TracedStage
+
+        return TracedStage
+    raise AttributeError(name)
+
 
 __all__ = [
     "LayerDesc", "SharedLayerDesc", "PipelineLayer", "PipelineParallel", "TracedStage", "SCHEDULE_MODES",

@@ -6,39 +6,37 @@ import time
 
 import torch
 from torch import nn
-from torch.distributed.pipelining import (
-    PipelineStage,
-    Schedule1F1B,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-    ScheduleInterleavedZeroBubble,
-    ScheduleLoopedBFS,
-)
 
 from ... import trace
 from ...trace import Event
 from .layers import PipelineLayer
 
-__all__ = ["PipelineParallel", "TracedStage", "SCHEDULE_MODES", "resolve_schedule", "check_pipeline_config",
-           "ActivationMeter"]
+__all__ = ["PipelineParallel", "SCHEDULE_MODES", "resolve_schedule", "check_pipeline_config", "ActivationMeter"]
 
 SCHEDULE_MODES = ("FThenB", "1F1B", "VPP", "ZBH1")
 
-# (mode, interleaved?) -> torch schedule class
+# (mode, interleaved?) -> torch.distributed.pipelining schedule class (imported on first use: it is slow)
 _CLASSES = {
-    ("FThenB", False): ScheduleGPipe,
-    ("FThenB", True): ScheduleLoopedBFS,
-    ("1F1B", False): Schedule1F1B,
-    ("1F1B", True): ScheduleInterleaved1F1B,
-    ("VPP", True): ScheduleInterleaved1F1B,
-    ("ZBH1", False): ScheduleInterleavedZeroBubble,
-    ("ZBH1", True): ScheduleInterleavedZeroBubble,
+    ("FThenB", False): "ScheduleGPipe",
+    ("FThenB", True): "ScheduleLoopedBFS",
+    ("1F1B", False): "Schedule1F1B",
+    ("1F1B", True): "ScheduleInterleaved1F1B",
+    ("VPP", True): "ScheduleInterleaved1F1B",
+    ("ZBH1", False): "ScheduleInterleavedZeroBubble",
+    ("ZBH1", True): "ScheduleInterleavedZeroBubble",
 }
+_SINGLE = ("ScheduleGPipe", "Schedule1F1B")
+
+
+def _schedule_class(name: str):
+    import torch.distributed.pipelining as pipelining
+
+    return getattr(pipelining, name)
 _PHASE = {"F": "F", "B": "B", "I": "B", "W": "W"}  # torch action letter -> event phase
 
 
 def resolve_schedule(mode: str, v: int):
-    """(canonical mode name, torch schedule class) for ``pipeline_configs['schedule_mode']`` and v chunks."""
+    """(canonical mode name, torch schedule class name) for ``pipeline_configs['schedule_mode']`` and v chunks."""
     names = {m.lower(): m for m in SCHEDULE_MODES}
     if not isinstance(mode, str) or mode.lower() not in names:
         raise ValueError(f"pipeline_configs['schedule_mode'] = {mode!r}: use one of {list(SCHEDULE_MODES)}")
@@ -60,10 +58,6 @@ def check_pipeline_config(p: int, m: int, v: int, mode: str) -> None:
             raise ValueError(f"schedule {mode!r}: accumulate_steps ({m}) must be a multiple of "
                              f"max(1, accumulate_steps // pp_degree) = {rounds} (torch's round structure); "
                              f"use a multiple of pp_degree ({p})")
-
-
-def _nbytes(ops) -> int:
-    return sum(op.tensor.numel() * op.tensor.element_size() for op in ops)
 
 
 class ActivationMeter:
@@ -110,112 +104,6 @@ class ActivationMeter:
         self._held.clear()
 
 
-class TracedStage(PipelineStage):
-    """A torch PipelineStage that emits ``compute`` events per F/B/W block and ``send``/``recv`` per transfer.
-
-    Recv events run from when the receive was posted to when the block that needed it started (the schedule
-    waits on it just before); send events mark when the send was posted (gloo/NCCL isend is asynchronous).
-    """
-
-    def __init__(self, submodule, stage_index, num_stages, device, group, ranks, step_ref, meter=None):
-        super().__init__(submodule, stage_index, num_stages, device, group=group)
-        self._ranks = list(ranks)  # global rank of every pipe position
-        self._p = len(self._ranks)
-        self._step_ref = step_ref  # callable -> current step number
-        self._pending: dict = {}
-        self._meter = meter
-        if meter is not None:
-            meter.watch(submodule)
-
-    # -- transfers -----------------------------------------------------------------------------------
-    def _peer(self, stage_index: int) -> int:
-        return self._ranks[stage_index % self._p]
-
-    def _xfer_fields(self, phase, mb, src, dst):
-        return {"micro_batch": mb, "phase": phase, "stage": self.stage_index, "src_stage": src, "dst_stage": dst,
-                "step": self._step_ref(), "transfer": f"{self._step_ref()}:{phase}{mb}:s{src}->s{dst}"}
-
-    def _posted_recv(self, phase, mb, ops):
-        if ops and trace.active():
-            self._pending[(phase, mb)] = (time.time(), _nbytes(ops))
-        return ops
-
-    def _emit_recv(self, phase, mb):
-        got = self._pending.pop((phase, mb), None)
-        if got is None:
-            return
-        t0, nbytes = got
-        src = self.stage_index - 1 if phase == "F" else self.stage_index + 1
-        trace.emit(Event(kind="recv", start=t0, end=time.time(), op="recv", peer=self._peer(src), bytes=nbytes,
-                         group=[self._peer(src), self._peer(self.stage_index)],
-                         name=f"{'act' if phase == 'F' else 'grad'} mb{mb} s{src}->s{self.stage_index}",
-                         extra=self._xfer_fields(phase, mb, src, self.stage_index)))
-
-    def _emit_send(self, phase, mb, ops):
-        if ops and trace.active():
-            dst = self.stage_index + 1 if phase == "F" else self.stage_index - 1
-            t = time.time()
-            trace.emit(Event(kind="send", start=t, end=t, op="send", peer=self._peer(dst), bytes=_nbytes(ops),
-                             group=[self._peer(self.stage_index), self._peer(dst)],
-                             name=f"{'act' if phase == 'F' else 'grad'} mb{mb} s{self.stage_index}->s{dst}",
-                             extra=self._xfer_fields(phase, mb, self.stage_index, dst)))
-        return ops
-
-    def get_fwd_recv_ops(self, fwd_chunk_id):
-        return self._posted_recv("F", fwd_chunk_id, super().get_fwd_recv_ops(fwd_chunk_id))
-
-    def get_bwd_recv_ops(self, bwd_chunk_id):
-        return self._posted_recv("B", bwd_chunk_id, super().get_bwd_recv_ops(bwd_chunk_id))
-
-    def get_fwd_send_ops(self, fwd_chunk_id):
-        return self._emit_send("F", fwd_chunk_id, super().get_fwd_send_ops(fwd_chunk_id))
-
-    def get_bwd_send_ops(self, bwd_chunk_id):
-        return self._emit_send("B", bwd_chunk_id, super().get_bwd_send_ops(bwd_chunk_id))
-
-    # -- compute -------------------------------------------------------------------------------------
-    def _emit_compute(self, phase, mb, t0):
-        extra = {"stage": self.stage_index, "micro_batch": mb, "phase": phase, "chunk": self.stage_index // self._p,
-                 "step": self._step_ref()}
-        if self._meter is not None:
-            extra["live_activation_bytes"] = self._meter.live
-        trace.emit(Event(kind="compute", start=t0, end=time.time(), op=phase, name=f"{phase}{mb}", extra=extra))
-
-    def forward_one_chunk(self, fwd_chunk_id, args, kwargs=None, save_forward_output=True):
-        if not trace.active():
-            return super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
-        self._emit_recv("F", fwd_chunk_id)
-        t0 = time.time()
-        if self._meter is not None and self.has_backward:
-            ctx, done = self._meter.hooks((self.stage_index, fwd_chunk_id))
-            with ctx:
-                out = super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
-            done()
-        else:
-            out = super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
-        self._emit_compute("F", fwd_chunk_id, t0)
-        return out
-
-    def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
-        if not (self.has_backward and trace.active()):
-            return super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
-        self._emit_recv("B", bwd_chunk_id)
-        t0 = time.time()
-        super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
-        if full_backward and self._meter is not None:
-            self._meter.release((self.stage_index, bwd_chunk_id))
-        self._emit_compute("B", bwd_chunk_id, t0)
-
-    def backward_weight_one_chunk(self, bwd_chunk_id, last_backward=False):
-        if not (self.has_backward and trace.active()):
-            return super().backward_weight_one_chunk(bwd_chunk_id, last_backward)
-        t0 = time.time()
-        super().backward_weight_one_chunk(bwd_chunk_id, last_backward)
-        if self._meter is not None:
-            self._meter.release((self.stage_index, bwd_chunk_id))
-        self._emit_compute("W", bwd_chunk_id, t0)
-
-
 class _MicroLoss:
     """torch's loss_fn(output, target): the target is the micro-batch index; the label is looked up here.
 
@@ -228,12 +116,12 @@ class _MicroLoss:
         self.n = n
         self.labels = None
         self.scaler = None
-        self.values: list = []
+        self.values: dict = {}  # micro-batch -> loss (torch may call once more to infer shapes on a first step)
 
     def __call__(self, output, index):
-        label = self.labels[int(index.reshape(-1)[0])]
-        loss = self.loss_fn(output, label) / self.n
-        self.values.append(loss.detach())
+        k = int(index.reshape(-1)[0])
+        loss = self.loss_fn(output, self.labels[k]) / self.n
+        self.values[k] = loss.detach()
         return self.scaler.scale(loss) if self.scaler is not None else loss
 
 
@@ -316,18 +204,16 @@ class PipelineParallel(nn.Module):
         if key in self._cache:
             return self._cache[key]
         from ..env import device
+        from .stage import TracedStage
 
         p, v, m = self.num_stages, self.num_virtual_stages, self.accumulate_steps
         stages = [TracedStage(chunk, vs, p * v, device(), self._group.process_group, self._ranks,
                               lambda: self._step, self.meter)
                   for chunk, vs in zip(self._layers._chunks, self._layers.virtual_stages)]
         loss = _MicroLoss(self._layers._loss_fn, m) if compute_loss else None
-        if kind == "train":
-            cls = self._cls
-        else:
-            cls = ScheduleGPipe if v == 1 else ScheduleLoopedBFS
-        multi = cls not in (ScheduleGPipe, Schedule1F1B)
-        sched = cls(stages if multi else stages[0], m, loss_fn=loss, scale_grads=False)
+        name = self._cls if kind == "train" else ("ScheduleGPipe" if v == 1 else "ScheduleLoopedBFS")
+        multi = name not in _SINGLE
+        sched = _schedule_class(name)(stages if multi else stages[0], m, loss_fn=loss, scale_grads=False)
         self._cache[key] = (sched, stages, loss)
         return self._cache[key]
 
@@ -377,7 +263,7 @@ class PipelineParallel(nn.Module):
     def _run(self, sched, loss, inputs, labels, eval_mode: bool):
         m = self.accumulate_steps
         if loss is not None:
-            loss.values = []
+            loss.values = {}
             loss.labels = _split(labels, m) if self.is_last_stage else None
         args = () if not self.is_first_stage else ((inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs))
         target = torch.arange(m) if (loss is not None and self.is_last_stage) else None
@@ -395,7 +281,8 @@ class PipelineParallel(nn.Module):
         from ..collective import broadcast
 
         if self.is_last_stage:
-            total = torch.stack(loss.values).sum() if loss.values else torch.zeros(())
+            total = torch.stack([loss.values[k] for k in sorted(loss.values)]).sum() if loss.values \
+                else torch.zeros(())
         else:
             total = torch.zeros(())
         total = total.detach().clone().reshape(())

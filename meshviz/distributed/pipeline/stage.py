@@ -1,0 +1,122 @@
+"""TracedStage: a torch PipelineStage that emits compute events per block and send/recv events per transfer."""
+
+from __future__ import annotations
+
+import time
+
+from torch.distributed.pipelining import PipelineStage
+
+from ... import trace
+from ...trace import Event
+
+__all__ = ["TracedStage"]
+
+
+def _nbytes(ops) -> int:
+    return sum(op.tensor.numel() * op.tensor.element_size() for op in ops)
+
+
+class TracedStage(PipelineStage):
+    """A torch PipelineStage that emits ``compute`` events per F/B/W block and ``send``/``recv`` per transfer.
+
+    Recv events run from when the receive was posted to when the block that needed it started (the schedule
+    waits on it just before); send events mark when the send was posted (gloo/NCCL isend is asynchronous).
+    """
+
+    def __init__(self, submodule, stage_index, num_stages, device, group, ranks, step_ref, meter=None):
+        super().__init__(submodule, stage_index, num_stages, device, group=group)
+        self._ranks = list(ranks)  # global rank of every pipe position
+        self._p = len(self._ranks)
+        self._step_ref = step_ref  # callable -> current step number
+        self._pending: dict = {}
+        self._meter = meter
+        if meter is not None:
+            meter.watch(submodule)
+
+    # -- transfers -----------------------------------------------------------------------------------
+    def _peer(self, stage_index: int) -> int:
+        return self._ranks[stage_index % self._p]
+
+    def _xfer_fields(self, phase, mb, src, dst):
+        return {"micro_batch": mb, "phase": phase, "stage": self.stage_index, "src_stage": src, "dst_stage": dst,
+                "step": self._step_ref(), "transfer": f"{self._step_ref()}:{phase}{mb}:s{src}->s{dst}"}
+
+    def _posted_recv(self, phase, mb, ops):
+        if ops and trace.active():
+            self._pending[(phase, mb)] = (time.time(), _nbytes(ops))
+        return ops
+
+    def _emit_recv(self, phase, mb):
+        got = self._pending.pop((phase, mb), None)
+        if got is None:
+            return
+        t0, nbytes = got
+        src = self.stage_index - 1 if phase == "F" else self.stage_index + 1
+        trace.emit(Event(kind="recv", start=t0, end=time.time(), op="recv", peer=self._peer(src), bytes=nbytes,
+                         group=[self._peer(src), self._peer(self.stage_index)],
+                         name=f"{'act' if phase == 'F' else 'grad'} mb{mb} s{src}->s{self.stage_index}",
+                         extra=self._xfer_fields(phase, mb, src, self.stage_index)))
+
+    def _emit_send(self, phase, mb, ops):
+        if ops and trace.active():
+            dst = self.stage_index + 1 if phase == "F" else self.stage_index - 1
+            t = time.time()
+            trace.emit(Event(kind="send", start=t, end=t, op="send", peer=self._peer(dst), bytes=_nbytes(ops),
+                             group=[self._peer(self.stage_index), self._peer(dst)],
+                             name=f"{'act' if phase == 'F' else 'grad'} mb{mb} s{self.stage_index}->s{dst}",
+                             extra=self._xfer_fields(phase, mb, self.stage_index, dst)))
+        return ops
+
+    def get_fwd_recv_ops(self, fwd_chunk_id):
+        return self._posted_recv("F", fwd_chunk_id, super().get_fwd_recv_ops(fwd_chunk_id))
+
+    def get_bwd_recv_ops(self, bwd_chunk_id):
+        return self._posted_recv("B", bwd_chunk_id, super().get_bwd_recv_ops(bwd_chunk_id))
+
+    def get_fwd_send_ops(self, fwd_chunk_id):
+        return self._emit_send("F", fwd_chunk_id, super().get_fwd_send_ops(fwd_chunk_id))
+
+    def get_bwd_send_ops(self, bwd_chunk_id):
+        return self._emit_send("B", bwd_chunk_id, super().get_bwd_send_ops(bwd_chunk_id))
+
+    # -- compute -------------------------------------------------------------------------------------
+    def _emit_compute(self, phase, mb, t0):
+        extra = {"stage": self.stage_index, "micro_batch": mb, "phase": phase, "chunk": self.stage_index // self._p,
+                 "step": self._step_ref()}
+        if self._meter is not None:
+            extra["live_activation_bytes"] = self._meter.live
+        trace.emit(Event(kind="compute", start=t0, end=time.time(), op=phase, name=f"{phase}{mb}", extra=extra))
+
+    def forward_one_chunk(self, fwd_chunk_id, args, kwargs=None, save_forward_output=True):
+        if not trace.active():
+            return super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
+        self._emit_recv("F", fwd_chunk_id)
+        t0 = time.time()
+        if self._meter is not None and self.has_backward:
+            ctx, done = self._meter.hooks((self.stage_index, fwd_chunk_id))
+            with ctx:
+                out = super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
+            done()
+        else:
+            out = super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
+        self._emit_compute("F", fwd_chunk_id, t0)
+        return out
+
+    def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
+        if not (self.has_backward and trace.active()):
+            return super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
+        self._emit_recv("B", bwd_chunk_id)
+        t0 = time.time()
+        super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
+        if full_backward and self._meter is not None:
+            self._meter.release((self.stage_index, bwd_chunk_id))
+        self._emit_compute("B", bwd_chunk_id, t0)
+
+    def backward_weight_one_chunk(self, bwd_chunk_id, last_backward=False):
+        if not (self.has_backward and trace.active()):
+            return super().backward_weight_one_chunk(bwd_chunk_id, last_backward)
+        t0 = time.time()
+        super().backward_weight_one_chunk(bwd_chunk_id, last_backward)
+        if self._meter is not None:
+            self._meter.release((self.stage_index, bwd_chunk_id))
+        self._emit_compute("W", bwd_chunk_id, t0)

@@ -1,0 +1,64 @@
+"""init_parallel_env, spawn from a script, and failures that name the rank."""
+
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+SCRIPT = textwrap.dedent(
+    """
+    import sys
+    import torch
+    import meshviz.distributed as dist
+
+    def train(scale):
+        dist.init_parallel_env()
+        mesh = dist.ProcessMesh([0, 1, 2], dim_names=["x"])
+        t = dist.shard_tensor(torch.arange(6.0) * scale, mesh, [dist.Shard(0)])
+        full = dist.unshard_dtensor(t)
+        print(f"rank {dist.get_rank()}/{dist.get_world_size()} local {t._local_value().tolist()} "
+              f"full {full.tolist()}", flush=True)
+        if len(sys.argv) > 1 and dist.get_rank() == int(sys.argv[1]):
+            raise ValueError("failing on purpose")
+        dist.barrier()
+
+    if __name__ == "__main__":
+        dist.spawn(train, args=(2.0,), nprocs=3)
+    """
+)
+
+
+def _run(tmp_path, *args):
+    path = tmp_path / "train.py"
+    path.write_text(SCRIPT)
+    return subprocess.run([sys.executable, str(path), *args], capture_output=True, text=True, timeout=120,
+                          env={"MESHVIZ_TIMEOUT": "20", "PATH": "/usr/bin:/bin"})
+
+
+def test_spawn_runs_a_function_defined_in_a_script(tmp_path):
+    out = _run(tmp_path)
+    assert out.returncode == 0, out.stderr
+    lines = sorted(re.findall(r"rank \d/3 local \[[^\]]*\] full \[[^\]]*\]", out.stdout))
+    full = "[0.0, 2.0, 4.0, 6.0, 8.0, 10.0]"
+    assert lines == [
+        f"rank 0/3 local [0.0, 2.0] full {full}",
+        f"rank 1/3 local [4.0, 6.0] full {full}",
+        f"rank 2/3 local [8.0, 10.0] full {full}",
+    ]
+
+
+def test_spawn_names_the_failing_rank_and_does_not_hang(tmp_path):
+    out = _run(tmp_path, "1")
+    assert out.returncode != 0
+    assert "RankError: rank 1 raised" in out.stderr
+    assert "failing on purpose" in out.stderr
+
+
+def test_single_process_defaults():
+    import meshviz.distributed as dist
+
+    assert dist.get_rank() == 0 and dist.get_world_size() == 1 or dist.is_initialized()
+    with pytest.raises(ValueError, match="nprocs"):
+        dist.spawn(print, nprocs=0)
