@@ -319,7 +319,7 @@ def _orders_and_errors():
     try:
         fleet.distributed_model(nn.Linear(2, 2))
         out["pp_model"] = None
-    except NotImplementedError as e:
+    except (NotImplementedError, TypeError) as e:  # handed to the pipeline runtime, which wants a PipelineLayer
         out["pp_model"] = str(e)
     errs = []
     bad = fleet.DistributedStrategy()
@@ -350,7 +350,7 @@ def test_orders_modes_and_errors():
         assert out["pp"] == (2, [2 * dp_i, 2 * dp_i + 1], r % 2)
         assert out["pipeline_configs"]["micro_batch_size"] == 2 and out["pipeline_configs"]["accumulate_steps"] == 4
         assert out["pipeline_configs"]["schedule_mode"] == "1F1B"
-        assert "pipeline" in out["pp_model"]
+        assert "pipeline" in out["pp_model"].lower()
         errs = out["errs"]
         assert len(errs) == 4
         assert "world has 4 ranks" in errs[0] and "unknown keys" in errs[1] and "order" in errs[2]

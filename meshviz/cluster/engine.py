@@ -298,6 +298,8 @@ def reinit(port: int, timeout: float, loopback: bool = True) -> bool:
         except Exception:
             pass
     _clear_groups()
+    # group names (and so store keys) come from this counter; every rank must start the new world from 0
+    tdist.distributed_c10d._world.group_count = 0
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     backend = _state.backend if _state is not None else "gloo"
     _init_process_group(rank, world, backend, timeout, port, loopback)

@@ -85,3 +85,8 @@ from .parallel import DataParallel, fused_allreduce_gradients
 __all__ += ["fleet", "DataParallel", "fused_allreduce_gradients", "save_state_dict", "load_state_dict",
             "ParallelMode"]
 # --- end training API ---------------------------------------------------------------------------------
+
+from . import sharding
+from .auto_parallel import DistModel, Strategy, to_static
+
+__all__ += ["sharding", "to_static", "DistModel", "Strategy"]
