@@ -89,7 +89,8 @@ def _save_dist(path):
     dist.init_parallel_env()
     mesh = dist.ProcessMesh([[2, 0], [3, 1]], dim_names=["x", "y"])  # ids not increasing
     t = dist.shard_tensor(_full()["w"].reshape(6, 5), mesh, [dist.Shard(0), dist.Shard(1)])
-    dist.save_state_dict({"t": t}, path)
+    p = dist.shard_tensor(_full()["w"].reshape(6, 5), mesh, [dist.Partial(), dist.Shard(1)])
+    dist.save_state_dict({"t": t, "p": p}, path)
     return t._local_value().clone()
 
 
@@ -104,7 +105,9 @@ def _load_dist(path):
     dist.load_state_dict(sd, path)
     sd2 = {"t": b}
     dist.load_state_dict(sd2, path)
-    return a._local_value().clone(), b._local_value().clone(), sd["t"] is a
+    c = dist.shard_tensor(torch.zeros(6, 5), mesh, [dist.Replicate()])
+    dist.load_state_dict({"p": c}, path)  # a Partial tensor is saved reduced
+    return a._local_value().clone(), b._local_value().clone(), sd["t"] is a, c._local_value().clone()
 
 
 @pytest.mark.timeout(120)
@@ -115,7 +118,7 @@ def test_dist_tensors_reshard_on_load(tmp_path):
     # rank 0 sits at coordinate (0, 1): rows 0-2, cols 3-4
     assert torch.equal(saved[0], full[0:3, 3:5])
     res = run_ranks(_load_dist, 2, path)
-    for r, (rep, sh, same) in enumerate(res):
-        assert torch.equal(rep, full) and same
+    for r, (rep, sh, same, partial) in enumerate(res):
+        assert torch.equal(rep, full) and same and torch.equal(partial, full)
         # rank 1 is coordinate 0 of mesh [1, 0]: cols 0-2; rank 0 cols 3-4
         assert torch.equal(sh, full[:, 0:3] if r == 1 else full[:, 3:5])

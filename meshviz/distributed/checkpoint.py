@@ -37,6 +37,17 @@ def _to_dcp(value):
     return value
 
 
+def _settle_partial(value):
+    """DCP stores blocks, not summands: a Partial dist tensor is reduced (Partial -> Replicate) before saving."""
+    if getattr(value, "placements", None) is not None and any(p.is_partial() for p in value.placements):
+        from ..core.placements import Replicate
+        from .api import reshard
+
+        with torch.no_grad():
+            return reshard(value, value.process_mesh, [Replicate() if p.is_partial() else p for p in value.placements])
+    return value
+
+
 def _from_dcp(original, loaded):
     """Put a loaded value back into ``original``'s place; returns the value the caller's dict should hold."""
     if original is loaded:
@@ -102,7 +113,7 @@ def save_state_dict(state_dict: dict, path: str, process_group=None, coordinator
     """
     if not isinstance(state_dict, dict):
         raise TypeError(f"save_state_dict: state_dict must be a dict, got {type(state_dict).__name__}")
-    sd = _walk(state_dict, _to_dcp)
+    sd = _walk(_walk(state_dict, _settle_partial), _to_dcp)
     with trace.span("mark", op="save_state_dict", name=str(path), bytes=_nbytes(sd)):
         with warnings.catch_warnings():  # one process without a group is a supported case, not a mistake
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")

@@ -220,15 +220,23 @@ class PipelineParallel(nn.Module):
     def schedule_order(self, pipe_rank: int | None = None) -> list[tuple[str, int, int]]:
         """The compute blocks ``(phase, virtual stage, micro-batch)`` the train schedule runs on a pipe position.
 
-        Read from torch's schedule IR (no communication); phases F, B (full or input-grad backward), W.
+        Phases F, B (full or input-grad backward), W. For the multi-chunk and zero-bubble schedules this is
+        torch's schedule IR, which its runtime executes (no communication); torch's single-stage GPipe and 1F1B
+        loop over micro-batches directly (their IR is only a drawing), so those orders are written out here.
         """
+        d = self.stage_id if pipe_rank is None else pipe_rank
+        p, m = self.num_stages, self.accumulate_steps
+        if self._cls == "ScheduleGPipe":
+            return [("F", d, i) for i in range(m)] + [("B", d, i) for i in range(m)]
+        if self._cls == "Schedule1F1B":
+            warm = min(p - d, m)  # torch's warm-up: the last of these forwards pairs with the first backward
+            out = [("F", d, i) for i in range(warm)]
+            for i in range(warm, m):
+                out += [("B", d, i - warm), ("F", d, i)]
+            return out + [("B", d, i) for i in range(m - warm, m)]
         sched, _, _ = self._build("train", True, None)
-        order = sched.pipeline_order if hasattr(sched, "pipeline_order") else None
-        if order is None:
-            order = sched._get_pipeline_order()
-        acts = order[self.stage_id if pipe_rank is None else pipe_rank]
         out = []
-        for a in acts:
+        for a in sched.pipeline_order[d]:
             if a is None:
                 continue
             ct = str(getattr(a.computation_type, "value", a.computation_type))
