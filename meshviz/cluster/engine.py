@@ -230,8 +230,9 @@ def _init_process_group(rank: int, world: int, backend: str, timeout: float, por
         if held is None:
             raise RuntimeError(f"rank 0 lost the store port {port}")
         held.listen(max(128, world))
-        store = tdist.TCPStore(master, port, world, True, timeout=to, master_listen_fd=held.fileno(),
-                               wait_for_workers=False)
+        fd = held.detach()  # the store owns the descriptor from here on, and closes it
+        held = None
+        store = tdist.TCPStore(master, port, world, True, timeout=to, master_listen_fd=fd, wait_for_workers=False)
     else:
         if held is not None:
             held.close()
@@ -250,8 +251,6 @@ def _init_process_group(rank: int, world: int, backend: str, timeout: float, por
     if _state is not None:
         _state.store = store
         _state.backend = tdist.get_backend()
-    if held is not None:
-        held.close()  # the store has its own duplicate of the descriptor
 
 
 def _preload() -> None:

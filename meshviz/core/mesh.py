@@ -148,9 +148,6 @@ class ProcessMesh:
         idx[ax] = slice(None)
         return ProcessMesh(self._ids[tuple(idx)], [self._dim_names[ax]])
 
-    def get_group(self, dim_name=None):
-        raise NotImplementedError("use meshviz.distributed.mesh_group(mesh, axis) for a process group")
-
     # -- coordinates ------------------------------------------------------------------------------
     def _rank_index(self) -> dict:
         if self._index is None:
