@@ -20,6 +20,13 @@ def state() -> "_EngineState | None":
     return _state
 
 
+def _debug(*args) -> None:
+    path = os.environ.get("MESHVIZ_CLUSTER_DEBUG")
+    if path:
+        with open(path.replace("{rank}", os.environ.get("RANK", "?")), "a") as fh:
+            print(f"{time.time():.3f}", *args, file=fh)
+
+
 def _summary(value: BaseException) -> str:
     text = f"{type(value).__name__}: {value}"
     return text if len(text) <= 500 else text[:497] + "..."
@@ -128,6 +135,7 @@ class _EngineState:
         return shell.showtraceback((etype, value, tb), tb_offset=tb_offset)
 
     def report_failure(self, value: BaseException) -> None:
+        _debug("failure", _summary(value))
         self.failed_cell = self.cell  # a rank busy reporting its own error is not stuck
         self.last_failure = {
             "type": "failed", "rank": self.rank, "cell": self.cell, "time": time.time(),
@@ -151,6 +159,7 @@ class _EngineState:
             except Exception:
                 continue
             kind = msg.get("type")
+            _debug("got", msg, "running", self.running, "cell", self.cell)
             if kind == "failed" and msg.get("rank") != self.rank and self.running:
                 cell = self.cell
                 threading.Timer(GRACE, self._check_stuck, args=(cell, msg.get("rank"))).start()
@@ -162,12 +171,14 @@ class _EngineState:
                     threading.Thread(target=self._abort, daemon=True).start()
 
     def _check_stuck(self, cell: int, failed_rank) -> None:
+        _debug("check stuck", cell, self.running, self.cell, self.failed_cell)
         if self.running and self.cell == cell and self.failed_cell != cell:
             self.sink.send_control({"type": "stuck", "rank": self.rank, "cell": cell, "failed": failed_rank})
 
     def _abort(self) -> None:
         """Tear down every process group of this rank: peers blocked on it in a collective fail at once."""
         self.abort_pending = False
+        _debug("abort")
         try:
             import torch.distributed as tdist
 

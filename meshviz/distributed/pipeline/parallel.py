@@ -63,7 +63,7 @@ def check_pipeline_config(p: int, m: int, v: int, mode: str) -> None:
 class ActivationMeter:
     """Bytes saved for backward per (virtual stage, micro-batch), live from its forward until its backward.
 
-    Parameters saved by autograd are not counted; storages are counted once per micro-batch.
+    Parameters saved by autograd are not counted; a tensor saved twice in one micro-batch is counted once.
     """
 
     def __init__(self):
@@ -81,12 +81,12 @@ class ActivationMeter:
 
         def pack(t):
             try:
-                ptr = t.untyped_storage().data_ptr()
+                base, key = t.untyped_storage().data_ptr(), (t.data_ptr(), t.numel())
             except Exception:
                 return t
-            if ptr not in self._params and ptr not in seen:
-                seen.add(ptr)
-                total[0] += t.untyped_storage().nbytes()
+            if base not in self._params and key not in seen:
+                seen.add(key)
+                total[0] += t.numel() * t.element_size()
             return t
 
         def done():
@@ -304,18 +304,17 @@ class PipelineParallel(nn.Module):
         run = sched.eval if (eval_mode and loss is not None) else sched.step
         return run(*args, target=target)
 
-    def _final_loss(self, loss) -> torch.Tensor:
+    def _final_loss(self, loss):
+        """Start broadcasting the summed micro losses from the last stage; returns (0-d tensor, task to wait)."""
         from ..collective import broadcast
 
-        if self.is_last_stage:
-            total = torch.stack([loss.values[k] for k in sorted(loss.values)]).sum() if loss.values \
-                else torch.zeros(())
+        if self.is_last_stage and loss.values:
+            total = torch.stack([loss.values[k] for k in sorted(loss.values)]).sum()
         else:
             total = torch.zeros(())
-        total = total.detach().clone().reshape(())
-        buf = total.reshape(1)
-        broadcast(buf, src=self._ranks[-1], group=self._group)
-        return buf.reshape(())
+        buf = total.detach().clone().reshape(1)
+        task = broadcast(buf, src=self._ranks[-1], group=self._group, sync_op=False)
+        return buf.reshape(()), task
 
     # -- Paddle API ----------------------------------------------------------------------------------
     def train_batch(self, data, optimizer, lr_scheduler=None, scaler=None):
@@ -337,7 +336,7 @@ class PipelineParallel(nn.Module):
         loss.scaler = scaler
         self._run(sched, loss, inputs, labels, eval_mode=False)
         self._layers.allreduce_shared_weight_gradients()
-        out = self._final_loss(loss)
+        out, task = self._final_loss(loss)  # overlaps the optimizer step
         if scaler is not None:
             scaler.step(optimizer)
             scaler.update()
@@ -346,6 +345,7 @@ class PipelineParallel(nn.Module):
         optimizer.clear_grad()
         if lr_scheduler is not None:
             lr_scheduler.step()
+        task.wait()
         self._step += 1
         return out
 
@@ -361,7 +361,9 @@ class PipelineParallel(nn.Module):
             self._run(sched, loss, inputs, labels, eval_mode=True)
         self._step += 1
         if compute_loss:
-            return self._final_loss(loss)
+            out, task = self._final_loss(loss)
+            task.wait()
+            return out
         last = [s for s in stages if s.is_last]
         return list(last[0].output_chunks) if last else []
 
