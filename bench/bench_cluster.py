@@ -30,13 +30,13 @@ def _init_by_hand(rank, world, port):
     return tdist.get_rank()
 
 
-def bare_ready(n):
+def bare_ready(n, **opts):
     import ipyparallel as ipp
 
     from meshviz.distributed.env import free_port
 
     t0 = time.perf_counter()
-    c = ipp.Cluster(n=n, log_level=40)
+    c = ipp.Cluster(n=n, log_level=40, **opts)
     rc = c.start_and_connect_sync()
     rc.wait_for_engines(n, timeout=120, interactive=False)
     ids = sorted(rc.ids)
@@ -151,6 +151,28 @@ def _steps(n):
     return get_ipython().user_ns["steps"](n)
 
 
+def _emit_cost(count):
+    import time
+
+    from meshviz import trace
+    from meshviz.trace import Event
+
+    t0 = time.perf_counter()
+    for i in range(count):
+        if trace.active():
+            trace.emit(Event(kind="collective", op="all_reduce", step=i, bytes=4096, group=[0, 1, 2, 3]))
+    return (time.perf_counter() - t0) / count
+
+
+def emit_cost(cluster, count):
+    """Seconds per event on a rank, stream on; and with tracing off (the check alone)."""
+    on = statistics.median(cluster.apply(_emit_cost, count))
+    cluster.set_tracing(False)
+    off = statistics.median(cluster.apply(_emit_cost, count))
+    cluster.set_tracing(True)
+    return on, off
+
+
 def ddp_overhead(cluster, n_steps, rounds):
     cluster.execute(DDP_SETUP)
     cluster.apply(_steps, 5)  # warm up
@@ -193,17 +215,21 @@ def main():
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--events", type=int, default=200)
     ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--skip-start", action="store_true", help="skip the time-to-ready comparison")
     args = ap.parse_args()
     n = args.n
 
-    bare, ours = [], []
-    for _ in range(args.reps):
+    bare, bare0, ours = [], [], []
+    for _ in range(0 if args.skip_start else args.reps):
         bare.append(bare_ready(n))
+        bare0.append(bare_ready(n, delay=0))
         ours.append(meshviz_ready(n))
-    print(f"time to ready, {n} ranks: ipyparallel + init by hand {statistics.median(bare):.2f} s, "
-          f"meshviz.Cluster {statistics.median(ours):.2f} s, ratio {statistics.median(ours) / statistics.median(bare):.2f}"
-          f"  (runs: {[round(b, 2) for b in bare]} vs {[round(o, 2) for o in ours]})")
+    if ours:
+        m, b, b0 = statistics.median(ours), statistics.median(bare), statistics.median(bare0)
+        print(f"time to ready, {n} ranks: ipyparallel + init by hand {b:.2f} s (with delay=0: {b0:.2f} s), "
+              f"meshviz.Cluster {m:.2f} s, ratio {m / b:.2f} ({m / b0:.2f} against delay=0)"
+              f"  (runs: {[round(x, 2) for x in bare]}, {[round(x, 2) for x in bare0]}, {[round(x, 2) for x in ours]})")
 
     with meshviz.Cluster(n=n) as cluster:
         for label, gap in (("spaced 5 ms", 0.005), ("burst", 0)):
@@ -218,6 +244,8 @@ def main():
         stop = failure_stop(cluster, args.reps)
         print(f"one rank raises while {n - 1} wait in all_reduce: all stopped and reported after "
               f"{statistics.median(stop):.2f} s (collective timeout {cluster.timeout:.0f} s)")
+        on_e, off_e = emit_cost(cluster, 5000)
+        print(f"cost of one event on a rank: {on_e * 1e6:.1f} us streamed, {off_e * 1e6:.2f} us with tracing off")
         on, off = ddp_overhead(cluster, args.steps, args.rounds)
         print(f"DDP step (MLP 256-512-512-10, batch 64, {n} ranks): tracing + live stream on {on * 1e3:.2f} ms, "
               f"off {off * 1e3:.2f} ms, ratio {on / off:.3f}")

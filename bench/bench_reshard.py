@@ -12,18 +12,22 @@ import time
 import torch
 
 
-def _timed(fn, repeat):
+def _pair(a, b, repeat):
+    """Median times of ``a`` and ``b``, run alternately so that drifting load hits both alike."""
     import torch.distributed as tdist
 
-    out = []
-    fn()  # warm-up
+    times = {0: [], 1: []}
+    fns = [f for f in (a, b) if f is not None]
+    for f in fns:
+        f()  # warm-up
     for _ in range(repeat):
-        tdist.barrier()
-        t0 = time.perf_counter()
-        fn()
-        tdist.barrier()
-        out.append(time.perf_counter() - t0)
-    return statistics.median(out)
+        for i, f in enumerate(fns):
+            tdist.barrier()
+            t0 = time.perf_counter()
+            f()
+            tdist.barrier()
+            times[i].append(time.perf_counter() - t0)
+    return [statistics.median(times[i]) if times[i] else None for i in (0, 1)]
 
 
 def run(mib: int, repeat: int):
@@ -44,14 +48,14 @@ def run(mib: int, repeat: int):
 
     p = dist.shard_tensor(full, mesh, [dist.Partial()])
     raw = full.clone()
-    res["P->R"] = (_timed(lambda: dist.reshard(p, mesh, [dist.Replicate()]), repeat),
-                   _timed(lambda: tdist.all_reduce(raw), repeat), "all_reduce")
+    res["P->R"] = (*_pair(lambda: dist.reshard(p, mesh, [dist.Replicate()]), lambda: tdist.all_reduce(raw), repeat),
+                   "all_reduce")
 
     s = dist.shard_tensor(full, mesh, [dist.Shard(0)])
     local = s._local_value().detach().contiguous()
     out = torch.empty_like(full)
-    res["S(0)->R"] = (_timed(lambda: dist.reshard(s, mesh, [dist.Replicate()]), repeat),
-                      _timed(lambda: tdist.all_gather_into_tensor(out, local), repeat), "all_gather_into_tensor")
+    res["S(0)->R"] = (*_pair(lambda: dist.reshard(s, mesh, [dist.Replicate()]),
+                             lambda: tdist.all_gather_into_tensor(out, local), repeat), "all_gather_into_tensor")
 
     pieces = list(local.chunk(2, dim=1))
     send = torch.cat([q.contiguous().reshape(-1) for q in pieces])
@@ -62,12 +66,12 @@ def run(mib: int, repeat: int):
         a, b = recv.chunk(2)
         torch.cat([a.view(pieces[0].shape), b.view(pieces[0].shape)], dim=0)
 
-    mv = _timed(lambda: dist.reshard(s, mesh, [dist.Shard(1)]), repeat)
     dm = device_mesh(mesh)
     dt = distribute_tensor(full, dm, [TShard(0)])
-    dtensor = _timed(lambda: dt.redistribute(dm, [TShard(1)]), repeat)
-    res["S(0)->S(1)"] = (mv, _timed(raw_a2a, repeat), "all_to_all_single")
-    res["S(0)->S(1) vs DTensor"] = (mv, dtensor, "DTensor.redistribute")
+    res["S(0)->S(1)"] = (*_pair(lambda: dist.reshard(s, mesh, [dist.Shard(1)]), raw_a2a, repeat),
+                         "all_to_all_single")
+    res["S(0)->S(1) vs DTensor"] = (*_pair(lambda: dist.reshard(s, mesh, [dist.Shard(1)]),
+                                           lambda: dt.redistribute(dm, [TShard(1)]), repeat), "DTensor.redistribute")
 
     m0, m1 = dist.ProcessMesh([0], dim_names=["x"]), dist.ProcessMesh([1], dim_names=["x"])
     c = dist.shard_tensor(full, m0, [dist.Replicate()])
@@ -79,8 +83,8 @@ def run(mib: int, repeat: int):
         else:
             tdist.recv(buf, 0)
 
-    res["cross-mesh R->R"] = (_timed(lambda: dist.reshard(c, m1, [dist.Replicate()]), repeat),
-                              _timed(raw_p2p, repeat), "send/recv")
+    res["cross-mesh R->R"] = (*_pair(lambda: dist.reshard(c, m1, [dist.Replicate()]), raw_p2p, repeat),
+                              "send/recv")
     assert isinstance(dt, DTensor)
     return res
 

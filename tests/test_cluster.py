@@ -50,6 +50,12 @@ def test_ranks_devices_and_state(cluster):
         with open(p) as fh:
             info = json.load(fh)
         assert info["location"] in ("127.0.0.1", "localhost") or info.get("interface", "").endswith("127.0.0.1")
+    # the ranks listen on loopback only: the process-group store, gloo's sockets, ipyparallel's
+    import psutil
+
+    pids = {i["pid"] for i in cluster.info}
+    listening = [c.laddr.ip for c in psutil.net_connections("tcp") if c.status == "LISTEN" and c.pid in pids]
+    assert listening and set(listening) == {"127.0.0.1"}
 
 
 def _whoami():
@@ -122,8 +128,41 @@ def test_events_arrive_while_the_cell_runs(cluster, tmp_path):
         assert coll.end >= coll.start
 
 
+RESHARD_CELL = """
+import torch
+import meshviz.distributed as dist
+from meshviz.core.planner import plan_reshard
+mesh = dist.ProcessMesh([2, 0, 1], dim_names=["x"])
+a = torch.arange(12.0).reshape(6, 2)
+s0 = dist.shard_tensor(a, mesh, [dist.Shard(0)])
+plan = [(st.op, st.axis, st.bytes) for st in dist.plan_of(s0, mesh, [dist.Replicate()]).steps]
+r = dist.reshard(s0, mesh, [dist.Replicate()])
+print(s0._local_value().tolist(), r._local_value().tolist() == a.tolist())
+"""
+
+
+def test_reshard_events_carry_the_planners_steps(cluster):
+    cluster.events.clear()
+    ar = cluster.execute(RESHARD_CELL)
+    blocks = {2: [[0.0, 1.0], [2.0, 3.0]], 0: [[4.0, 5.0], [6.0, 7.0]], 1: [[8.0, 9.0], [10.0, 11.0]]}
+    assert ar.stdout == [f"{blocks[r]} True\n" for r in range(N)]  # the rank at coordinate c holds block c
+    plans = cluster.view.pull("plan", block=True)
+    assert plans[0] == plans[1] == plans[2] and [p[0] for p in plans[0]] == ["all_gather"]
+    by = cluster.events.by_rank()
+    assert sorted(by) == list(range(N))
+    for r, evs in by.items():
+        placed = [e for e in evs if e.kind == "placed"]
+        assert placed and placed[0].values == [v for row in blocks[r] for v in row]
+        steps = [e for e in evs if e.kind == "reshard_step"]
+        assert [(e.op, e.axis, e.bytes) for e in steps] == [tuple(p) for p in plans[r]]
+        assert steps[0].placements_before == ["S(0)"] and steps[0].placements_after == ["R"]
+        assert steps[0].values == [float(v) for v in range(12)]
+
+
 def test_record_replays_to_the_same_events(cluster, tmp_path):
-    assert len(cluster.events) > 0
+    cluster.execute("from meshviz import trace\nfrom meshviz.trace import Event\n"
+                    "for i in range(4): trace.emit(Event(kind='mark', step=i, values=[i, 0.5]))")
+    assert len(cluster.events) >= 4 * N
     path = str(tmp_path / "run.jsonl")
     n = cluster.record(path)
     assert n == len(cluster.events)

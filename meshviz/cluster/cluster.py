@@ -91,6 +91,10 @@ class Cluster:
             raise ValueError(f"Cluster: n must be a positive int or None, got {n!r}")
         if mode == "list" and len(devices) != n:
             raise ValueError(f"Cluster: {len(devices)} devices given for {n} ranks")
+        if mode == "cuda" and "engines" not in ipp_options:  # all ranks on this machine: one GPU each
+            gpus = gpus if gpus is not None else _gpu_count()
+            if n > gpus:
+                raise ValueError(f"Cluster: {n} ranks but {gpus} GPUs here; pass devices='cpu' or n <= {gpus}")
         if not (isinstance(timeout, (int, float)) and timeout > 0):
             raise ValueError(f"Cluster: timeout must be a positive number of seconds, got {timeout!r}")
         if backend not in (None, "gloo", "nccl"):
@@ -106,6 +110,8 @@ class Cluster:
         self.state = "stopped"
         self.state_dir: str | None = None
         self.ranks: list[int] = []
+        self.engine_ids: list[int] = []
+        self._pids: dict[int, int] = {}
         self.devices: list[str] = []
         self.info: list[dict] = []
         self.client = None
@@ -213,6 +219,7 @@ class Cluster:
                 env["OMP_NUM_THREADS"] = str(threads)
             cfgs.append({
                 "rank": r, "world": n, "port": port, "loopback": loopback, "env": env, "threads": threads,
+                "peer_pids": [p["pid"] for i, p in enumerate(probes) if i != r and hosts[i] == h],
                 "timeout": self.timeout,
                 "backend": self.backend or ("gloo" if self._mode == "cpu" else "nccl"),
                 "stream": self._receiver.address, "control": control, "trace": True,
@@ -357,7 +364,7 @@ class Cluster:
     def _finish(self, ar, timeout) -> list[RankOutcome]:
         start_fail = len(self.failures)
         t0 = time.time()
-        self._wait(ar, timeout)
+        self._wait(ar, timeout, start_fail)
         outcomes = self._collect(ar)
         self._sync_events([o.rank for o in outcomes if o.status in ("ok", "error")])
         bad = [o for o in outcomes if o.status != "ok"]
@@ -365,11 +372,19 @@ class Cluster:
             raise self._rank_error(outcomes, start_fail, t0)
         return outcomes
 
-    def _wait(self, ar, timeout) -> None:
+    def _wait(self, ar, timeout, start_fail: int = 0) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout
         targets = list(ar._targets) if ar._targets is not None else self.engine_ids
+        rank_of = {eid: r for r, eid in enumerate(self.engine_ids)}
         interrupted_at = None
         while not ar.ready():
+            new = self.failures[start_fail:]
+            if new and not self._abort_sent and time.time() - new[0]["received"] > _engine.GRACE:
+                # a rank failed and others, which did not, are still running: they would wait for it forever
+                failed = {f.get("rank") for f in new}
+                pending = [rank_of.get(eid) for eid, c in zip(targets, ar._children) if not c.done()]
+                if any(r not in failed for r in pending):
+                    self._abort(new[0]["rank"])
             try:
                 ar.wait(0.05)
             except KeyboardInterrupt:

@@ -45,6 +45,38 @@ def _broke_process_group(value: BaseException) -> bool:
     return any(k in text for k in ("gloo/transport", "Connection closed by peer", "Connection reset", "NCCL"))
 
 
+def _close_peer_sockets(peer_pids) -> int:
+    """Shut down this process's TCP connections to the other ranks' processes (on this machine).
+
+    Aborting a gloo group does not close its sockets while anything (a user's dist tensor, a traceback) still
+    holds the group, and a rank blocked in a gloo collective waits for its peers' sockets; shutting them down
+    makes every pending collective on both ends fail at once. Returns how many were shut down.
+    """
+    if not peer_pids:
+        return 0
+    try:
+        import psutil
+
+        owner = {(c.laddr.ip, c.laddr.port): c.pid for c in psutil.net_connections("tcp") if c.laddr and c.pid}
+        mine = [c for c in psutil.Process().net_connections("tcp") if c.raddr and c.fd not in (-1, None)]
+    except Exception:
+        return 0
+    n = 0
+    for c in mine:
+        if owner.get((c.raddr.ip, c.raddr.port)) in peer_pids:
+            try:
+                s = socket.socket(fileno=os.dup(c.fd))
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                    n += 1
+                finally:
+                    s.close()
+            except OSError:
+                pass
+    _debug("closed peer sockets", n)
+    return n
+
+
 class _EngineState:
     """Per-engine glue: the stream sink, the cell hooks and a thread listening for the client's commands."""
 
@@ -66,6 +98,7 @@ class _EngineState:
         self.last_failure: dict | None = None
         self.failed_cell = -1
         self.store = None
+        self.peer_pids = set(cfg.get("peer_pids", ()))
         self._ctx = zmq.Context()
         self._sub = self._ctx.socket(zmq.SUB)
         self._sub.setsockopt(zmq.LINGER, 0)
@@ -169,6 +202,8 @@ class _EngineState:
                     self._abort()
                 elif self.backend == "nccl":  # NCCL's abort unblocks a pending collective; gloo's does not
                     threading.Thread(target=self._abort, daemon=True).start()
+                else:
+                    _close_peer_sockets(self.peer_pids)  # a pending gloo collective fails at once
 
     def _check_stuck(self, cell: int, failed_rank) -> None:
         _debug("check stuck", cell, self.running, self.cell, self.failed_cell)
@@ -185,6 +220,11 @@ class _EngineState:
             if tdist.is_initialized():
                 tdist.distributed_c10d._abort_process_group()
             _clear_groups()
+            _close_peer_sockets(self.peer_pids)
+            import gc
+
+            gc.collect()  # a cycle may still hold the group, and gloo closes its sockets only when it is freed
+            os.environ.pop("MASTER_PORT", None)  # a later init_parallel_env fails at once; reinit sets a new one
         except Exception:
             pass
         self.aborted = True
@@ -258,20 +298,10 @@ def _init_process_group(rank: int, world: int, backend: str, timeout: float, por
     from ..core.mesh import set_rank_getter
 
     trace.set_rank(rank)
-    set_rank_getter(tdist.get_rank)
+    set_rank_getter(lambda: rank)  # an engine's rank never changes
     if _state is not None:
         _state.store = store
         _state.backend = tdist.get_backend()
-
-
-def _preload() -> None:
-    """Import meshviz.distributed in the background: the first %%px cell that uses it need not wait."""
-    try:
-        from ..distributed import env as denv
-
-        denv.init_parallel_env()  # already initialised: only installs the runtime's rank getter
-    except Exception:
-        pass
 
 
 def setup(cfg: dict) -> dict:
@@ -286,8 +316,6 @@ def setup(cfg: dict) -> dict:
         _state.close()
     _state = _EngineState(cfg)
     _init_process_group(cfg["rank"], cfg["world"], cfg["backend"], cfg["timeout"], cfg["port"], cfg["loopback"])
-    if cfg.get("preload", True):
-        threading.Thread(target=_preload, name="meshviz-preload", daemon=True).start()
     import torch.distributed as tdist
 
     gpu = os.environ.get("CUDA_VISIBLE_DEVICES")

@@ -25,6 +25,7 @@ class RankError(RuntimeError):
         self.outcomes = outcomes
         self.ranks = origin
         self.note = note
+        self.streamed = False  # tracebacks were already shown as they arrived: render only the summary
         super().__init__(self._headline())
 
     def _by_rank(self):
@@ -56,7 +57,7 @@ class RankError(RuntimeError):
             lines.append(self.note)
         for r in self.ranks:
             o = by.get(r)
-            if o is not None and o.traceback:
+            if o is not None and o.traceback and not self.streamed:
                 lines += ["", f"--- rank {r} (engine {o.engine}) traceback ---", o.traceback.rstrip()]
         for o in self.outcomes:
             if o.rank in self.ranks or o.status == "ok":

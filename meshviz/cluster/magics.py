@@ -44,6 +44,8 @@ class RankMagics(ParallelMagics):
                     cluster._finish(result, None)
                 except Exception as e:  # RankError, shown after the outputs
                     error = e
+                    if stream_output:
+                        error.streamed = True
                 if result.done():
                     result.wait_for_output(1)
         finally:

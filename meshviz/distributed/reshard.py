@@ -65,7 +65,7 @@ def _all_gather(step: Step, local: torch.Tensor, group, coords) -> torch.Tensor:
     return torch.cat(pieces).movedim(0, d).contiguous()
 
 
-_CHUNK_BYTES = 8 << 20
+_CHUNK_BYTES = 4 << 20
 
 
 def _all_reduce(step: Step, local: torch.Tensor, group, k: int) -> torch.Tensor:
