@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import signal
 import stat
 import time
@@ -218,6 +219,21 @@ def test_interrupt_reaches_the_engines(cluster):
     assert time.perf_counter() - t0 < 20
 
 
+def test_interrupt_unblocks_ranks_stuck_in_a_collective(cluster):
+    cell = ("import torch, torch.distributed as tdist\n"
+            "t = torch.zeros(1)\n"
+            "tdist.recv(t, src=(tdist.get_rank() + 1) % tdist.get_world_size())  # every rank waits: deadlock\n")
+    ar = cluster.view.execute(cell, block=False)
+    time.sleep(1.0)
+    t0 = time.perf_counter()
+    cluster.interrupt()
+    with pytest.raises(RankError):
+        cluster._finish(ar, timeout=25)
+    assert time.perf_counter() - t0 < 15, "the 30 s collective timeout should not be needed"
+    ar = cluster.execute("x = torch.ones(1); tdist.all_reduce(x); print(x.item())")
+    assert ar.stdout == [f"{float(N)}\n"] * N
+
+
 def test_px_magic_names_the_rank(cluster):
     IPython = pytest.importorskip("IPython")
     from IPython.core.interactiveshell import InteractiveShell
@@ -249,8 +265,10 @@ def test_killed_engine_is_reported_and_restart_works(cluster):
     assert "DEAD" in repr(cluster)
     with pytest.raises(RuntimeError, match="rank 1"):
         cluster.execute("pass")
-    t0 = time.perf_counter()
+    old_dir = cluster.state_dir
     cluster.restart()
+    assert os.path.exists(os.path.join(old_dir, "cluster.log"))  # a dead engine's cluster keeps its logs
+    shutil.rmtree(old_dir)
     assert cluster.state == "ready" and cluster.engine_ids == list(range(N))
     ar = cluster.execute("import torch, torch.distributed as tdist\nx = torch.ones(1); tdist.all_reduce(x)\n"
                          "print(x.item())")
@@ -265,11 +283,34 @@ def test_stop_is_quiet_and_cleans_up(capfd):
     out, err = capfd.readouterr()
     assert out == "" and err == ""
     assert c.state == "stopped" and "stopped" in repr(c)
+    assert not os.path.exists(c.state_dir)  # nothing failed: the state dir and its logs are removed
     time.sleep(0.5)
     import psutil
 
     for p in pids:
         assert not psutil.pid_exists(p) or psutil.Process(p).status() == psutil.STATUS_ZOMBIE
+
+
+@pytest.mark.timeout(30)
+def test_rank_configs_bind_devices_as_documented():
+    from meshviz.cluster.cluster import rank_configs
+
+    probes = [{"host": "a", "pid": 10 + r, "port": 5000 + r} for r in range(4)]
+    gpu = rank_configs(probes, "cuda", None, "127.0.0.1", True, 60.0, None, ncpu=16)
+    assert [c["env"]["CUDA_VISIBLE_DEVICES"] for c in gpu] == ["0", "1", "2", "3"]  # rank r -> GPU r
+    assert [c["backend"] for c in gpu] == ["nccl"] * 4 and [c["threads"] for c in gpu] == [4] * 4
+    assert all(c["env"]["MASTER_PORT"] == "5000" for c in gpu)  # rank 0's held port serves the store
+    assert gpu[1]["peer_pids"] == [10, 12, 13]
+    listed = rank_configs(probes, "list", [3, 2, 1, 0], "127.0.0.1", True, 60.0, None)
+    assert [c["env"]["CUDA_VISIBLE_DEVICES"] for c in listed] == ["3", "2", "1", "0"]
+    cpu = rank_configs(probes, "cpu", None, "127.0.0.1", True, 60.0, None)
+    assert all(c["env"]["CUDA_VISIBLE_DEVICES"] == "" and c["threads"] == 1 and c["backend"] == "gloo" for c in cpu)
+    two_hosts = [{"host": h, "pid": i, "port": 7000 + i} for i, h in enumerate("aabb")]
+    cfg = rank_configs(two_hosts, "cuda", None, "10.0.0.1", False, 60.0, None, ncpu=8)
+    assert [c["env"]["LOCAL_RANK"] for c in cfg] == ["0", "1", "0", "1"]
+    assert [c["env"]["CUDA_VISIBLE_DEVICES"] for c in cfg] == ["0", "1", "0", "1"]
+    assert [c["peer_pids"] for c in cfg] == [[1], [0], [3], [2]]
+    assert "GLOO_SOCKET_IFNAME" not in cfg[0]["env"] and cfg[0]["env"]["MASTER_ADDR"] == "10.0.0.1"
 
 
 def test_bad_arguments_raise_before_starting():

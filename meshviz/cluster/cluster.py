@@ -41,6 +41,41 @@ def _pid_alive(pid: int) -> bool:
         return False
 
 
+def rank_configs(probes: list[dict], mode: str, gpus, master: str, loopback: bool, timeout: float,
+                 backend: str | None, ncpu: int | None = None) -> list[dict]:
+    """What each rank's engine is told at set-up: rank r is ``probes[r]``'s engine (engines sorted by id).
+
+    LOCAL_RANK counts the ranks before r on the same host. A CPU rank hides the GPUs and uses one thread; a GPU
+    rank sees only GPU ``gpus[r]`` (a list was given) or GPU LOCAL_RANK, as its ``cuda:0``.
+    """
+    n = len(probes)
+    hosts = [p["host"] for p in probes]
+    ncpu = ncpu or os.cpu_count() or 1
+    port = probes[0]["port"]
+    cfgs = []
+    for r, h in enumerate(hosts):
+        lr = hosts[:r].count(h)
+        env = {
+            "RANK": str(r), "WORLD_SIZE": str(n), "LOCAL_RANK": str(lr), "LOCAL_WORLD_SIZE": str(hosts.count(h)),
+            "MASTER_ADDR": master, "MASTER_PORT": str(port), "MESHVIZ_TIMEOUT": str(timeout),
+        }
+        if loopback and "GLOO_SOCKET_IFNAME" not in os.environ:
+            env["GLOO_SOCKET_IFNAME"] = "lo0" if sys.platform == "darwin" else "lo"  # gloo's sockets too
+        if mode == "cpu":
+            env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
+            threads = 1
+        else:
+            env["CUDA_VISIBLE_DEVICES"] = str(gpus[r] if gpus else lr)
+            threads = max(1, ncpu // hosts.count(h))
+            env["OMP_NUM_THREADS"] = str(threads)
+        cfgs.append({
+            "rank": r, "world": n, "port": port, "loopback": loopback, "env": env, "threads": threads,
+            "peer_pids": [p["pid"] for i, p in enumerate(probes) if i != r and hosts[i] == h],
+            "timeout": timeout, "backend": backend or ("gloo" if mode == "cpu" else "nccl"),
+        })
+    return cfgs
+
+
 class Cluster:
     """ipyparallel engines as ranks, with a process group across them; returns when every rank is ready.
 
@@ -192,38 +227,14 @@ class Cluster:
     def _setup(self, ids, probes, control) -> None:
         n = self.n
         hosts = [p["host"] for p in probes]
-        here = socket.gethostname()
-        local = all(h == here for h in hosts)
+        local = all(h == socket.gethostname() for h in hosts)
         loopback = local and self._host() in _LOOPBACK
         self._loopback = loopback
         master = "127.0.0.1" if loopback else socket.gethostbyname(hosts[0])
-        port = probes[0]["port"]
-        gpus = self._devices_spec if self._mode == "list" else None
-        ncpu = os.cpu_count() or 1
-        cfgs, local_ranks = [], []
-        for r, h in enumerate(hosts):
-            lr = hosts[:r].count(h)
-            local_ranks.append(lr)
-            env = {
-                "RANK": str(r), "WORLD_SIZE": str(n), "LOCAL_RANK": str(lr), "LOCAL_WORLD_SIZE": str(hosts.count(h)),
-                "MASTER_ADDR": master, "MASTER_PORT": str(port), "MESHVIZ_TIMEOUT": str(self.timeout),
-            }
-            if loopback and "GLOO_SOCKET_IFNAME" not in os.environ:
-                env["GLOO_SOCKET_IFNAME"] = "lo0" if sys.platform == "darwin" else "lo"  # gloo's sockets too
-            if self._mode == "cpu":
-                env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
-                threads = 1
-            else:
-                env["CUDA_VISIBLE_DEVICES"] = str(gpus[r] if gpus else lr)
-                threads = max(1, ncpu // max(1, hosts.count(h)))
-                env["OMP_NUM_THREADS"] = str(threads)
-            cfgs.append({
-                "rank": r, "world": n, "port": port, "loopback": loopback, "env": env, "threads": threads,
-                "peer_pids": [p["pid"] for i, p in enumerate(probes) if i != r and hosts[i] == h],
-                "timeout": self.timeout,
-                "backend": self.backend or ("gloo" if self._mode == "cpu" else "nccl"),
-                "stream": self._receiver.address, "control": control, "trace": True,
-            })
+        cfgs = rank_configs(probes, self._mode, self._devices_spec if self._mode == "list" else None,
+                            master, loopback, self.timeout, self.backend)
+        for cfg in cfgs:
+            cfg.update(stream=self._receiver.address, control=control, trace=True)
         ars = [self.client[eid].apply_async(_engine.setup, cfg) for eid, cfg in zip(ids, cfgs)]
         deadline = time.monotonic() + self.timeout + 60
         infos = []
@@ -259,7 +270,7 @@ class Cluster:
                 pass
         self._teardown()
         self.state = "stopped"
-        if self.state_dir and not self.failures and not self._dead:  # logs are kept when something failed
+        if self.state_dir and not self._dead:  # the logs are kept when an engine died
             shutil.rmtree(self.state_dir, ignore_errors=True)
 
     def _teardown(self) -> None:
@@ -461,8 +472,17 @@ class Cluster:
         want = {r: self._base.get(r, 0) + c for r, c in counts if r >= 0}
         self.events.wait_for(want, timeout)
 
-    def interrupt(self) -> None:
-        """Send SIGINT to every engine (what Ctrl-C / the kernel's interrupt button does during ``%%px``)."""
+    def interrupt(self, abort_after: float | None = 1.0) -> None:
+        """Send SIGINT to every engine (what Ctrl-C / the kernel's interrupt button does during ``%%px``).
+
+        A rank blocked inside a collective does not see the signal until the collective returns; if ranks are
+        still busy ``abort_after`` seconds later, their process group is torn down (and re-created before the
+        next cell) so that the blocked collectives fail at once.
+        """
+        if abort_after is not None:
+            t = threading.Timer(abort_after, self._abort_if_busy)
+            t.daemon = True
+            t.start()
         if self.client is not None:
             try:
                 self.client.send_signal("SIGINT", targets=self.engine_ids, block=True)
@@ -471,6 +491,11 @@ class Cluster:
                     import signal
 
                     self._ipp.signal_engines_sync(signal.SIGINT)
+
+    def _abort_if_busy(self) -> None:
+        client = self.client
+        if client is not None and client.outstanding:
+            self._abort(None)
 
     # -- events -------------------------------------------------------------------------------------------------
     def subscribe(self, callback):
