@@ -62,3 +62,41 @@ def test_single_process_defaults():
     assert dist.get_rank() == 0 and dist.get_world_size() == 1 or dist.is_initialized()
     with pytest.raises(ValueError, match="nprocs"):
         dist.spawn(print, nprocs=0)
+
+
+def listening_addresses():
+    """Addresses this rank's process listens on (from /proc, no tools needed)."""
+    import os
+
+    import torch
+
+    import meshviz.distributed as dist
+
+    dist.init_parallel_env()
+    t = torch.ones(2)
+    dist.all_reduce(t)
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            inodes.add(link[8:-1])
+    addrs = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as fh:
+            for line in fh.readlines()[1:]:
+                cols = line.split()
+                if cols[3] == "0A" and cols[9] in inodes:  # LISTEN
+                    addrs.append(cols[1].split(":")[0])
+    return t.tolist(), addrs
+
+
+def test_spawned_ranks_listen_on_loopback_only():
+    from meshviz.testing import run_ranks
+
+    for total, addrs in run_ranks(listening_addresses, 2, timeout=90):
+        assert total == [2.0, 2.0]
+        # 127.0.0.1 is 0100007F in /proc/net/tcp; 0.0.0.0 would be 00000000
+        assert addrs and all(a in ("0100007F", "00000000000000000000000001000000") for a in addrs), addrs

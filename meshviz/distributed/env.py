@@ -95,6 +95,11 @@ def init_parallel_env(backend: str | None = None, timeout: float | None = None):
             torch.cuda.set_device(gpu)
             kwargs["device_id"] = torch.device("cuda", gpu)
         to = datetime.timedelta(seconds=timeout) if timeout is not None else default_timeout()
+        agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+        if _is_loopback(os.environ["MASTER_ADDR"]) and not agent_store:
+            # one machine: the store and gloo listen on loopback only, not on every interface
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+            kwargs["store"] = _loopback_store(rank, world, int(os.environ["MASTER_PORT"]), to)
         tdist.init_process_group(backend=backend, rank=rank, world_size=world, timeout=to, **kwargs)
     set_rank_getter(get_rank)
     trace.set_rank(tdist.get_rank())
@@ -102,6 +107,22 @@ def init_parallel_env(backend: str | None = None, timeout: float | None = None):
     if path and not any(isinstance(s, trace.JSONLSink) and s.path == path for s in trace.recorder._sinks):
         trace.add_sink(trace.JSONLSink(path))
     return tdist.group.WORLD
+
+
+def _is_loopback(addr: str) -> bool:
+    return addr in ("localhost", "::1") or addr.startswith("127.")
+
+
+def _loopback_store(rank: int, world: int, port: int, timeout: datetime.timedelta):
+    """A TCPStore whose server (rank 0) listens on 127.0.0.1 only; torch's own binds every interface."""
+    if rank != 0:
+        return tdist.TCPStore("127.0.0.1", port, world, False, timeout=timeout)
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", port))
+    sock.listen(max(128, world))
+    return tdist.TCPStore("127.0.0.1", port, world, True, timeout=timeout, master_listen_fd=sock.detach(),
+                          wait_for_workers=False)
 
 
 def destroy_process_group() -> None:
