@@ -117,9 +117,7 @@ class _EngineState:
         if on and not self.tracing:
             trace.add_sink(self.sink)
         elif not on and self.tracing:
-            with trace.recorder._lock:
-                if self.sink in trace.recorder._sinks:
-                    trace.recorder._sinks.remove(self.sink)
+            trace.remove_sink(self.sink, close=False)
         self.tracing = on
 
     # -- IPython hooks ------------------------------------------------------------------------------------------

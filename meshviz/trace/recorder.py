@@ -82,13 +82,14 @@ def add_sink(sink: Callable[[Event], None]) -> Callable[[Event], None]:
     return sink
 
 
-def remove_sink(sink) -> None:
+def remove_sink(sink, close: bool = True) -> None:
+    """Stop sending events to ``sink``; also close it (a file) unless ``close=False``."""
     with _lock:
         if sink in _sinks:
             _sinks.remove(sink)
-    close = getattr(sink, "close", None)
-    if close is not None:
-        close()
+    closer = getattr(sink, "close", None) if close else None
+    if closer is not None:
+        closer()
 
 
 def clear_sinks() -> None:
