@@ -7,4 +7,4 @@ if [ -f scripts/install_browser.sh ]; then
   bash scripts/install_browser.sh
 fi
 export IPP_NONINTERACTIVE=1 PYTHONWARNINGS=ignore::FutureWarning
-.venv/bin/python -m pytest tests notebooks --nbval-lax -p no:cacheprovider "$@"
+.venv/bin/python -m pytest tests notebooks --nbval -p no:cacheprovider "$@"

@@ -194,6 +194,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def exit_quietly(code: int = 0) -> None:
+    """End a rank process once its work is done: wait for the peers, flush, and leave without interpreter
+    teardown, where torch's gloo/DDP threads can abort the process ("terminate called without an active
+    exception") after training has already succeeded."""
+    import sys
+
+    try:
+        if tdist.is_initialized() and tdist.get_world_size() > 1:
+            tdist.barrier()
+    except Exception:
+        pass
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    trace.clear_sinks()  # closes trace files
+    os._exit(code)
+
+
 def _spawn_entry(index, func, args, world, port, env):
     os.environ.update(env)
     os.environ.update(
@@ -205,14 +225,8 @@ def _spawn_entry(index, func, args, world, port, env):
         MASTER_PORT=str(port),
     )
     torch.set_num_threads(int(env.get("MESHVIZ_THREADS", "1")))
-    try:
-        return func(*args)
-    finally:
-        if tdist.is_initialized():
-            try:
-                tdist.destroy_process_group()
-            except Exception:
-                pass
+    func(*args)
+    exit_quietly(0)
 
 
 def _importable(func) -> bool:
