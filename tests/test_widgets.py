@@ -332,7 +332,7 @@ def _traced_reshards():
     dist.init_parallel_env()
     mesh = ProcessMesh([[0, 1], [2, 3]], ["x", "y"])
     m0, m1 = ProcessMesh([0, 1], ["pp"]), ProcessMesh([2, 3], ["pp"])
-    x = torch.arange(1, 25, dtype=torch.float32).reshape(4, 6)
+    x = torch.arange(0, 240, 10, dtype=torch.float32).reshape(4, 6)  # not the 1..N a view makes up
     with trace.record() as rec:
         a = dist.shard_tensor(x, mesh, [Partial(), Shard(1)])
         dist.reshard(a, mesh, [Replicate(), Replicate()])
@@ -353,9 +353,12 @@ def test_views_draw_what_the_runtime_ran():
     rv = ReshardView(source=events, plan_id=first)
     assert rv.steps == list(plan_reshard((4, 6), mesh, ["P(sum)", "S(1)"], mesh, ["R", "R"]).steps)
     assert rv.ran == set(range(len(rv.steps))) and not rv.mismatch
-    x = np.arange(1, 25, dtype=float).reshape(4, 6)
+    x = np.arange(0, 240, 10, dtype=float).reshape(4, 6)
     for r in range(4):  # the values the ranks reported after the last step are the full tensor
         np.testing.assert_array_equal(rv.states[-1].locals[r], x)
+    # every frame shows the ranks' real numbers, the ones before the reshard and the ones in between too
+    np.testing.assert_array_equal(rv.states[0].value(), x)
+    np.testing.assert_array_equal(rv.states[1].locals[2], x[:, :3])
     m0, m1 = ProcessMesh([0, 1], ["pp"]), ProcessMesh([2, 3], ["pp"])
     xv = ReshardView(source=[e for e in events if e.kind != "reshard" or e.rank in (0, 1)], plan_id=second)
     assert xv.steps == list(plan_reshard((4, 6), m0, ["S(0)"], m1, ["S(0)"]).steps)

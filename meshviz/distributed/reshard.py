@@ -232,6 +232,8 @@ def run_plan(plan: Plan, local, rank: int, *, dtype=None, device=None, name=None
             placements_before=[repr(p) for p in plan.src_placements],
             placements_after=[repr(p) for p in plan.dst_placements],
             shape_before=list(plan.shape), shape_after=list(plan.shape), bytes=plan.total_bytes,
+            local_shape=None if local is None else list(local.shape),
+            values=None if local is None else trace.small_values(local),
             extra={"target_mesh": plan.dst_mesh.to_dict(), "ops": plan.ops},
         ))
     for i, step in enumerate(plan.steps):

@@ -98,14 +98,16 @@ class ReshardView(View):
     def n_frames(self) -> int:
         return len(self.steps) + 1
 
-    def _set_plan(self, plan: Plan, value=None):
+    def _set_plan(self, plan: Plan, value=None, locals0: dict | None = None):
         self.plan = plan
         self._cache = {}
         shape = tuple(plan.shape)
         numel = int(np.prod(shape)) if shape else 1
         sim = numel * max(plan.src_mesh.size, plan.dst_mesh.size) <= MAX_SIM and numel <= 4096
         locals_ = None
-        if sim:
+        if locals0 is not None:
+            locals_ = dict(locals0)  # the ranks' real blocks: every later state follows exactly
+        elif sim:
             if value is None:
                 value = np.arange(1, numel + 1, dtype=float).reshape(shape)
             locals_ = initial_locals(np.asarray(value, dtype=float), plan.src_mesh, plan.src_placements)
@@ -122,6 +124,7 @@ class ReshardView(View):
         for e in events:
             if e.kind == "reshard" and (self.plan_id is None or e.plan_id == self.plan_id) and e.mesh:
                 if getattr(self, "_cur_id", object()) == (e.plan_id, e.tensor_id) and self.plan is not None:
+                    self._take_before(e)
                     continue
                 src = ProcessMesh.from_dict(e.mesh)
                 dst = ProcessMesh.from_dict((e.extra or {}).get("target_mesh") or e.mesh)
@@ -132,6 +135,8 @@ class ReshardView(View):
                 self._cur_id = (e.plan_id, e.tensor_id)
                 self.name = e.name or self.name
                 self._set_plan(plan)
+                self._before = {}
+                self._take_before(e)
                 self.ran = set()
                 self.mismatch = []
                 ops = (e.extra or {}).get("ops")
@@ -152,6 +157,20 @@ class ReshardView(View):
                 if self.follow:
                     self.frame = max(self.ran) + 1
         self._cache = {}
+
+    def _take_before(self, e) -> None:
+        """Collect each rank's block before the reshard; once every source rank's is in, re-run the plan on
+        them, so the pictures show the real numbers at every step (not made-up ones)."""
+        if e.values is None or e.local_shape is None or self.plan is None:
+            return
+        n = int(np.prod(e.local_shape)) if e.local_shape else 1
+        if len(e.values) != n:
+            return
+        self._before[e.rank] = np.asarray(e.values, dtype=float).reshape(e.local_shape)
+        if set(self.plan.src_mesh.process_ids) <= set(self._before):
+            frame = self.frame
+            self._set_plan(self.plan, locals0={r: self._before[r] for r in self.plan.src_mesh.process_ids})
+            self.frame = frame
 
     def _take_values(self, state_i, e):
         st = self.states[state_i]
