@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
@@ -11,6 +12,7 @@ import sys
 import tempfile
 import threading
 import time
+import weakref
 
 from ..trace.stream import EventLog, StreamReceiver
 from . import engine as _engine
@@ -29,6 +31,27 @@ def _gpu_count() -> int:
         return torch.cuda.device_count() if torch.cuda.is_available() else 0
     except Exception:
         return 0
+
+
+def _kill_at_exit(ref) -> None:
+    """The kernel is exiting without ``stop()`` (a cell raised under nbconvert, the kernel was shut down): no
+    engine may outlive it, even one stuck in a collective that ignores SIGTERM."""
+    import signal
+
+    cluster = ref()
+    if cluster is None or cluster.state == "stopped" or not getattr(cluster, "_local", False):
+        return
+    for pid in cluster._pids.values():
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    try:
+        cluster._stopping.set()
+        if cluster._ipp is not None:
+            cluster._ipp.stop_cluster_sync()
+    except Exception:
+        pass
 
 
 def _pid_alive(pid: int) -> bool:
@@ -251,6 +274,8 @@ class Cluster:
         self.backend_used = infos[0]["backend"]
         self._pids = {r: i["pid"] for r, i in enumerate(infos)}
         self._local = local
+        if local:
+            atexit.register(_kill_at_exit, weakref.ref(self))
         self.view = self.client.direct_view(ids)
         self.view.block = True
         self._base = dict(self.events.received)
