@@ -57,21 +57,6 @@ def device() -> torch.device:
     return torch.device("cpu")
 
 
-def _keep_freed_memory() -> None:
-    """Let glibc reuse freed large blocks instead of unmapping them: a reshard allocates its result, and fresh
-    pages cost a page fault each (about 85 ms per 64 MiB here). ``MESHVIZ_MALLOPT=0`` turns this off."""
-    if os.environ.get("MESHVIZ_MALLOPT", "1") == "0":
-        return
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(-3, 1 << 30)  # M_MMAP_THRESHOLD
-        libc.mallopt(-1, 1 << 31)  # M_TRIM_THRESHOLD
-    except Exception:
-        pass
-
-
 def init_parallel_env(backend: str | None = None, timeout: float | None = None):
     """Initialise the default process group from torchrun's variables (RANK, WORLD_SIZE, MASTER_ADDR, ...).
 
@@ -79,7 +64,6 @@ def init_parallel_env(backend: str | None = None, timeout: float | None = None):
     ``MESHVIZ_TRACE=path/{rank}.jsonl`` records this rank's events to a file.
     """
     if not tdist.is_initialized():
-        _keep_freed_memory()
         rank = _env_int("RANK", "PADDLE_TRAINER_ID", default=0)
         world = _env_int("WORLD_SIZE", "PADDLE_TRAINERS_NUM", default=1)
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
