@@ -382,6 +382,10 @@ def bad_inputs():
         with pytest.raises(ValueError, match=pattern):
             fn()
         errors.append(pattern)
+    # a Partial value read on one rank would be a summand, not the value
+    with pytest.raises(ValueError, match="unshard_dtensor"):
+        dist.shard_tensor(torch.ones(2), mesh, [dist.Shard(0)]).sum().item()
+    assert dist.shard_tensor(torch.ones(2), mesh, [dist.Replicate()]).sum().item() == 2.0
     # nothing is lost: after the errors the ranks still talk
     t = dist.reshard(dist.shard_tensor(a * (r + 1), mesh, [dist.Partial()]), mesh, [dist.Replicate()])
     return t._local_value().sum().item(), len(errors)

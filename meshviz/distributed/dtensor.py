@@ -197,6 +197,11 @@ class DistTensor(torch.Tensor):
 
         tree_map(find, (args, kwargs))
         ref = first[0]
+        if func is torch.ops.aten._local_scalar_dense.default and not all(
+                isinstance(p, Replicate) for p in ref.placements):
+            raise ValueError(
+                f"item()/float() of a {ref.placements} dist tensor would give this rank's block or summand, not "
+                f"the value; use dist.unshard_dtensor(t).item() on every rank (a collective)")
         meshes = set()
         by_id = {}
 
