@@ -7,7 +7,6 @@ import statistics
 import threading
 import time
 
-import numpy as np
 from matplotlib.patches import Rectangle
 
 from meshviz.widgets import Explorer, PipelineView, synthetic_schedule
@@ -84,7 +83,6 @@ def bench_live(n_events: int, interval: float, rate: float):
         th = threading.Thread(target=push)
         th.start()
         th.join()
-        t_sent = time.perf_counter()
         view.flush(120)
         t_drawn = time.perf_counter()
         lat = sorted(view._live.latencies) if view._live else []

@@ -8,41 +8,9 @@ from torch import nn
 
 from meshviz.testing import run_ranks
 
+from .models import LinearNet, SimpleNet
+
 W = 2
-
-
-class LinearNet(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self._linear1 = nn.Linear(10, 10)
-        self._linear2 = nn.Linear(10, 1)
-
-    def forward(self, x):
-        return self._linear2(self._linear1(x))
-
-
-class CusTanh(torch.autograd.Function):
-    """Seed 000's PyLayer, as a torch autograd Function."""
-
-    @staticmethod
-    def forward(ctx, x):
-        y = torch.tanh(x)
-        ctx.save_for_backward(y)
-        return y
-
-    @staticmethod
-    def backward(ctx, dy):
-        (y,) = ctx.saved_tensors
-        return dy * (1 - torch.square(y))
-
-
-class SimpleNet(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.linear = nn.Linear(2, 2)
-
-    def forward(self, inputs):
-        return self.linear(CusTanh.apply(inputs))
 
 
 def _batches(steps, rank, n=10, d=10):

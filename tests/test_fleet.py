@@ -7,6 +7,8 @@ from torch import nn
 
 from meshviz.testing import run_ranks
 
+from .models import LinearNet
+
 V, D, H = 8, 4, 8
 
 
@@ -50,7 +52,6 @@ def _hybrid():
     from meshviz.distributed.fleet import meta_parallel as mpu
 
     dist.init_parallel_env()
-    r = dist.get_rank()
     out = {}
     s = fleet.DistributedStrategy()
     s.hybrid_configs = {"dp_degree": 2, "mp_degree": 2, "pp_degree": 1}
@@ -220,16 +221,6 @@ def test_hybrid_dp2_mp2():
                 got = res[pair[0]]["params"][k]
                 torch.testing.assert_close(res[pair[1]]["params"][k], got)
             torch.testing.assert_close(got, v, rtol=1e-5, atol=1e-6)
-
-
-class LinearNet(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self._linear1 = nn.Linear(10, 10)
-        self._linear2 = nn.Linear(10, 1)
-
-    def forward(self, x):
-        return self._linear2(self._linear1(x))
 
 
 def _seed004(steps=6):

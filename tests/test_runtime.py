@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from meshviz.core import Partial, ProcessMesh, ReduceType, Replicate, Shard
-from meshviz.core.planner import assemble, plan_reshard, simulate
+from meshviz.core import Partial, ReduceType, Replicate, Shard
+from meshviz.core.planner import plan_reshard, simulate
 from meshviz.testing import RankFailed, run_ranks
 
 SEED_MESH = [[2, 4, 5], [0, 1, 3]]

@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 
 from meshviz.core import Partial, ProcessMesh, Replicate, Shard, layout, plan_reshard, simulate
-from meshviz.core.planner import assemble
 from meshviz.trace import Event, to_json
 from meshviz.widgets import (
     Explorer, MeshView, PipelineView, ReshardView, TensorView, bubble_formula, show, synthetic_schedule,

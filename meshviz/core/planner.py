@@ -9,7 +9,7 @@ import numpy as np
 
 from .layout import chunk, local_block, normalize_placements, shard_axes
 from .mesh import ProcessMesh
-from .placements import Partial, Placement, ReduceType, Replicate, Shard
+from .placements import Partial, ReduceType, Replicate, Shard
 
 __all__ = ["OPS", "Step", "Plan", "plan_reshard", "simulate", "apply_step", "initial_locals", "assemble"]
 

@@ -24,7 +24,6 @@ from .shard_api import (
 )
 from .env import (
     ParallelEnv,
-    barrier,
     destroy_process_group,
     get_rank,
     get_world_size,
@@ -35,7 +34,7 @@ from .env import (
 
 __all__ = [
     "ProcessMesh", "Shard", "Replicate", "Partial", "ReduceType",
-    "init_parallel_env", "get_rank", "get_world_size", "is_initialized", "barrier", "spawn",
+    "init_parallel_env", "get_rank", "get_world_size", "is_initialized", "spawn",
     "ParallelEnv", "destroy_process_group",
     "DistTensor", "shard_tensor", "reshard", "dtensor_from_local", "dtensor_to_local", "unshard_dtensor",
     "local_map", "is_dist_tensor", "plan_of",
@@ -44,7 +43,7 @@ __all__ = [
 ]
 
 # --- training API (collectives, DataParallel, fleet, checkpoint) -----------------------------------
-from . import collective
+from . import collective  # noqa: F401  (dist.collective, as in Paddle)
 from .collective import (
     Group,
     P2POp,
@@ -73,7 +72,7 @@ from .collective import (
 )
 
 __all__ += [
-    "Group", "P2POp", "ReduceOp", "all_gather", "all_gather_object", "all_reduce", "alltoall",
+    "barrier", "Group", "P2POp", "ReduceOp", "all_gather", "all_gather_object", "all_reduce", "alltoall",
     "alltoall_single", "batch_isend_irecv", "broadcast", "broadcast_object_list", "gather", "get_backend",
     "get_group", "irecv", "isend", "new_group", "recv", "reduce", "reduce_scatter", "scatter", "send", "wait",
 ]

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..core import Partial, ProcessMesh, Replicate, layout, parse_placement
+from ..core import Partial, ProcessMesh, layout, parse_placement
 from ..core.layout import dense_to_local
 from ..core.placements import placements_str
 from ..core.planner import assemble

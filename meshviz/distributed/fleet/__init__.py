@@ -5,7 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from ..env import barrier, get_rank, get_world_size, init_parallel_env
-from . import topology
+from . import topology  # noqa: F401  (fleet.topology, as in Paddle)
 from .strategy import DistributedStrategy
 from .topology import AXIS_NAMES, CommunicateTopology, HybridCommunicateGroup, ParallelMode
 
