@@ -135,16 +135,6 @@ class Layout:
     def is_partial(self) -> bool:
         return any(isinstance(p, Partial) for p in self.placements)
 
-    def max_block_numel(self) -> int:
-        n = 1
-        for axis_dim in range(len(self.shape)):
-            axes = shard_axes(self.placements, axis_dim)
-            size = int(self.shape[axis_dim])
-            for a in axes:
-                size = -(-size // self.mesh.shape[a])
-            n *= size
-        return n
-
 
 def layout(shape, mesh: ProcessMesh, placements) -> Layout:
     shape = tuple(int(s) for s in shape)

@@ -20,7 +20,7 @@ from ..core.mesh import ProcessMesh
 from ..core.placements import Partial, Placement, ReduceType, Replicate, Shard
 from . import groups
 
-__all__ = ["DistTensor", "is_dist", "to_torch_placements", "from_torch_placements", "wrap", "make_dtensor", "make_dist"]
+__all__ = ["DistTensor", "to_torch_placements", "from_torch_placements", "make_dtensor", "make_dist"]
 
 _TORCH_REDUCE = {
     ReduceType.kRedSum: "sum",
@@ -251,14 +251,6 @@ _METADATA_OPS = {torch.ops.aten.detach.default, torch.ops.aten.alias.default}
 def _local_for_replicate(x: torch.Tensor, mesh: ProcessMesh) -> torch.Tensor:
     rank = tdist.get_rank() if tdist.is_initialized() else 0
     return x.detach() if mesh.contains(rank) else x.detach().new_empty(0)
-
-
-def is_dist(x) -> bool:
-    return isinstance(x, DistTensor)
-
-
-def wrap(dt: DTensor, mesh: ProcessMesh, requires_grad: bool = False) -> DistTensor:
-    return DistTensor(dt, mesh, requires_grad=requires_grad)
 
 
 _COLLECTIVES = {

@@ -207,11 +207,7 @@ class _ShardOptimizer:
         return out
 
     def clear_grad(self, set_to_zero: bool = True) -> None:
-        if self._calls % self._accum:
-            return
-        self._inner.zero_grad(set_to_none=not set_to_zero)
-        for p in self._shadow:
-            p.grad = None
+        self.zero_grad(set_to_none=not set_to_zero)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self._calls % self._accum:
