@@ -278,11 +278,20 @@ def spawn(func, args=(), nprocs: int = -1, join: bool = True, daemon: bool = Fal
     try:
         while not ctx.join():
             pass
-    except mp.ProcessRaisedException as e:
-        raise RankError(e.error_index, f"rank {e.error_index} raised:\n{e.msg}") from None
-    except mp.ProcessExitedException as e:
-        raise RankError(e.error_index, f"rank {e.error_index} died: {e}") from None
+    except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
+        raise _root_cause(ctx, e) from None
     return None
+
+
+def _root_cause(ctx, e) -> "RankError":
+    """The rank that failed first. torch names whichever process it saw exit first, which is often a peer that
+    only failed because the first one's connection closed."""
+    written = [(os.path.getmtime(f), i, f) for i, f in enumerate(ctx.error_files) if f and os.access(f, os.R_OK)]
+    if written:
+        _, index, path = min(written)
+        with open(path, "rb") as fh:
+            return RankError(index, f"rank {index} raised:\n{pickle.load(fh)}")
+    return RankError(e.error_index, f"rank {e.error_index} died: {e}")
 
 
 class RankError(RuntimeError):
