@@ -381,3 +381,28 @@ def test_live_from_the_clusters_event_log():
     assert pv.flush(10)
     assert len(pv.blocks) == 64 and pv.bubble == pytest.approx(bubble_formula(4, 8))
     pv.close()
+
+
+def _rank_records(rank, plan_id, mesh, src, dst, member=True):
+    plan = plan_reshard((4, 2), mesh, src, mesh, dst)
+    out = [Event(kind="reshard", rank=rank, plan_id=plan_id, tensor_id=100 + rank, mesh=mesh.to_dict(),
+                 placements_before=[repr(p) for p in plan.src_placements],
+                 placements_after=[repr(p) for p in plan.dst_placements], shape_before=[4, 2], shape_after=[4, 2],
+                 bytes=plan.total_bytes, extra={"ops": plan.ops, "target_mesh": mesh.to_dict()})]
+    if member:
+        out += [Event(kind="reshard_step", rank=rank, plan_id=plan_id, step=i, op=s.op, axis=s.axis)
+                for i, s in enumerate(plan.steps)]
+    return out
+
+
+def test_live_reshard_view_never_steps_back_to_a_slower_ranks_older_reshard():
+    """Ranks stream on their own: rank 2's record of reshard 1 may arrive after ranks 0 and 1 ran reshard 2.
+    Tensor ids also differ between ranks; the plan id is what names a reshard on every rank."""
+    mesh = ProcessMesh([0, 1], ["x"])
+    arrivals = (_rank_records(0, 1, mesh, ["P(sum)"], ["R"]) + _rank_records(1, 1, mesh, ["P(sum)"], ["R"])
+                + _rank_records(0, 2, mesh, ["S(0)"], ["R"]) + _rank_records(1, 2, mesh, ["S(0)"], ["R"])
+                + _rank_records(2, 1, mesh, ["P(sum)"], ["R"], member=False)
+                + _rank_records(2, 2, mesh, ["S(0)"], ["R"], member=False))
+    view = ReshardView(source=arrivals)
+    assert [s.op for s in view.steps] == ["all_gather"]
+    assert view.ran == {0} and not view.mismatch

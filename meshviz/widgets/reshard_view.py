@@ -123,9 +123,13 @@ class ReshardView(View):
         super()._ingest(events)
         for e in events:
             if e.kind == "reshard" and (self.plan_id is None or e.plan_id == self.plan_id) and e.mesh:
-                if getattr(self, "_cur_id", object()) == (e.plan_id, e.tensor_id) and self.plan is not None:
-                    self._take_before(e)
-                    continue
+                cur = getattr(self, "_cur_id", (None, None))[0]
+                if self.plan is not None and cur is not None and e.plan_id is not None:
+                    if e.plan_id == cur:  # another rank's record of the reshard on show
+                        self._take_before(e)
+                        continue
+                    if e.plan_id < cur:  # a slower rank's record of an earlier reshard: never step back
+                        continue
                 src = ProcessMesh.from_dict(e.mesh)
                 dst = ProcessMesh.from_dict((e.extra or {}).get("target_mesh") or e.mesh)
                 plan = plan_reshard(e.shape_before, src, e.placements_before, dst, e.placements_after, 1)
