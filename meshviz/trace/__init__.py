@@ -1,6 +1,7 @@
 """Events the runtime emits and the widgets draw, and where they go."""
 
 from .events import KINDS, MAX_VALUES, Event, from_json, small_values, to_json
+from .ownership import Ownership
 from .recorder import (
     JSONLSink,
     MemorySink,
@@ -17,7 +18,7 @@ from .recorder import (
 )
 
 __all__ = [
-    "Event", "KINDS", "MAX_VALUES", "small_values", "to_json", "from_json",
+    "Event", "KINDS", "MAX_VALUES", "small_values", "to_json", "from_json", "Ownership",
     "active", "emit", "span", "add_sink", "remove_sink", "clear_sinks", "set_rank",
     "MemorySink", "JSONLSink", "record", "replay", "load_events",
 ]

@@ -1,0 +1,24 @@
+"""Level p_g_os: torch FSDP2 (``fully_shard``) on each child module and the root, small parameters kept whole."""
+
+from __future__ import annotations
+
+from .group import ShardingGroup
+
+__all__ = ["apply_fsdp"]
+
+
+def apply_fsdp(model, piece_of: dict, grp: ShardingGroup, dev, offload) -> None:
+    """Shard the parameters whose piece is ``fsdp`` over ``grp``; the others are ignored by FSDP (replicated)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+
+    names = {id(p): n for n, p in model.named_parameters()}
+    ignored = {p for p in model.parameters() if piece_of.get(names[id(p)]) is None or piece_of[names[id(p)]].mode != "fsdp"}
+    if len(ignored) == len(list(model.parameters())):
+        return
+    mesh = DeviceMesh.from_group(grp.pg, dev.type)
+    policy = CPUOffloadPolicy() if (offload and dev.type != "cpu") else OffloadPolicy()
+    for child in model.children():
+        if any(p not in ignored for p in child.parameters()):
+            fully_shard(child, mesh=mesh, offload_policy=policy, ignored_params=ignored)
+    fully_shard(model, mesh=mesh, offload_policy=policy, ignored_params=ignored)

@@ -1,0 +1,43 @@
+"""save_group_sharded_model: the full model and optimizer state, gathered, written by the group's first rank."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as tdist
+
+from .group import resolve_group
+from .optimizer import GroupShardedOptimizer
+
+__all__ = ["save_group_sharded_model", "MODEL_FILE", "OPT_FILE"]
+
+MODEL_FILE = "model.pdmodel"
+OPT_FILE = "model.pdopt"
+
+
+def save_group_sharded_model(model, output, optimizer=None):
+    """Write the full model (``output/model.pdmodel``) and optimizer (``output/model.pdopt``) with torch.save.
+
+    Every rank of the sharding group calls it (it gathers); the group's first rank writes. The files hold
+    plain tensors: ``model.load_state_dict(torch.load(".../model.pdmodel"))`` on an unwrapped model, and
+    ``opt.load_state_dict(torch.load(".../model.pdopt"))`` on its unwrapped optimizer.
+    """
+    if os.path.isfile(output):
+        raise ValueError(f"save_group_sharded_model: output ({output}) must be a directory, not a file")
+    if optimizer is not None and not isinstance(optimizer, GroupShardedOptimizer):
+        raise ValueError("save_group_sharded_model: optimizer must be the one group_sharded_parallel returned")
+    grp = optimizer._group if optimizer is not None else resolve_group(None)
+    sd = {}
+    for k, v in model.state_dict().items():
+        if hasattr(v, "full_tensor"):
+            v = v.full_tensor()
+        sd[k] = v.detach().cpu().clone()
+    osd = optimizer.full_state_dict() if optimizer is not None else None
+    if grp.rank == 0:
+        os.makedirs(output, exist_ok=True)
+        torch.save(sd, os.path.join(output, MODEL_FILE))
+        if osd is not None:
+            torch.save(osd, os.path.join(output, OPT_FILE))
+    if grp.size > 1:
+        tdist.barrier(group=grp.pg)

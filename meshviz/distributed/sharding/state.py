@@ -1,0 +1,60 @@
+"""The whole model's optimizer state, merged from the ranks' shards into the unwrapped optimizer's format."""
+
+from __future__ import annotations
+
+import torch
+
+from .group import ShardingGroup, gather_object
+
+__all__ = ["full_optimizer_state"]
+
+
+def _cpu(st: dict) -> dict:
+    return {k: v.detach().cpu() if torch.is_tensor(v) else v for k, v in st.items()}
+
+
+def full_optimizer_state(inner, slots, grp: ShardingGroup) -> dict:
+    """``{"state", "param_groups"}`` for the whole model from every group rank's shards (collective)."""
+    # index of each slot in the unwrapped optimizer's flat parameter order
+    local = {}
+    for i, s in enumerate(slots):
+        if s.piece.mode == "fsdp":
+            st = inner.state.get(s.param, {})
+            full = {}
+            for k in sorted(st):
+                v = st[k]
+                full[k] = v.full_tensor() if hasattr(v, "full_tensor") else v
+            if grp.rank == 0:
+                local[i] = ("full", _cpu(full))
+        elif s.piece.mode == "replicated":
+            if grp.rank == 0:
+                local[i] = ("full", _cpu(inner.state.get(s.param, {})))
+        elif s.owned:
+            local[i] = ((s.lo, s.hi), _cpu(inner.state.get(s.shard, {})))
+    parts = gather_object(local, grp)
+    state = {}
+    for i, s in enumerate(slots):
+        n, shape = s.piece.numel, s.piece.shape
+        merged = {}
+        for part in parts:
+            if i not in part:
+                continue
+            where, st = part[i]
+            for k, v in st.items():
+                if where == "full" or not torch.is_tensor(v) or v.dim() == 0 or v.numel() != where[1] - where[0]:
+                    merged.setdefault(k, v)
+                    continue
+                buf = merged.get(k)
+                if buf is None or buf.dim() == 0 or buf.numel() != n:
+                    buf = merged[k] = torch.zeros(n, dtype=v.dtype)
+                buf[where[0] : where[1]] = v.reshape(-1)
+        for k, v in list(merged.items()):
+            if torch.is_tensor(v) and v.dim() == 1 and v.numel() == n and len(shape) != 1:
+                merged[k] = v.view(shape)
+        if merged:
+            state[i] = merged
+    groups = []
+    for gi, g in enumerate(inner.param_groups):
+        idx = [i for i, s in enumerate(slots) if s.group_index == gi]
+        groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": idx})
+    return {"state": state, "param_groups": groups}
