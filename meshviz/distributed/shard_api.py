@@ -159,9 +159,14 @@ class _ShardOptimizer:
 
     def _emit_ownership(self, p, what) -> None:
         if trace.active():
-            trace.emit(trace.Event(kind="ownership", name=p.name, tensor_id=p._mv_id, op=what,
-                                   mesh=p.process_mesh.to_dict(), shape_after=list(p.shape),
-                                   placements_after=[repr(q) for q in (self._stage.sharded(p) or p.placements)]))
+            from ..core.sharding import SHARDED, STAGES
+
+            level, mesh = STAGES[self._stage.stage], p.process_mesh
+            group = mesh.axis_group_of(tdist.get_rank(), self._stage.axis)
+            trace.emit(trace.Ownership(
+                p.name, level, SHARDED[level], tuple(p.shape), group=group, mesh=mesh.to_dict(),
+                placements=tuple(repr(q) for q in (self._stage.sharded(p) or p.placements)),
+                tensor_id=p._mv_id).to_event())
 
     @property
     def param_groups(self):

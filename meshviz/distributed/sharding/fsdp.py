@@ -13,7 +13,8 @@ def apply_fsdp(model, piece_of: dict, grp: ShardingGroup, dev, offload) -> None:
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
     names = {id(p): n for n, p in model.named_parameters()}
-    ignored = {p for p in model.parameters() if piece_of.get(names[id(p)]) is None or piece_of[names[id(p)]].mode != "fsdp"}
+    ignored = {p for p in model.parameters()
+               if piece_of.get(names[id(p)]) is None or piece_of[names[id(p)]].mode != "fsdp"}
     if len(ignored) == len(list(model.parameters())):
         return
     mesh = DeviceMesh.from_group(grp.pg, dev.type)

@@ -31,7 +31,8 @@ def memory_stats(model, optimizer=None) -> dict:
     grads = [p.grad for p in params]
     inner = optimizer
     if isinstance(optimizer, GroupShardedOptimizer):
-        grads += [s.grad_buf for s in optimizer._slots] + [s.shard.grad for s in optimizer._slots if s.shard is not None]
+        slots = optimizer._slots
+        grads += [s.grad_buf for s in slots] + [s.shard.grad for s in slots if s.shard is not None]
         inner = optimizer._inner_opt
     out["grads"] = nbytes(grads)
     states = []

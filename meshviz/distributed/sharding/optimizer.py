@@ -81,7 +81,8 @@ class GroupShardedOptimizer:
         return list(self._group.ranks)
 
     def __repr__(self) -> str:
-        return f"GroupShardedOptimizer({type(self._inner_opt).__name__}, level={self.level!r}, group={self._group.ranks})"
+        name = type(self._inner_opt).__name__
+        return f"GroupShardedOptimizer({name}, level={self.level!r}, group={self._group.ranks})"
 
     def get_lr(self) -> float:
         return self._inner_opt.param_groups[0]["lr"]
