@@ -8,13 +8,14 @@ import inspect
 import torch
 import torch.distributed as tdist
 import torch.nn as nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_map
 
 from ... import trace
+from ...core.sharding import STAGES
+from .program import Program, shape_str
+from .recorder import DispatchRecorder, graph_from_records
 from .strategy import Strategy
 
-__all__ = ["to_static", "DistModel", "Program"]
+__all__ = ["to_static", "DistModel", "MODES"]
 
 MODES = ("train", "eval", "predict")
 
@@ -31,126 +32,20 @@ def _world() -> int:
     return tdist.get_world_size() if tdist.is_initialized() else 1
 
 
-def _shape_str(t) -> str:
-    if not isinstance(t, torch.Tensor):
-        return repr(t)
-    dt = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16", torch.float64: "f64",
-          torch.int64: "i64", torch.int32: "i32", torch.bool: "b8"}.get(t.dtype, str(t.dtype).replace("torch.", ""))
-    return f"{dt}{list(t.shape)}"
-
-
-class Program:
-    """A readable program: ``graph`` (a torch.fx Graph), ``kind`` (serial/dist, main/startup), ``mode``.
-
-    ``str(program)`` lists its nodes with shapes; ``ops()`` the op names in order; ``collectives()`` the
-    communication nodes (c10d / functional collectives) of a dist program.
-    """
-
-    COMM = ("c10d", "_c10d_functional", "c10d_functional", "_dtensor")
-
-    def __init__(self, kind: str, mode: str, graph: torch.fx.Graph | None, header: list, note: str = ""):
-        self.kind, self.mode, self.graph, self.header, self.note = kind, mode, graph, header, note
-
-    @staticmethod
-    def _is_comm(node) -> bool:
-        t = node.target
-        ns = getattr(t, "namespace", None) or getattr(getattr(t, "_schema", None), "name", "").split("::")[0]
-        return node.op == "call_function" and ns in Program.COMM and "_wrap_tensor_autograd" not in str(t)
-
-    def ops(self) -> list:
-        if self.graph is None:
-            return []
-        return [str(n.target) for n in self.graph.nodes if n.op == "call_function"]
-
-    def collectives(self) -> list:
-        if self.graph is None:
-            return []
-        return [str(n.target) for n in self.graph.nodes if self._is_comm(n)]
-
-    def __str__(self) -> str:
-        lines = [f"{self.kind} program ({self.mode})"] + [f"  {h}" for h in self.header]
-        if self.note:
-            lines.append(f"  # {self.note}")
-        if self.graph is not None:
-            for n in self.graph.nodes:
-                shape = n.meta.get("shape")
-                mark = "  <-- communication" if self._is_comm(n) else ""
-                args = ", ".join(_fmt_arg(a) for a in n.args)
-                if n.op == "placeholder":
-                    lines.append(f"  %{n.name}: {shape or ''} = input")
-                elif n.op == "output":
-                    lines.append(f"  return {args}")
-                else:
-                    lines.append(f"  %{n.name}: {shape or ''} = {n.target}({args}){mark}")
-        return "\n".join(lines)
-
-    def __repr__(self) -> str:
-        n = len(self.ops())
-        return f"Program({self.kind}, {self.mode}, {n} ops, {len(self.collectives())} collectives)"
-
-
-def _fmt_arg(a) -> str:
-    if isinstance(a, torch.fx.Node):
-        return f"%{a.name}"
-    if isinstance(a, (list, tuple)):
-        inner = ", ".join(_fmt_arg(x) for x in a)
-        return f"[{inner}]"
-    if isinstance(a, torch.ScriptObject) or type(a).__name__.startswith("ProcessGroup"):
-        return "<group>"
-    return repr(a)
-
-
-class _Recorder(TorchDispatchMode):
-    """Records the aten and c10d ops one real step runs on this rank (on local blocks; subclasses desugar)."""
-
-    def __init__(self):
-        super().__init__()
-        self.records = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        from torch._subclasses.fake_tensor import FakeTensor
-
-        if any(issubclass(t, FakeTensor) for t in types):  # shape propagation inside DTensor: not a real op
-            return func(*args, **kwargs)
-        if any(getattr(t, "__torch_dispatch__", None) is not torch.Tensor.__torch_dispatch__ for t in types):
-            return NotImplemented
-        out = func(*args, **kwargs)
-        if getattr(func, "namespace", None) != "profiler" and func is not torch.ops.aten.detach.default:
-            self.records.append((func, args, kwargs, out))
-        return out
-
-
-def _graph_from_records(records, names: dict) -> torch.fx.Graph:
-    g = torch.fx.Graph()
-    env = {}
-    counter = [0]
-
-    def node_for(x):
-        if not isinstance(x, torch.Tensor):
-            return x
-        key = id(x)
-        if key not in env:
-            nm = names.get(key)
-            if nm is None:
-                nm = f"in{counter[0]}"
-                counter[0] += 1
-            n = g.placeholder(nm.replace(".", "_"))
-            n.meta["shape"] = _shape_str(x)
-            env[key] = n
-        return env[key]
-
-    last = None
-    for func, args, kwargs, out in records:
-        node = g.call_function(func, tree_map(node_for, tuple(args)), tree_map(node_for, dict(kwargs)))
-        flat, _ = tree_flatten(out)
-        tensors = [t for t in flat if isinstance(t, torch.Tensor)]
-        node.meta["shape"] = ", ".join(_shape_str(t) for t in tensors)
-        for t in tensors:
-            env[id(t)] = node
-        last = node
-    g.output(last)
-    return g
+def _average_grads(grads) -> None:
+    """Average plain gradients over the world in place: one flat all-reduce, then divide."""
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    world = _world()
+    with trace.span("collective", op="all_reduce", group=list(range(world)),
+                    bytes=flat.numel() * flat.element_size()):
+        tdist.all_reduce(flat)
+    flat.div_(world)
+    off = 0
+    for g in grads:
+        g.copy_(flat[off : off + g.numel()].view_as(g))
+        off += g.numel()
 
 
 class DistModel:
@@ -158,10 +53,11 @@ class DistModel:
 
     ``train()``: ``__call__(inputs..., labels...)`` runs forward, backward and (every ``k_steps`` calls) the
     optimizer, and returns the loss. ``eval()``: returns the loss. ``predict()``: ``__call__(inputs...)``
-    returns ``{"out0": ..., "out1": ...}`` (a dist-tensor output as its global value). With ``strategy.return_numpy`` (Paddle's default) values come back
-    as numpy arrays, else as torch tensors. On more than one rank with plain (not dist) parameters the ranks
-    train as data parallel: parameters start from rank 0, each rank feeds its own part of the batch, gradients
-    are averaged, and the loss returned is the mean over the ranks (the loss of the whole batch).
+    returns ``{"out0": ..., "out1": ...}`` (a dist-tensor output as its global value). With
+    ``strategy.return_numpy`` (Paddle's default) values come back as numpy arrays, else as torch tensors. On
+    more than one rank with plain (not dist) parameters the ranks train as data parallel: parameters start from
+    rank 0, each rank feeds its own part of the batch, gradients are averaged, and the loss returned is the mean
+    over the ranks (the loss of the whole batch).
     """
 
     def __init__(self, layer, loader=None, loss=None, optimizer=None, strategy=None, input_spec=None):
@@ -232,7 +128,7 @@ class DistModel:
             degree = world if sh.degree == 8 and world < 8 else int(sh.degree)
             if degree != world:
                 raise ValueError(f"to_static: sharding.degree ({sh.degree}) must equal the number of ranks ({world})")
-            level = {1: "os", 2: "os_g", 3: "p_g_os"}[sh.stage]
+            level = STAGES[sh.stage]
             self._layer, self._optimizer, self._scaler = group_sharded_parallel(
                 layer, optimizer, level, scaler=self._scaler, segment_size=1 if level == "p_g_os" else 2**20)
             self._sharded, self._dp = True, False
@@ -304,7 +200,7 @@ class DistModel:
             inputs, labels = feeds[:n], feeds[n:]
         self._examples.setdefault(self._mode, (inputs, labels))
         record = self._mode not in self._programs
-        rec = _Recorder() if record else None
+        rec = DispatchRecorder() if record else None
         with trace.span("compute", op=f"dist_model_{self._mode}"):
             if rec is not None:
                 fwd, self._forward = self._forward, self._layer  # record eager ops; compile skips under a mode
@@ -344,7 +240,8 @@ class DistModel:
         self._micro += 1
         if self._micro % self._k == 0:
             if self._dp:
-                self._average_grads()
+                grads = [p.grad for p in self._layer.parameters() if p.grad is not None and not _is_dist(p.grad)]
+                _average_grads(grads)
             if self._scaler is not None:
                 self._scaler.step(self._optimizer)
                 self._scaler.update()
@@ -352,21 +249,6 @@ class DistModel:
                 self._optimizer.step()
             self._optimizer.zero_grad()
         return self._out(self._global_loss(loss.detach()))
-
-    def _average_grads(self):
-        grads = [p.grad for p in self._layer.parameters() if p.grad is not None and not _is_dist(p.grad)]
-        if not grads:
-            return
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        world = _world()
-        with trace.span("collective", op="all_reduce", group=list(range(world)),
-                        bytes=flat.numel() * flat.element_size()):
-            tdist.all_reduce(flat)
-        flat.div_(world)
-        off = 0
-        for g in grads:
-            g.copy_(flat[off : off + g.numel()].view_as(g))
-            off += g.numel()
 
     def _global_loss(self, loss):
         if _is_dist(loss):
@@ -408,7 +290,7 @@ class DistModel:
         records, names = self._programs[mode]
         rank = tdist.get_rank() if tdist.is_initialized() else 0
         header = [f"rank {rank} of {_world()}", f"parameters: {len(list(self._layer.parameters()))}"]
-        return Program("dist main", mode, _graph_from_records(records, names), header)
+        return Program("dist main", mode, graph_from_records(records, names), header)
 
     def serial_main_program(self, mode=None) -> Program:
         """The whole model's program for ``mode`` (global shapes, no communication), traced with torch.fx."""
@@ -430,7 +312,7 @@ class DistModel:
 
         from torch.fx.experimental.proxy_tensor import make_fx
 
-        header = [f"{n}: {_shape_str(p)}" for n, p in params.items()]
+        header = [f"{n}: {shape_str(p)}" for n, p in params.items()]
         if mode == "train" and self._optimizer is not None:
             header.append(f"then {type(self._optimizer).__name__} updates {len(params)} parameters")
         try:
@@ -438,7 +320,7 @@ class DistModel:
             for n in gm.graph.nodes:
                 val = n.meta.get("val")
                 if isinstance(val, torch.Tensor):
-                    n.meta["shape"] = _shape_str(val)
+                    n.meta["shape"] = shape_str(val)
             return Program("serial main", mode, gm.graph, header)
         except Exception as e:  # a forward that calls distributed ops cannot run serially on meta tensors
             return Program("serial main", mode, None, header, note=f"not traceable serially: {e}")
@@ -489,7 +371,7 @@ class DistModel:
     def serial_startup_program(self, mode=None) -> Program:
         """The parameters (and, in train mode, optimizer states) the whole model starts with."""
         mode = self._validate_mode(mode)
-        header = [f"{n}: {_shape_str(p)}" for n, p in self._serial_layer.named_parameters()]
+        header = [f"{n}: {shape_str(p)}" for n, p in self._serial_layer.named_parameters()]
         if mode == "train" and self._optimizer is not None:
             header.append(f"optimizer: {type(self._optimizer).__name__}")
         return Program("serial startup", mode, None, header)
