@@ -1,9 +1,10 @@
 """Views that draw meshes, blocks, Partial summands, reshard steps and pipeline timelines (ipywidgets + matplotlib)."""
 
+from ..core.schedule import bubble_formula
 from .base import Replayer, View
 from .explorer import Explorer, explore, plan_table
 from .mesh_view import MeshView
-from .pipeline_view import PipelineView, bubble_formula, synthetic_schedule
+from .pipeline_view import PipelineView, synthetic_schedule
 from .reshard_view import ReshardView
 from .show import show
 from .tensor_view import TensorState, TensorView, tensor_state

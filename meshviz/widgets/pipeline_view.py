@@ -9,67 +9,16 @@ from matplotlib.collections import LineCollection
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
+from ..core.schedule import bubble_formula, schedule_orders
 from ..trace import Event
 from .base import View
 
-__all__ = ["PipelineView", "synthetic_schedule", "bubble_formula"]
+__all__ = ["PipelineView", "synthetic_schedule"]
 
 PHASE_COLOUR = {"F": (0.55, 0.75, 0.95), "B": (0.96, 0.63, 0.36), "W": (0.6, 0.82, 0.6)}
 MAX_ARROWS = 2000
 FANCY_ARROWS = 80  # above this many transfers, arrows become plain lines (annotations are slow to draw)
 MAX_LABELS = 400
-
-
-def bubble_formula(p: int, m: int, v: int = 1) -> float:
-    """The schedule's idle fraction: (p-1)/(m+p-1), with the bubble term divided by v for interleaved (VPP)."""
-    if p <= 0 or m <= 0:
-        return 0.0
-    return (p - 1) / (v * m + p - 1)
-
-
-def _orders(p: int, m: int, v: int, schedule: str):
-    """Per device, the ordered list of (phase, virtual stage, micro-batch)."""
-    sched = schedule.upper().replace("-", "").replace("_", "")
-    orders = []
-    for d in range(p):
-        ops = []
-        if v == 1 and sched in ("1F1B", "ONEFONEB"):
-            warm = min(p - d - 1, m)
-            fs = [("F", d, i) for i in range(m)]
-            bs = [("B", d, i) for i in range(m)]
-            ops = fs[:warm]
-            fi, bi = warm, 0
-            while fi < m:
-                ops.append(fs[fi]); fi += 1
-                ops.append(bs[bi]); bi += 1
-            ops += bs[bi:]
-        elif sched in ("FTHENB", "GPIPE"):
-            ops = [("F", c * p + d, i) for c in range(v) for i in range(m)]
-            ops += [("B", c * p + d, i) for c in reversed(range(v)) for i in range(m)]
-        elif sched in ("1F1B", "VPP", "INTERLEAVED", "INTERLEAVED1F1B"):
-            if m % p:
-                raise ValueError(f"the interleaved schedule needs micro_batches ({m}) divisible by stages ({p})")
-            total = m * v
-
-            def unit(k, forward):
-                c = (k // p) % v
-                if not forward:
-                    c = v - 1 - c
-                return c * p + d, (k // (p * v)) * p + k % p
-
-            warm = min((p - d - 1) * 2 + (v - 1) * p, total)
-            f_k = b_k = 0
-            for _ in range(warm):
-                vs, mb = unit(f_k, True); ops.append(("F", vs, mb)); f_k += 1
-            while f_k < total:
-                vs, mb = unit(f_k, True); ops.append(("F", vs, mb)); f_k += 1
-                vs, mb = unit(b_k, False); ops.append(("B", vs, mb)); b_k += 1
-            while b_k < total:
-                vs, mb = unit(b_k, False); ops.append(("B", vs, mb)); b_k += 1
-        else:
-            raise ValueError(f"unknown schedule {schedule!r}; use 'FThenB', '1F1B' or 'VPP'")
-        orders.append(ops)
-    return orders
 
 
 def synthetic_schedule(stages: int = 4, micro_batches: int = 8, schedule: str = "1F1B", chunks: int = 1,
@@ -88,7 +37,7 @@ def synthetic_schedule(stages: int = 4, micro_batches: int = 8, schedule: str = 
         raise ValueError(f"{len(ranks)} ranks for {p} stages")
     nv = p * v
     dur = {"F": forward / v, "B": backward / v}
-    orders = _orders(p, m, v, schedule)
+    orders = schedule_orders(schedule, p, m, v)
     done: dict = {}
     free = [0.0] * p
     pos = [0] * p

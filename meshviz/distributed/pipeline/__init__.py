@@ -1,5 +1,6 @@
 """Pipeline parallelism: Paddle's PipelineLayer / PipelineParallel on torch.distributed.pipelining, with events."""
 
+from ...core.schedule import bubble_formula
 from .layers import BASE_SEED, LayerDesc, PipelineLayer, SharedLayerDesc, segment_layers
 from .parallel import (
     SCHEDULE_MODES,
@@ -8,7 +9,7 @@ from .parallel import (
     check_pipeline_config,
     resolve_schedule,
 )
-from .timeline import bubble_formula, compute_order, measured_bubble, peak_activation_bytes, transfers
+from .timeline import compute_order, measured_bubble, peak_activation_bytes, transfers
 
 
 def __getattr__(name):

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import time
-
 import torch
 from torch import nn
 
 from ... import trace
+from ...core.schedule import fthenb_order, one_f_one_b_order
 from ...trace import Event
 from .layers import PipelineLayer
 
@@ -241,18 +240,15 @@ class PipelineParallel(nn.Module):
 
         Phases F, B (full or input-grad backward), W. For the multi-chunk and zero-bubble schedules this is
         torch's schedule IR, which its runtime executes (no communication); torch's single-stage GPipe and 1F1B
-        loop over micro-batches directly (their IR is only a drawing), so those orders are written out here.
+        loop over micro-batches directly (their IR is only a drawing), so those orders come from
+        ``meshviz.core.schedule``, which the views draw too.
         """
         d = self.stage_id if pipe_rank is None else pipe_rank
         p, m = self.num_stages, self.accumulate_steps
         if self._cls == "ScheduleGPipe":
-            return [("F", d, i) for i in range(m)] + [("B", d, i) for i in range(m)]
+            return fthenb_order(p, m, d)
         if self._cls == "Schedule1F1B":
-            warm = min(p - d, m)  # torch's warm-up: the last of these forwards pairs with the first backward
-            out = [("F", d, i) for i in range(warm)]
-            for i in range(warm, m):
-                out += [("B", d, i - warm), ("F", d, i)]
-            return out + [("B", d, i) for i in range(m - warm, m)]
+            return one_f_one_b_order(p, m, d)
         sched, _, _ = self._build("train", True, None)
         out = []
         for a in sched.pipeline_order[d]:

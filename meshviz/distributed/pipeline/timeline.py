@@ -1,18 +1,10 @@
-"""Pipeline timelines from events: measured bubble fraction, the textbook formula, peak live activations."""
+"""Pipeline timelines from events: measured bubble fraction, order of blocks, peak live activations, transfers."""
 
 from __future__ import annotations
 
 from collections import defaultdict
 
-__all__ = ["bubble_formula", "measured_bubble", "compute_order", "peak_activation_bytes", "transfers"]
-
-
-def bubble_formula(p: int, m: int, v: int = 1) -> float:
-    """Idle fraction of an ideal pipeline: (p-1)/(m+p-1); with v chunks per rank the bubble term (p-1) shrinks
-    v-fold: ((p-1)/v) / (m + (p-1)/v) = (p-1)/(v*m + p-1)."""
-    if p < 1 or m < 1 or v < 1:
-        raise ValueError(f"bubble_formula: p, m, v must be >= 1, got {p}, {m}, {v}")
-    return (p - 1) / (v * m + p - 1)
+__all__ = ["measured_bubble", "compute_order", "peak_activation_bytes", "transfers"]
 
 
 def _steps(events):
