@@ -363,3 +363,33 @@ def test_strategy_defaults_and_merge():
     from meshviz.distributed.fleet.utils.hybrid_parallel_util import fused_allreduce_gradients
 
     assert fused_allreduce_gradients is fleet.utils.fused_allreduce_gradients
+
+
+def test_communicate_topology_is_row_major_over_its_names():
+    from meshviz.distributed.fleet import CommunicateTopology
+
+    names, dims = ["data", "pipe", "sharding", "model"], [2, 3, 1, 2]
+    topo = CommunicateTopology(names, dims)
+    strides = [3 * 1 * 2, 1 * 2, 2, 1]  # row-major: the first name is the outermost axis
+
+    def rank(c):
+        return sum(i * s for i, s in zip(c, strides))
+
+    coords = [(a, b, 0, d) for a in range(2) for b in range(3) for d in range(2)]
+    assert topo.world_size() == 12 and sorted(rank(c) for c in coords) == list(range(12))
+    for c in coords:
+        assert tuple(topo.get_coord(rank(c))) == c and topo.get_coord(rank(c)).pipe == c[1]
+        assert topo.get_rank(data=c[0], pipe=c[1], sharding=0, model=c[3]) == rank(c)
+        assert topo.get_rank_from_stage(rank(c), pipe=2) == rank((c[0], 2, 0, c[3]))
+    # lines along an axis: ordered by the other coordinates (row-major), each in axis order
+    assert topo.get_comm_list("pipe") == [[rank((a, b, 0, d)) for b in range(3)] for a in range(2) for d in range(2)]
+    assert topo.get_comm_list("data") == [[0, 6], [1, 7], [2, 8], [3, 9], [4, 10], [5, 11]]
+    assert topo.get_comm_list("model") == [[2 * k, 2 * k + 1] for k in range(6)]
+    assert topo.get_comm_list("sharding") == [[r] for r in range(12)]
+    assert topo.get_axis_list("pipe", 1) == [2, 3, 8, 9] and topo.get_axis_list("pipe", 3) == []
+    assert topo.get_dim("pipe") == 3 and topo.get_dim("sep") == 1
+    assert topo.mesh.shape == dims and topo.mesh.dim_names == names
+    with pytest.raises(KeyError):
+        topo.get_rank(data=2, pipe=0, sharding=0, model=0)
+    with pytest.raises(KeyError):
+        topo.get_coord(12)

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import collections
-from functools import reduce
-from itertools import product
+import math
 
+from ...core.mesh import ProcessMesh
 from ..collective import new_group
 from ..env import get_rank, get_world_size
 
@@ -27,16 +27,17 @@ class ParallelMode:
 
 
 class CommunicateTopology:
-    """Rank = row-major index of the coordinate over ``dims`` (the first name is the outermost axis)."""
+    """Rank = row-major index of the coordinate over ``dims`` (the first name is the outermost axis).
+
+    The ranks form a ``ProcessMesh`` of shape ``dims`` whose axes are the parallel names; ``mesh`` is it.
+    """
 
     def __init__(self, hybrid_group_names=("data", "pipe", "sharding", "model"), dims=(1, 1, 1, 1)):
         self._parallel_names = list(hybrid_group_names)
         self._dims = [int(d) for d in dims]
         self.coordinate = collections.namedtuple("Coordinate", self._parallel_names)
-        self._world_size = reduce(lambda x, y: x * y, self._dims, 1)
-        coords = [self.coordinate(*x) for x in product(*[range(d) for d in self._dims])]
-        self._coord2rank = dict(zip(coords, range(len(coords))))
-        self._rank2coord = {r: c for c, r in self._coord2rank.items()}
+        self._world_size = math.prod(self._dims)
+        self.mesh = ProcessMesh(shape=self._dims, process_ids=range(self._world_size), dim_names=self._parallel_names)
 
     def get_hybrid_group_names(self):
         return self._parallel_names
@@ -50,27 +51,26 @@ class CommunicateTopology:
         return self._world_size
 
     def get_rank(self, **args):
-        return self._coord2rank[self.coordinate(**args)]
+        coord = self.coordinate(**args)
+        if not all(0 <= c < d for c, d in zip(coord, self._dims)):
+            raise KeyError(coord)
+        return self.mesh.rank_at(coord)
 
     def get_coord(self, rank):
-        return self._rank2coord[rank]
+        coord = self.mesh.coordinate(rank)
+        if coord is None:
+            raise KeyError(rank)
+        return self.coordinate(*coord)
 
     def get_axis_list(self, axis_name, index):
-        axis = self._parallel_names.index(axis_name)
-        return sorted(r for c, r in self._coord2rank.items() if c[axis] == index)
+        """The ranks whose coordinate along ``axis_name`` is ``index``, sorted."""
+        if not 0 <= index < self.mesh.get_dim_size(axis_name):
+            return []
+        return sorted(self.mesh.get_mesh_with_dim(axis_name, index).process_ids)
 
     def get_comm_list(self, axis_name):
         """Every group along ``axis_name``: the ranks that differ only in that coordinate."""
-        others = [n for n in self._parallel_names if n != axis_name]
-        out = []
-        for x in product(*[range(self.get_dim(n)) for n in others]):
-            key = dict(zip(others, x))
-            line = []
-            for i in range(self.get_dim(axis_name)):
-                key[axis_name] = i
-                line.append(self._coord2rank[self.coordinate(**key)])
-            out.append(line)
-        return out
+        return [list(line) for line in self.mesh.axis_groups(axis_name)]
 
     def get_rank_from_stage(self, global_rank, **kwargs):
         return self.get_rank(**self.get_coord(global_rank)._replace(**kwargs)._asdict())
