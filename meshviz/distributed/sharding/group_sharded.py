@@ -7,6 +7,7 @@ import torch.nn as nn
 from ... import trace
 from ...core.sharding import LEVELS, SHARDED, plan_pieces
 from ...nn import ClipGradByGlobalNorm
+from ..env import device, init_parallel_env
 from .fsdp import apply_fsdp
 from .group import ShardingGroup, broadcast_module, resolve_group
 from .optimizer import GroupShardedOptimizer
@@ -89,11 +90,9 @@ def group_sharded_parallel(
     compatibility (torch orders its own communication).
     """
     names = _validate(model, optimizer, level, scaler, segment_size, buffer_max_size, grad_clip)
-    from ..env import device as _device, init_parallel_env
-
     init_parallel_env()
     grp = resolve_group(group)
-    dev = _device()
+    dev = device()
     broadcast_module(model, grp)
 
     order = [p for g in optimizer.param_groups for p in g["params"]]
