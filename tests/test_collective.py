@@ -237,3 +237,79 @@ def test_reduce_op_values_match_paddle():
 
     assert (dist.ReduceOp.SUM, dist.ReduceOp.MAX, dist.ReduceOp.MIN, dist.ReduceOp.PROD, dist.ReduceOp.AVG) == \
         (0, 1, 2, 3, 4)
+
+
+def _issue14_names():
+    import meshviz.distributed as dist
+    from meshviz.distributed import groups
+
+    dist.init_parallel_env()
+    r = dist.get_rank()
+    out = {"available": dist.is_available()}
+
+    # scatter_object_list: src (a global rank) sends the i-th object to the group's i-th member; the output
+    # list is cleared and holds just this rank's object
+    got = ["stale", "junk"]
+    dist.scatter_object_list(got, [{"to": i, "sq": i * i} for i in range(W)] if r == 1 else None, src=1)
+    out["scatter_world"] = got
+    g13 = dist.new_group([3, 1])
+    got = ["untouched"]
+    dist.scatter_object_list(got, [("first", 10), ("second", 30)] if r == 3 else None, src=3, group=g13)
+    out["scatter_group"] = got
+    g0 = dist.new_group([0])
+    try:  # bad input on the source raises before any communication (group of one: nobody waits on it)
+        dist.scatter_object_list([], [1, 2], src=0, group=g0)
+        out["scatter_bad"] = None
+    except ValueError as e:
+        out["scatter_bad"] = str(e)
+
+    # destroy_process_group(group): that group goes, the world and a mesh sharing its process group stay
+    mesh = dist.ProcessMesh([[0, 1], [2, 3]], ["x", "y"])
+    value = torch.arange(8.0).reshape(4, 2)
+    t = dist.shard_tensor(value, mesh, [dist.Replicate(), dist.Partial()])
+    g01 = dist.new_group([0, 1])
+    s = torch.tensor([float(r + 1)])
+    dist.all_reduce(s, group=g01)
+    out["g01_before"] = s.item()
+    dist.destroy_process_group(g01)
+    out["g01_gone"] = dist.get_group(g01.id) is None
+    try:
+        dist.destroy_process_group(g01)
+        out["twice"] = None
+    except ValueError as e:
+        out["twice"] = str(e)
+    back = dist.reshard(t, mesh, [dist.Replicate(), dist.Replicate()])  # line (0, 1) of the mesh still works
+    out["mesh_after"] = back._local_value().clone()
+    again = dist.new_group([0, 1])
+    s = torch.tensor([float(r + 1)])
+    dist.all_reduce(s, group=again)
+    out["g01_again"] = (again.id != g01.id, s.item())
+    w = torch.tensor([float(r)])
+    dist.all_reduce(w)
+    out["world_after"] = w.item()
+
+    # destroy_process_group(): the world and every group; not initialized afterwards
+    dist.destroy_process_group()
+    out["world_gone"] = (dist.is_initialized(), groups._paddle == {}, groups._by_ranks == {})
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_scatter_object_list_is_available_destroy_process_group():
+    res = run_ranks(_issue14_names, W)
+    for r, out in enumerate(res):
+        assert out["available"] is True
+        assert out["scatter_world"] == [{"to": r, "sq": r * r}]
+        assert out["scatter_group"] == {1: [("first", 10)], 3: [("second", 30)]}.get(r, ["untouched"])
+        if r == 0:
+            assert "in_object_list of 1 objects, got 2" in out["scatter_bad"]
+        else:
+            assert out["scatter_bad"] is None
+        assert out["g01_before"] == (3.0 if r in (0, 1) else float(r + 1))
+        assert out["g01_gone"] is True
+        assert "not a live group" in out["twice"]
+        # P(sum) over axis y of rows [0, 1] and [2, 3]: coordinate 0 holds the value, the other zeros
+        torch.testing.assert_close(out["mesh_after"], torch.arange(8.0).reshape(4, 2))
+        assert out["g01_again"] == (True, 3.0 if r in (0, 1) else float(r + 1))
+        assert out["world_after"] == 6.0
+        assert out["world_gone"] == (False, True, True)

@@ -140,12 +140,9 @@ def get_world_size(group=None) -> int:
 
 
 def barrier(group=None) -> None:
-    init_parallel_env()
-    pg = getattr(group, "process_group", group)
-    with trace.span("collective", op="barrier") as ev:
-        if ev is not None and pg is not None:
-            ev.group = tdist.get_process_group_ranks(pg)
-        tdist.barrier(group=pg)
+    from .collective import barrier as _barrier
+
+    _barrier(group)
 
 
 class ParallelEnv:
