@@ -220,9 +220,9 @@ class DistTensor(torch.Tensor):
             )
         if trace.active():
             with _CommObserver(str(func.__name__ if hasattr(func, "__name__") else func)):
-                out = func(*uargs, **ukwargs)
+                out = _call(func, uargs, ukwargs)
         else:
-            out = func(*uargs, **ukwargs)
+            out = _call(func, uargs, ukwargs)
 
         def wrap_out(x):
             if isinstance(x, DTensor):
@@ -235,6 +235,24 @@ class DistTensor(torch.Tensor):
             return x
 
         return tree_map(wrap_out, out)
+
+
+def _call(func, args, kwargs):
+    try:
+        return func(*args, **kwargs)
+    except AssertionError as e:
+        # torch 2.11's DTensor cannot turn one Partial reduction into another inside an op (P(avg) + P(sum));
+        # 2.13 can. Reduce the Partial inputs first, then run the op again.
+        if "from one partial type" not in str(e):
+            raise
+        args, kwargs = tree_map(_reduce_partials, (args, kwargs))
+        return func(*args, **kwargs)
+
+
+def _reduce_partials(x):
+    if isinstance(x, DTensor) and any(p.is_partial() for p in x.placements):
+        return x.redistribute(x.device_mesh, [TReplicate() if p.is_partial() else p for p in x.placements])
+    return x
 
 
 _METADATA_OPS = {torch.ops.aten.detach.default, torch.ops.aten.alias.default}
