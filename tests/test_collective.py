@@ -313,3 +313,76 @@ def test_scatter_object_list_is_available_destroy_process_group():
         assert out["g01_again"] == (True, 3.0 if r in (0, 1) else float(r + 1))
         assert out["world_after"] == 6.0
         assert out["world_gone"] == (False, True, True)
+
+
+def _comm_layer():
+    import torch.distributed as tdist
+
+    import meshviz.distributed as dist
+    from meshviz import trace
+    from meshviz.distributed import comm, groups
+
+    dist.init_parallel_env()
+    r = dist.get_rank()
+    out = {}
+
+    # the bucketed mean: several dtypes, a budget small enough for one bucket per tensor or two
+    ts = [torch.arange(5.0) * (r + 1), torch.full((3,), 10.0 * r, dtype=torch.float64),
+          torch.tensor([r * 3 + 1, 7]), torch.ones(2, 2) * r]
+    with trace.record() as mem:
+        comm.all_reduce_mean_(ts, bucket_bytes=16, name="grads")
+    out["mean"] = ts
+    out["mean_events"] = [(e.op, e.bytes, e.name) for e in mem.of_kind("collective")]
+    sub = [torch.tensor([float(r)])]
+    comm.all_reduce_mean_(sub, (2, 0))  # a ranks tuple is a group too
+    out["mean_line"] = sub[0].item()
+
+    # one resolver for the four kinds of group
+    world = groups.resolve(None)
+    g = dist.new_group([0, 2])
+    line = groups.resolve((2, 0))
+    out["resolve"] = (world is dist.get_group(0), world.ranks, groups.resolve(g) is g, line.ranks, line.rank,
+                      groups.resolve(tdist.group.WORLD) is world)
+    if g.process_group is not None:
+        out["resolve_pg"] = groups.resolve(g.process_group).ranks
+    try:
+        groups.resolve("world")
+    except TypeError as e:
+        out["resolve_bad"] = str(e)
+
+    # one reset: Paddle groups, ordered groups and meshes are all forgotten
+    mesh = dist.ProcessMesh([[0, 1, 2]], ["x", "y"])
+    dist.reshard(dist.shard_tensor(torch.ones(3), mesh, [dist.Replicate(), dist.Shard(0)]), mesh,
+                 [dist.Replicate(), dist.Replicate()])
+    before = (len(groups._paddle) > 1, bool(groups._by_ranks), bool(groups._meshes), bool(groups._lines))
+    groups.clear_cache()
+    after = (groups._paddle, groups._by_ranks, groups._meshes, groups._lines, groups._by_pg, groups._device_meshes)
+    out["reset"] = (before, all(not x for x in after), dist.get_group(g.id), groups.clear_cache is groups.reset)
+    g2 = dist.new_group([0, 2])
+    s = torch.tensor([float(r + 1)])
+    dist.all_reduce(s, group=g2)
+    out["after_reset"] = (g2.id, s.item())
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_comm_layer_mean_resolver_and_reset():
+    res = run_ranks(_comm_layer, 3)
+    for r, out in enumerate(res):
+        mean = out["mean"]
+        torch.testing.assert_close(mean[0], torch.arange(5.0) * 2)  # (1 + 2 + 3) / 3
+        torch.testing.assert_close(mean[1], torch.full((3,), 10.0, dtype=torch.float64))
+        assert mean[2].tolist() == [4, 7] and mean[2].dtype == torch.int64  # (1 + 4 + 7) // 3, 21 // 3
+        torch.testing.assert_close(mean[3], torch.ones(2, 2))
+        # float32 in buckets of >= 16 bytes: [arange 20 B], [ones 16 B]; then float64 24 B; int64 16 B
+        assert sorted(out["mean_events"]) == sorted([("all_reduce", 16, "grads"), ("all_reduce", 20, "grads"),
+                                                     ("all_reduce", 24, "grads"), ("all_reduce", 16, "grads")])
+        assert out["mean_line"] == (1.0 if r in (0, 2) else float(r))
+        world_ok, world_ranks, same_g, line_ranks, line_rank, pg_world = out["resolve"]
+        assert world_ok and world_ranks == [0, 1, 2] and same_g and pg_world
+        assert line_ranks == [2, 0] and line_rank == {2: 0, 0: 1}.get(r, -1)
+        if r in (0, 2):
+            assert out["resolve_pg"] == [0, 2]
+        assert "got str" in out["resolve_bad"]
+        assert out["reset"] == ((True, True, True, True), True, None, True)
+        assert out["after_reset"] == (1, 4.0 if r in (0, 2) else float(r + 1))
