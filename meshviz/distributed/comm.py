@@ -176,9 +176,9 @@ def run(op: str, group, start, *, tensors=(), nbytes: int | None = None, peers: 
 # -- packed forms -----------------------------------------------------------------------------------------------
 
 def all_to_all_flat(outs: list, ins: list, pg):
-    """All-to-all of tensor lists as one ``all_to_all_single`` over packed buffers (gloo has no list form on torch
-    2.11; packed is also the faster form on 2.13). Returns (work, unpack): call ``unpack()`` once the work is done
-    to copy the received pieces into ``outs``."""
+    """All-to-all of tensor lists as one ``all_to_all_single`` over packed buffers: gloo has no list form on torch
+    2.11, and on 2.13 the two cost the same within noise (bench/bench_collective.py). Returns (work, unpack): call
+    ``unpack()`` once the work is done to copy the received pieces into ``outs``."""
     packed = torch.cat([x.reshape(-1) for x in ins])
     recv = packed.new_empty(sum(o.numel() for o in outs))
     work = tdist.all_to_all_single(recv, packed, [o.numel() for o in outs], [x.numel() for x in ins], group=pg,
