@@ -56,7 +56,9 @@ class DataParallel(nn.Module):
                 find_unused_parameters=find_unused_parameters,
             )), nbytes=nbytes, name="DataParallel.sync_params", src=ranks[0])
             ddp = made[0]
-            ddp.register_comm_hook(g, _allreduce_hook)
+            if trace.active():
+                # a Python hook per bucket costs 5-10% of a small step on gloo (bench/README): only when traced
+                ddp.register_comm_hook(g, _allreduce_hook)
         else:  # nothing to train: only make the replicas equal
             sync_params_buffers(layers, group)
             ddp = None
@@ -120,7 +122,8 @@ def _strip_prefix(sd):
 
 
 def _allreduce_hook(group, bucket):
-    """DDP's own averaging all-reduce of one gradient bucket, issued through the comm layer."""
+    """DDP's own averaging all-reduce of one gradient bucket, issued through the comm layer (installed only when
+    tracing at wrap time; untraced, DDP's C++ hook all-reduces the buckets)."""
     buf = bucket.buffer()
     buf.div_(group.nranks)
     works = []
