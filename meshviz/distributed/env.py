@@ -109,12 +109,10 @@ def _loopback_store(rank: int, world: int, port: int, timeout: datetime.timedelt
                           wait_for_workers=False)
 
 
-def destroy_process_group() -> None:
-    if tdist.is_initialized():
-        tdist.destroy_process_group()
-    from . import groups
+def destroy_process_group(group=None) -> None:
+    from .collective import destroy_process_group as _destroy
 
-    groups.clear_cache()
+    _destroy(group)
 
 
 def is_initialized() -> bool:
