@@ -57,7 +57,10 @@ class ClipGradByGlobalNorm:
         dts = [g for g in sharded + replicated if _is_dtensor(g)]
         sq = _sq_sum([g for g in sharded if not _is_dtensor(g)])
         if group is not None and tdist.is_initialized() and tdist.get_world_size(group) > 1:
-            tdist.all_reduce(sq, group=group)
+            from .distributed.comm import run
+
+            run("all_reduce", group, lambda g: tdist.all_reduce(sq, group=g.process_group, async_op=True),
+                tensors=(sq,), kind=None)
         sq = sq + _sq_sum([g for g in replicated if not _is_dtensor(g)])
         for g in dts:
             n = torch.linalg.vector_norm(g.detach().float(), 2.0)

@@ -237,3 +237,152 @@ def test_reduce_op_values_match_paddle():
 
     assert (dist.ReduceOp.SUM, dist.ReduceOp.MAX, dist.ReduceOp.MIN, dist.ReduceOp.PROD, dist.ReduceOp.AVG) == \
         (0, 1, 2, 3, 4)
+
+
+def _issue14_names():
+    import meshviz.distributed as dist
+    from meshviz.distributed import groups
+
+    dist.init_parallel_env()
+    r = dist.get_rank()
+    out = {"available": dist.is_available()}
+
+    # scatter_object_list: src (a global rank) sends the i-th object to the group's i-th member; the output
+    # list is cleared and holds just this rank's object
+    got = ["stale", "junk"]
+    dist.scatter_object_list(got, [{"to": i, "sq": i * i} for i in range(W)] if r == 1 else None, src=1)
+    out["scatter_world"] = got
+    g13 = dist.new_group([3, 1])
+    got = ["untouched"]
+    dist.scatter_object_list(got, [("first", 10), ("second", 30)] if r == 3 else None, src=3, group=g13)
+    out["scatter_group"] = got
+    g0 = dist.new_group([0])
+    try:  # bad input on the source raises before any communication (group of one: nobody waits on it)
+        dist.scatter_object_list([], [1, 2], src=0, group=g0)
+        out["scatter_bad"] = None
+    except ValueError as e:
+        out["scatter_bad"] = str(e)
+
+    # destroy_process_group(group): that group goes, the world and a mesh sharing its process group stay
+    mesh = dist.ProcessMesh([[0, 1], [2, 3]], ["x", "y"])
+    value = torch.arange(8.0).reshape(4, 2)
+    t = dist.shard_tensor(value, mesh, [dist.Replicate(), dist.Partial()])
+    g01 = dist.new_group([0, 1])
+    s = torch.tensor([float(r + 1)])
+    dist.all_reduce(s, group=g01)
+    out["g01_before"] = s.item()
+    dist.destroy_process_group(g01)
+    out["g01_gone"] = dist.get_group(g01.id) is None
+    try:
+        dist.destroy_process_group(g01)
+        out["twice"] = None
+    except ValueError as e:
+        out["twice"] = str(e)
+    back = dist.reshard(t, mesh, [dist.Replicate(), dist.Replicate()])  # line (0, 1) of the mesh still works
+    out["mesh_after"] = back._local_value().clone()
+    again = dist.new_group([0, 1])
+    s = torch.tensor([float(r + 1)])
+    dist.all_reduce(s, group=again)
+    out["g01_again"] = (again.id != g01.id, s.item())
+    w = torch.tensor([float(r)])
+    dist.all_reduce(w)
+    out["world_after"] = w.item()
+
+    # destroy_process_group(): the world and every group; not initialized afterwards
+    dist.destroy_process_group()
+    out["world_gone"] = (dist.is_initialized(), groups._paddle == {}, groups._by_ranks == {})
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_scatter_object_list_is_available_destroy_process_group():
+    res = run_ranks(_issue14_names, W)
+    for r, out in enumerate(res):
+        assert out["available"] is True
+        assert out["scatter_world"] == [{"to": r, "sq": r * r}]
+        assert out["scatter_group"] == {1: [("first", 10)], 3: [("second", 30)]}.get(r, ["untouched"])
+        if r == 0:
+            assert "in_object_list of 1 objects, got 2" in out["scatter_bad"]
+        else:
+            assert out["scatter_bad"] is None
+        assert out["g01_before"] == (3.0 if r in (0, 1) else float(r + 1))
+        assert out["g01_gone"] is True
+        assert "not a live group" in out["twice"]
+        # P(sum) over axis y of rows [0, 1] and [2, 3]: coordinate 0 holds the value, the other zeros
+        torch.testing.assert_close(out["mesh_after"], torch.arange(8.0).reshape(4, 2))
+        assert out["g01_again"] == (True, 3.0 if r in (0, 1) else float(r + 1))
+        assert out["world_after"] == 6.0
+        assert out["world_gone"] == (False, True, True)
+
+
+def _comm_layer():
+    import torch.distributed as tdist
+
+    import meshviz.distributed as dist
+    from meshviz import trace
+    from meshviz.distributed import comm, groups
+
+    dist.init_parallel_env()
+    r = dist.get_rank()
+    out = {}
+
+    # the bucketed mean: several dtypes, a budget small enough for one bucket per tensor or two
+    ts = [torch.arange(5.0) * (r + 1), torch.full((3,), 10.0 * r, dtype=torch.float64),
+          torch.tensor([r * 3 + 1, 7]), torch.ones(2, 2) * r]
+    with trace.record() as mem:
+        comm.all_reduce_mean_(ts, bucket_bytes=16, name="grads")
+    out["mean"] = ts
+    out["mean_events"] = [(e.op, e.bytes, e.name) for e in mem.of_kind("collective")]
+    sub = [torch.tensor([float(r)])]
+    comm.all_reduce_mean_(sub, (2, 0))  # a ranks tuple is a group too
+    out["mean_line"] = sub[0].item()
+
+    # one resolver for the four kinds of group
+    world = groups.resolve(None)
+    g = dist.new_group([0, 2])
+    line = groups.resolve((2, 0))
+    out["resolve"] = (world is dist.get_group(0), world.ranks, groups.resolve(g) is g, line.ranks, line.rank,
+                      groups.resolve(tdist.group.WORLD) is world)
+    if g.process_group is not None:
+        out["resolve_pg"] = groups.resolve(g.process_group).ranks
+    try:
+        groups.resolve("world")
+    except TypeError as e:
+        out["resolve_bad"] = str(e)
+
+    # one reset: Paddle groups, ordered groups and meshes are all forgotten
+    mesh = dist.ProcessMesh([[0, 1, 2]], ["x", "y"])
+    dist.reshard(dist.shard_tensor(torch.ones(3), mesh, [dist.Replicate(), dist.Shard(0)]), mesh,
+                 [dist.Replicate(), dist.Replicate()])
+    before = (len(groups._paddle) > 1, bool(groups._by_ranks), bool(groups._meshes), bool(groups._lines))
+    groups.clear_cache()
+    after = (groups._paddle, groups._by_ranks, groups._meshes, groups._lines, groups._by_pg, groups._device_meshes)
+    out["reset"] = (before, all(not x for x in after), dist.get_group(g.id), groups.clear_cache is groups.reset)
+    g2 = dist.new_group([0, 2])
+    s = torch.tensor([float(r + 1)])
+    dist.all_reduce(s, group=g2)
+    out["after_reset"] = (g2.id, s.item())
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_comm_layer_mean_resolver_and_reset():
+    res = run_ranks(_comm_layer, 3)
+    for r, out in enumerate(res):
+        mean = out["mean"]
+        torch.testing.assert_close(mean[0], torch.arange(5.0) * 2)  # (1 + 2 + 3) / 3
+        torch.testing.assert_close(mean[1], torch.full((3,), 10.0, dtype=torch.float64))
+        assert mean[2].tolist() == [4, 7] and mean[2].dtype == torch.int64  # (1 + 4 + 7) // 3, 21 // 3
+        torch.testing.assert_close(mean[3], torch.ones(2, 2))
+        # float32 in buckets of >= 16 bytes: [arange 20 B], [ones 16 B]; then float64 24 B; int64 16 B
+        assert sorted(out["mean_events"]) == sorted([("all_reduce", 16, "grads"), ("all_reduce", 20, "grads"),
+                                                     ("all_reduce", 24, "grads"), ("all_reduce", 16, "grads")])
+        assert out["mean_line"] == (1.0 if r in (0, 2) else float(r))
+        world_ok, world_ranks, same_g, line_ranks, line_rank, pg_world = out["resolve"]
+        assert world_ok and world_ranks == [0, 1, 2] and same_g and pg_world
+        assert line_ranks == [2, 0] and line_rank == {2: 0, 0: 1}.get(r, -1)
+        if r in (0, 2):
+            assert out["resolve_pg"] == [0, 2]
+        assert "got str" in out["resolve_bad"]
+        assert out["reset"] == ((True, True, True, True), True, None, True)
+        assert out["after_reset"] == (1, 4.0 if r in (0, 2) else float(r + 1))

@@ -24,7 +24,6 @@ from .shard_api import (
 )
 from .env import (
     ParallelEnv,
-    destroy_process_group,
     get_rank,
     get_world_size,
     init_parallel_env,
@@ -57,16 +56,19 @@ from .collective import (
     batch_isend_irecv,
     broadcast,
     broadcast_object_list,
+    destroy_process_group,
     gather,
     get_backend,
     get_group,
     irecv,
+    is_available,
     isend,
     new_group,
     recv,
     reduce,
     reduce_scatter,
     scatter,
+    scatter_object_list,
     send,
     wait,
 )
@@ -75,6 +77,7 @@ __all__ += [
     "barrier", "Group", "P2POp", "ReduceOp", "all_gather", "all_gather_object", "all_reduce", "alltoall",
     "alltoall_single", "batch_isend_irecv", "broadcast", "broadcast_object_list", "gather", "get_backend",
     "get_group", "irecv", "isend", "new_group", "recv", "reduce", "reduce_scatter", "scatter", "send", "wait",
+    "scatter_object_list", "is_available",
 ]
 from . import fleet
 from .checkpoint import load_state_dict, save_state_dict

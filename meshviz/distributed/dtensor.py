@@ -12,24 +12,16 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Partial as TPartial
 from torch.distributed.tensor import Replicate as TReplicate
 from torch.distributed.tensor import Shard as TShard
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_map
 
-from .. import trace
+from .. import compat, trace
+from ..compat import TorchDispatchMode, tree_map
 from ..core.mesh import ProcessMesh
-from ..core.placements import Partial, Placement, ReduceType, Replicate, Shard
+from ..core.placements import Partial, Placement, Replicate, Shard
 from . import groups
+from .comm import dtensor_reduce_op, from_dtensor_reduce_op
 
 __all__ = ["DistTensor", "to_torch_placements", "from_torch_placements", "make_dtensor", "make_dist"]
 
-_TORCH_REDUCE = {
-    ReduceType.kRedSum: "sum",
-    ReduceType.kRedAvg: "avg",
-    ReduceType.kRedMax: "max",
-    ReduceType.kRedMin: "min",
-    ReduceType.kRedProd: "product",
-}
-_FROM_TORCH_REDUCE = {v: k for k, v in _TORCH_REDUCE.items()}
 _pmesh_of: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # DeviceMesh -> ProcessMesh
 _ids = itertools.count(1)
 
@@ -42,7 +34,7 @@ def to_torch_placements(placements) -> tuple:
         elif isinstance(p, Replicate):
             out.append(TReplicate())
         elif isinstance(p, Partial):
-            out.append(TPartial(_TORCH_REDUCE[p.reduce_type]))
+            out.append(TPartial(dtensor_reduce_op(p.reduce_type)))
         else:
             raise ValueError(f"not a placement: {p!r}")
     return tuple(out)
@@ -56,7 +48,7 @@ def from_torch_placements(placements) -> list[Placement]:
         elif p.is_replicate():
             out.append(Replicate())
         elif p.is_partial():
-            out.append(Partial(_FROM_TORCH_REDUCE.get(getattr(p, "reduce_op", "sum"), ReduceType.kRedSum)))
+            out.append(Partial(from_dtensor_reduce_op(getattr(p, "reduce_op", "sum"))))
         else:
             raise ValueError(f"unsupported torch placement {p!r}")
     return out
@@ -112,12 +104,12 @@ class DistTensor(torch.Tensor):
 
     _dtensor: DTensor
     _pmesh: ProcessMesh
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    __torch_function__ = compat.disabled_torch_function_impl
 
     @staticmethod
     def __new__(cls, dtensor: DTensor, process_mesh: ProcessMesh | None = None, requires_grad: bool = False,
                 placements=None):
-        r = torch.Tensor._make_wrapper_subclass(
+        r = compat.make_wrapper_subclass(
             cls, dtensor.shape, strides=dtensor.stride(), dtype=dtensor.dtype,
             device=dtensor.device, requires_grad=requires_grad,
         )
@@ -153,7 +145,7 @@ class DistTensor(torch.Tensor):
 
     @property
     def local_shape(self) -> list[int]:
-        return list(self._dtensor._local_tensor.shape)
+        return list(compat.dtensor_local(self._dtensor).shape)
 
     @property
     def name(self) -> str | None:
@@ -175,7 +167,7 @@ class DistTensor(torch.Tensor):
         )
 
     def __repr__(self, *, tensor_contents=None) -> str:  # never communicates
-        local = self._dtensor._local_tensor
+        local = compat.dtensor_local(self._dtensor)
         rank = tdist.get_rank() if tdist.is_initialized() else 0
         where = "" if self._pmesh.contains(rank) else " (not in mesh)"
         return (
@@ -228,9 +220,9 @@ class DistTensor(torch.Tensor):
             )
         if trace.active():
             with _CommObserver(str(func.__name__ if hasattr(func, "__name__") else func)):
-                out = func(*uargs, **ukwargs)
+                out = _call(func, uargs, ukwargs)
         else:
-            out = func(*uargs, **ukwargs)
+            out = _call(func, uargs, ukwargs)
 
         def wrap_out(x):
             if isinstance(x, DTensor):
@@ -243,6 +235,24 @@ class DistTensor(torch.Tensor):
             return x
 
         return tree_map(wrap_out, out)
+
+
+def _call(func, args, kwargs):
+    try:
+        return func(*args, **kwargs)
+    except AssertionError as e:
+        # torch 2.11's DTensor cannot turn one Partial reduction into another inside an op (P(avg) + P(sum));
+        # 2.13 can. Reduce the Partial inputs first, then run the op again.
+        if "from one partial type" not in str(e):
+            raise
+        args, kwargs = tree_map(_reduce_partials, (args, kwargs))
+        return func(*args, **kwargs)
+
+
+def _reduce_partials(x):
+    if isinstance(x, DTensor) and any(p.is_partial() for p in x.placements):
+        return x.redistribute(x.device_mesh, [TReplicate() if p.is_partial() else p for p in x.placements])
+    return x
 
 
 _METADATA_OPS = {torch.ops.aten.detach.default, torch.ops.aten.alias.default}
@@ -287,9 +297,7 @@ class _CommObserver(TorchDispatchMode):
             gname = args[-1] if args and isinstance(args[-1], str) else kwargs.get("group_name")
             if gname:
                 try:
-                    from torch.distributed.distributed_c10d import _resolve_process_group
-
-                    group = tdist.get_process_group_ranks(_resolve_process_group(gname))
+                    group = tdist.get_process_group_ranks(compat.resolve_process_group(gname))
                 except Exception:
                     group = None
             trace.emit(trace.Event(

@@ -109,12 +109,10 @@ def _loopback_store(rank: int, world: int, port: int, timeout: datetime.timedelt
                           wait_for_workers=False)
 
 
-def destroy_process_group() -> None:
-    if tdist.is_initialized():
-        tdist.destroy_process_group()
-    from . import groups
+def destroy_process_group(group=None) -> None:
+    from .collective import destroy_process_group as _destroy
 
-    groups.clear_cache()
+    _destroy(group)
 
 
 def is_initialized() -> bool:
@@ -140,12 +138,9 @@ def get_world_size(group=None) -> int:
 
 
 def barrier(group=None) -> None:
-    init_parallel_env()
-    pg = getattr(group, "process_group", group)
-    with trace.span("collective", op="barrier") as ev:
-        if ev is not None and pg is not None:
-            ev.group = tdist.get_process_group_ranks(pg)
-        tdist.barrier(group=pg)
+    from .collective import barrier as _barrier
+
+    _barrier(group)
 
 
 class ParallelEnv:

@@ -1,24 +1,174 @@
-"""Process groups built in mesh order, and torch DeviceMeshes on top of them."""
+"""Communication groups: Paddle's ``Group``, process groups in mesh order, DeviceMeshes, and the one registry."""
 
 from __future__ import annotations
 
+import itertools
+
 import torch.distributed as tdist
 
+from .. import compat
 from ..core.mesh import ProcessMesh
 from .env import get_world_size, init_parallel_env
 
-__all__ = ["mesh_groups", "axis_group", "device_mesh", "check_mesh_in_world", "clear_cache", "group_for_ranks"]
+__all__ = ["Group", "resolve", "world_group", "register", "lookup", "release", "group_for_ranks", "line_group",
+           "mesh_groups", "axis_group", "device_mesh", "check_mesh_in_world", "reset", "clear_cache"]
 
-_groups: dict = {}  # (ids, shape) -> {axis: {line tuple: ProcessGroup | None}}
-_ranks_groups: dict = {}  # ranks tuple -> ProcessGroup | None
+
+class Group:
+    """A communication group: ``ranks`` (global), ``rank`` (this process's index in them, -1 if absent).
+
+    ``new_group`` sorts ``ranks`` as Paddle does; a mesh line keeps the mesh's order.
+    """
+
+    def __init__(self, rank: int, id: int, ranks, pg=None, name: str | None = None):
+        self.rank = rank
+        self.id = id
+        self.ranks = list(ranks)
+        self.nranks = len(self.ranks)
+        self.process_group = pg
+        self.name = name or f"_default_pg{id}"
+
+    @property
+    def world_size(self) -> int:
+        return self.nranks
+
+    @property
+    def backend(self) -> str:
+        return tdist.get_backend(self.process_group) if self.process_group is not None else "undefined"
+
+    def is_member(self) -> bool:
+        return self.rank >= 0
+
+    def get_group_rank(self, rank: int) -> int:
+        """Index of global ``rank`` in this group, -1 when it is not a member."""
+        return self.ranks.index(rank) if rank in self.ranks else -1
+
+    def get_global_rank(self, group_rank: int) -> int:
+        if not 0 <= group_rank < self.nranks:
+            raise ValueError(f"group rank {group_rank} outside 0..{self.nranks - 1} of {self}")
+        return self.ranks[group_rank]
+
+    def __repr__(self) -> str:
+        return f"Group(id={self.id}, ranks={self.ranks}, rank={self.rank})"
+
+
+# -- the registry: everything below is cleared by reset() -------------------------------------------------------
+
+_paddle: dict[int, Group] = {}  # id -> the groups new_group made (0: the world)
+_ids = itertools.count(1)
+_by_ranks: dict[tuple, object] = {}  # ranks in group order -> ProcessGroup | None (not a member)
+_lines: dict[tuple, Group] = {}  # ranks in group order -> an unregistered Group over them (id -1)
+_by_pg: dict[int, tuple] = {}  # id(ProcessGroup) -> (ProcessGroup, Group) for groups given as torch groups
+_meshes: dict = {}  # (shape, ids) -> {axis: {line tuple: ProcessGroup | None}}
 _device_meshes: dict = {}
 
 
-def clear_cache() -> None:
-    _groups.clear()
-    _ranks_groups.clear()
+def reset() -> None:
+    """Forget every group (the process groups behind them are gone, or about to be: a new world starts)."""
+    global _ids
+    _paddle.clear()
+    _ids = itertools.count(1)
+    _by_ranks.clear()
+    _lines.clear()
+    _by_pg.clear()
+    _meshes.clear()
     _device_meshes.clear()
 
+
+clear_cache = reset
+
+
+def world_group() -> Group:
+    """Group 0: the whole world, in rank order."""
+    init_parallel_env()
+    g = _paddle.get(0)
+    if g is None or g.process_group is not tdist.group.WORLD or g.nranks != tdist.get_world_size():
+        g = Group(tdist.get_rank(), 0, range(tdist.get_world_size()), tdist.group.WORLD, name="_default_pg0")
+        _paddle[0] = g
+    return g
+
+
+def register(ranks, pg) -> Group:
+    """A new Paddle group over ``ranks`` with the next id (every rank registers the same groups in one order)."""
+    me = tdist.get_rank()
+    gid = next(_ids)
+    g = Group(ranks.index(me) if me in ranks else -1, gid, ranks, pg)
+    _paddle[gid] = g
+    return g
+
+
+def lookup(id: int) -> Group | None:
+    return world_group() if id == 0 else _paddle.get(id)
+
+
+def release(group: Group) -> None:
+    """Unregister a Paddle group; its process group is destroyed unless a mesh or another group still uses it."""
+    if _paddle.get(group.id) is not group:
+        raise ValueError(f"destroy_process_group: {group} is not a live group (destroyed already?)")
+    del _paddle[group.id]
+    pg = group.process_group
+    if pg is None or pg is tdist.group.WORLD:
+        return
+    shared = any(g.process_group is pg for g in _paddle.values()) or any(
+        p is pg for axes in _meshes.values() for lines in axes.values() for p in lines.values())
+    if not shared:
+        for key in [k for k, p in _by_ranks.items() if p is pg]:
+            del _by_ranks[key]
+            _lines.pop(key, None)
+        _by_pg.pop(id(pg), None)
+        tdist.destroy_process_group(pg)
+
+
+def group_for_ranks(ranks) -> "tdist.ProcessGroup | None":
+    """A process group over ``ranks`` in the given order (every rank of the world must call this)."""
+    init_parallel_env()
+    ranks = tuple(int(r) for r in ranks)
+    if ranks not in _by_ranks:
+        if len(ranks) == get_world_size() and ranks == tuple(range(len(ranks))):
+            pg = tdist.group.WORLD
+        else:
+            pg = compat.new_group_in_order(ranks)
+        _by_ranks[ranks] = pg if pg not in (None, tdist.GroupMember.NON_GROUP_MEMBER) else None
+    return _by_ranks[ranks]
+
+
+def line_group(ranks) -> Group:
+    """The Group over ``ranks`` in this order (a mesh line), built once; no Paddle id (-1)."""
+    key = tuple(ranks)
+    g = _lines.get(key)
+    if g is None:
+        pg = group_for_ranks(key)
+        me = tdist.get_rank()
+        g = Group(key.index(me) if me in key else -1, -1, key, pg, name=f"line{list(key)}")
+        _lines[key] = g
+    return g
+
+
+def resolve(group) -> Group:
+    """The one reading of a ``group`` argument: a Paddle Group, a torch ProcessGroup, a sequence of ranks (in
+    order: a mesh line) or None (the world)."""
+    if group is None:
+        return world_group()
+    if isinstance(group, Group):
+        return group
+    if isinstance(group, tdist.ProcessGroup):
+        hit = _by_pg.get(id(group))
+        if hit is not None and hit[0] is group:
+            return hit[1]
+        if group is tdist.group.WORLD:
+            return world_group()
+        ranks = tdist.get_process_group_ranks(group)
+        me = tdist.get_rank()
+        g = Group(ranks.index(me) if me in ranks else -1, -1, ranks, group, name=getattr(group, "group_name", None))
+        _by_pg[id(group)] = (group, g)
+        return g
+    if isinstance(group, (tuple, list)) and all(isinstance(r, int) and not isinstance(r, bool) for r in group):
+        return line_group(group)
+    raise TypeError("group must be a meshviz Group, a torch ProcessGroup, a sequence of ranks or None, "
+                    f"got {type(group).__name__}")
+
+
+# -- meshes ----------------------------------------------------------------------------------------------------
 
 def _key(mesh: ProcessMesh):
     return (tuple(mesh.shape), tuple(mesh.process_ids))
@@ -32,29 +182,16 @@ def check_mesh_in_world(mesh: ProcessMesh) -> None:
         raise ValueError(f"{mesh} names ranks {bad}, but the world has only {world} ranks (0..{world - 1})")
 
 
-def group_for_ranks(ranks) -> "tdist.ProcessGroup | None":
-    """A process group over ``ranks`` in the given order (every rank of the world must call this)."""
-    init_parallel_env()
-    ranks = tuple(int(r) for r in ranks)
-    if ranks not in _ranks_groups:
-        if len(ranks) == get_world_size() and ranks == tuple(range(len(ranks))):
-            pg = tdist.group.WORLD
-        else:
-            pg = tdist.new_group(list(ranks), sort_ranks=False)
-        _ranks_groups[ranks] = pg if pg not in (None, tdist.GroupMember.NON_GROUP_MEMBER) else None
-    return _ranks_groups[ranks]
-
-
 def mesh_groups(mesh: ProcessMesh) -> dict:
     """axis -> {line of ranks (mesh order): group}; built once per mesh, by every rank, in one fixed order."""
     key = _key(mesh)
-    if key not in _groups:
+    if key not in _meshes:
         check_mesh_in_world(mesh)
         out = {}
         for axis in range(mesh.ndim):
             out[axis] = {line: group_for_ranks(line) for line in mesh.axis_groups(axis)}
-        _groups[key] = out
-    return _groups[key]
+        _meshes[key] = out
+    return _meshes[key]
 
 
 def axis_group(mesh: ProcessMesh, axis: int, rank: int | None = None):
@@ -81,7 +218,7 @@ def device_mesh(mesh: ProcessMesh, device_type: str | None = None):
     rank = tdist.get_rank()
     names = tuple(mesh.dim_names)
     if not mesh.contains(rank):
-        dm = DeviceMesh(device_type, mesh.mesh, mesh_dim_names=names, _init_backend=False)
+        dm = compat.device_mesh_without_backend(device_type, mesh.mesh, names)
     else:
         pgs = [groups[a][mesh.axis_group_of(rank, a)] for a in range(mesh.ndim)]
         if mesh.ndim == 1:

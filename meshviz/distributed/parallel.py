@@ -7,16 +7,14 @@ import contextlib
 import torch
 import torch.distributed as tdist
 from torch import nn
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from .. import trace
-from .collective import ReduceOp, _resolve, all_reduce
+from .. import compat, trace
+from . import groups
+from .comm import FUSE_BYTES, all_reduce_mean_, run
 from .env import init_parallel_env
 
 __all__ = ["DataParallel", "fused_allreduce_gradients", "sync_params_buffers"]
-
-_FUSE_BYTES = 128 * 1024 * 1024  # gradients per fused all-reduce, as Paddle's 128 MB groups
 
 
 class DataParallel(nn.Module):
@@ -36,8 +34,9 @@ class DataParallel(nn.Module):
             if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
                 raise ValueError(f"DataParallel: {name} must be a positive number of MB, got {v!r}")
         init_parallel_env()
-        ranks, pg, member = _resolve(group)
-        if not member:
+        g = groups.resolve(group)
+        ranks, pg = g.ranks, g.process_group
+        if not g.is_member():
             raise ValueError(f"DataParallel: this rank ({tdist.get_rank()}) is not in the group {ranks}")
         self._layers = layers
         self.group = group
@@ -47,23 +46,23 @@ class DataParallel(nn.Module):
         self.find_unused_parameters = find_unused_parameters
         has_grad = any(p.requires_grad for p in layers.parameters())
         if has_grad:
-            if trace.active():
-                nbytes = sum(t.numel() * t.element_size() for t in layers.state_dict().values())
-                trace.emit(trace.Event(kind="collective", op="broadcast", group=list(ranks), bytes=nbytes,
-                                       name="DataParallel.sync_params", extra={"src": ranks[0]}))
-            ddp = DDP(
+            made = []  # DDP's constructor broadcasts the parameters and buffers from the group's first rank
+            nbytes = sum(t.numel() * t.element_size() for t in layers.state_dict().values())
+            run("broadcast", g, lambda g: made.append(DDP(
                 layers,
                 process_group=pg,
                 bucket_cap_mb=comm_buffer_size,
                 bucket_cap_mb_list=[last_comm_buffer_size, comm_buffer_size],
                 find_unused_parameters=find_unused_parameters,
-            )
+            )), nbytes=nbytes, name="DataParallel.sync_params", src=ranks[0])
+            ddp = made[0]
+            if trace.active():
+                # a Python hook per bucket costs 5-10% of a small step on gloo (bench/README): only when traced
+                ddp.register_comm_hook(g, _allreduce_hook)
         else:  # nothing to train: only make the replicas equal
             sync_params_buffers(layers, group)
             ddp = None
         object.__setattr__(self, "_ddp", ddp)  # kept out of the module tree: keys stay free of a prefix
-        if ddp is not None and trace.active():
-            ddp.register_comm_hook((list(ranks), pg), _traced_allreduce_hook)
 
     # -- running ---------------------------------------------------------------------------------
     def forward(self, *inputs, **kwargs):
@@ -122,15 +121,15 @@ def _strip_prefix(sd):
     return sd
 
 
-def _traced_allreduce_hook(state, bucket):
-    """DDP's own averaging all-reduce, plus an event per bucket (installed only when tracing at wrap time)."""
-    ranks, pg = state
+def _allreduce_hook(group, bucket):
+    """DDP's own averaging all-reduce of one gradient bucket, issued through the comm layer (installed only when
+    tracing at wrap time; untraced, DDP's C++ hook all-reduces the buckets)."""
     buf = bucket.buffer()
-    with trace.span("collective", op="all_reduce", group=ranks, bytes=buf.numel() * buf.element_size(),
-                    name="DataParallel.bucket", extra={"reduce_op": "avg", "bucket": bucket.index()}):
-        buf.div_(len(ranks))
-        fut = tdist.all_reduce(buf, group=pg, async_op=True).get_future()
-    return fut.then(lambda f: f.value()[0])
+    buf.div_(group.nranks)
+    works = []
+    run("all_reduce", group, lambda g: works.append(tdist.all_reduce(buf, group=g.process_group, async_op=True)),
+        tensors=(buf,), sync_op=False, name="DataParallel.bucket", reduce_op="avg", bucket=bucket.index())
+    return works[0].get_future().then(lambda f: f.value()[0])
 
 
 def sync_params_buffers(model: nn.Module, group=None, src_rank=None, is_model_parallel=False):
@@ -140,18 +139,18 @@ def sync_params_buffers(model: nn.Module, group=None, src_rank=None, is_model_pa
     """
     from .collective import broadcast
 
-    ranks, pg, member = _resolve(group)
-    if not member:
+    g = groups.resolve(group)
+    if not g.is_member():
         return
-    src = ranks[0] if src_rank is None else src_rank
+    src = g.ranks[0] if src_rank is None else src_rank
     tensors = [t for t in list(model.parameters()) + list(model.buffers())
                if not (is_model_parallel and getattr(t, "is_distributed", False))]
     for dtype in sorted({t.dtype for t in tensors}, key=str):
         ts = [t for t in tensors if t.dtype == dtype]
-        flat = _flatten_dense_tensors([t.detach() for t in ts])
-        broadcast(flat, src, group=group)
+        flat = compat.flatten_dense_tensors([t.detach() for t in ts])
+        broadcast(flat, src, group=g)
         with torch.no_grad():
-            for t, v in zip(ts, _unflatten_dense_tensors(flat, ts)):
+            for t, v in zip(ts, compat.unflatten_dense_tensors(flat, ts)):
                 t.copy_(v)
 
 
@@ -167,24 +166,5 @@ def fused_allreduce_gradients(parameter_list, hcg=None):
 
 def _fused_mean(parameter_list, group):
     init_parallel_env()
-    ranks, pg, member = _resolve(group)
-    if not member or len(ranks) == 1:
-        return
-    params = [p for p in parameter_list if getattr(p, "grad", None) is not None]
-    by_dtype: dict = {}
-    for p in params:
-        by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
-    for dtype in sorted(by_dtype, key=str):
-        grads = by_dtype[dtype]
-        bucket, size = [], 0
-        for g in grads + [None]:
-            if g is not None:
-                bucket.append(g)
-                size += g.numel() * g.element_size()
-            if bucket and (g is None or size >= _FUSE_BYTES):
-                flat = _flatten_dense_tensors(bucket)
-                all_reduce(flat, op=ReduceOp.SUM, group=group)
-                flat.div_(len(ranks))
-                for gr, v in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
-                    gr.copy_(v)
-                bucket, size = [], 0
+    grads = [p.grad for p in parameter_list if getattr(p, "grad", None) is not None]
+    all_reduce_mean_(grads, group, bucket_bytes=FUSE_BYTES)

@@ -8,26 +8,16 @@ import time
 import torch
 import torch.distributed as tdist
 
-from .. import trace
+from .. import compat, trace
 from ..core.layout import chunk, local_block
 from ..core.placements import ReduceType
 from ..core.planner import Plan, Step
 from . import groups
+from .comm import all_to_all_flat, divide_, reduction, run
 
 __all__ = ["run_plan", "run_step"]
 
-_all_gather_single = getattr(tdist, "all_gather_single", tdist.all_gather_into_tensor)
-_reduce_scatter_single = getattr(tdist, "reduce_scatter_single", tdist.reduce_scatter_tensor)
-
 _plan_ids = itertools.count(1)
-
-_TORCH_OP = {
-    ReduceType.kRedSum: tdist.ReduceOp.SUM,
-    ReduceType.kRedMax: tdist.ReduceOp.MAX,
-    ReduceType.kRedMin: tdist.ReduceOp.MIN,
-    ReduceType.kRedProd: tdist.ReduceOp.PRODUCT,
-    ReduceType.kRedAvg: tdist.ReduceOp.SUM,  # then divided: gloo has no AVG
-}
 
 
 def _block_shape(step: Step, placements, mesh, coord) -> list[int]:
@@ -52,7 +42,9 @@ def _all_gather(step: Step, local: torch.Tensor, group, coords) -> torch.Tensor:
     out_shape[d] = sum(sizes)
     if len(set(sizes)) == 1 and d == 0:
         out = local.new_empty(out_shape)
-        _all_gather_single(out, local.contiguous(), group=group)
+        src = local.contiguous()
+        run("all_gather", group, lambda g: compat.all_gather_single(out, src, group=g.process_group),
+            tensors=(src,), nbytes=src.numel() * src.element_size() * k, kind=None)
         return out
     m = max(sizes)
     moved = local.movedim(d, 0)
@@ -60,7 +52,9 @@ def _all_gather(step: Step, local: torch.Tensor, group, coords) -> torch.Tensor:
         pad = moved.new_zeros((m - moved.shape[0],) + tuple(moved.shape[1:]))
         moved = torch.cat([moved, pad])
     buf = moved.new_empty((k * m,) + tuple(moved.shape[1:]))
-    _all_gather_single(buf, moved.contiguous(), group=group)
+    src = moved.contiguous()
+    run("all_gather", group, lambda g: compat.all_gather_single(buf, src, group=g.process_group),
+        tensors=(src,), nbytes=src.numel() * src.element_size() * k, kind=None)
     pieces = [buf[i * m : i * m + s] for i, s in enumerate(sizes)]
     return torch.cat(pieces).movedim(0, d).contiguous()
 
@@ -68,25 +62,28 @@ def _all_gather(step: Step, local: torch.Tensor, group, coords) -> torch.Tensor:
 _CHUNK_BYTES = 4 << 20
 
 
-def _all_reduce(step: Step, local: torch.Tensor, group, k: int) -> torch.Tensor:
-    op = _TORCH_OP[step.reduce]
+def _all_reduce(step: Step, local: torch.Tensor, group) -> torch.Tensor:
+    op, finish = reduction(step.reduce, group)
     src = local.contiguous()
     out = torch.empty_like(src)
     flat_out, flat_in = out.view(-1), src.view(-1)
     n = flat_out.numel()
     per = max(1, _CHUNK_BYTES // max(1, src.element_size()))
-    # copy the next chunk while the previous one is reduced: the result must be a new tensor, and this hides the
-    # copy (on gloo it even beats one in-place all_reduce of the whole tensor)
-    works = []
-    for i in range(0, n, per):
-        flat_out[i : i + per].copy_(flat_in[i : i + per])
-        works.append(tdist.all_reduce(flat_out[i : i + per], op=op, group=group, async_op=True))
-    if n == 0:
-        works.append(tdist.all_reduce(flat_out, op=op, group=group, async_op=True))
-    for w in works:
-        w.wait()
-    if step.reduce == ReduceType.kRedAvg:
-        out = out / k if not out.is_floating_point() else out.div_(k)
+
+    def start(g):
+        # copy the next chunk while the previous one is reduced: the result must be a new tensor, and this hides
+        # the copy (on gloo it even beats one in-place all_reduce of the whole tensor)
+        works = []
+        for i in range(0, n, per):
+            flat_out[i : i + per].copy_(flat_in[i : i + per])
+            works.append(tdist.all_reduce(flat_out[i : i + per], op=op, group=g.process_group, async_op=True))
+        if n == 0:
+            works.append(tdist.all_reduce(flat_out, op=op, group=g.process_group, async_op=True))
+        return works
+
+    run("all_reduce", group, start, tensors=(src,), kind=None)
+    if finish is not None:
+        finish(out)
     return out
 
 
@@ -96,40 +93,45 @@ def _reduce_scatter(step: Step, local: torch.Tensor, group, coords, my_index) ->
     sizes = [chunk(local.shape[d], k, j) for j in range(k)]
     lens = [b - a for a, b in sizes]
     if step.reduce in (ReduceType.kRedSum, ReduceType.kRedAvg) and d == 0 and len(set(lens)) == 1:
+        op, finish = reduction(step.reduce, group)
         out = local.new_empty((lens[0],) + tuple(local.shape[1:]))
-        _reduce_scatter_single(out, local.contiguous(), op=tdist.ReduceOp.SUM, group=group)
+        src = local.contiguous()
+        run("reduce_scatter", group,
+            lambda g: compat.reduce_scatter_single(out, src, op=op, group=g.process_group), tensors=(src,),
+            kind=None)
+        if finish is not None:
+            finish(out)
+        return out
+    # every reduction and uneven chunks: an all-to-all of the chunks, then a local reduction
+    moved = local.movedim(d, 0)
+    pieces = [moved[a:b].contiguous() for a, b in sizes]
+    recv = [torch.empty_like(pieces[my_index]) for _ in range(k)]
+    _all_to_all(recv, pieces, group)
+    stack = torch.stack(recv)
+    if step.reduce in (ReduceType.kRedSum, ReduceType.kRedAvg):
+        red = stack.sum(0)
+    elif step.reduce == ReduceType.kRedMax:
+        red = stack.amax(0)
+    elif step.reduce == ReduceType.kRedMin:
+        red = stack.amin(0)
     else:
-        # every reduction and uneven chunks: an all-to-all of the chunks, then a local reduction
-        moved = local.movedim(d, 0)
-        pieces = [moved[a:b].contiguous() for a, b in sizes]
-        recv = [torch.empty_like(pieces[my_index]) for _ in range(k)]
-        _all_to_all(recv, pieces, group)
-        stack = torch.stack(recv)
-        if step.reduce in (ReduceType.kRedSum, ReduceType.kRedAvg):
-            red = stack.sum(0)
-        elif step.reduce == ReduceType.kRedMax:
-            red = stack.amax(0)
-        elif step.reduce == ReduceType.kRedMin:
-            red = stack.amin(0)
-        else:
-            red = stack.prod(0)
-        out = red.movedim(0, d).contiguous()
+        red = stack.prod(0)
+    out = red.movedim(0, d).contiguous()
     if step.reduce == ReduceType.kRedAvg:
-        out = out / k
+        divide_(out, k)
     return out
 
 
 def _all_to_all(recv: list, send: list, group) -> None:
     """all_to_all on flattened buffers (works on gloo, uneven pieces included)."""
-    inp = torch.cat([t.reshape(-1) for t in send]) if send else None
-    out = torch.empty(sum(t.numel() for t in recv), dtype=send[0].dtype, device=send[0].device)
-    tdist.all_to_all_single(out, inp, output_split_sizes=[t.numel() for t in recv],
-                            input_split_sizes=[t.numel() for t in send], group=group)
-    off = 0
-    for t in recv:
-        n = t.numel()
-        t.copy_(out[off : off + n].view_as(t))
-        off += n
+    unpack = []
+
+    def start(g):
+        work, fn = all_to_all_flat(recv, send, g.process_group)
+        unpack.append(fn)
+        return work
+
+    run("all_to_all", group, start, tensors=send, kind=None, then=lambda: unpack[0]())
 
 
 def _all_to_all_dims(step: Step, local: torch.Tensor, group, coords, my_index) -> torch.Tensor:
@@ -143,7 +145,8 @@ def _all_to_all_dims(step: Step, local: torch.Tensor, group, coords, my_index) -
         # one copy to pack (partner j's columns become the j-th contiguous piece), none to unpack when a == 0
         packed = local.unflatten(b, (k, my_b)).movedim(b, 0).contiguous().reshape(-1)
         out = torch.empty_like(packed)
-        tdist.all_to_all_single(out, packed, group=group)
+        run("all_to_all", group, lambda g: tdist.all_to_all_single(out, packed, group=g.process_group),
+            tensors=(packed,), kind=None)
         piece = list(local.shape)
         piece[b] = my_b
         stacked = out.view([k] + piece)  # [k, ..., a_j, ..., my_b, ...]
@@ -184,8 +187,8 @@ def _send_recv(step: Step, local: torch.Tensor | None, rank: int, dtype, device)
             ops.append(tdist.P2POp(tdist.irecv, buf, s))
             pending.append(buf)
     if ops:
-        for w in tdist.batch_isend_irecv(ops):
-            w.wait()
+        run("send_recv", groups.world_group(), lambda g: tdist.batch_isend_irecv(ops),
+            tensors=[op.tensor for op in ops], kind=None)
     if pending:
         result = pending[0]
     return result
@@ -206,13 +209,14 @@ def run_step(step: Step, local, rank: int, dtype, device):
         if my_index == 0 or step.reduce not in (ReduceType.kRedSum, ReduceType.kRedProd):
             return local.clone()
         return torch.zeros_like(local) if step.reduce == ReduceType.kRedSum else torch.ones_like(local)
-    line, group = groups.axis_group(step.mesh, step.axis, rank)
+    line, _ = groups.axis_group(step.mesh, step.axis, rank)
     if k == 1:
         return local.clone()
+    group = groups.line_group(line)
     if step.op == "all_gather":
         return _all_gather(step, local, group, coords)
     if step.op == "all_reduce":
-        return _all_reduce(step, local, group, k)
+        return _all_reduce(step, local, group)
     if step.op == "reduce_scatter":
         return _reduce_scatter(step, local, group, coords, my_index)
     if step.op == "all_to_all":

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as tdist
 
-from ...collective import ReduceOp, _resolve, all_gather, all_reduce
+from ...collective import ReduceOp, all_gather, all_reduce
+from ...groups import resolve
 
 __all__ = ["mp_group_of", "group_index", "c_identity", "mp_allreduce", "c_split", "c_concat",
            "parallel_cross_entropy"]
@@ -23,8 +24,8 @@ def mp_group_of(mp_group):
 
 def group_index(group) -> tuple[int, int]:
     """(this rank's index in the group, group size)."""
-    ranks, _, _ = _resolve(group)
-    return ranks.index(tdist.get_rank()), len(ranks)
+    g = resolve(group)
+    return g.ranks.index(tdist.get_rank()), g.nranks
 
 
 class _CIdentity(torch.autograd.Function):

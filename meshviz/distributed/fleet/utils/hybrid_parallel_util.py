@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from ...parallel import _fused_mean, fused_allreduce_gradients, sync_params_buffers
+from ...comm import all_reduce_mean_
+from ...parallel import fused_allreduce_gradients, sync_params_buffers
 
 __all__ = ["fused_allreduce_gradients", "broadcast_dp_parameters", "broadcast_mp_parameters",
            "broadcast_sharding_parameters", "sync_params_buffers"]
@@ -22,4 +23,6 @@ def broadcast_sharding_parameters(model, hcg):
 
 
 def _sharding_mean(parameter_list, hcg):
-    _fused_mean(parameter_list, hcg.get_sharding_parallel_group())
+    """Average the gradients over the sharding group (the bucketed mean fused_allreduce_gradients uses)."""
+    grads = [p.grad for p in parameter_list if getattr(p, "grad", None) is not None]
+    all_reduce_mean_(grads, hcg.get_sharding_parallel_group())

@@ -1,0 +1,214 @@
+"""The one module through which meshviz touches private torch and ipyparallel symbols (torch 2.11 to 2.13)."""
+
+from __future__ import annotations
+
+import inspect
+import re
+
+import torch
+import torch.distributed as tdist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+__all__ = [
+    "TORCH_VERSION", "SUPPORTED_TORCH", "missing",
+    # torch.distributed
+    "new_group_in_order", "all_gather_single", "reduce_scatter_single", "abort_process_group",
+    "reset_group_count", "resolve_process_group", "device_mesh_without_backend", "dtensor_local",
+    # tensor subclasses and dispatch
+    "disabled_torch_function_impl", "make_wrapper_subclass", "TorchDispatchMode", "tree_map", "tree_flatten",
+    "flatten_dense_tensors", "unflatten_dense_tensors", "fake_tensor_type", "amp_unscale_",
+    # pipelining
+    "PIPELINE_STAGE_METHODS", "pipeline_order", "action_fields",
+    # ipyparallel
+    "ar_targets", "ar_children",
+]
+
+
+def _version(text: str) -> tuple[int, int]:
+    m = re.match(r"(\d+)\.(\d+)", text)
+    return (int(m.group(1)), int(m.group(2))) if m else (0, 0)
+
+
+TORCH_VERSION = _version(torch.__version__)
+SUPPORTED_TORCH = ((2, 11), (2, 12), (2, 13))
+
+# -- torch.distributed ----------------------------------------------------------------------------------------
+
+_c10d = tdist.distributed_c10d
+_SORT_RANKS = "sort_ranks" in inspect.signature(tdist.new_group).parameters  # new in torch 2.12/2.13
+
+
+def new_group_in_order(ranks, timeout=None, backend=None):
+    """A process group whose group rank i is ``ranks[i]`` (torch's ``new_group`` sorts them).
+
+    Every rank of the world calls it; a non-member gets ``GroupMember.NON_GROUP_MEMBER``. Where ``new_group``
+    has no ``sort_ranks`` (torch 2.11), this is its body without the sort.
+    """
+    ranks = [int(r) for r in ranks]
+    if _SORT_RANKS:
+        return tdist.new_group(ranks, timeout=timeout, backend=backend, sort_ranks=False)
+    default_pg = _c10d._get_default_group()
+    default_backend, default_store = _c10d._world.pg_map[default_pg]
+    backend = _c10d.Backend(backend or default_backend)
+    if timeout is None:
+        timeout = _c10d._get_default_timeout(backend)
+    me = default_pg.rank()
+    name = _c10d._process_group_name(ranks, use_hashed_name=False)
+    pg, _ = _c10d._new_process_group_helper(
+        len(ranks), ranks.index(me) if me in ranks else None, ranks, backend, default_store, name,
+        timeout=timeout, device_id=default_pg.bound_device_id)
+    _c10d._world.pg_group_ranks[pg] = {g: i for i, g in enumerate(ranks)}
+    return pg
+
+
+# torch 2.13 renamed the tensor forms (the old names warn); 2.11 has only the old ones
+all_gather_single = getattr(tdist, "all_gather_single", None) or tdist.all_gather_into_tensor
+reduce_scatter_single = getattr(tdist, "reduce_scatter_single", None) or tdist.reduce_scatter_tensor
+
+
+def abort_process_group(group=None) -> None:
+    """Tear a process group down at once (every group of this rank when ``group`` is None)."""
+    _c10d._abort_process_group(group)
+
+
+def reset_group_count() -> None:
+    """Restart torch's group numbering: group names (and so store keys) come from it, so every rank of a new
+    world must start from 0."""
+    _c10d._world.group_count = 0
+
+
+def resolve_process_group(name: str):
+    """The process group registered under ``name`` (functional collectives carry only the name)."""
+    return _c10d._resolve_process_group(name)
+
+
+def device_mesh_without_backend(device_type: str, mesh, mesh_dim_names=None):
+    """A DeviceMesh that creates no process groups (for a rank outside the mesh)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return DeviceMesh(device_type, mesh, mesh_dim_names=mesh_dim_names, _init_backend=False)
+
+
+def dtensor_local(dt) -> torch.Tensor:
+    """A DTensor's local tensor without autograd (``to_local()`` records a node)."""
+    return dt._local_tensor
+
+
+# -- tensor subclasses and dispatch ---------------------------------------------------------------------------
+
+disabled_torch_function_impl = torch._C._disabled_torch_function_impl
+make_wrapper_subclass = torch.Tensor._make_wrapper_subclass
+flatten_dense_tensors = _flatten_dense_tensors
+unflatten_dense_tensors = _unflatten_dense_tensors
+amp_unscale_ = torch._amp_foreach_non_finite_check_and_unscale_
+
+
+def fake_tensor_type():
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return FakeTensor
+
+
+# -- pipelining -------------------------------------------------------------------------------------------
+
+# the PipelineStage methods a traced stage overrides (torch's schedules call them)
+PIPELINE_STAGE_METHODS = ("get_fwd_recv_ops", "get_bwd_recv_ops", "get_fwd_send_ops", "get_bwd_send_ops",
+                          "forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
+
+
+def pipeline_order(schedule) -> dict:
+    """pipe rank -> the schedule's list of actions (None for idle slots)."""
+    return schedule.pipeline_order
+
+
+def action_fields(action) -> tuple[str, int, int]:
+    """(computation type letter, stage index, micro-batch index) of one schedule action."""
+    ct = action.computation_type
+    return str(getattr(ct, "value", ct)), action.stage_index, action.microbatch_index
+
+
+# -- ipyparallel ------------------------------------------------------------------------------------------
+
+def ar_targets(ar):
+    """The engine ids an AsyncResult was sent to (None: every engine of its view)."""
+    return ar._targets
+
+
+def ar_children(ar) -> list:
+    """An AsyncResult's per-engine futures, in the order of :func:`ar_targets`."""
+    return ar._children
+
+
+def missing() -> list[str]:
+    """The private symbols this module relies on that the installed torch / ipyparallel lack."""
+    out = []
+    checks = {
+        "distributed_c10d._world.pg_map": lambda: _c10d._world.pg_map,
+        "distributed_c10d._world.group_count": lambda: _c10d._world.group_count,
+        "distributed_c10d._abort_process_group": lambda: _c10d._abort_process_group,
+        "distributed_c10d._resolve_process_group": lambda: _c10d._resolve_process_group,
+        "DeviceMesh(_init_backend=)": lambda: _param("torch.distributed.device_mesh", "DeviceMesh.__init__",
+                                                     "_init_backend"),
+        "DTensor._local_tensor": lambda: _slot("torch.distributed.tensor", "DTensor", "_local_tensor"),
+        "torch._C._disabled_torch_function_impl": lambda: disabled_torch_function_impl,
+        "torch._subclasses.fake_tensor.FakeTensor": fake_tensor_type,
+        "torch.distributed.pipelining.PipelineStage methods": _stage_methods,
+        "torch.distributed.pipelining schedule actions": _action_fields,
+        "ipyparallel AsyncResult._targets/_children": _ar_fields,
+    }
+    if not _SORT_RANKS:
+        checks["distributed_c10d._new_process_group_helper"] = lambda: _param(
+            "torch.distributed.distributed_c10d", "_new_process_group_helper", "device_id")
+        checks["distributed_c10d._process_group_name"] = lambda: _c10d._process_group_name
+        checks["distributed_c10d._world.pg_group_ranks"] = lambda: _c10d._world.pg_group_ranks
+        checks["distributed_c10d._get_default_timeout"] = lambda: _c10d._get_default_timeout
+    for name, check in checks.items():
+        try:
+            check()
+        except Exception:
+            out.append(name)
+    return out
+
+
+def _attr(module: str, path: str):
+    import importlib
+
+    obj = importlib.import_module(module)
+    for part in path.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _param(module: str, path: str, name: str):
+    if name not in inspect.signature(_attr(module, path)).parameters:
+        raise AttributeError(name)
+
+
+def _slot(module: str, cls: str, name: str):
+    c = _attr(module, cls)
+    if name not in getattr(c, "__slots__", ()) and name not in c.__annotations__ and not hasattr(c, name):
+        raise AttributeError(name)
+
+
+def _stage_methods():
+    from torch.distributed.pipelining import PipelineStage
+
+    for m in PIPELINE_STAGE_METHODS:
+        getattr(PipelineStage, m)
+
+
+def _action_fields():
+    from torch.distributed.pipelining.schedules import _Action, _ComputationType
+
+    action_fields(_Action(0, _ComputationType.FORWARD, 0))
+    _attr("torch.distributed.pipelining", "Schedule1F1B.__init__")
+
+
+def _ar_fields():
+    from ipyparallel.client.asyncresult import AsyncResult
+
+    src = inspect.getsource(AsyncResult.__init__)
+    if "self._targets" not in src or "self._children" not in src:
+        raise AttributeError("_targets/_children")

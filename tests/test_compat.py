@@ -1,0 +1,67 @@
+"""Every private torch / ipyparallel symbol meshviz uses resolves on the installed versions, through meshviz.compat."""
+
+import pytest
+import torch
+
+from meshviz import compat
+from meshviz.testing import run_ranks
+
+
+def test_every_compat_symbol_resolves():
+    assert compat.TORCH_VERSION in compat.SUPPORTED_TORCH, torch.__version__
+    for name in compat.__all__:
+        assert getattr(compat, name) is not None, name
+    assert compat.missing() == []
+
+
+def test_wrapper_subclass_and_dense_flattening():
+    class Box(torch.Tensor):
+        __torch_function__ = compat.disabled_torch_function_impl
+
+        @classmethod
+        def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+            return NotImplemented
+
+    b = compat.make_wrapper_subclass(Box, (2, 3), dtype=torch.float32, device="cpu", requires_grad=False)
+    assert isinstance(b, Box) and tuple(b.shape) == (2, 3)
+    ts = [torch.arange(3.0), torch.ones(2, 2)]
+    flat = compat.flatten_dense_tensors(ts)
+    assert flat.tolist() == [0.0, 1.0, 2.0, 1.0, 1.0, 1.0, 1.0]
+    back = compat.unflatten_dense_tensors(flat * 2, ts)
+    assert [t.tolist() for t in back] == [[0.0, 2.0, 4.0], [[2.0, 2.0], [2.0, 2.0]]]
+
+
+def test_pipeline_actions_read():
+    from torch.distributed.pipelining.schedules import _Action, _ComputationType
+
+    assert compat.action_fields(_Action(2, _ComputationType.FORWARD, 5)) == ("F", 2, 5)
+
+
+def _ordered_groups():
+    import torch.distributed as tdist
+
+    import meshviz.distributed as dist
+    from meshviz.distributed import groups
+
+    dist.init_parallel_env()
+    r = dist.get_rank()
+    pg = compat.new_group_in_order([2, 0])
+    out = {"member": pg is not tdist.GroupMember.NON_GROUP_MEMBER}
+    if out["member"]:
+        out["ranks"] = tdist.get_process_group_ranks(pg)
+        got = [torch.zeros(1) for _ in range(2)]
+        tdist.all_gather(got, torch.tensor([10.0 * r + 1]), group=pg)
+        out["gathered"] = [g.item() for g in got]  # group order: rank 2's first
+        dm = groups.device_mesh(dist.ProcessMesh([2, 0], ["x"]), "cpu")
+        out["coordinate"] = list(dm.get_coordinate())
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_groups_keep_the_order_they_are_given():
+    res = run_ranks(_ordered_groups, 3)
+    assert res[1] == {"member": False}
+    for r in (0, 2):
+        assert res[r]["ranks"] == [2, 0]
+        assert res[r]["gathered"] == [21.0, 1.0]
+        assert res[r]["coordinate"] == [{2: 0, 0: 1}[r]]
