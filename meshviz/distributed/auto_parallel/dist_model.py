@@ -8,9 +8,13 @@ import inspect
 import torch
 import torch.distributed as tdist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
-from ... import trace
+from ... import compat, trace
 from ...core.sharding import STAGES
+from ..api import is_dist_tensor
+from ..collective import all_reduce, broadcast
+from ..comm import all_reduce_mean_
 from .program import Program, shape_str
 from .recorder import DispatchRecorder, graph_from_records
 from .strategy import Strategy
@@ -21,31 +25,11 @@ MODES = ("train", "eval", "predict")
 
 
 def _is_dist(t) -> bool:
-    try:
-        from ..api import is_dist_tensor
-    except Exception:  # the dist-tensor runtime is optional here
-        return hasattr(t, "placements") and hasattr(t, "full_tensor")
-    return is_dist_tensor(t) or hasattr(t, "full_tensor")
+    return is_dist_tensor(t) or isinstance(t, DTensor)
 
 
 def _world() -> int:
     return tdist.get_world_size() if tdist.is_initialized() else 1
-
-
-def _average_grads(grads) -> None:
-    """Average plain gradients over the world in place: one flat all-reduce, then divide."""
-    if not grads:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    world = _world()
-    with trace.span("collective", op="all_reduce", group=list(range(world)),
-                    bytes=flat.numel() * flat.element_size()):
-        tdist.all_reduce(flat)
-    flat.div_(world)
-    off = 0
-    for g in grads:
-        g.copy_(flat[off : off + g.numel()].view_as(g))
-        off += g.numel()
 
 
 class DistModel:
@@ -112,9 +96,7 @@ class DistModel:
             plain = [p for p in layer.parameters() if not _is_dist(p)]
             with torch.no_grad():
                 for p in plain:  # data parallel starts from rank 0's parameters
-                    with trace.span("collective", op="broadcast", group=list(range(world)),
-                                    bytes=p.numel() * p.element_size()):
-                        tdist.broadcast(p.data, src=0)
+                    broadcast(p.data, src=0)
             self._dp = bool(plain)
         self._device_type = next((p.device.type for p in layer.parameters()), "cpu")
         if amp.enable and str(amp.dtype) == "float16" and amp.use_dynamic_loss_scaling and optimizer is not None:
@@ -241,7 +223,7 @@ class DistModel:
         if self._micro % self._k == 0:
             if self._dp:
                 grads = [p.grad for p in self._layer.parameters() if p.grad is not None and not _is_dist(p.grad)]
-                _average_grads(grads)
+                all_reduce_mean_(grads)
             if self._scaler is not None:
                 self._scaler.step(self._optimizer)
                 self._scaler.update()
@@ -255,7 +237,7 @@ class DistModel:
             return loss.full_tensor()
         if (self._dp or self._sharded) and _world() > 1 and self._strategy.split_data:
             loss = loss.detach().float().clone()
-            tdist.all_reduce(loss)
+            all_reduce(loss)
             return loss / _world()
         return loss
 
@@ -270,10 +252,10 @@ class DistModel:
         names = {}
         for n, p in self._layer.named_parameters():
             loc = p
-            if hasattr(p, "_local_tensor"):
-                loc = p._local_tensor
-            elif hasattr(p, "_dtensor"):
-                loc = p._dtensor._local_tensor
+            if isinstance(p, DTensor):
+                loc = compat.dtensor_local(p)
+            elif is_dist_tensor(p):
+                loc = compat.dtensor_local(p._dtensor)
             names[id(loc)] = n
             names[id(p)] = n
         return names

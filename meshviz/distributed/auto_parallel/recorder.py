@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_map
 
+from ... import compat
 from .program import shape_str
 
 __all__ = ["DispatchRecorder", "graph_from_records"]
 
 
-class DispatchRecorder(TorchDispatchMode):
+class DispatchRecorder(compat.TorchDispatchMode):
     """Records the aten and c10d ops one real step runs on this rank (on local blocks; subclasses desugar)."""
 
     def __init__(self):
@@ -20,9 +19,8 @@ class DispatchRecorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        from torch._subclasses.fake_tensor import FakeTensor
-
-        if any(issubclass(t, FakeTensor) for t in types):  # shape propagation inside DTensor: not a real op
+        fake = compat.fake_tensor_type()
+        if any(issubclass(t, fake) for t in types):  # shape propagation inside DTensor: not a real op
             return func(*args, **kwargs)
         if any(getattr(t, "__torch_dispatch__", None) is not torch.Tensor.__torch_dispatch__ for t in types):
             return NotImplemented
@@ -54,8 +52,8 @@ def graph_from_records(records, names: dict) -> torch.fx.Graph:
 
     last = None
     for func, args, kwargs, out in records:
-        node = g.call_function(func, tree_map(node_for, tuple(args)), tree_map(node_for, dict(kwargs)))
-        flat, _ = tree_flatten(out)
+        node = g.call_function(func, compat.tree_map(node_for, tuple(args)), compat.tree_map(node_for, dict(kwargs)))
+        flat, _ = compat.tree_flatten(out)
         tensors = [t for t in flat if isinstance(t, torch.Tensor)]
         node.meta["shape"] = ", ".join(shape_str(t) for t in tensors)
         for t in tensors:

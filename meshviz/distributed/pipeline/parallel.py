@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ... import trace
+from ... import compat, trace
 from ...core.schedule import fthenb_order, one_f_one_b_order
 from ...trace import Event
 from .layers import PipelineLayer
@@ -251,12 +251,12 @@ class PipelineParallel(nn.Module):
             return one_f_one_b_order(p, m, d)
         sched, _, _ = self._build("train", True, None)
         out = []
-        for a in sched.pipeline_order[d]:
+        for a in compat.pipeline_order(sched)[d]:
             if a is None:
                 continue
-            ct = str(getattr(a.computation_type, "value", a.computation_type))
+            ct, stage, mb = compat.action_fields(a)
             if ct in _PHASE:
-                out.append((_PHASE[ct], a.stage_index, a.microbatch_index))
+                out.append((_PHASE[ct], stage, mb))
         return out
 
     # -- data ----------------------------------------------------------------------------------------

@@ -1,46 +1,61 @@
-"""The sharding group: its process group and ranks, traced spans, and the collectives the shards use."""
+"""The sharding group: its ranks, and the collectives the shards use (all through the comm layer)."""
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as tdist
 
-from ... import trace
+from ... import compat
+from .. import comm
+from ..groups import resolve
 
-__all__ = ["ShardingGroup", "resolve_group", "broadcast_module", "all_gather_single", "reduce_scatter_single",
-           "gather_object"]
-
-# torch 2.11 spells these all_gather_into_tensor / reduce_scatter_tensor
-all_gather_single = getattr(tdist, "all_gather_single", tdist.all_gather_into_tensor)
-reduce_scatter_single = getattr(tdist, "reduce_scatter_single", tdist.reduce_scatter_tensor)
+__all__ = ["ShardingGroup", "resolve_group", "broadcast_module", "gather_object"]
 
 
 class ShardingGroup:
     """The ranks a parameter is sharded over, in group order; ``rank`` is this rank's index among them."""
 
-    def __init__(self, pg, ranks):
-        self.pg = pg
-        self.ranks = list(ranks)
+    def __init__(self, group):
+        self.group = group
+        self.pg = group.process_group
+        self.ranks = list(group.ranks)
         self.size = len(self.ranks)
-        self.rank = self.ranks.index(tdist.get_rank())
+        self.rank = group.rank
 
-    def span(self, op, nbytes):
-        return trace.span("collective", op=op, group=self.ranks, bytes=int(nbytes))
+    def run(self, op, start, *tensors, peer=None, **extra):
+        """Issue one collective over the group (``start(pg)`` starts it) through the comm layer."""
+        return comm.run(op, self.group, lambda g: start(self.pg), tensors=tensors, peer=peer, **extra)
+
+    def all_reduce(self, t, op=tdist.ReduceOp.SUM):
+        self.run("all_reduce", lambda pg: tdist.all_reduce(t, op=op, group=pg, async_op=True), t)
+
+    def reduce(self, t, dst_index: int):
+        dst = self.ranks[dst_index]
+        self.run("reduce", lambda pg: tdist.reduce(t, dst=dst, group=pg, async_op=True), t, peer=dst)
+
+    def broadcast(self, t, src_index: int = 0):
+        src = self.ranks[src_index]
+        self.run("broadcast", lambda pg: tdist.broadcast(t, src=src, group=pg, async_op=True), t, peer=src)
+
+    def all_gather_into(self, out, mine):
+        self.run("all_gather", lambda pg: compat.all_gather_single(out, mine, group=pg, async_op=True), out)
+
+    def reduce_scatter_into(self, out, flat):
+        self.run("reduce_scatter",
+                 lambda pg: compat.reduce_scatter_single(out, flat, group=pg, async_op=True), flat)
+
+    def barrier(self):
+        self.run("barrier", lambda pg: tdist.barrier(group=pg, async_op=True))
 
     def __repr__(self) -> str:
         return f"ShardingGroup({self.ranks})"
 
 
 def resolve_group(group) -> ShardingGroup:
-    if group is None:
-        pg = tdist.group.WORLD
-    else:
-        pg = getattr(group, "process_group", group)
-    if pg is None or pg == tdist.GroupMember.NON_GROUP_MEMBER:
-        ranks = getattr(group, "ranks", "?")
-        raise ValueError(f"group_sharded_parallel: rank {tdist.get_rank()} is not in the group {ranks}")
-    ranks = tdist.get_process_group_ranks(pg)
-    return ShardingGroup(pg, ranks)
+    g = resolve(group)
+    if g.rank < 0:
+        raise ValueError(f"group_sharded_parallel: rank {tdist.get_rank()} is not in the group {list(g.ranks)}")
+    return ShardingGroup(g)
 
 
 def broadcast_module(module, grp: ShardingGroup, tensors="all"):
@@ -52,8 +67,7 @@ def broadcast_module(module, grp: ShardingGroup, tensors="all"):
         items += [b for b in module.buffers()]
     with torch.no_grad():
         for t in items:
-            with grp.span("broadcast", t.numel() * t.element_size()):
-                tdist.broadcast(t.data, src=grp.ranks[0], group=grp.pg)
+            grp.broadcast(t.data, 0)
 
 
 def gather_object(obj, grp: ShardingGroup) -> list:
@@ -61,5 +75,5 @@ def gather_object(obj, grp: ShardingGroup) -> list:
     if grp.size == 1:
         return [obj]
     out = [None] * grp.size
-    tdist.all_gather_object(out, obj, group=grp.pg)
+    grp.run("all_gather_object", lambda pg: tdist.all_gather_object(out, obj, group=pg))
     return out

@@ -6,38 +6,12 @@ import torch
 import torch.distributed as tdist
 
 from ... import trace
-from .group import ShardingGroup, all_gather_single, reduce_scatter_single
+from ..comm import all_reduce_mean_
+from .group import ShardingGroup
 from .slot import Slot, local_tensor
 from .state import full_optimizer_state
 
 __all__ = ["GroupShardedOptimizer"]
-
-
-def _bucketed_all_reduce(grads, grp: ShardingGroup, bucket_numel: int) -> None:
-    """Average ``grads`` in place over the group: flatten buckets of at most ``bucket_numel``, all-reduce, divide."""
-    bucket, size = [], 0
-
-    def flush():
-        if not bucket:
-            return
-        flat = torch.cat([g.detach().reshape(-1) for g in bucket])
-        with grp.span("all_reduce", flat.numel() * flat.element_size()):
-            tdist.all_reduce(flat, group=grp.pg)
-        flat.div_(grp.size)
-        off = 0
-        for g in bucket:
-            n = g.numel()
-            g.detach().copy_(flat[off : off + n].view_as(g))
-            off += n
-        bucket.clear()
-
-    for g in grads:
-        if bucket and (size + g.numel() > bucket_numel or g.dtype != bucket[0].dtype):
-            flush()
-            size = 0
-        bucket.append(g)
-        size += g.numel()
-    flush()
 
 
 class GroupShardedOptimizer:
@@ -105,16 +79,12 @@ class GroupShardedOptimizer:
             if c * grp.size != flat.numel():
                 flat = torch.cat([flat, flat.new_zeros(c * grp.size - flat.numel())])
             out = flat.new_empty(c)
-            with grp.span("reduce_scatter", flat.numel() * flat.element_size()):
-                reduce_scatter_single(out, flat.contiguous(), group=grp.pg)
+            grp.reduce_scatter_into(out, flat.contiguous())
             mine = out[: slot.hi - slot.lo]
         else:
             owner = piece.owners()[0]
             flat = flat.clone() if owner == grp.rank else flat
-            with grp.span("reduce", flat.numel() * flat.element_size()) as ev:
-                if ev is not None:
-                    ev.peer = grp.ranks[owner]
-                tdist.reduce(flat, dst=grp.ranks[owner], group=grp.pg)
+            grp.reduce(flat, owner)
             mine = flat if owner == grp.rank else None
         if mine is not None:
             mine = mine.div_(grp.size)
@@ -136,13 +106,14 @@ class GroupShardedOptimizer:
         slots = [s for s in self._slots if s.piece.mode in ("slice", "whole", "replicated")]
         if grp.size > 1:
             has = torch.tensor([s.param.grad is not None for s in slots], dtype=torch.uint8)
-            with grp.span("all_reduce", has.numel()):
-                tdist.all_reduce(has, op=tdist.ReduceOp.MAX, group=grp.pg)
+            grp.all_reduce(has, op=tdist.ReduceOp.MAX)
             live = [s for s, h in zip(slots, has.tolist()) if h]
             for s in live:
                 if s.param.grad is None:
                     s.param.grad = torch.zeros_like(s.param)
-            _bucketed_all_reduce([s.param.grad for s in live], grp, self._buffer_max_size)
+            grads = [s.param.grad for s in live]
+            itemsize = grads[0].element_size() if grads else 4
+            all_reduce_mean_(grads, grp.group, bucket_bytes=self._buffer_max_size * itemsize)
         else:
             live = [s for s in slots if s.param.grad is not None]
         for s in live:
@@ -196,15 +167,11 @@ class GroupShardedOptimizer:
                 mine = flat.new_zeros(c)
                 mine[: s.hi - s.lo] = flat[s.lo : s.hi]
                 out = flat.new_empty(c * grp.size)
-                with grp.span("all_gather", out.numel() * out.element_size()):
-                    all_gather_single(out, mine, group=grp.pg)
+                grp.all_gather_into(out, mine)
                 flat.copy_(out[: flat.numel()])
             else:
                 owner = piece.owners()[0]
-                with grp.span("broadcast", flat.numel() * flat.element_size()) as ev:
-                    if ev is not None:
-                        ev.peer = grp.ranks[owner]
-                    tdist.broadcast(flat, src=grp.ranks[owner], group=grp.pg)
+                grp.broadcast(flat, owner)
 
     def zero_grad(self, set_to_none: bool = True):
         for s in self._slots:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 
 import torch
-import torch.distributed as tdist
 
 from .group import resolve_group
 from .optimizer import GroupShardedOptimizer
@@ -40,4 +39,4 @@ def save_group_sharded_model(model, output, optimizer=None):
         if osd is not None:
             torch.save(osd, os.path.join(output, OPT_FILE))
     if grp.size > 1:
-        tdist.barrier(group=grp.pg)
+        grp.barrier()

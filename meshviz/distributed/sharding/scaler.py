@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
+from ... import compat
 from .group import ShardingGroup
 from .slot import local_tensor
 
@@ -36,7 +37,7 @@ class GroupShardedScaler(ShardedGradScaler):
                         per.setdefault((g.device, g.dtype), []).append(g)
             for (dev, _), grads in per.items():
                 fi = torch.zeros(1, device=dev)
-                torch._amp_foreach_non_finite_check_and_unscale_(grads, fi, inv_scale.to(dev))
+                compat.amp_unscale_(grads, fi, inv_scale.to(dev))
                 found_inf += fi.to(found_inf.device)
         return {found_inf.device: found_inf}
 
