@@ -293,7 +293,7 @@ def test_stop_is_quiet_and_cleans_up(capfd):
 
 @pytest.mark.timeout(30)
 def test_rank_configs_bind_devices_as_documented():
-    from meshviz.cluster.cluster import rank_configs
+    from meshviz.cluster.config import rank_configs
 
     probes = [{"host": "a", "pid": 10 + r, "port": 5000 + r} for r in range(4)]
     gpu = rank_configs(probes, "cuda", None, "127.0.0.1", True, 60.0, None, ncpu=16)
