@@ -28,10 +28,14 @@ def _listeners(port: int) -> list[str]:
 def test_a_reserved_port_stays_taken_until_the_store_serves_on_it_on_loopback_only():
     res = rendezvous.reserve_port()
     port = res.port
-    other = socket.socket()
-    with pytest.raises(OSError):
-        other.bind(("127.0.0.1", port))  # held: nobody else can take it
-    other.close()
+    for reuse in (False, True):  # held: nobody else can take it, not even with SO_REUSEADDR (as torch's store)
+        other = socket.socket()
+        if reuse:
+            other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        with pytest.raises(OSError):
+            other.bind(("127.0.0.1", port))
+            other.listen(1)
+        other.close()
     to = datetime.timedelta(seconds=10)
     server = rendezvous.serve_store(res, 2, to)
     assert not res.held

@@ -38,25 +38,27 @@ class PortReservation:
         self.host = host
         self._sock: socket.socket | None = socket.socket()
         try:
-            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a previous store's TIME_WAIT
+            if port:
+                self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a previous store's TIME_WAIT
             self._sock.bind((host, port))
+            # listening at once: a bound socket that does not listen yet can share its port with another
+            # SO_REUSEADDR socket (torch's store sets it), a listening one cannot. Early clients wait in the backlog.
+            self._sock.listen(128)
         except OSError:
             self._sock.close()
             raise
         self.port = self._sock.getsockname()[1]
-        self._listening = False
 
     @property
     def held(self) -> bool:
         return self._sock is not None
 
     def listen(self, backlog: int = 128) -> "PortReservation":
-        """Accept connections from now on (they wait in the backlog until the store serves them)."""
+        """Make room for ``backlog`` connections waiting to be served (it listens from the start)."""
         if self._sock is None:
             raise RuntimeError(f"port {self.port} was already handed over or released")
-        if not self._listening:
-            self._sock.listen(max(128, backlog))
-            self._listening = True
+        if backlog > 128:
+            self._sock.listen(backlog)
         return self
 
     def take(self, backlog: int = 128) -> int:
