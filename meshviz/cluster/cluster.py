@@ -9,9 +9,9 @@ import time
 import weakref
 from typing import Any, Protocol
 
-from ..errors import RankError, RankOutcome
+from ..errors import RankOutcome
 from ..trace.stream import EventLog
-from .config import DEFAULT_CPU_RANKS, ClusterConfig, rank_configs  # noqa: F401  (rank_configs: older import path)
+from .config import DEFAULT_CPU_RANKS, ClusterConfig
 from .control import ClusterState, Control
 from .engine import GRACE
 from .engines import Engines

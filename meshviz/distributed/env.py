@@ -12,8 +12,7 @@ from .. import trace
 from ..core.mesh import set_rank_getter
 from ..errors import RankError
 from . import rendezvous
-from .rendezvous import free_port  # noqa: F401  (kept importable from here)
-from .rank_processes import SpawnContext, spawn  # noqa: F401
+from .rank_processes import SpawnContext, spawn
 
 __all__ = [
     "init_parallel_env",
@@ -22,6 +21,7 @@ __all__ = [
     "is_initialized",
     "barrier",
     "spawn",
+    "SpawnContext",
     "default_timeout",
     "device",
     "ParallelEnv",
@@ -30,6 +30,8 @@ __all__ = [
 ]
 
 DEFAULT_TIMEOUT_S = 60.0
+
+free_port = rendezvous.free_port  # its old home; a port only named, see rendezvous.reserve_port
 
 
 def default_timeout() -> datetime.timedelta:

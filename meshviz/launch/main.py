@@ -214,7 +214,7 @@ def launch(argv=None) -> int:
         print(f"meshviz.launch: error: no such script {args.training_script!r}", file=sys.stderr)
         return 2
     try:
-        store = _agent_store(config, reservation)  # noqa: F841  (held while the agent runs)
+        store = _agent_store(config, reservation)  # served until the agent is done
     except OSError as e:
         print(f"meshviz.launch: error: cannot serve the rendezvous on {config.rdzv_endpoint}: {e}", file=sys.stderr)
         return 2
@@ -237,6 +237,8 @@ def launch(argv=None) -> int:
                 print(f"---- tail of {path} (rank {rank}, exit code {f.exitcode}) ----", file=sys.stderr)
                 print("\n".join(tail), file=sys.stderr)
         return 1
+    finally:
+        del store
     return 0
 
 
