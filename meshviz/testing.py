@@ -9,31 +9,30 @@ import tempfile
 import time
 import traceback
 
+from .errors import RankError
+
 __all__ = ["run_ranks", "RankFailed"]
 
-
-class RankFailed(RuntimeError):
-    """One or more ranks raised, died or ran past the deadline; the message names them."""
+RankFailed = RankError  # the name tests have used for a failed run_ranks
 
 
-def _entry(index, func, args, world, port, outdir, env):
+def _entry(index, port, func, args, world, outdir, env):
+    from .distributed import rendezvous
+
     os.environ.update(env)
-    os.environ.update(
-        RANK=str(index), LOCAL_RANK=str(index), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-    )
+    os.environ.update(rendezvous.rank_env(index, world, rendezvous.LOOPBACK, port, hosted=True))
     import torch
 
     torch.set_num_threads(1)
     path = os.path.join(outdir, f"rank{index}.pkl")
     try:
-        result = ("ok", func(*args))
+        result = ("ok", func(*args), None)
     except BaseException as e:  # report every failure, with its traceback, to the parent
-        result = ("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
+        result = ("error", f"{type(e).__name__}: {e}", traceback.format_exc())
     try:
         blob = pickle.dumps(result)
     except Exception as e:
-        blob = pickle.dumps(("error", f"rank {index} returned something unpicklable: {e}"))
+        blob = pickle.dumps(("error", f"returned something unpicklable: {e}", None))
     with open(path + ".tmp", "wb") as fh:
         fh.write(blob)
     os.replace(path + ".tmp", path)
@@ -51,53 +50,35 @@ def run_ranks(func, nprocs: int, *args, timeout: float = 120.0, collective_timeo
               env: dict | None = None) -> list:
     """Run ``func(*args)`` on ranks 0..nprocs-1 (gloo on CPU); return the list of per-rank return values.
 
-    Raises RankFailed naming every rank that raised (with its traceback), died, or was still running after
+    Raises :class:`~meshviz.errors.RankError` (also known here as ``RankFailed``) naming the rank that failed
+    first, with its traceback, and what every other rank did: raised, died, or was still running after
     ``timeout`` seconds (those are killed). ``func`` must be importable (defined at module level).
     """
-    import torch.multiprocessing as mp
-
-    from .distributed.env import free_port
+    from .distributed.rank_processes import RankProcesses
 
     outdir = tempfile.mkdtemp(prefix="meshviz-ranks-")
     envd = {"MESHVIZ_TIMEOUT": str(collective_timeout), "MESHVIZ_BACKEND": "gloo", **(env or {})}
-    ctx = mp.start_processes(
-        _entry, args=(func, args, nprocs, free_port(), outdir, envd), nprocs=nprocs, join=False,
-        start_method="spawn",
-    )
+    procs = RankProcesses(_entry, (func, args, nprocs, outdir, envd), nprocs, collective_timeout, "spawn")
     deadline = time.monotonic() + timeout
     try:
-        while True:
-            if all(not p.is_alive() for p in ctx.processes):
-                break
-            if time.monotonic() > deadline:
-                break
-            time.sleep(0.05)
-        results, errors = [], []
-        for r, p in enumerate(ctx.processes):
+        while not procs.done() and time.monotonic() < deadline:
+            procs.wait(max(0.0, deadline - time.monotonic()))
+        procs.terminate("running")
+        values, reports = {}, {}
+        for r in range(nprocs):
             path = os.path.join(outdir, f"rank{r}.pkl")
-            if p.is_alive() and not os.path.exists(path):
-                errors.append(f"rank {r}: still running after {timeout:.0f} s (killed)")
-                results.append(None)
-                continue
-            p.join(5)
             if not os.path.exists(path):
-                errors.append(f"rank {r}: died with exit code {p.exitcode} before returning")
-                results.append(None)
                 continue
             with open(path, "rb") as fh:
-                status, value = pickle.load(fh)
+                status, value, tb = pickle.load(fh)
             if status == "error":
-                errors.append(f"rank {r} raised {value}")
-                results.append(None)
+                reports[r] = (value, tb, os.path.getmtime(path))
             else:
-                results.append(value)
-        if errors:
-            raise RankFailed("\n".join(errors))
-        return results
+                values[r] = value
+        if reports or len(values) < nprocs:
+            raise procs.rank_error(reports, values, deadline_s=timeout)
+        return [values[r] for r in range(nprocs)]
     finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-        for p in ctx.processes:
-            p.join(5)
+        procs.terminate("running")
+        procs.close()
         shutil.rmtree(outdir, ignore_errors=True)

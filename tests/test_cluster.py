@@ -293,7 +293,7 @@ def test_stop_is_quiet_and_cleans_up(capfd):
 
 @pytest.mark.timeout(30)
 def test_rank_configs_bind_devices_as_documented():
-    from meshviz.cluster.cluster import rank_configs
+    from meshviz.cluster.config import rank_configs
 
     probes = [{"host": "a", "pid": 10 + r, "port": 5000 + r} for r in range(4)]
     gpu = rank_configs(probes, "cuda", None, "127.0.0.1", True, 60.0, None, ncpu=16)
@@ -322,3 +322,57 @@ def test_bad_arguments_raise_before_starting():
         meshviz.Cluster(n=2, timeout=-1)
     with pytest.raises(ValueError):
         meshviz.Cluster(n=2, devices=[0])
+
+
+@pytest.mark.timeout(30)
+def test_control_states_and_the_abort_protocol():
+    import threading
+
+    from meshviz.cluster import ClusterState, RankOutcome
+    from meshviz.cluster.control import Control
+
+    c = Control()
+    sent = []
+    c.attach(sent.append)
+    assert c.state is ClusterState.STOPPED and c.state == "stopped" and f"{c.state}" == str(c.state) == "stopped"
+    c.begin_start()
+    assert c.state == "starting"
+    with pytest.raises(RuntimeError, match="already starting"):
+        c.begin_start()
+    c.started()
+    assert c.state == "ready"
+    c.on_control({"type": "failed", "rank": 1, "time": time.time()})
+    assert sent == [{"type": "failed", "rank": 1}] and c.failures[0]["received"] > 0
+    threads = [threading.Thread(target=c.on_control, args=({"type": "stuck", "rank": r, "failed": 1},))
+               for r in (0, 2, 3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sent[1:] == [{"type": "abort", "origin": 1}]  # told once, however many ranks report stuck
+    assert c.state == "aborted" and c.needs_reset
+    c.reset_done()
+    assert c.state == "ready" and not c.needs_reset and not c.abort_sent
+    c.report_dead(2, "engine process 9 exited")
+    assert c.state == "broken" and c.dead == {2: "engine process 9 exited"}
+    assert sent[-2:] == [{"type": "failed", "rank": 2}, {"type": "abort", "origin": 2}]
+    c.reset_done()
+    assert c.state == "broken"  # only a restart mends a dead rank
+    err = c.rank_error([RankOutcome(0, 0, "error", "RuntimeError: peer"), RankOutcome(2, 2, "died", c.dead[2])],
+                       since=1, t0=time.time())
+    assert err.ranks == [2] and "restart" in err.note
+    assert c.stopped() and c.state == "stopped" and not c.stopped()
+
+    m = Control()
+    m.begin_start()
+    m.started()
+    polls = []
+
+    def find_dead():
+        polls.append(1)
+        return {1: "engine process 5 exited"} if len(polls) < 4 else None  # None: the backend is gone
+
+    m.start_monitor(find_dead, interval=0.01)
+    m._monitor.join(5)
+    assert len(polls) == 4 and m.dead == {1: "engine process 5 exited"} and m.state == "broken"
+    assert [f["rank"] for f in m.failures] == [1]  # reported once

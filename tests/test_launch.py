@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 
-from meshviz.distributed.env import free_port
+from meshviz.distributed.rendezvous import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -92,6 +92,31 @@ def test_failing_worker_and_bad_flags(tmp_path):
     assert rc == 1
     assert "global rank [1] failed" in err and "rank 1 fails on purpose" in err
     assert "rank 1 fails on purpose" in (tmp_path / "log" / "workerlog.1").read_text()
+
+
+LISTENING = textwrap.dedent("""
+    import psutil, torch
+    import meshviz.distributed as dist
+    dist.init_parallel_env()
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    agent = psutil.Process().parent()  # the launcher, where torchrun's agent serves the store
+    pids = {agent.pid} | {c.pid for c in agent.children(recursive=True)}
+    ips = sorted({c.laddr.ip for c in psutil.net_connections("tcp") if c.status == "LISTEN" and c.pid in pids})
+    print(f"rank={dist.get_rank()} sum={t.item()} listening={ips}")
+""")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_one_node_listens_on_loopback_only(tmp_path):
+    """The store on the port launch picked (held until served, never free in between) and gloo stay on loopback."""
+    (tmp_path / "l.py").write_text(LISTENING)
+    rc, out, err = _launch(["--nproc_per_node", "2", "--log_dir", str(tmp_path / "log"), "--max_restart", "0",
+                            "l.py"], cwd=str(tmp_path))
+    assert rc == 0, err
+    for r in (0, 1):
+        assert f"rank={r} sum=2.0 listening=['127.0.0.1']" in (tmp_path / "log" / f"workerlog.{r}").read_text()
 
 
 def test_fleetrun_entry_point_is_declared():

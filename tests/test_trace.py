@@ -124,7 +124,7 @@ def test_garbage_messages_are_dropped():
 
 
 def test_sink_never_blocks_without_a_receiver():
-    from meshviz.distributed.env import free_port
+    from meshviz.distributed.rendezvous import free_port
 
     sink = StreamSink(f"tcp://127.0.0.1:{free_port()}", hwm=100)
     t0 = time.perf_counter()

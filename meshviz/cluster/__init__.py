@@ -1,6 +1,8 @@
-"""ipyparallel engines as ranks: start, bind devices, init the process group, stream events, report failures."""
+"""Ranks as ipyparallel engines: start, bind devices, init the process group, stream events, report failures."""
 
-from .cluster import DEFAULT_CPU_RANKS, Cluster
-from .errors import RankError, RankOutcome
+from ..errors import RankError, RankOutcome
+from .cluster import Cluster
+from .config import DEFAULT_CPU_RANKS
+from .control import ClusterState
 
-__all__ = ["Cluster", "RankError", "RankOutcome", "DEFAULT_CPU_RANKS"]
+__all__ = ["Cluster", "ClusterState", "RankError", "RankOutcome", "DEFAULT_CPU_RANKS"]

@@ -215,8 +215,10 @@ class _EngineState:
         try:
             import torch.distributed as tdist
 
+            from .. import compat
+
             if tdist.is_initialized():
-                tdist.distributed_c10d._abort_process_group()
+                compat.abort_process_group()
             _clear_groups()
             _close_peer_sockets(self.peer_pids)
             import gc
@@ -237,55 +239,53 @@ class _EngineState:
         self._ctx.term()
 
 
-_held: dict[int, socket.socket] = {}  # port -> a bound socket kept until the store takes it over
+_held: dict = {}  # port -> PortReservation: a bound socket kept until the store takes it over
+
+
+def _release_held() -> None:
+    for res in _held.values():
+        res.close()
+    _held.clear()
 
 
 def probe(loopback: bool = True) -> dict:
     """Where this engine runs, and a port bound here and held open (rank 0's becomes the store's)."""
-    for s in _held.values():
-        s.close()
-    _held.clear()
-    s = socket.socket()
-    s.bind(("127.0.0.1" if loopback else "", 0))
-    port = s.getsockname()[1]
-    _held[port] = s
-    return {"host": socket.gethostname(), "pid": os.getpid(), "port": port}
+    from ..distributed.rendezvous import LOOPBACK, PortReservation
+
+    _release_held()
+    res = PortReservation(LOOPBACK if loopback else "")
+    _held[res.port] = res
+    return {"host": socket.gethostname(), "pid": os.getpid(), "port": res.port}
 
 
 def _clear_groups() -> None:
-    groups = sys.modules.get("meshviz.distributed.groups")
-    if groups is not None:
-        groups.clear_cache()
+    from ..distributed import groups
+
+    groups.reset()
 
 
 def _init_process_group(rank: int, world: int, backend: str, timeout: float, port: int, loopback: bool):
-    """The default process group on a TCPStore that rank 0 serves; on loopback only when ``loopback``.
-
-    torch's own rendezvous makes the store listen on every interface; here rank 0 hands the store a socket
-    bound to 127.0.0.1 instead.
-    """
+    """The default process group on a TCPStore that rank 0 serves on the port its :func:`probe` held; on
+    loopback only when ``loopback`` (torch's own rendezvous makes the store listen on every interface)."""
     import datetime
 
     import torch
     import torch.distributed as tdist
 
+    from ..distributed.rendezvous import connect_store, serve_store
+
     master = os.environ["MASTER_ADDR"]
     to = datetime.timedelta(seconds=timeout)
     held = _held.pop(port, None)
-    for s in _held.values():
-        s.close()
-    _held.clear()
+    _release_held()
     if rank == 0:
         if held is None:
             raise RuntimeError(f"rank 0 lost the store port {port}")
-        held.listen(max(128, world))
-        fd = held.detach()  # the store owns the descriptor from here on, and closes it
-        held = None
-        store = tdist.TCPStore(master, port, world, True, timeout=to, master_listen_fd=fd, wait_for_workers=False)
+        store = serve_store(held, world, to)  # the store owns the socket from here on
     else:
         if held is not None:
             held.close()
-        store = tdist.TCPStore(master, port, world, False, timeout=to)
+        store = connect_store(master, port, world, to)
     kwargs = {}
     if backend == "nccl":
         torch.cuda.set_device(0)  # CUDA_VISIBLE_DEVICES shows this rank its one GPU
@@ -328,14 +328,16 @@ def reinit(port: int, timeout: float, loopback: bool = True) -> bool:
     """Make a fresh default process group (after an abort), on a new store port from :func:`probe`."""
     import torch.distributed as tdist
 
+    from .. import compat
+
     if tdist.is_initialized():
         try:
-            tdist.distributed_c10d._abort_process_group()
+            compat.abort_process_group()
         except Exception:
             pass
     _clear_groups()
     # group names (and so store keys) come from this counter; every rank must start the new world from 0
-    tdist.distributed_c10d._world.group_count = 0
+    compat.reset_group_count()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     backend = _state.backend if _state is not None else "gloo"
     _init_process_group(rank, world, backend, timeout, port, loopback)

@@ -45,11 +45,20 @@ def _local_ips() -> set[str]:
 
 
 def build_config(args: argparse.Namespace):
-    """(LaunchConfig, environment for the workers) from the parsed flags; ValueError on inconsistent flags."""
+    """(LaunchConfig, environment for the workers) from the parsed flags; ValueError on inconsistent flags.
+
+    A port picked here for a one-node run is only a number once this returns; :func:`launch` keeps it held.
+    """
+    config, env, _ = _build(args)
+    return config, env
+
+
+def _build(args: argparse.Namespace):
+    """build_config, and the port reservation for the agent's store when this process picked the port."""
     import torch
     from torch.distributed.launcher.api import LaunchConfig
 
-    from ..distributed.env import free_port
+    from ..distributed import rendezvous
 
     if args.run_mode != "collective":
         raise ValueError(f"--run_mode {args.run_mode!r}: only 'collective' is supported")
@@ -85,13 +94,15 @@ def build_config(args: argparse.Namespace):
     if not 0 <= node_rank < nnodes:
         raise ValueError(f"--rank {node_rank} outside 0..{nnodes - 1}")
     master = args.master
+    reservation = None
     if master is None:
         if nnodes > 1:
             if not ips:
                 raise ValueError("--nnodes > 1 needs --master ip:port (or --ips)")
             master = f"{ips[0]}:{args.start_port}"
         else:
-            master = f"127.0.0.1:{free_port()}"
+            reservation = rendezvous.reserve_port()  # held until the agent's store serves on it
+            master = f"{rendezvous.LOOPBACK}:{reservation.port}"
     host, _, port = master.rpartition(":")
     if not host or not port.isdigit():
         raise ValueError(f"--master must be ip:port, got {master!r}")
@@ -117,7 +128,24 @@ def build_config(args: argparse.Namespace):
         start_method="spawn",
         logs_specs=logs,
     )
-    return config, env
+    return config, env, reservation
+
+
+def _agent_store(config, reservation):
+    """On node 0 of a run on this machine (a loopback master), the TCPStore that torchrun's agent is about to
+    create, served here first on loopback only: the agent's ``TCPStore(..., multi_tenant=True)`` on the same port
+    then uses it instead of listening on every interface. None elsewhere (the agent serves, or node 0 does)."""
+    from ..distributed import rendezvous
+
+    host, _, port = config.rdzv_endpoint.rpartition(":")
+    if config.rdzv_configs["rank"] != 0 or not rendezvous.is_loopback(host):
+        if reservation is not None:
+            reservation.close()
+        return None
+    if reservation is None:
+        reservation = rendezvous.PortReservation(rendezvous.LOOPBACK, int(port))
+    timeout = config.rdzv_configs.get("timeout", 900)
+    return rendezvous.serve_store(reservation, None, timeout, multi_tenant=True)
 
 
 def _make_logs_specs():
@@ -178,12 +206,17 @@ def launch(argv=None) -> int:
 
     args = parse_args(argv)
     try:
-        config, env = build_config(args)
+        config, env, reservation = _build(args)
     except ValueError as e:
         print(f"meshviz.launch: error: {e}", file=sys.stderr)
         return 2
     if not os.path.isfile(args.training_script):
         print(f"meshviz.launch: error: no such script {args.training_script!r}", file=sys.stderr)
+        return 2
+    try:
+        store = _agent_store(config, reservation)  # served until the agent is done
+    except OSError as e:
+        print(f"meshviz.launch: error: cannot serve the rendezvous on {config.rdzv_endpoint}: {e}", file=sys.stderr)
         return 2
     print(_banner(args, config), flush=True)
     os.environ.update(env)
@@ -204,6 +237,8 @@ def launch(argv=None) -> int:
                 print(f"---- tail of {path} (rank {rank}, exit code {f.exitcode}) ----", file=sys.stderr)
                 print("\n".join(tail), file=sys.stderr)
         return 1
+    finally:
+        del store
     return 0
 
 

@@ -14,11 +14,12 @@ from .recorder import (
     remove_sink,
     replay,
     set_rank,
+    sinks,
     span,
 )
 
 __all__ = [
     "Event", "KINDS", "MAX_VALUES", "small_values", "to_json", "from_json", "Ownership",
-    "active", "emit", "span", "add_sink", "remove_sink", "clear_sinks", "set_rank",
+    "active", "emit", "span", "add_sink", "remove_sink", "clear_sinks", "sinks", "set_rank",
     "MemorySink", "JSONLSink", "record", "replay", "load_events",
 ]

@@ -17,6 +17,7 @@ __all__ = [
     "add_sink",
     "remove_sink",
     "clear_sinks",
+    "sinks",
     "set_rank",
     "MemorySink",
     "JSONLSink",
@@ -90,6 +91,11 @@ def remove_sink(sink, close: bool = True) -> None:
     closer = getattr(sink, "close", None) if close else None
     if closer is not None:
         closer()
+
+
+def sinks() -> tuple:
+    """The sinks listening now."""
+    return tuple(_sinks)
 
 
 def clear_sinks() -> None:

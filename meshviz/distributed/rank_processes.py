@@ -1,0 +1,278 @@
+"""Ranks as new local processes around a store this process serves: spawn, and the rank that failed first."""
+
+from __future__ import annotations
+
+import multiprocessing.connection
+import os
+import pickle
+import signal
+import time
+from dataclasses import replace
+
+from ..errors import RankError, RankOutcome
+from . import rendezvous
+
+__all__ = ["spawn", "SpawnContext", "RankProcesses"]
+
+
+class RankProcesses:
+    """``nprocs`` local processes started as ranks 0..nprocs-1, calling ``entry(index, port, *args)``.
+
+    This process holds a loopback port from before the processes start and serves the process-group store on it,
+    so the port is never free for another process to take, and the store outlives any one rank. The ranks connect
+    to it as clients (``TORCHELASTIC_USE_AGENT_STORE``, as under torchrun's agent), so plain
+    ``torch.distributed.init_process_group()`` works in them too. The store is served once the processes have
+    started: a forked child never inherits the store's thread.
+    """
+
+    def __init__(self, entry, args: tuple, nprocs: int, timeout: float, start_method: str, daemon: bool = False):
+        import torch.multiprocessing as mp
+
+        self.nprocs = nprocs
+        reservation = rendezvous.reserve_port().listen(nprocs)
+        self.port = reservation.port
+        try:
+            self._ctx = mp.start_processes(entry, args=(self.port, *args), nprocs=nprocs, join=False, daemon=daemon,
+                                           start_method=start_method)
+            self.store = rendezvous.serve_store(reservation, nprocs, timeout)
+        except BaseException:
+            reservation.close()
+            if hasattr(self, "_ctx"):
+                self.ended = {}
+                self.terminate()
+            raise
+        self.processes = self._ctx.processes
+        self._seen: dict[int, int] = {}  # rank -> when its exit was seen (count of waits that returned)
+        self._waits = 0
+        self.ended: dict[int, str] = {}  # rank -> "stopped" or "running": ended by this object, not by itself
+
+    @property
+    def error_files(self) -> list[str]:
+        """Where torch's wrapper writes a raising rank's traceback (pickled text)."""
+        return self._ctx.error_files
+
+    def wait(self, timeout: float | None) -> None:
+        """Wait up to ``timeout`` seconds for any running rank to exit; note which exited."""
+        live = {p.sentinel: i for i, p in enumerate(self.processes) if i not in self._seen}
+        if not live:
+            return
+        ready = multiprocessing.connection.wait(list(live), timeout=timeout)
+        if ready:
+            self._waits += 1
+        for s in ready:
+            i = live[s]
+            self.processes[i].join()
+            self._seen[i] = self._waits
+
+    def done(self) -> bool:
+        return len(self._seen) == self.nprocs
+
+    def failed(self) -> list[int]:
+        """Ranks that exited with a non-zero code."""
+        return [i for i in self._seen if self.processes[i].exitcode != 0]
+
+    def running(self) -> list[int]:
+        return [i for i in range(self.nprocs) if i not in self._seen]
+
+    def terminate(self, why: str = "stopped", grace: float = 10.0) -> None:
+        """End every rank still running (SIGTERM, then SIGKILL after ``grace`` seconds); their outcome is ``why``:
+        ``"stopped"`` (another rank failed) or ``"running"`` (past the deadline)."""
+        procs = self._ctx.processes
+        live = [i for i, p in enumerate(procs) if p.is_alive()]
+        for i in live:
+            self.ended.setdefault(i, why)
+            procs[i].terminate()
+        end = time.monotonic() + grace
+        for i in live:
+            procs[i].join(max(0.0, end - time.monotonic()))
+        for i in live:
+            if procs[i].is_alive():
+                procs[i].kill()
+            procs[i].join()
+
+    def arrived(self) -> list[bool]:
+        return rendezvous.arrived(self.store, self.nprocs)
+
+    def close(self) -> None:
+        """Stop serving the store (every rank has exited or been ended)."""
+        self.store = None
+
+    def rank_error(self, reports: dict[int, tuple[str, str | None, float]], values: dict[int, object] | None = None,
+                   deadline_s: float | None = None) -> RankError:
+        """The RankError for this run: ``reports`` maps a rank that raised to (summary, traceback, when written);
+        ``values`` (when given) the ranks that returned a result to it.
+
+        Named as the cause: the ranks that never reached the rendezvous while others did (the others waited for
+        them until the timeout); else the rank whose failure was seen first, a rank that died without a report
+        before one that raised in the same instant (that one most likely lost its connection to it), then the
+        earliest report.
+        """
+        arrived = self.arrived()
+        outcomes = []
+        for r, p in enumerate(self.processes):
+            rep = reports.get(r)
+            ended = self.ended.get(r)
+            if rep is not None:
+                o = RankOutcome(r, status="error", error=rep[0], traceback=rep[1])
+            elif ended == "stopped":
+                o = RankOutcome(r, status="stopped", error="ended when another rank failed")
+            elif ended == "running":
+                what = f"no result after {deadline_s:.0f} s; killed" if deadline_s else "no result; killed"
+                o = RankOutcome(r, status="running", error=what)
+            elif p.exitcode == 0 and (values is None or r in values):
+                o = RankOutcome(r, status="ok", value=(values or {}).get(r))
+            elif p.exitcode == 0:
+                o = RankOutcome(r, status="died", error="exit code 0 before returning a result")
+            else:
+                o = RankOutcome(r, status="died", error=_exit_text(p.exitcode))
+            outcomes.append(replace(o, arrived=arrived[r]))
+        first = sorted(
+            (r for r in self._seen if outcomes[r].status in ("error", "died") and r not in self.ended),
+            key=lambda r: (self._seen[r], outcomes[r].status == "error", reports.get(r, (0, 0, 0.0))[2]),
+        )
+        origin = []
+        if any(arrived) and all(arrived[r] for r in first):
+            # a rank that joined cannot get past the rendezvous without the others: it failed waiting for them
+            origin = [r for r in range(self.nprocs) if not arrived[r]]
+        if not origin and first:
+            origin = first[:1]
+        if not origin:  # nothing failed on its own: name whatever did not end well
+            origin = [o.rank for o in outcomes if o.status != "ok"][:1]
+        return RankError(outcomes, origin)
+
+
+def _exit_text(code: int | None) -> str:
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+def read_report(path: str) -> tuple[str, str, float] | None:
+    """(summary, traceback, when written) from torch's error file of a rank that raised; None if it wrote none."""
+    try:
+        with open(path, "rb") as fh:
+            text = str(pickle.load(fh))
+        return _summary_of(text), text, os.path.getmtime(path)
+    except Exception:
+        return None
+
+
+def _summary_of(tb: str) -> str:
+    """The exception line of a formatted traceback: "ValueError: failing on purpose"."""
+    lines = [ln for ln in tb.rstrip().splitlines() if ln.strip()]
+    i = len(lines)
+    while i > 0 and not lines[i - 1].startswith((" ", "\t", "Traceback")):
+        i -= 1
+    head = lines[i] if i < len(lines) else (lines[-1] if lines else "unknown error")
+    return head if len(head) <= 500 else head[:497] + "..."
+
+
+def _spawn_entry(index, port, func, args, world, env):
+    os.environ.update(env)
+    os.environ.update(rendezvous.rank_env(index, world, rendezvous.LOOPBACK, port, hosted=True))
+    import torch
+
+    from .env import exit_quietly
+
+    torch.set_num_threads(int(env.get("MESHVIZ_THREADS", "1")))
+    func(*args)
+    exit_quietly(0)
+
+
+def _importable(func) -> bool:
+    """Can a fresh interpreter find ``func`` by name? Not so for one typed into a REPL or notebook."""
+    import sys
+
+    mod = getattr(func, "__module__", None)
+    if mod == "__main__" and not getattr(sys.modules.get("__main__"), "__file__", None):
+        return False
+    try:
+        pickle.dumps(func)
+    except Exception:
+        return False
+    return True
+
+
+class SpawnContext:
+    """What ``spawn(join=False)`` returns: ``join()`` waits (raises :class:`RankError` when a rank fails);
+    ``processes`` are the children."""
+
+    def __init__(self, procs: RankProcesses):
+        self._procs = procs
+        self.processes = procs.processes
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait for every rank (at most ``timeout`` seconds); True once all exited cleanly."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        procs = self._procs
+        try:
+            while not procs.done():
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                procs.wait(left)
+                if procs.failed():
+                    procs.terminate()
+                    reports = {}
+                    for r in range(procs.nprocs):
+                        rep = read_report(procs.error_files[r])
+                        if rep is not None:
+                            reports[r] = rep
+                    raise procs.rank_error(reports)
+                if deadline is not None and time.monotonic() >= deadline and not procs.done():
+                    return False
+        except BaseException:
+            procs.terminate()
+            _remove(procs.error_files)
+            procs.close()
+            raise
+        _remove(procs.error_files)
+        procs.close()
+        return True
+
+
+def _remove(paths) -> None:
+    for p in paths:
+        try:
+            os.unlink(p)
+        except OSError:
+            pass
+
+
+def spawn(func, args=(), nprocs: int = -1, join: bool = True, daemon: bool = False, **options):
+    """Run ``func(*args)`` in ``nprocs`` new processes, ranks 0..nprocs-1, with the process-group variables set.
+
+    ``nprocs=-1`` uses one process per GPU, or 2 on a CPU-only machine. If one rank raises or dies, the others are
+    stopped and a :class:`RankError` names that rank (and any rank that never reached the rendezvous) with its
+    traceback. ``options``: ``backend``, ``timeout`` (seconds), ``trace`` (a JSONL path, ``{rank}`` filled in),
+    ``threads`` (torch threads per rank, default 1), ``start_method``.
+    """
+    import torch
+
+    from .env import DEFAULT_TIMEOUT_S
+
+    if nprocs == -1:
+        nprocs = torch.cuda.device_count() or 2
+    if not isinstance(nprocs, int) or nprocs < 1:
+        raise ValueError(f"spawn: nprocs must be a positive int or -1, got {nprocs!r}")
+    env = {}
+    if options.get("backend"):
+        env["MESHVIZ_BACKEND"] = options["backend"]
+    if options.get("timeout") is not None:
+        env["MESHVIZ_TIMEOUT"] = str(options["timeout"])
+    if options.get("trace"):
+        env["MESHVIZ_TRACE"] = str(options["trace"])
+    env["MESHVIZ_THREADS"] = str(options.get("threads", 1))
+    method = options.get("start_method")
+    if method is None:
+        method = "spawn" if _importable(func) else "fork"
+    timeout = float(env.get("MESHVIZ_TIMEOUT", os.environ.get("MESHVIZ_TIMEOUT", DEFAULT_TIMEOUT_S)))
+    procs = RankProcesses(_spawn_entry, (func, tuple(args), nprocs, env), nprocs, timeout, method, daemon)
+    ctx = SpawnContext(procs)
+    if not join:
+        return ctx
+    ctx.join()
+    return None

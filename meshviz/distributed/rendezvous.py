@@ -1,0 +1,192 @@
+"""Rendezvous: a port held until the store takes it, the process-group store on loopback, each rank's environment."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import sys
+
+__all__ = [
+    "PortReservation",
+    "reserve_port",
+    "free_port",
+    "serve_store",
+    "connect_store",
+    "process_group_store",
+    "rank_env",
+    "is_loopback",
+    "loopback_ifname",
+    "mark_arrived",
+    "arrived",
+    "HOSTED",
+]
+
+LOOPBACK = "127.0.0.1"
+HOSTED = "TORCHELASTIC_USE_AGENT_STORE"  # torch's name for "the store is served elsewhere: every rank is a client"
+_ARRIVED = "meshviz/arrived/{}"
+
+
+class PortReservation:
+    """A TCP port bound here and kept open until a store takes the socket over, so no other process can take
+    the port in between (a port that is only looked up, then closed, can be).
+
+    ``host`` is the address to bind: loopback unless the ranks span machines ("" binds every interface).
+    """
+
+    def __init__(self, host: str = LOOPBACK, port: int = 0):
+        self.host = host
+        self._sock: socket.socket | None = socket.socket()
+        try:
+            if port:
+                self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a previous store's TIME_WAIT
+            self._sock.bind((host, port))
+            # listening at once: a bound socket that does not listen yet can share its port with another
+            # SO_REUSEADDR socket (torch's store sets it), a listening one cannot. Early clients wait in the backlog.
+            self._sock.listen(128)
+        except OSError:
+            self._sock.close()
+            raise
+        self.port = self._sock.getsockname()[1]
+
+    @property
+    def held(self) -> bool:
+        return self._sock is not None
+
+    def listen(self, backlog: int = 128) -> "PortReservation":
+        """Make room for ``backlog`` connections waiting to be served (it listens from the start)."""
+        if self._sock is None:
+            raise RuntimeError(f"port {self.port} was already handed over or released")
+        if backlog > 128:
+            self._sock.listen(backlog)
+        return self
+
+    def take(self, backlog: int = 128) -> int:
+        """Hand the listening socket's descriptor over (to a TCPStore, which closes it); the reservation ends."""
+        self.listen(backlog)
+        fd = self._sock.detach()
+        self._sock = None
+        return fd
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+    def __enter__(self) -> "PortReservation":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def __repr__(self) -> str:
+        return f"PortReservation({self.host or '*'}:{self.port}{'' if self.held else ', handed over'})"
+
+
+def reserve_port(host: str = LOOPBACK) -> PortReservation:
+    """A free port on ``host``, held until :func:`serve_store` takes it."""
+    return PortReservation(host)
+
+
+def free_port(host: str = LOOPBACK) -> int:
+    """A port number nothing listens on right now, released at once: another process may take it before it is
+    used. Only for naming a port to something outside this process; meshviz's own stores use
+    :func:`reserve_port`."""
+    with PortReservation(host) as res:
+        return res.port
+
+
+def _timeout(timeout) -> datetime.timedelta:
+    return timeout if isinstance(timeout, datetime.timedelta) else datetime.timedelta(seconds=float(timeout))
+
+
+def serve_store(reservation: PortReservation, world: int | None, timeout, multi_tenant: bool = False):
+    """A TCPStore server on the reserved socket; it listens where the reservation was bound (torch's own server
+    binds every interface). ``multi_tenant``: a later ``TCPStore(..., is_master=True, multi_tenant=True)`` on
+    the same port in this process (torchrun's agent) uses this server instead of binding its own."""
+    import torch.distributed as tdist
+
+    host = reservation.host or LOOPBACK
+    fd = reservation.take(world or 1)
+    return tdist.TCPStore(host, reservation.port, world, True, timeout=_timeout(timeout), wait_for_workers=False,
+                          multi_tenant=multi_tenant, master_listen_fd=fd)
+
+
+def connect_store(host: str, port: int, world: int | None, timeout):
+    """A client of the TCPStore served at ``host:port``."""
+    import torch.distributed as tdist
+
+    return tdist.TCPStore(host, int(port), world, False, timeout=_timeout(timeout))
+
+
+def process_group_store(rank: int, world: int, host: str, port: int, timeout, reservation=None):
+    """The store a rank joins its process group on, or None to leave it to torch (``env://``).
+
+    - The store is served elsewhere (``spawn``, ``run_ranks``, torchrun's agent: ``TORCHELASTIC_USE_AGENT_STORE``):
+      connect as a client and mark this rank as arrived.
+    - ``reservation`` given (a port this process holds): rank 0 serves on it, the others connect.
+    - Rank 0 on a loopback master: serve on ``127.0.0.1:port`` only; the others connect.
+    - Otherwise (several machines): torch's own rendezvous.
+    """
+    if os.environ.get(HOSTED, "") == "True":
+        store = connect_store(host, port, world, timeout)
+        mark_arrived(store, rank)
+        return store
+    if reservation is not None:
+        if rank == 0:
+            return serve_store(reservation, world, timeout)
+        reservation.close()
+        return connect_store(host, port, world, timeout)
+    if not is_loopback(host):
+        return None
+    if rank == 0:
+        return serve_store(PortReservation(LOOPBACK, int(port)), world, timeout)
+    return connect_store(LOOPBACK, port, world, timeout)
+
+
+def rank_env(rank: int, world: int, master_addr: str, master_port: int, local_rank: int | None = None,
+             local_world: int | None = None, hosted: bool = False) -> dict[str, str]:
+    """The variables torch and Paddle code read to find their place: RANK, LOCAL_RANK, WORLD_SIZE, ...
+
+    ``hosted``: the store at ``master_addr:master_port`` is already served (by the launching process), so every
+    rank connects to it as a client, rank 0 included.
+    """
+    env = {
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world),
+        "LOCAL_RANK": str(rank if local_rank is None else local_rank),
+        "LOCAL_WORLD_SIZE": str(world if local_world is None else local_world),
+        "MASTER_ADDR": master_addr,
+        "MASTER_PORT": str(master_port),
+    }
+    if hosted:
+        env[HOSTED] = "True"
+    return env
+
+
+def is_loopback(addr: str) -> bool:
+    return addr in ("localhost", "::1") or addr.startswith("127.")
+
+
+def loopback_ifname() -> str:
+    """The loopback interface's name, for ``GLOO_SOCKET_IFNAME``: gloo's sockets then stay on this machine."""
+    return "lo0" if sys.platform == "darwin" else "lo"
+
+
+def mark_arrived(store, rank: int) -> None:
+    """Record on the store that ``rank`` reached the rendezvous (its launcher can then name one that never did)."""
+    store.set(_ARRIVED.format(rank), "1")
+
+
+def arrived(store, world: int) -> list[bool]:
+    """Which ranks 0..world-1 reached the rendezvous of ``store``; all False when the store cannot be asked."""
+    try:
+        return [bool(store.check([_ARRIVED.format(r)])) for r in range(world)]
+    except Exception:
+        return [False] * world

@@ -1,0 +1,116 @@
+"""RankError: which ranks failed, with their tracebacks, and what every other rank ended as."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["RankError", "RankOutcome", "strip_ansi"]
+
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")
+
+
+def strip_ansi(text: str) -> str:
+    """``text`` without terminal colour codes (ipyparallel's remote tracebacks carry them)."""
+    return _ANSI.sub("", text)
+
+
+@dataclass(frozen=True, eq=False)
+class RankOutcome:
+    """How one rank's part of a run ended: ``status`` is ``"ok"``, ``"error"`` (it raised), ``"died"`` (its process
+    ended without a result), ``"running"`` (no result before the deadline) or ``"stopped"`` (ended by the launcher
+    because another rank failed). ``arrived`` is False for a rank that never joined the process group."""
+
+    rank: int
+    engine: int | None = None
+    status: str = "ok"
+    error: str | None = None
+    traceback: str | None = None
+    value: Any = None
+    arrived: bool | None = None
+
+    def __repr__(self) -> str:
+        return f"RankOutcome(rank={self.rank}, {self.status}{': ' + self.error if self.error else ''})"
+
+
+def _where(o: RankOutcome) -> str:
+    return f"rank {o.rank}" if o.engine is None else f"rank {o.rank} (engine {o.engine})"
+
+
+class RankError(RuntimeError):
+    """One or more ranks failed. ``ranks`` are the ranks that caused it (``rank`` the first of them), ``outcomes``
+    every rank's :class:`RankOutcome` in rank order. ``str()`` is plain text; a notebook shows the tracebacks as
+    the ranks printed them."""
+
+    def __init__(self, outcomes: list[RankOutcome], ranks: list[int], note: str = ""):
+        self.outcomes = sorted(outcomes, key=lambda o: o.rank)
+        self.ranks = list(ranks)
+        self.note = note
+        self.streamed = False  # tracebacks were already shown as they arrived: render only the summary
+        super().__init__(self.headline())
+
+    @property
+    def rank(self) -> int | None:
+        """The first rank that caused the failure."""
+        return self.ranks[0] if self.ranks else None
+
+    def _by_rank(self) -> dict[int, RankOutcome]:
+        return {o.rank: o for o in self.outcomes}
+
+    def headline(self) -> str:
+        """One line: what the failing ranks did, and how many others stopped because of it."""
+        by = self._by_rank()
+        parts = []
+        for r in self.ranks:
+            o = by.get(r)
+            if o is None:
+                continue
+            if o.arrived is False and o.status != "error":
+                how = {"ok": "it returned without joining", "stopped": "the others gave up waiting; it was stopped"}.get(
+                    o.status, f"{o.status}: {o.error}")
+                parts.append(f"rank {r} never joined the process group ({how})")
+            elif o.status == "died":
+                parts.append(f"rank {r} died ({o.error})")
+            elif o.status == "running":
+                parts.append(f"rank {r} was still running ({o.error})")
+            elif o.status == "stopped":
+                parts.append(f"rank {r} was stopped ({o.error})")
+            else:
+                parts.append(f"rank {r} raised {o.error}")
+        others = [o.rank for o in self.outcomes if o.rank not in self.ranks and o.status != "ok"]
+        line = strip_ansi("; ".join(parts) or "ranks failed")
+        if others:
+            line += f" (rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))} stopped because of it)"
+        return line
+
+    def render_traceback(self) -> list[str]:
+        """The lines a notebook shows: the headline, the failing ranks' tracebacks, one line per other rank."""
+        by = self._by_rank()
+        lines = [f"RankError: {self.headline()}"]
+        if self.note:
+            lines.append(self.note)
+        for r in self.ranks:
+            o = by.get(r)
+            if o is not None and o.traceback and not self.streamed:
+                lines += ["", f"--- {_where(o)} traceback ---", o.traceback.rstrip()]
+        for o in self.outcomes:
+            if o.rank in self.ranks or o.status == "ok":
+                continue
+            lines += ["", f"--- {_where(o)}: {o.status}: {o.error}"]
+        return lines
+
+    def _render_traceback_(self) -> list[str]:
+        return self.render_traceback()
+
+    def __str__(self) -> str:
+        return strip_ansi("\n".join(self.render_traceback())).removeprefix("RankError: ")
+
+    def __reduce__(self):
+        return (_rebuild, (self.outcomes, self.ranks, self.note, self.streamed))
+
+
+def _rebuild(outcomes, ranks, note, streamed):
+    err = RankError(outcomes, ranks, note)
+    err.streamed = streamed
+    return err

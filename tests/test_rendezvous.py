@@ -1,0 +1,164 @@
+"""Rendezvous: held ports, the store on loopback, the rank environment; one RankError; spawn's blame."""
+
+import datetime
+import os
+import pickle
+import socket
+import time
+
+import pytest
+
+from meshviz.distributed import rendezvous
+from meshviz.errors import RankError, RankOutcome
+
+
+def _listeners(port: int) -> list[str]:
+    """Hex addresses listening on ``port`` (from /proc: 0100007F is 127.0.0.1, 00000000 every interface)."""
+    out = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as fh:
+            for line in fh.readlines()[1:]:
+                cols = line.split()
+                addr, p = cols[1].split(":")
+                if cols[3] == "0A" and int(p, 16) == port:
+                    out.append(addr)
+    return out
+
+
+def test_a_reserved_port_stays_taken_until_the_store_serves_on_it_on_loopback_only():
+    res = rendezvous.reserve_port()
+    port = res.port
+    for reuse in (False, True):  # held: nobody else can take it, not even with SO_REUSEADDR (as torch's store)
+        other = socket.socket()
+        if reuse:
+            other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        with pytest.raises(OSError):
+            other.bind(("127.0.0.1", port))
+            other.listen(1)
+        other.close()
+    to = datetime.timedelta(seconds=10)
+    server = rendezvous.serve_store(res, 2, to)
+    assert not res.held
+    assert _listeners(port) == ["0100007F"]  # 127.0.0.1 only, never 0.0.0.0 / ::
+    client = rendezvous.connect_store("127.0.0.1", port, 2, to)
+    client.set("k", "v")
+    assert server.get("k") == b"v"
+    with pytest.raises(RuntimeError, match="handed over"):
+        res.listen()
+
+
+def test_free_port_is_only_a_number():
+    port = rendezvous.free_port()
+    s = socket.socket()
+    s.bind(("127.0.0.1", port))  # nothing holds it any more
+    s.close()
+
+
+def test_rank_env_and_arrival_on_a_hosted_store(monkeypatch):
+    env = rendezvous.rank_env(2, 4, "127.0.0.1", 1234, local_rank=0, local_world=2, hosted=True)
+    assert env == {"RANK": "2", "WORLD_SIZE": "4", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2",
+                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1234", "TORCHELASTIC_USE_AGENT_STORE": "True"}
+    assert rendezvous.rank_env(1, 3, "h", 5)["LOCAL_RANK"] == "1"
+    assert "TORCHELASTIC_USE_AGENT_STORE" not in rendezvous.rank_env(1, 3, "h", 5)
+    res = rendezvous.reserve_port()
+    server = rendezvous.serve_store(res, 3, 10)
+    assert rendezvous.arrived(server, 3) == [False, False, False]
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    # every rank, rank 0 included, is a client of the hosted store and marks its arrival
+    for r in (0, 2):
+        store = rendezvous.process_group_store(r, 3, "127.0.0.1", res.port, 10)
+        assert store is not None
+    assert rendezvous.arrived(server, 3) == [True, False, True]
+
+
+def test_rank_error_is_one_class_with_plain_text_and_coloured_rendering():
+    import meshviz.cluster
+    import meshviz.cluster.errors
+    import meshviz.distributed.env
+    import meshviz.testing
+
+    assert meshviz.cluster.RankError is meshviz.cluster.errors.RankError is RankError
+    assert meshviz.testing.RankFailed is meshviz.distributed.env.RankError is RankError
+    assert meshviz.cluster.RankOutcome is RankOutcome
+    red_tb = "\x1b[0;31mTraceback (most recent call last)\x1b[0m\n\x1b[0;31mValueError\x1b[0m: boom"
+    outcomes = [RankOutcome(0, 0, "error", "RuntimeError: peer gone"),
+                RankOutcome(1, 1, "error", "ValueError: boom", red_tb), RankOutcome(2, 2, "ok", value=7)]
+    err = RankError(outcomes, [1], "a note")
+    assert err.rank == 1 and err.ranks == [1]
+    text = str(err)
+    assert "\x1b" not in text
+    assert text.startswith("rank 1 raised ValueError: boom (rank 0 stopped because of it)\na note\n")
+    assert "--- rank 1 (engine 1) traceback ---\nTraceback (most recent call last)\nValueError: boom" in text
+    assert "--- rank 0 (engine 0): error: RuntimeError: peer gone" in text
+    shown = err._render_traceback_()
+    assert shown[0] == "RankError: rank 1 raised ValueError: boom (rank 0 stopped because of it)"
+    assert red_tb in shown  # the notebook keeps the colours
+    back = pickle.loads(pickle.dumps(err))
+    assert type(back) is RankError and back.ranks == [1] and str(back) == text
+    assert [o.status for o in back.outcomes] == ["error", "error", "ok"]
+    err.streamed = True
+    assert "traceback ---" not in str(err)
+    never = RankError([RankOutcome(0, status="error", error="DistStoreError: wait timeout", arrived=True),
+                       RankOutcome(1, status="stopped", error="ended when another rank failed", arrived=False)], [1])
+    assert str(never).startswith("rank 1 never joined the process group (the others gave up waiting; it was "
+                                 "stopped) (rank 0 stopped because of it)")
+
+
+# -- spawn and run_ranks name the rank that caused it ------------------------------------------------------------
+def skips_the_rendezvous_on_rank_2():
+    import meshviz.distributed as dist
+
+    if int(os.environ["RANK"]) == 2:
+        return  # never joins: the others wait for it until the timeout
+    dist.init_parallel_env()
+    dist.barrier()
+
+
+def dies_on_rank_1(code):
+    import torch
+
+    import meshviz.distributed as dist
+
+    dist.init_parallel_env()
+    if dist.get_rank() == 1:
+        time.sleep(0.2)
+        os._exit(code)
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return t.item()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_spawn_names_a_rank_that_never_joins():
+    import meshviz.distributed as dist
+
+    t0 = time.time()
+    with pytest.raises(RankError) as info:
+        dist.spawn(skips_the_rendezvous_on_rank_2, nprocs=3, timeout=4)
+    err = info.value
+    assert time.time() - t0 < 60
+    assert err.ranks == [2] and err.rank == 2
+    assert str(err).startswith("rank 2 never joined the process group (it returned without joining)")
+    by = {o.rank: o for o in err.outcomes}
+    assert by[2].status == "ok" and by[2].arrived is False
+    assert by[0].arrived and by[1].arrived and {by[0].status, by[1].status} <= {"error", "stopped"}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_spawn_and_run_ranks_name_a_rank_that_dies():
+    import meshviz.distributed as dist
+    from meshviz.testing import RankFailed, run_ranks
+
+    with pytest.raises(RankError) as info:
+        dist.spawn(dies_on_rank_1, args=(7,), nprocs=3, timeout=20)
+    err = info.value
+    assert err.ranks == [1] and str(err).startswith("rank 1 died (exit code 7)")
+    assert all(o.status in ("error", "stopped") for o in err.outcomes if o.rank != 1)
+    with pytest.raises(RankFailed) as info:
+        run_ranks(dies_on_rank_1, 2, 3, timeout=60, collective_timeout=20)
+    err = info.value
+    assert err.ranks == [1] and str(err).startswith("rank 1 died (exit code 3)")
+    assert {o.rank: o.status for o in err.outcomes}[0] in ("error", "ok")
+    assert run_ranks(dies_on_rank_1, 1, 3, timeout=60) == [1.0]  # a lone rank 0 never dies
