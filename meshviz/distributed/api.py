@@ -9,7 +9,8 @@ import torch
 import torch.distributed as tdist
 
 from .. import trace
-from ..core.layout import local_block, normalize_placements, partial_fill
+from ..core.layout import local_block, normalize_placements
+from ..core.partial import partial_fill
 from ..core.mesh import ProcessMesh
 from ..core.placements import Partial, Replicate, Shard
 from ..core.planner import plan_reshard
