@@ -415,3 +415,63 @@ def test_a_raising_rank_is_named_and_nobody_hangs():
     with pytest.raises(RankFailed, match="rank 1 raised RuntimeError: boom on purpose"):
         run_ranks(raises_on_rank_1, 2, timeout=60, collective_timeout=5)
     assert time.time() - t0 < 45
+
+
+# -- every Partial reduction, against the tensor itself -------------------------------------------------------
+
+_ALL_PL = [Shard(0), Shard(1), Replicate()] + [Partial(rt) for rt in ReduceType]
+_PROD, _MAX, _MIN = ReduceType.kRedProd, ReduceType.kRedMax, ReduceType.kRedMin
+
+
+def reshards_against_the_tensor(mesh_ids, shape, cases):
+    """For each (source, target, from_dense): shard_tensor of a tensor (or dtensor_from_local of arbitrary summands),
+    reshard, unshard_dtensor: the tensor comes back."""
+    import meshviz.distributed as dist
+
+    from .partials import random_locals
+
+    dist.init_parallel_env()
+    r = dist.get_rank()
+    mesh = dist.ProcessMesh(mesh_ids, dim_names=["x", "y", "z"][: np.asarray(mesh_ids).ndim])
+    for i, (src, dst, from_dense) in enumerate(cases):
+        rng = np.random.default_rng(i)  # the same on every rank
+        if from_dense:
+            value = rng.integers(1, 4, size=shape).astype(np.float64)
+            t = dist.shard_tensor(torch.from_numpy(value), mesh, list(src))
+        else:
+            locs, value = random_locals(rng, shape, mesh, src)
+            t = dist.dtensor_from_local(torch.from_numpy(locs[r]), mesh, list(src), shape=list(shape))
+        out = dist.reshard(t, mesh, list(dst))
+        assert out.placements == list(dst), (src, dst, out.placements)
+        full = dist.unshard_dtensor(out)
+        np.testing.assert_allclose(full.numpy(), value, err_msg=f"{list(src)} -> {list(dst)} on rank {r}")
+    return len(cases)
+
+
+def _mixed_cases_2x2(n, seed=0):
+    """The transitions that were wrong (a PROD target over a pending SUM axis, from a dense tensor and from
+    summands; outer reductions taken before inner ones they do not commute with), then a seeded sample of all 4096
+    from arbitrary summands, in which every reduction appears."""
+    P = Partial
+    reported = [((a, P()), (P(_PROD), b)) for a in _ALL_PL for b in (Shard(0), Shard(1), P())]
+    nested = [((P(_MAX), P()), (Replicate(), P())), ((P(), P(_MAX)), (Shard(0), Shard(0))),
+              ((P(_MIN), P(_PROD)), (Replicate(), Replicate())), ((P(_PROD), P()), (Shard(1), P(_MAX)))]
+    pairs = list(itertools.product(itertools.product(_ALL_PL, repeat=2), repeat=2))
+    random.Random(seed).shuffle(pairs)
+    return ([(s, d, True) for s, d in reported] + [(s, d, False) for s, d in reported + nested]
+            + [(s, d, False) for s, d in pairs[:n]])
+
+
+def test_every_reduction_on_2x2_against_the_tensor():
+    # the reported case first: [R, P] -> [P(prod), S(0)] came back as twice the tensor
+    cases = _mixed_cases_2x2(80)
+    assert cases[6][:2] == ((Replicate(), Partial()), (Partial(_PROD), Shard(0)))
+    assert {p.reduce_type for s, d, _ in cases for p in s + d if p.is_partial()} == set(ReduceType)
+    res = run_ranks(reshards_against_the_tensor, 4, [[2, 0], [3, 1]], (3, 5), cases, timeout=240)
+    assert res == [len(cases)] * 4
+
+
+def test_every_one_axis_transition_on_4_ranks_against_the_tensor():
+    cases = [((a,), (b,), dense) for a in _ALL_PL for b in _ALL_PL for dense in (True, False)]
+    res = run_ranks(reshards_against_the_tensor, 4, [1, 3, 0, 2], (6, 3), cases, timeout=240)
+    assert res == [128] * 4
