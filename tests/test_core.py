@@ -8,7 +8,8 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from meshviz.core import Partial, ProcessMesh, ReduceType, Replicate, Shard, chunk, layout, parse_placement
+from meshviz.core import (Partial, Placement, ProcessMesh, ReduceType, Replicate, Shard, chunk, layout,
+                          parse_placement)
 from meshviz.core.layout import local_block
 from meshviz.core.partial import commutes, nesting, partial_fill
 from meshviz.core.planner import apply_step, assemble, initial_locals, plan_reshard, simulate
@@ -54,11 +55,13 @@ def test_mesh_equality_hash_repr():
     a = ProcessMesh(SEED_MESH, ["x", "y"])
     b = ProcessMesh([[2, 4, 5], [0, 1, 3]], ["x", "y"])
     assert a == b and hash(a) == hash(b) and len({a, b}) == 1
-    assert a != ProcessMesh(SEED_MESH, ["a", "b"])
+    # as in Paddle: shape and process ids, not the axis names (hash too, unlike Paddle's)
+    assert a == ProcessMesh(SEED_MESH, ["a", "b"]) and hash(a) == hash(ProcessMesh(SEED_MESH, ["a", "b"]))
     assert a != ProcessMesh([[0, 1, 2], [3, 4, 5]], ["x", "y"])
+    assert a != ProcessMesh([2, 4, 5, 0, 1, 3]) and a != ProcessMesh([[2], [4], [5], [0], [1], [3]])
     assert repr(a) == "ProcessMesh(shape=[2, 3], mesh=[[2, 4, 5], [0, 1, 3]], dim_names=['x', 'y'])"
     assert ProcessMesh([0, 1]).dim_names == ["d0"]
-    assert ProcessMesh(shape=[2, 2], process_ids=[3, 2, 1, 0]).mesh == [[3, 2], [1, 0]]
+    assert ProcessMesh(shape=[2, 2], process_ids=[3, 2, 1, 0]).mesh.tolist() == [[3, 2], [1, 0]]
 
 
 @pytest.mark.parametrize(
@@ -74,6 +77,40 @@ def test_mesh_equality_hash_repr():
 def test_mesh_bad_input(mesh, names, msg):
     with pytest.raises(ValueError, match=msg):
         ProcessMesh(mesh, names)
+
+
+def test_mesh_paddle_surface(monkeypatch):
+    # each expectation below is what Paddle 3.3.1 gives on its CPU build (4 ranks, mesh [[2, 0], [3, 1]])
+    m = ProcessMesh([[2, 0], [3, 1]], ["x", "y"])
+    assert isinstance(m.mesh, np.ndarray) and m.mesh.tolist() == [[2, 0], [3, 1]]
+    assert not m.mesh.flags.writeable
+    expect = {0: ([0, 1], [2, 0]), 1: ([0, 1], [3, 1]), 2: ([2, 3], [2, 0]), 3: ([2, 3], [3, 1])}
+    for rank, (x, y) in expect.items():
+        monkeypatch.setenv("RANK", str(rank))
+        assert (m["x"].process_ids, m["x"].dim_names, m["y"].process_ids) == (x, ["x"], y)
+    assert (m[0].process_ids, m[0].dim_names) == ([2, 0], ["y"])
+    assert (m[1, 0].process_ids, m[1, 0].dim_names, m[1, 0].shape) == ([3], ["d0"], [1])
+    # the coordinate along a dim (Paddle 3.3.1's own version fails on numpy 2 with a TypeError)
+    assert [m.get_rank_by_dim_and_process_id("x", p) for p in range(4)] == [0, 1, 0, 1]
+    assert [m.get_rank_by_dim_and_process_id(1, p) for p in range(4)] == [1, 1, 0, 0]
+    assert m.get_rank_by_dim_and_process_id("x", 7) == -1 and m.get_rank_by_dim_and_process_id(None, 2) == 0
+    # unique_id: one per (shape, process ids), names aside; another shape or order is another id
+    same = ProcessMesh([[2, 0], [3, 1]], ["a", "b"])
+    assert same.unique_id == m.unique_id and isinstance(m.unique_id, int) and m.unique_id >= 1
+    assert len({m.unique_id, ProcessMesh([2, 0, 3, 1]).unique_id, ProcessMesh([[0, 2], [3, 1]]).unique_id}) == 3
+    assert m.dim_size("y") == 2 and not m.empty()
+    with pytest.raises(ValueError, match="name the mesh dim"):
+        m.get_group()
+    with pytest.raises(ValueError, match="unknown mesh dim name 'z'"):
+        m.get_group("z")
+
+
+def test_partial_reduce_type_is_a_method_as_in_paddle():
+    p = Partial(ReduceType.kRedMax)
+    assert p.reduce_type() is ReduceType.kRedMax and p.reduce_type == ReduceType.kRedMax
+    assert Partial().reduce_type() is ReduceType.kRedSum and Partial(reduce_type="avg").reduce_type() == 4
+    assert Partial() == Partial(ReduceType.kRedSum) and Partial() != Partial(ReduceType.kRedMax)
+    assert all(isinstance(q, Placement) for q in (Shard(0), Replicate(), p))
 
 
 def test_unknown_dim_name():

@@ -475,3 +475,51 @@ def test_every_one_axis_transition_on_4_ranks_against_the_tensor():
     cases = [((a,), (b,), dense) for a in _ALL_PL for b in _ALL_PL for dense in (True, False)]
     res = run_ranks(reshards_against_the_tensor, 4, [1, 3, 0, 2], (6, 3), cases, timeout=240)
     assert res == [128] * 4
+
+
+# -- ProcessMesh on ranks: mesh[name], get_group, meshes equal by ids; dtensor_from_fn ----------------------
+
+
+def mesh_surface():
+    import meshviz.distributed as dist
+
+    dist.init_parallel_env()
+    r = dist.get_rank()
+    assert isinstance(dist.Shard(0), dist.Placement) and "Placement" in dist.__all__
+    m = dist.ProcessMesh([[2, 0], [3, 1]], dim_names=["x", "y"])
+    res = {"x": m["x"].process_ids, "y": m["y"].process_ids}
+    # the group of this rank's line along an axis, with real values through it
+    for name in ("x", "y"):
+        g = m.get_group(name)
+        t = torch.tensor([float(r)])
+        dist.all_reduce(t, group=g)
+        res["g" + name] = (g.ranks, g.rank, t.item())
+    line = dist.ProcessMesh([0, 1, 2, 3], dim_names=["dp"])
+    res["g1d"] = line.get_group().ranks
+    with pytest.raises(ValueError, match="name the mesh dim"):
+        m.get_group()
+    # Replicate tensors on meshes that differ only in axis names meet in one op, as in Paddle
+    a = dist.shard_tensor(torch.ones(2, 2), dist.ProcessMesh([0, 1, 2, 3], ["x"]), [dist.Replicate()])
+    b = dist.shard_tensor(torch.full((2, 2), 2.0), dist.ProcessMesh([0, 1, 2, 3], ["dp"]), [dist.Replicate()])
+    res["sum"] = dist.unshard_dtensor(a + b).tolist()
+    # dtensor_from_fn: every rank builds the tensor with fn(*args, **kwargs) and keeps its block
+    d = dist.dtensor_from_fn(torch.arange, line, [dist.Shard(0)], 8, dtype=torch.float32)
+    res["fn"] = (d._local_value().tolist(), dist.unshard_dtensor(d).tolist(), d.placements == [dist.Shard(0)])
+    p = dist.dtensor_from_fn(torch.ones, m, [dist.Partial(), dist.Shard(1)], 2, 4)
+    res["fn_partial"] = dist.unshard_dtensor(p).tolist()
+    return res
+
+
+def test_mesh_surface_and_dtensor_from_fn_on_4_ranks():
+    res = run_ranks(mesh_surface, 4, timeout=120)
+    # mesh[name]: the calling rank's line (what Paddle 3.3.1 gives on the same mesh)
+    assert [(res[r]["x"], res[r]["y"]) for r in range(4)] == [([0, 1], [2, 0]), ([0, 1], [3, 1]),
+                                                             ([2, 3], [2, 0]), ([2, 3], [3, 1])]
+    for r in range(4):
+        line_x, line_y = res[r]["x"], res[r]["y"]
+        assert res[r]["gx"] == (sorted(line_x), sorted(line_x).index(r), float(sum(line_x)))
+        assert res[r]["gy"] == (sorted(line_y), sorted(line_y).index(r), float(sum(line_y)))
+        assert res[r]["g1d"] == [0, 1, 2, 3]
+        assert res[r]["sum"] == [[3.0, 3.0], [3.0, 3.0]]
+        assert res[r]["fn"] == ([2.0 * r, 2.0 * r + 1], [float(i) for i in range(8)], True)
+        assert res[r]["fn_partial"] == [[1.0] * 4] * 2

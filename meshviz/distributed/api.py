@@ -21,6 +21,7 @@ from .reshard import run_plan
 
 __all__ = [
     "shard_tensor",
+    "dtensor_from_fn",
     "dtensor_from_local",
     "dtensor_to_local",
     "unshard_dtensor",
@@ -122,6 +123,14 @@ def shard_tensor(data, mesh: ProcessMesh, placements: Sequence, dtype=None, plac
     if name:
         out._mv_name = name
     return out
+
+
+def dtensor_from_fn(fn, mesh: ProcessMesh, placements: Sequence, *args, **kwargs):
+    """``shard_tensor(fn(*args, **kwargs), mesh, placements)``: every rank builds the same full tensor (``torch.ones``,
+    ``torch.randn`` after the same seed ...) and keeps its block."""
+    if not callable(fn):
+        raise ValueError(f"dtensor_from_fn: fn must be callable (torch.ones, torch.zeros ...), got {fn!r}")
+    return shard_tensor(fn(*args, **kwargs), mesh, placements)
 
 
 class _FromLocal(torch.autograd.Function):
