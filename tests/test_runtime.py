@@ -409,12 +409,10 @@ def raises_on_rank_1():
 
 
 def test_a_raising_rank_is_named_and_nobody_hangs():
-    import time
-
-    t0 = time.time()
-    with pytest.raises(RankFailed, match="rank 1 raised RuntimeError: boom on purpose"):
+    with pytest.raises(RankFailed, match="rank 1 raised RuntimeError: boom on purpose") as info:
         run_ranks(raises_on_rank_1, 2, timeout=60, collective_timeout=5)
-    assert time.time() - t0 < 45
+    # rank 0 ended by itself (its collective timed out after 5 s): nobody had to be killed at the deadline
+    assert "still running" not in str(info.value)
 
 
 # -- every Partial reduction, against the tensor itself -------------------------------------------------------
