@@ -12,24 +12,26 @@ __all__ = ["RNGStatesTracker", "get_rng_state_tracker", "model_parallel_random_s
 MODEL_PARALLEL_RNG = "model_parallel_rng"
 
 
-def _get_state():
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-    return torch.get_rng_state(), cuda
+def _cuda_ready() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_initialized()
 
 
-def _set_state(state) -> None:
-    cpu, cuda = state
-    torch.set_rng_state(cpu)
-    if cuda is not None:
-        torch.cuda.set_rng_state_all(cuda)
+def _cuda_seeded(seed: int) -> list:
+    """Every GPU's generator state right after ``torch.manual_seed(seed)``."""
+    out = []
+    for i in range(torch.cuda.device_count()):
+        g = torch.Generator(device=f"cuda:{i}")
+        g.manual_seed(seed)
+        out.append(g.get_state())
+    return out
 
 
 class RNGStatesTracker:
-    """RNG states by name. ``with tracker.rng_state(name):`` draws from that state (torch's CPU generator and, once
+    """RNG states by name. ``with tracker.rng_state(name):`` draws from that state (torch's CPU generator and, when
     CUDA is in use, every GPU's) and keeps where it got to; outside it the global state goes on untouched."""
 
     def __init__(self):
-        self.states_ = {}
+        self.states_ = {}  # name -> [seed, cpu state, GPU states or None until CUDA is in use]
         self.seeds_ = set()
 
     def reset(self) -> None:
@@ -43,32 +45,40 @@ class RNGStatesTracker:
         self.seeds_.add(seed)
         if name in self.states_:
             raise ValueError(f"state {name} already exists")
-        orig = _get_state()
-        torch.manual_seed(seed)
-        self.states_[name] = _get_state()
-        _set_state(orig)
+        g = torch.Generator()
+        g.manual_seed(seed)
+        self.states_[name] = [seed, g.get_state(), _cuda_seeded(seed) if _cuda_ready() else None]
 
     def get_states_tracker(self) -> dict:
-        return {name: (cpu.clone(), None if cuda is None else [c.clone() for c in cuda])
-                for name, (cpu, cuda) in self.states_.items()}
+        return {name: [seed, cpu.clone(), None if cuda is None else [c.clone() for c in cuda]]
+                for name, (seed, cpu, cuda) in self.states_.items()}
 
     def set_states_tracker(self, states: dict) -> None:
-        for name, state in states.items():
+        for name in states:
             if name not in self.states_:
                 raise ValueError(f"state {name} does not exist")
-            self.states_[name] = state
+        for name, (seed, cpu, cuda) in states.items():
+            self.states_[name] = [seed, cpu.clone(), None if cuda is None else [c.clone() for c in cuda]]
 
     @contextlib.contextmanager
     def rng_state(self, name: str = MODEL_PARALLEL_RNG):
         if name not in self.states_:
             raise ValueError(f"state {name} does not exist")
-        orig = _get_state()
-        _set_state(self.states_[name])
+        st = self.states_[name]
+        cuda = _cuda_ready()
+        orig_cpu = torch.get_rng_state()
+        orig_cuda = torch.cuda.get_rng_state_all() if cuda else None
+        torch.set_rng_state(st[1])
+        if cuda:
+            torch.cuda.set_rng_state_all(st[2] if st[2] is not None else _cuda_seeded(st[0]))
         try:
             yield
         finally:
-            self.states_[name] = _get_state()
-            _set_state(orig)
+            st[1] = torch.get_rng_state()
+            torch.set_rng_state(orig_cpu)
+            if cuda:
+                st[2] = torch.cuda.get_rng_state_all()
+                torch.cuda.set_rng_state_all(orig_cuda)
 
 
 _TRACKER = RNGStatesTracker()
