@@ -209,6 +209,30 @@ def failure_stop(cluster, reps):
     return out
 
 
+STUCK_CELL = """
+import torch, torch.distributed as tdist
+t = torch.zeros(1)
+tdist.recv(t, src=(tdist.get_rank() + 1) % tdist.get_world_size())  # every rank waits: deadlock
+"""
+
+
+def interrupt_stop(cluster, reps):
+    """Seconds from ``cluster.interrupt()`` to every rank stuck in a recv having stopped."""
+    out = []
+    for _ in range(reps):
+        ar = cluster.view.execute(STUCK_CELL, block=False)
+        time.sleep(1.0)  # let every rank reach the recv
+        t0 = time.perf_counter()
+        cluster.interrupt()
+        try:
+            ar.get(timeout=60)
+        except Exception:
+            pass
+        out.append(time.perf_counter() - t0)
+        cluster.execute("pass")  # re-creates the process group
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("-n", type=int, default=4)
@@ -244,6 +268,9 @@ def main():
         stop = failure_stop(cluster, args.reps)
         print(f"one rank raises while {n - 1} wait in all_reduce: all stopped and reported after "
               f"{statistics.median(stop):.2f} s (collective timeout {cluster.timeout:.0f} s)")
+        stuck = interrupt_stop(cluster, args.reps)
+        print(f"interrupt with {n} ranks stuck in recv: all stopped after {statistics.median(stuck):.2f} s "
+              f"(collective timeout {cluster.timeout:.0f} s)")
         on_e, off_e = emit_cost(cluster, 5000)
         print(f"cost of one event on a rank: {on_e * 1e6:.1f} us streamed, {off_e * 1e6:.2f} us with tracing off")
         on, off = ddp_overhead(cluster, args.steps, args.rounds)

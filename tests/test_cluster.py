@@ -180,12 +180,9 @@ def test_rank_raising_mid_collective_stops_every_rank(cluster):
             "    raise ValueError('rank one broke')\n"
             "x = torch.ones(2)\n"
             "tdist.all_reduce(x)\n")
-    t0 = time.perf_counter()
     with pytest.raises(RankError) as info:
-        cluster.execute(cell)
-    took = time.perf_counter() - t0
+        cluster.execute(cell, timeout=25)  # below the 30 s collective timeout: a rank still waiting shows "running"
     err = info.value
-    assert took < 15, f"ranks stopped after {took:.1f} s, should be well under the 30 s timeout"
     assert err.ranks == [1]
     assert "rank 1 raised ValueError: rank one broke" in str(err)
     assert "rank one broke" in "\n".join(err.render_traceback())
@@ -208,28 +205,39 @@ def test_same_error_on_every_rank_keeps_the_process_group(cluster):
     assert ar.stdout == [f"{float(N)}\n"] * N
 
 
-def test_interrupt_reaches_the_engines(cluster):
-    ar = cluster.view.execute("import time\nfor _ in range(600): time.sleep(0.05)", block=False)
-    time.sleep(1.0)
-    t0 = time.perf_counter()
+def _wait_for_files(prefix, n, timeout=30):
+    deadline = time.monotonic() + timeout
+    while sum(os.path.exists(f"{prefix}{r}") for r in range(n)) < n:
+        assert time.monotonic() < deadline, f"the ranks did not start within {timeout} s"
+        time.sleep(0.01)
+
+
+_STARTED = "import pathlib, torch.distributed as tdist\npathlib.Path({prefix!r} + str(tdist.get_rank())).touch()\n"
+
+
+def test_interrupt_reaches_the_engines(cluster, tmp_path):
+    prefix = str(tmp_path / "started")
+    cell = _STARTED.format(prefix=prefix) + "import time\nfor _ in range(600): time.sleep(0.05)"
+    ar = cluster.view.execute(cell, block=False)
+    _wait_for_files(prefix, N)
     cluster.interrupt()
     with pytest.raises(Exception) as info:
         ar.get(timeout=20)
     assert "KeyboardInterrupt" in str(info.value)
-    assert time.perf_counter() - t0 < 20
 
 
-def test_interrupt_unblocks_ranks_stuck_in_a_collective(cluster):
-    cell = ("import torch, torch.distributed as tdist\n"
+def test_interrupt_unblocks_ranks_stuck_in_a_collective(cluster, tmp_path):
+    prefix = str(tmp_path / "started")
+    cell = (_STARTED.format(prefix=prefix) + "import torch\n"
             "t = torch.zeros(1)\n"
             "tdist.recv(t, src=(tdist.get_rank() + 1) % tdist.get_world_size())  # every rank waits: deadlock\n")
     ar = cluster.view.execute(cell, block=False)
-    time.sleep(1.0)
-    t0 = time.perf_counter()
+    _wait_for_files(prefix, N)
     cluster.interrupt()
-    with pytest.raises(RankError):
+    with pytest.raises(RankError) as info:
         cluster._finish(ar, timeout=25)
-    assert time.perf_counter() - t0 < 15, "the 30 s collective timeout should not be needed"
+    # the 30 s collective timeout was not needed: no rank was still waiting at the 25 s deadline
+    assert [o.status for o in info.value.outcomes] == ["error"] * N
     ar = cluster.execute("x = torch.ones(1); tdist.all_reduce(x); print(x.item())")
     assert ar.stdout == [f"{float(N)}\n"] * N
 
@@ -249,17 +257,17 @@ def test_px_magic_names_the_rank(cluster):
     del IPython
 
 
-def test_killed_engine_is_reported_and_restart_works(cluster):
+def test_killed_engine_is_reported_and_restart_works(cluster, tmp_path):
     """Runs last: it breaks the shared cluster, then restarts it."""
     pid = cluster.info[1]["pid"]
-    ar_future = cluster.view.execute(
-        "import torch, torch.distributed as tdist, time\ntime.sleep(1.0)\nx = torch.ones(1)\ntdist.all_reduce(x)\n",
-        block=False)
+    go = str(tmp_path / "go")
+    ar_future = cluster.view.execute(  # the ranks reach the all_reduce only once rank 1 is dead
+        f"import os, time, torch, torch.distributed as tdist\nwhile not os.path.exists({go!r}): time.sleep(0.01)\n"
+        "x = torch.ones(1)\ntdist.all_reduce(x)\n", block=False)
     os.kill(pid, signal.SIGKILL)
-    t0 = time.perf_counter()
+    open(go, "w").close()
     with pytest.raises(RankError) as info:
-        cluster._finish(ar_future, timeout=40)
-    assert time.perf_counter() - t0 < 25
+        cluster._finish(ar_future, timeout=25)  # the death is reported before the 30 s collective timeout
     assert 1 in info.value.ranks and "rank 1 died" in str(info.value)
     assert cluster.state == "broken"
     assert "DEAD" in repr(cluster)
@@ -284,11 +292,18 @@ def test_stop_is_quiet_and_cleans_up(capfd):
     assert out == "" and err == ""
     assert c.state == "stopped" and "stopped" in repr(c)
     assert not os.path.exists(c.state_dir)  # nothing failed: the state dir and its logs are removed
-    time.sleep(0.5)
     import psutil
 
-    for p in pids:
-        assert not psutil.pid_exists(p) or psutil.Process(p).status() == psutil.STATUS_ZOMBIE
+    def alive(pid):
+        try:
+            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    deadline = time.monotonic() + 10
+    while any(alive(p) for p in pids):
+        assert time.monotonic() < deadline, "engines still alive 10 s after stop()"
+        time.sleep(0.05)
 
 
 @pytest.mark.timeout(30)

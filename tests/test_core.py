@@ -1,16 +1,20 @@
 """Pure core: meshes, placements, block layout, the reshard planner (one process, no torch.distributed)."""
 
+import itertools
 import sys
-import time
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from meshviz.core import Partial, ProcessMesh, ReduceType, Replicate, Shard, chunk, layout, parse_placement
+from meshviz.core import (Partial, Placement, ProcessMesh, ReduceType, Replicate, Shard, chunk, layout,
+                          parse_placement)
 from meshviz.core.layout import local_block
-from meshviz.core.planner import assemble, initial_locals, plan_reshard, simulate
+from meshviz.core.partial import commutes, nesting, partial_fill
+from meshviz.core.planner import apply_step, assemble, initial_locals, plan_reshard, simulate
+
+from .partials import AVG, MAX, MIN, PROD, SUM, dense_of, random_locals
 
 SEED_MESH = [[2, 4, 5], [0, 1, 3]]
 
@@ -51,11 +55,13 @@ def test_mesh_equality_hash_repr():
     a = ProcessMesh(SEED_MESH, ["x", "y"])
     b = ProcessMesh([[2, 4, 5], [0, 1, 3]], ["x", "y"])
     assert a == b and hash(a) == hash(b) and len({a, b}) == 1
-    assert a != ProcessMesh(SEED_MESH, ["a", "b"])
+    # as in Paddle: shape and process ids, not the axis names (hash too, unlike Paddle's)
+    assert a == ProcessMesh(SEED_MESH, ["a", "b"]) and hash(a) == hash(ProcessMesh(SEED_MESH, ["a", "b"]))
     assert a != ProcessMesh([[0, 1, 2], [3, 4, 5]], ["x", "y"])
+    assert a != ProcessMesh([2, 4, 5, 0, 1, 3]) and a != ProcessMesh([[2], [4], [5], [0], [1], [3]])
     assert repr(a) == "ProcessMesh(shape=[2, 3], mesh=[[2, 4, 5], [0, 1, 3]], dim_names=['x', 'y'])"
     assert ProcessMesh([0, 1]).dim_names == ["d0"]
-    assert ProcessMesh(shape=[2, 2], process_ids=[3, 2, 1, 0]).mesh == [[3, 2], [1, 0]]
+    assert ProcessMesh(shape=[2, 2], process_ids=[3, 2, 1, 0]).mesh.tolist() == [[3, 2], [1, 0]]
 
 
 @pytest.mark.parametrize(
@@ -71,6 +77,40 @@ def test_mesh_equality_hash_repr():
 def test_mesh_bad_input(mesh, names, msg):
     with pytest.raises(ValueError, match=msg):
         ProcessMesh(mesh, names)
+
+
+def test_mesh_paddle_surface(monkeypatch):
+    # each expectation below is what Paddle 3.3.1 gives on its CPU build (4 ranks, mesh [[2, 0], [3, 1]])
+    m = ProcessMesh([[2, 0], [3, 1]], ["x", "y"])
+    assert isinstance(m.mesh, np.ndarray) and m.mesh.tolist() == [[2, 0], [3, 1]]
+    assert not m.mesh.flags.writeable
+    expect = {0: ([0, 1], [2, 0]), 1: ([0, 1], [3, 1]), 2: ([2, 3], [2, 0]), 3: ([2, 3], [3, 1])}
+    for rank, (x, y) in expect.items():
+        monkeypatch.setenv("RANK", str(rank))
+        assert (m["x"].process_ids, m["x"].dim_names, m["y"].process_ids) == (x, ["x"], y)
+    assert (m[0].process_ids, m[0].dim_names) == ([2, 0], ["y"])
+    assert (m[1, 0].process_ids, m[1, 0].dim_names, m[1, 0].shape) == ([3], ["d0"], [1])
+    # the coordinate along a dim (Paddle 3.3.1's own version fails on numpy 2 with a TypeError)
+    assert [m.get_rank_by_dim_and_process_id("x", p) for p in range(4)] == [0, 1, 0, 1]
+    assert [m.get_rank_by_dim_and_process_id(1, p) for p in range(4)] == [1, 1, 0, 0]
+    assert m.get_rank_by_dim_and_process_id("x", 7) == -1 and m.get_rank_by_dim_and_process_id(None, 2) == 0
+    # unique_id: one per (shape, process ids), names aside; another shape or order is another id
+    same = ProcessMesh([[2, 0], [3, 1]], ["a", "b"])
+    assert same.unique_id == m.unique_id and isinstance(m.unique_id, int) and m.unique_id >= 1
+    assert len({m.unique_id, ProcessMesh([2, 0, 3, 1]).unique_id, ProcessMesh([[0, 2], [3, 1]]).unique_id}) == 3
+    assert m.dim_size("y") == 2 and not m.empty()
+    with pytest.raises(ValueError, match="name the mesh dim"):
+        m.get_group()
+    with pytest.raises(ValueError, match="unknown mesh dim name 'z'"):
+        m.get_group("z")
+
+
+def test_partial_reduce_type_is_a_method_as_in_paddle():
+    p = Partial(ReduceType.kRedMax)
+    assert p.reduce_type() is ReduceType.kRedMax and p.reduce_type == ReduceType.kRedMax
+    assert Partial().reduce_type() is ReduceType.kRedSum and Partial(reduce_type="avg").reduce_type() == 4
+    assert Partial() == Partial(ReduceType.kRedSum) and Partial() != Partial(ReduceType.kRedMax)
+    assert all(isinstance(q, Placement) for q in (Shard(0), Replicate(), p))
 
 
 def test_unknown_dim_name():
@@ -178,12 +218,10 @@ def test_planner_cross_mesh_same_shape_is_positional_send_recv():
     assert p[-1].bytes == 1 * 4 * 4 * 4
 
 
-def test_planner_1024_ranks_fast():
+def test_planner_1024_ranks():
+    # its speed is measured in bench/bench_reshard.py
     big = ProcessMesh(np.arange(1024).reshape(32, 32), ["x", "y"])
-    t = time.perf_counter()
-    for _ in range(10):
-        p = plan_reshard([8192, 8192], big, [Shard(0), Partial()], big, [Replicate(), Shard(1)])
-    assert (time.perf_counter() - t) / 10 < 0.2
+    p = plan_reshard([8192, 8192], big, [Shard(0), Partial()], big, [Replicate(), Shard(1)])
     assert p.ops == ["all_gather", "reduce_scatter"]
     assert len(p[0].groups) == 32 and len(p[0].groups[0]) == 32
 
@@ -253,3 +291,149 @@ def test_plans_between_meshes_of_different_shapes(a, b):
     plan = plan_reshard(shape, mesh, src, mesh2, dst)
     out = simulate(plan, value)
     np.testing.assert_allclose(assemble(out, shape, mesh2, plan.dst_placements), value)
+
+
+# -- Partial on several mesh axes: the fill rule, the nesting, every transition -------------------------------
+
+ALL_PL = [Shard(0), Shard(1), Replicate()] + [Partial(rt) for rt in ReduceType]
+
+
+def run_plan_from(locals_, shape, src_mesh, src, dst_mesh, dst):
+    plan = plan_reshard(shape, src_mesh, src, dst_mesh, dst)
+    for step in plan.steps:
+        locals_ = apply_step(step, locals_)
+    assert set(locals_) == set(dst_mesh.process_ids)
+    return dense_of(locals_, shape, dst_mesh, plan.dst_placements)
+
+
+def wrong_transitions(mesh, shape, placements, dense_source, seed=0, dst_mesh=None):
+    rng = np.random.default_rng(seed)
+    dst_mesh = dst_mesh or mesh
+    wrong, n = [], 0
+    for src in itertools.product(placements, repeat=mesh.ndim):
+        for dst in itertools.product(placements, repeat=dst_mesh.ndim):
+            if dense_source:
+                value = rng.integers(1, 4, size=shape).astype(np.float64)
+                locs = initial_locals(value, mesh, src)
+            else:
+                locs, value = random_locals(rng, shape, mesh, src)
+            n += 1
+            if not np.allclose(run_plan_from(locs, shape, mesh, src, dst_mesh, dst), value):
+                wrong.append((src, dst))
+    return n, wrong
+
+
+def test_reported_mixed_partial_case():
+    # [R, P] -> [P(prod), S(0)] on 2x2 gave twice the tensor: the prod axis filled ones where the pending sum
+    # axis was to add them up
+    mesh = ProcessMesh([[0, 1], [2, 3]], ["x", "y"])
+    value = np.arange(1.0, 9.0).reshape(4, 2)
+    plan = plan_reshard(value.shape, mesh, [Replicate(), Partial()], mesh, [Partial(PROD), Shard(0)])
+    out = simulate(plan, value)
+    np.testing.assert_allclose(dense_of(out, value.shape, mesh, plan.dst_placements), value)
+    np.testing.assert_allclose(assemble(out, value.shape, mesh, plan.dst_placements), value)
+
+
+def test_fill_rule_table():
+    P = Partial
+    # a dense tensor: zero wins over one; AVG, MAX and MIN keep the value
+    assert [partial_fill([P(SUM)], (i,)) for i in range(3)] == ["value", "zero", "zero"]
+    assert [partial_fill([P(PROD)], (i,)) for i in range(2)] == ["value", "one"]
+    assert {partial_fill([P(rt)], (1,)) for rt in (AVG, MAX, MIN)} == {"value"}
+    assert partial_fill([P(PROD), P(SUM)], (1, 1)) == "zero" and partial_fill([P(SUM), P(PROD)], (1, 1)) == "zero"
+    assert partial_fill([P(PROD), P(SUM)], (1, 0)) == "one" and partial_fill([P(MAX), P(SUM)], (1, 0)) == "value"
+    # one new axis among pending ones: a rank at coordinate 0 of the new axis keeps its summand
+    assert partial_fill([P(PROD), P(SUM)], (0, 1), axis=0) == "value"
+    # a PROD axis under a pending SUM axis: ones where that axis keeps the value, zeros where it adds zeros
+    assert partial_fill([P(PROD), P(SUM)], (1, 0), axis=0) == "one"
+    assert partial_fill([P(PROD), P(SUM)], (1, 1), axis=0) == "zero"
+    # a pending axis outside the new one does not matter
+    assert partial_fill([P(SUM), P(PROD)], (1, 1), axis=1) == "one"
+    assert partial_fill([P(MAX), P(SUM)], (1, 1), axis=0) == "value"
+    with pytest.raises(ValueError, match="not Partial"):
+        partial_fill([Replicate()], (1,), axis=0)
+
+
+def test_nesting_order_is_last_axis_first():
+    # [P(max), P(sum)]: the max over x of the sums over y, not the sum of the maxes
+    mesh = ProcessMesh([[0, 1], [2, 3]], ["x", "y"])
+    locs = {0: np.array([1.0]), 1: np.array([5.0]), 2: np.array([4.0]), 3: np.array([3.0])}
+    assert nesting([Partial(MAX), Replicate(), Partial(SUM)]) == [2, 0]
+    assert assemble(locs, (1,), mesh, [Partial(MAX), Partial(SUM)]).tolist() == [7.0]  # max(1+5, 4+3)
+    assert assemble(locs, (1,), mesh, [Partial(SUM), Partial(MAX)]).tolist() == [9.0]  # 5 + 4
+    assert commutes(SUM, AVG) and commutes(MAX, MAX) and not commutes(MAX, SUM) and not commutes(PROD, SUM)
+    plan = plan_reshard((1,), mesh, [Partial(MAX), Partial(SUM)], mesh, [Replicate(), Partial(SUM)])
+    # the max may only be taken once the sums inside it are settled
+    assert plan.ops == ["all_reduce", "all_reduce", "zero_fill"] and plan[0].axis == 1 and plan[1].axis == 0
+    out = dense_of({r: v for r, v in _run(plan, locs).items()}, (1,), mesh, plan.dst_placements)
+    assert out.tolist() == [7.0]
+
+
+def _run(plan, locs):
+    for step in plan.steps:
+        locs = apply_step(step, locs)
+    return locs
+
+
+@pytest.mark.parametrize("dense_source", [True, False], ids=["from-dense", "arbitrary-summands"])
+def test_every_two_axis_transition_on_2x2(dense_source):
+    # 8 placements per axis (S(0), S(1), R, P of each reduction): 64 x 64 = 4096 transitions, uneven (3 x 5)
+    n, wrong = wrong_transitions(ProcessMesh([[0, 1], [2, 3]], ["x", "y"]), (3, 5), ALL_PL, dense_source)
+    assert n == 4096 and wrong == []
+
+
+def test_every_two_axis_transition_on_seed_mesh():
+    n, wrong = wrong_transitions(ProcessMesh(SEED_MESH, ["x", "y"]), (5, 4), ALL_PL, dense_source=False)
+    assert n == 4096 and wrong == []
+
+
+@pytest.mark.parametrize("ids", [[1, 0], [2, 0, 1]])
+@pytest.mark.parametrize("dense_source", [True, False], ids=["from-dense", "arbitrary-summands"])
+def test_every_one_axis_transition(ids, dense_source):
+    n, wrong = wrong_transitions(ProcessMesh(ids), (5, 2), ALL_PL, dense_source)
+    assert n == 64 and wrong == []
+
+
+def test_three_axis_transitions_on_2x2x2():
+    # every source and target over S(0), R and the three kinds of reduction (linear, idempotent, product):
+    # 125 x 125 transitions from arbitrary summands, co-shards and uneven chunks included (moves between tensor
+    # dims on three axes are left to the property test below)
+    pls = [Shard(0), Replicate(), Partial(SUM), Partial(MAX), Partial(PROD)]
+    n, wrong = wrong_transitions(ProcessMesh(np.arange(8).reshape(2, 2, 2)), (3, 5), pls, dense_source=False)
+    assert n == 125 * 125 and wrong == []
+
+
+@st.composite
+def partial_cases(draw):
+    """A mesh of up to 3 axes of up to 4 ranks, arbitrary summands for a source layout, and a target layout on the
+    same mesh, a same-shape mesh of other ids, or a mesh of another shape."""
+    ndim = draw(st.integers(1, 3))
+    mesh_shape = [draw(st.integers(1, 4 if ndim < 3 else 3)) for _ in range(ndim)]
+    mesh = ProcessMesh(np.array(draw(st.permutations(range(int(np.prod(mesh_shape)))))).reshape(mesh_shape))
+    shape = [draw(st.integers(0, 6)) for _ in range(draw(st.integers(1, 3)))]
+    placement = st.one_of(st.builds(Shard, st.integers(0, len(shape) - 1)), st.just(Replicate()),
+                          st.builds(Partial, st.sampled_from(list(ReduceType))))
+    where = draw(st.sampled_from(["same", "other-ids", "other-shape"]))
+    dst_mesh = mesh
+    if where == "other-ids":
+        dst_mesh = ProcessMesh(np.array(mesh.process_ids)[::-1].reshape(mesh.shape) + 5)
+    elif where == "other-shape":
+        dst_shape = [draw(st.integers(1, 3)) for _ in range(draw(st.integers(1, 2)))]
+        dst_mesh = ProcessMesh(np.arange(int(np.prod(dst_shape))).reshape(dst_shape) + 2)
+    src = [draw(placement) for _ in range(mesh.ndim)]
+    dst = [draw(placement) for _ in range(dst_mesh.ndim)]
+    return mesh, shape, src, dst_mesh, dst, draw(st.integers(0, 2**16))
+
+
+@settings(max_examples=300)
+@given(partial_cases())
+@example((ProcessMesh([[0, 1], [2, 3]]), [4, 2], [Replicate(), Partial()], ProcessMesh([[0, 1], [2, 3]]),
+          [Partial(PROD), Shard(0)], 0))
+@example((ProcessMesh([[0, 1], [2, 3]]), [4, 2], [Partial(MAX), Partial(SUM)], ProcessMesh([[0, 1], [2, 3]]),
+          [Replicate(), Partial(SUM)], 0))
+@example((ProcessMesh(np.arange(8).reshape(2, 2, 2)), [3, 5], [Partial(SUM), Partial(MAX), Partial(PROD)],
+          ProcessMesh(np.arange(8).reshape(2, 2, 2)), [Shard(0), Partial(PROD), Partial(MIN)], 1))
+def test_every_plan_keeps_the_value_of_arbitrary_summands(case):
+    mesh, shape, src, dst_mesh, dst, seed = case
+    locs, value = random_locals(np.random.default_rng(seed), shape, mesh, src)
+    np.testing.assert_allclose(run_plan_from(locs, shape, mesh, src, dst_mesh, dst), value)

@@ -262,3 +262,154 @@ def test_shard_scaler_unscales_and_skips_together():
         torch.testing.assert_close(before, expect)
         torch.testing.assert_close(after, before)
         assert scale == 2.0**14
+
+
+# -- optimizer sharding where Paddle puts it ----------------------------------------------------------------
+
+
+def accumulation_steps():
+    import meshviz.distributed as dist
+
+    dist.init_parallel_env()
+    mesh = dist.ProcessMesh([0, 1], dim_names=["x"])
+    w = dist.shard_tensor(torch.nn.Parameter(torch.zeros(2)), mesh, [dist.Replicate()])
+    opt = dist.shard_optimizer(torch.optim.SGD([w], lr=1.0), gradient_accumulation_steps=2)
+    seen = []
+    for _ in range(4):
+        (w * torch.tensor([1.0, 2.0])).sum().backward()
+        opt.step()
+        opt.clear_grad()
+        seen.append(dist.unshard_dtensor(w).detach().tolist())
+    return seen, opt.gradient_accumulation_steps
+
+
+def test_gradient_accumulation_steps_does_not_skip_steps():
+    # Paddle 3.3.1 (CPU, 4 ranks) gives exactly these: its step() updates every time; the loop accumulates
+    for seen, k in run_ranks(accumulation_steps, 2, timeout=90):
+        assert seen == [[-1.0, -2.0], [-2.0, -4.0], [-3.0, -6.0], [-4.0, -8.0]] and k == 2
+
+
+def tp_stages(stage):
+    import meshviz.distributed as dist
+
+    dist.init_parallel_env()
+    mesh = dist.ProcessMesh([[0, 1], [2, 3]], dim_names=["dp", "mp"])
+    w0, w1 = _weights()
+    # column-parallel w0 (split on dim 1), row-parallel w1 (split on dim 0: a tp weight), a split bias
+    p0 = dist.shard_tensor(torch.nn.Parameter(w0.clone()), mesh, [dist.Replicate(), dist.Shard(1)])
+    p1 = dist.shard_tensor(torch.nn.Parameter(w1.clone()), mesh, [dist.Replicate(), dist.Shard(0)])
+    bias = dist.shard_tensor(torch.nn.Parameter(torch.zeros(8)), mesh, [dist.Replicate(), dist.Shard(0)])
+    cls = {1: dist.ShardingStage1, 2: dist.ShardingStage2, 3: dist.ShardingStage3}[stage]
+    shard_fn = cls(sharding_mesh_dim="dp", mesh=mesh)  # Paddle's keywords
+    opt = dist.shard_optimizer(torch.optim.AdamW([p0, p1, bias], lr=0.05, weight_decay=0.1), shard_fn)
+    x = dist.shard_tensor(_Data().x, mesh, [dist.Shard(0), dist.Replicate()])
+    for _ in range(3):
+        (torch.matmul((torch.matmul(x, p0) + bias).relu(), p1) ** 2).mean().backward()
+        opt.step()
+        opt.clear_grad()
+    states = [repr(st["exp_avg"].placements) for st in opt.state.values() if "exp_avg" in st]
+    return {"w0": dist.unshard_dtensor(p0).detach(), "w1": dist.unshard_dtensor(p1).detach(),
+            "bias": dist.unshard_dtensor(bias).detach(), "states": sorted(states),
+            "params": [repr(p.placements) for p in (p0, p1, bias)]}
+
+
+def _ref_tp(steps=3):
+    w0, w1 = (torch.nn.Parameter(w.clone()) for w in _weights())
+    bias = torch.nn.Parameter(torch.zeros(8))
+    opt = torch.optim.AdamW([w0, w1, bias], lr=0.05, weight_decay=0.1)
+    x = _Data().x
+    for _ in range(steps):
+        (torch.matmul((torch.matmul(x, w0) + bias).relu(), w1) ** 2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return w0.detach(), w1.detach(), bias.detach()
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_sharding_stages_shard_a_tensor_parallel_weight_on_its_next_dim(stage):
+    ref = _ref_tp()
+    res = run_ranks(tp_stages, 4, stage, timeout=120)
+    # Paddle 3.3.1 (CPU): moments of a [R, S(0)] weight are [S(1), S(0)]; a 1-D [R, S(0)] bias stays put
+    states = sorted(["[S(0), S(1)]", "[S(1), S(0)]", "[R, S(0)]"])
+    for out in res:
+        for got, want in zip((out["w0"], out["w1"], out["bias"]), ref):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        assert out["states"] == states
+        if stage == 3:
+            assert out["params"] == ["[S(0), S(1)]", "[S(1), S(0)]", "[R, S(0)]"]
+        else:
+            assert out["params"] == ["[R, S(1)]", "[R, S(0)]", "[R, S(0)]"]
+
+
+def test_sharding_stage_keywords_and_placement_rule():
+    import meshviz.distributed as dist
+
+    mesh = dist.ProcessMesh([[0, 1], [2, 3]], dim_names=["dp", "mp"])
+    for stage in (dist.ShardingStage1("dp", mesh), dist.ShardingStage2(sharding_mesh_dim="dp", mesh=mesh),
+                  dist.ShardingStage3(mesh=mesh, sharding_mesh_dim=0), dist.ShardingStage1(mesh)):
+        assert stage.mesh == mesh and stage.sharding_mesh_dim in ("dp", 0)
+    with pytest.raises(ValueError, match="unknown mesh dim name 'pp'"):
+        dist.ShardingStage1("pp", mesh)
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        dist.ShardingStage1("dp", mesh, degree=2)
+
+
+def test_shard_scaler_keeps_the_scalers_settings():
+    import meshviz.distributed as dist
+
+    torch_scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_factor=4.0, backoff_factor=0.25,
+                                        growth_interval=2)
+    s = dist.shard_scaler(torch_scaler)
+    assert (s.get_scale(), s.get_incr_ratio(), s.get_decr_ratio(), s.get_incr_every_n_steps(), s.is_enable()) == (
+        1024.0, 4.0, 0.25, 2, True)
+    w = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([w], lr=0.5)
+    scales = []
+    for bad in (False, False, True, False):
+        s.scale((w * (float("inf") if bad else 1.0)).sum()).backward()
+        s.step(opt)
+        s.update()
+        opt.zero_grad()
+        scales.append(s.get_scale())
+    # two clean steps: x4; an inf: x0.25 and no update; three updates of 0.5 each
+    assert scales == [1024.0, 4096.0, 1024.0, 1024.0]
+    torch.testing.assert_close(w.detach(), torch.full((3,), 1.0 - 3 * 0.5))
+    off = dist.shard_scaler(torch.amp.GradScaler("cpu", enabled=False))
+    assert not off.is_enable() and off.scale(torch.tensor(3.0)).item() == 3.0
+
+
+def fleet_scaler():
+    import meshviz.distributed as dist
+    from meshviz.distributed import fleet
+
+    s = fleet.DistributedStrategy()
+    s.hybrid_configs = {"dp_degree": 1, "mp_degree": 2, "pp_degree": 1}
+    fleet.init(is_collective=True, strategy=s)
+    torch_scaler = torch.amp.GradScaler("cpu", init_scale=64.0, growth_factor=3.0, backoff_factor=0.125,
+                                        growth_interval=5)
+    scaler = fleet.distributed_scaler(torch_scaler)
+    settings = (scaler.get_scale(), scaler.get_incr_ratio(), scaler.get_decr_ratio(), scaler.get_incr_every_n_steps())
+    w = torch.nn.Parameter(torch.ones(4))
+    opt = fleet.distributed_optimizer(torch.optim.SGD([w], lr=0.5))
+    scaler.scale(w.sum()).backward()
+    if dist.get_rank() == 1:
+        w.grad.fill_(float("inf"))  # only rank 1 sees an inf: every rank must skip the step
+    scaler.step(opt)
+    scaler.update()
+    opt.clear_grad()
+    skipped = (w.detach().tolist(), scaler.get_scale())
+    scaler.scale(w.sum()).backward()
+    scaler.step(opt)
+    scaler.update()
+    stepped = w.detach().tolist()
+    s.hybrid_configs = {"dp_degree": 2, "mp_degree": 1, "pp_degree": 1}
+    fleet.init(is_collective=True, strategy=s)
+    same = fleet.distributed_scaler(torch_scaler) is torch_scaler  # pure data parallel: left as it is
+    return settings, skipped, stepped, same
+
+
+def test_fleet_distributed_scaler_keeps_settings_and_skips_together():
+    for settings, skipped, stepped, same in run_ranks(fleet_scaler, 2, timeout=90):
+        assert settings == (64.0, 3.0, 0.125, 5)
+        assert skipped == ([1.0] * 4, 8.0)
+        assert stepped == [0.5] * 4 and same

@@ -8,7 +8,8 @@ from typing import Sequence
 import numpy as np
 
 from .mesh import ProcessMesh
-from .placements import Partial, Placement, ReduceType, Shard, parse_placement
+from .partial import partial_fill
+from .placements import Partial, Placement, Shard, parse_placement
 
 __all__ = [
     "Block",
@@ -82,22 +83,6 @@ def local_block(shape, mesh: ProcessMesh, placements, coord) -> Block:
 
 def local_shape(shape, mesh: ProcessMesh, placements, coord) -> tuple[int, ...]:
     return tuple(b - a for a, b in local_block(shape, mesh, placements, coord))
-
-
-def partial_fill(placements, coord) -> str:
-    """How a dense tensor becomes Partial at ``coord``: 'value', 'zero' or 'one'.
-
-    SUM keeps the value at coordinate 0 of each Partial axis and zeros elsewhere; AVG, MAX and MIN keep the
-    value everywhere; PROD keeps it at coordinate 0 and ones elsewhere. Every reduction gives the tensor back.
-    """
-    fill = "value"
-    for axis, p in enumerate(placements):
-        if isinstance(p, Partial) and coord[axis] != 0:
-            if p.reduce_type == ReduceType.kRedSum:
-                return "zero"
-            if p.reduce_type == ReduceType.kRedProd:
-                fill = "one"
-    return fill
 
 
 @dataclass(frozen=True)

@@ -7,15 +7,23 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-__all__ = ["ProcessMesh", "set_rank_getter", "current_rank"]
+__all__ = ["ProcessMesh", "set_rank_getter", "current_rank", "set_group_getter"]
 
 _rank_getter: Callable[[], int | None] | None = None
+_group_getter: Callable | None = None
+_unique_ids: dict = {}  # (shape, process ids) -> unique id, in order of first creation
 
 
 def set_rank_getter(fn: Callable[[], int | None] | None) -> None:
     """The runtime installs its ``get_rank`` here so the pure core can ask "which rank am I"."""
     global _rank_getter
     _rank_getter = fn
+
+
+def set_group_getter(fn: Callable | None) -> None:
+    """The runtime installs ``fn(mesh, dim_name) -> Group`` here, for ``ProcessMesh.get_group``."""
+    global _group_getter
+    _group_getter = fn
 
 
 def current_rank() -> int | None:
@@ -28,9 +36,12 @@ def current_rank() -> int | None:
 
 
 class ProcessMesh:
-    """An N-D array of distinct, non-negative process ids; axis i is named ``dim_names[i]``."""
+    """An N-D array of distinct, non-negative process ids; axis i is named ``dim_names[i]``.
 
-    __slots__ = ("_ids", "_dim_names", "_index", "_hash")
+    As in Paddle, two meshes are equal when their shapes and process ids are (axis names do not count).
+    """
+
+    __slots__ = ("_ids", "_dim_names", "_index", "_hash", "_unique_id")
 
     def __init__(self, mesh=None, dim_names: Sequence[str] | None = None, shape=None, process_ids=None):
         if mesh is None:
@@ -73,11 +84,14 @@ class ProcessMesh:
         self._dim_names = tuple(dim_names)
         self._index = None
         self._hash = None
+        key = (arr.shape, tuple(flat.tolist()))
+        self._unique_id = _unique_ids.setdefault(key, len(_unique_ids) + 1)
 
     # -- Paddle's surface -------------------------------------------------------------------------
     @property
-    def mesh(self) -> list:
-        return self._ids.tolist()
+    def mesh(self) -> np.ndarray:
+        """The id array (numpy, read-only), as in Paddle."""
+        return self._ids
 
     @property
     def shape(self) -> list[int]:
@@ -104,11 +118,40 @@ class ProcessMesh:
         """The id array itself (read-only numpy)."""
         return self._ids
 
+    @property
+    def unique_id(self) -> int:
+        """The same number for every mesh of this shape and these ids in this process (from 1, creation order)."""
+        return self._unique_id
+
     def contains(self, rank: int) -> bool:
         return rank in self._rank_index()
 
+    def empty(self) -> bool:
+        return self.size == 0
+
     def get_dim_size(self, dim) -> int:
         return int(self._ids.shape[self.axis(dim)])
+
+    dim_size = get_dim_size
+
+    def get_rank_by_dim_and_process_id(self, dim, process_id: int) -> int:
+        """The coordinate of ``process_id`` along axis ``dim``; -1 when it is not in the mesh, 0 for ``dim=None``."""
+        coord = self.coordinate(process_id)
+        if coord is None:
+            return -1
+        if dim is None:
+            return 0
+        return int(coord[self.axis(dim)])
+
+    def get_group(self, dim_name=None):
+        """The communication group along axis ``dim_name`` that holds the calling rank (a collective the first
+        time: every rank of the world calls it). A 1-D mesh needs no name; an N-D one does."""
+        if self.ndim > 1 and dim_name is None:
+            raise ValueError("get_group: name the mesh dim (dim_name=...) of a mesh with more than one dimension")
+        axis = self.axis(dim_name if dim_name is not None else 0)
+        if _group_getter is None:
+            raise RuntimeError("ProcessMesh.get_group needs the runtime: import meshviz.distributed")
+        return _group_getter(self, axis)
 
     def axis(self, dim) -> int:
         """Mesh axis index for an axis name or (possibly negative) index."""
@@ -179,6 +222,8 @@ class ProcessMesh:
 
     # -- indexing, equality -----------------------------------------------------------------------
     def __getitem__(self, index) -> "ProcessMesh":
+        if isinstance(index, str):  # Paddle: mesh["x"] is the calling rank's 1-D sub-mesh along x
+            return self.get_submesh_with_dim(index)
         if not isinstance(index, tuple):
             index = (index,)
         kept = []
@@ -192,26 +237,22 @@ class ProcessMesh:
         kept += list(range(pos, self.ndim))
         sub = self._ids[index]
         if sub.ndim == 0:
-            return ProcessMesh([int(sub)], [self._dim_names[-1]])
+            return ProcessMesh([int(sub)])
         return ProcessMesh(sub, [self._dim_names[i] for i in kept])
 
     def __eq__(self, other) -> bool:
         if not isinstance(other, ProcessMesh):
             return NotImplemented
-        return (
-            self._ids.shape == other._ids.shape
-            and self._dim_names == other._dim_names
-            and bool((self._ids == other._ids).all())
-        )
+        return self._ids.shape == other._ids.shape and bool((self._ids == other._ids).all())
 
     def __hash__(self) -> int:
         if self._hash is None:
-            self._hash = hash((self._ids.shape, tuple(self._ids.ravel().tolist()), self._dim_names))
+            self._hash = hash((self._ids.shape, tuple(self._ids.ravel().tolist())))
         return self._hash
 
     def __repr__(self) -> str:
         if self.size <= 64:
-            body = str(self.mesh)
+            body = str(self._ids.tolist())
         else:
             body = f"<{self.size} ids {self.process_ids[0]}..{self.process_ids[-1]}>"
         return f"ProcessMesh(shape={self.shape}, mesh={body}, dim_names={self.dim_names})"
@@ -224,4 +265,4 @@ class ProcessMesh:
         return cls(shape=d["shape"], process_ids=d["process_ids"], dim_names=d.get("dim_names"))
 
     def __reduce__(self):
-        return (ProcessMesh, (self.mesh, self.dim_names))
+        return (ProcessMesh, (self._ids.tolist(), self.dim_names))

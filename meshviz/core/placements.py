@@ -18,6 +18,10 @@ class ReduceType(enum.IntEnum):
     kRedProd = 3
     kRedAvg = 4
 
+    def __call__(self) -> "ReduceType":
+        """Itself: ``Partial.reduce_type()`` is a method in Paddle, and the attribute here answers the call."""
+        return self
+
     @property
     def short(self) -> str:
         return _SHORT[self]
@@ -99,7 +103,11 @@ class Replicate(Placement):
 
 @dataclass(frozen=True, repr=False)
 class Partial(Placement):
-    """Every rank holds a summand; the tensor is the reduction of them along the mesh axis."""
+    """Every rank holds a summand; the tensor is the reduction of them along the mesh axis.
+
+    ``p.reduce_type()`` (Paddle's spelling) and ``p.reduce_type`` both give the ReduceType. Partial on several
+    mesh axes nests the reductions with mesh axis 0 outermost (``meshviz.core.partial``).
+    """
 
     reduce_type: ReduceType = ReduceType.kRedSum
 

@@ -8,6 +8,7 @@ from typing import Sequence
 import numpy as np
 
 from .layout import chunk, local_block, normalize_placements, shard_axes
+from .partial import commutes, nesting, partial_axes, partial_fill
 from .mesh import ProcessMesh
 from .placements import Partial, ReduceType, Replicate, Shard
 
@@ -175,6 +176,16 @@ class _Builder:
         )
 
 
+def _settle_and_reduce(b: _Builder, i: int, op: str, new, **kw) -> None:
+    """Reduce Partial axis ``i`` by ``op``, first settling the pending Partial axes nested inside it whose reduction
+    does not commute with its own (``nesting``: a later mesh axis is reduced first)."""
+    rt = b.cur[i].reduce_type
+    for j in reversed(partial_axes(b.cur)):
+        if j > i and not commutes(b.cur[j].reduce_type, rt):
+            _settle_and_reduce(b, j, "all_reduce", Replicate(), reduce=b.cur[j].reduce_type)
+    b.add(op, i, new, **kw)
+
+
 def _plan_same_mesh(shape, mesh, src, dst, itemsize) -> list[Step]:
     b = _Builder(shape, mesh, src, itemsize)
     n = mesh.ndim
@@ -184,7 +195,7 @@ def _plan_same_mesh(shape, mesh, src, dst, itemsize) -> list[Step]:
     for i in range(n):
         c, t = b.cur[i], dst[i]
         if isinstance(c, Partial) and c != t and not isinstance(t, Shard):
-            b.add("all_reduce", i, Replicate(), reduce=c.reduce_type)
+            _settle_and_reduce(b, i, "all_reduce", Replicate(), reduce=c.reduce_type)
 
     # 2. Un-shard what the target does not keep, from the last tensor dim down, innermost mesh axis first.
     for d in reversed(range(ndim)):
@@ -200,19 +211,20 @@ def _plan_same_mesh(shape, mesh, src, dst, itemsize) -> list[Step]:
             else:
                 b.add("all_gather", i, Replicate(), dim=d)
 
-    # 3. Target shards and partials, outer mesh axis first.
+    # 3. Target shards and partials, outer mesh axis first (a reduction here may settle an inner axis, which this
+    #    loop then brings to its target when it gets there).
     for i in range(n):
         c, t = b.cur[i], dst[i]
         if c == t:
             continue
         if isinstance(t, Shard):
             if isinstance(c, Partial):
-                b.add("reduce_scatter", i, t, dim=t.dim, reduce=c.reduce_type)
+                _settle_and_reduce(b, i, "reduce_scatter", t, dim=t.dim, reduce=c.reduce_type)
             else:
                 b.add("slice", i, t, dim=t.dim)
         elif isinstance(t, Partial):
             if isinstance(c, Partial):  # a different reduction: settle the old one first
-                b.add("all_reduce", i, Replicate(), reduce=c.reduce_type)
+                _settle_and_reduce(b, i, "all_reduce", Replicate(), reduce=c.reduce_type)
             b.add("zero_fill", i, t, reduce=t.reduce_type)
         else:
             raise AssertionError(f"planner left axis {i} as {c}, target {t}")  # pragma: no cover
@@ -319,11 +331,11 @@ def apply_step(step: Step, locals_: dict) -> dict:
         return out
     if step.op == "zero_fill":
         for r in locals_:
-            if mesh.coordinate(r)[step.axis] != 0:
-                if step.reduce == ReduceType.kRedSum:
-                    out[r] = np.zeros_like(locals_[r])
-                elif step.reduce == ReduceType.kRedProd:
-                    out[r] = np.ones_like(locals_[r])
+            fill = partial_fill(step.after, mesh.coordinate(r), step.axis)
+            if fill == "zero":
+                out[r] = np.zeros_like(locals_[r])
+            elif fill == "one":
+                out[r] = np.ones_like(locals_[r])
         return out
     for line in step.groups:
         vals = [locals_[r] for r in line]
@@ -357,15 +369,15 @@ def simulate(plan: Plan, value: np.ndarray) -> dict:
 
 
 def assemble(locals_: dict, shape, mesh: ProcessMesh, placements) -> np.ndarray:
-    """The global value a set of local values stands for (Partial axes reduced)."""
+    """The global value a set of local values stands for (Partial axes reduced in ``nesting`` order)."""
     placements = normalize_placements(shape, mesh, placements)
     dense = [Replicate() if isinstance(p, Partial) else p for p in placements]
-    partial_axes = [i for i, p in enumerate(placements) if isinstance(p, Partial)]
+    order = nesting(placements)
     out = None
     for c in np.ndindex(*mesh.shape):
-        if any(c[i] != 0 for i in partial_axes):
+        if any(c[i] != 0 for i in order):
             continue
-        value = _reduce_partial(locals_, mesh, placements, c, partial_axes)
+        value = _reduce_partial(locals_, mesh, placements, c, order)
         if out is None:
             out = np.zeros(shape, dtype=value.dtype)
         blk = local_block(shape, mesh, dense, c)
@@ -373,13 +385,14 @@ def assemble(locals_: dict, shape, mesh: ProcessMesh, placements) -> np.ndarray:
     return out
 
 
-def _reduce_partial(locals_, mesh, placements, c, axes):
-    if not axes:
+def _reduce_partial(locals_, mesh, placements, c, order):
+    """Reduce over the Partial axes ``order`` (innermost first) around coordinate ``c``."""
+    if not order:
         return locals_[mesh.rank_at(c)]
-    i, rest = axes[0], axes[1:]
+    i, inner = order[-1], order[:-1]
     vals = []
     for j in range(mesh.shape[i]):
         cc = list(c)
         cc[i] = j
-        vals.append(_reduce_partial(locals_, mesh, placements, tuple(cc), rest))
+        vals.append(_reduce_partial(locals_, mesh, placements, tuple(cc), inner))
     return _reduce(vals, placements[i].reduce_type)

@@ -1,7 +1,9 @@
 """Paddle's distributed API on torch: ``import meshviz.distributed as dist``."""
 
-from ..core import Partial, ProcessMesh, ReduceType, Replicate, Shard
+from ..core import Partial, Placement, ProcessMesh, ReduceType, Replicate, Shard
+from . import process_mesh as _process_mesh  # noqa: F401  (installs ProcessMesh.get_group)
 from .api import (
+    dtensor_from_fn,
     dtensor_from_local,
     dtensor_to_local,
     is_dist_tensor,
@@ -32,10 +34,10 @@ from .env import (
 )
 
 __all__ = [
-    "ProcessMesh", "Shard", "Replicate", "Partial", "ReduceType",
+    "ProcessMesh", "Placement", "Shard", "Replicate", "Partial", "ReduceType",
     "init_parallel_env", "get_rank", "get_world_size", "is_initialized", "spawn",
     "ParallelEnv", "destroy_process_group",
-    "DistTensor", "shard_tensor", "reshard", "dtensor_from_local", "dtensor_to_local", "unshard_dtensor",
+    "DistTensor", "shard_tensor", "reshard", "dtensor_from_fn", "dtensor_from_local", "dtensor_to_local", "unshard_dtensor",
     "local_map", "is_dist_tensor", "plan_of",
     "shard_layer", "shard_optimizer", "shard_scaler", "shard_dataloader", "ShardDataloader",
     "ShardingStage1", "ShardingStage2", "ShardingStage3",

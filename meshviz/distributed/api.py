@@ -9,7 +9,8 @@ import torch
 import torch.distributed as tdist
 
 from .. import trace
-from ..core.layout import local_block, normalize_placements, partial_fill
+from ..core.layout import local_block, normalize_placements
+from ..core.partial import partial_fill
 from ..core.mesh import ProcessMesh
 from ..core.placements import Partial, Replicate, Shard
 from ..core.planner import plan_reshard
@@ -20,6 +21,7 @@ from .reshard import run_plan
 
 __all__ = [
     "shard_tensor",
+    "dtensor_from_fn",
     "dtensor_from_local",
     "dtensor_to_local",
     "unshard_dtensor",
@@ -121,6 +123,14 @@ def shard_tensor(data, mesh: ProcessMesh, placements: Sequence, dtype=None, plac
     if name:
         out._mv_name = name
     return out
+
+
+def dtensor_from_fn(fn, mesh: ProcessMesh, placements: Sequence, *args, **kwargs):
+    """``shard_tensor(fn(*args, **kwargs), mesh, placements)``: every rank builds the same full tensor (``torch.ones``,
+    ``torch.randn`` after the same seed ...) and keeps its block."""
+    if not callable(fn):
+        raise ValueError(f"dtensor_from_fn: fn must be callable (torch.ones, torch.zeros ...), got {fn!r}")
+    return shard_tensor(fn(*args, **kwargs), mesh, placements)
 
 
 class _FromLocal(torch.autograd.Function):

@@ -10,6 +10,7 @@ import torch.distributed as tdist
 
 from .. import compat, trace
 from ..core.layout import chunk, local_block
+from ..core.partial import partial_fill
 from ..core.placements import ReduceType
 from ..core.planner import Plan, Step
 from . import groups
@@ -206,9 +207,10 @@ def run_step(step: Step, local, rank: int, dtype, device):
     if step.op == "slice":
         return _slice(step, local, k, my_index)
     if step.op == "zero_fill":
-        if my_index == 0 or step.reduce not in (ReduceType.kRedSum, ReduceType.kRedProd):
+        fill = partial_fill(step.after, coord, step.axis)
+        if fill == "value":
             return local.clone()
-        return torch.zeros_like(local) if step.reduce == ReduceType.kRedSum else torch.ones_like(local)
+        return torch.zeros_like(local) if fill == "zero" else torch.ones_like(local)
     line, _ = groups.axis_group(step.mesh, step.axis, rank)
     if k == 1:
         return local.clone()

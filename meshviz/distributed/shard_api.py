@@ -70,29 +70,50 @@ def shard_layer(layer: torch.nn.Module, process_mesh: ProcessMesh, shard_fn=None
 class _ShardingStage:
     stage = 0
 
-    def __init__(self, mesh_dim=0, mesh: ProcessMesh | None = None):
-        # Paddle spells it ShardingStage1(mesh_dim, mesh) and also ShardingStage1(mesh=..., sharding_mesh_dim=...)
-        if isinstance(mesh_dim, ProcessMesh):
-            mesh_dim, mesh = 0, mesh_dim
-        self.axis = mesh_dim
+    def __init__(self, sharding_mesh_dim=0, mesh: ProcessMesh | None = None, **kwargs):
+        # Paddle: ShardingStage1(sharding_mesh_dim, mesh=None); older scripts pass the mesh first or mesh_dim=
+        if "mesh_dim" in kwargs:
+            sharding_mesh_dim = kwargs.pop("mesh_dim")
+        if kwargs:
+            raise TypeError(f"{type(self).__name__}() got unexpected keyword arguments {sorted(kwargs)}")
+        if isinstance(sharding_mesh_dim, ProcessMesh):
+            sharding_mesh_dim, mesh = (mesh if mesh is not None else 0), sharding_mesh_dim
+        if mesh is not None and not isinstance(mesh, ProcessMesh):
+            raise ValueError(f"{type(self).__name__}: mesh must be a ProcessMesh, got {mesh!r}")
+        if isinstance(sharding_mesh_dim, bool) or not isinstance(sharding_mesh_dim, (int, str)):
+            raise ValueError(f"{type(self).__name__}: sharding_mesh_dim must be a mesh axis name or index, "
+                             f"got {sharding_mesh_dim!r}")
+        if mesh is not None:
+            mesh.axis(sharding_mesh_dim)  # an unknown name raises here, on every rank
+        self.axis = sharding_mesh_dim
         self.mesh = mesh
 
+    @property
+    def sharding_mesh_dim(self):
+        return self.axis
+
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(axis={self.axis!r})"
+        return f"{type(self).__name__}(sharding_mesh_dim={self.axis!r})"
 
     def sharded(self, p: DistTensor) -> list | None:
-        """Placements that shard ``p`` along the sharding axis, or None when it cannot be (already sharded there,
-        or dim 0 already split by another axis)."""
+        """Placements that shard ``p`` along the sharding axis, or None when it cannot be.
+
+        Paddle's rule (``get_placement_with_sharding``): the first tensor dim that no other mesh axis shards, so a
+        tensor-parallel weight sharded on dim 0 is sharded on dim 1. Left alone: a parameter on another mesh,
+        one already split on the sharding axis, one with no free dim, and (as in Paddle) one whose dim 0 is 1.
+        """
         mesh = p.process_mesh
         if self.mesh is not None and self.mesh != mesh:
             return None
         axis = mesh.axis(self.axis)
         pl = list(p.placements)
-        if not isinstance(pl[axis], Replicate) or p.dim() == 0 or p.shape[0] < mesh.shape[axis]:
+        if not isinstance(pl[axis], Replicate) or p.dim() == 0 or p.shape[0] == 1:
             return None
-        if any(isinstance(q, Shard) and q.dim == 0 for q in pl):
+        taken = {q.dim for q in pl if isinstance(q, Shard)}
+        free = [d for d in range(p.dim()) if d not in taken]
+        if not free:
             return None
-        pl[axis] = Shard(0)
+        pl[axis] = Shard(free[0])
         return pl
 
 
@@ -126,8 +147,8 @@ class _ShardOptimizer:
             raise ValueError(f"shard_fn must be ShardingStage1/2/3, got {shard_fn!r}")
         self._inner = optimizer
         self._stage = shard_fn
-        self._accum = gradient_accumulation_steps
-        self._calls = 0
+        # as in Paddle, only recorded: every step() updates; the training loop decides how often to call it
+        self.gradient_accumulation_steps = gradient_accumulation_steps
         self._shadow: dict = {}  # param -> sharded leaf the inner optimizer updates (stages 1 and 2)
         if shard_fn is not None:
             self._setup_sharding()
@@ -201,9 +222,6 @@ class _ShardOptimizer:
 
     @torch.no_grad()
     def step(self, closure=None):
-        self._calls += 1
-        if self._calls % self._accum:
-            return None
         self._sync_grads()
         out = self._inner.step(closure) if closure is not None else self._inner.step()
         for p, shadow in self._shadow.items():
@@ -215,8 +233,6 @@ class _ShardOptimizer:
         self.zero_grad(set_to_none=not set_to_zero)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        if self._calls % self._accum:
-            return
         self._inner.zero_grad(set_to_none=set_to_none)
         for p in self._shadow:
             p.grad = None
@@ -230,13 +246,14 @@ class _ShardOptimizer:
     set_state_dict = load_state_dict
 
     def __repr__(self) -> str:
-        return f"ShardOptimizer({type(self._inner).__name__}, stage={self._stage!r}, accumulate={self._accum})"
+        return f"ShardOptimizer({type(self._inner).__name__}, stage={self._stage!r})"
 
 
 def shard_optimizer(optimizer, shard_fn=None, gradient_accumulation_steps: int = 1):
     """Make ``optimizer`` step dist parameters: Partial gradients are reduced once before the update; with
-    ``ShardingStage1/2/3(axis, mesh)`` optimizer states (then gradients, then parameters) are sharded along that
-    mesh axis. With ``gradient_accumulation_steps=k`` only every k-th ``step()`` updates (gradients summed)."""
+    ``ShardingStage1/2/3(sharding_mesh_dim, mesh)`` optimizer states (then gradients, then parameters) are sharded
+    along that mesh axis. ``gradient_accumulation_steps`` is recorded as Paddle records it: every ``step()``
+    updates, so a loop that accumulates k micro-batches calls ``step()`` once per k."""
     return _ShardOptimizer(optimizer, shard_fn, gradient_accumulation_steps)
 
 
@@ -244,20 +261,59 @@ def shard_optimizer(optimizer, shard_fn=None, gradient_accumulation_steps: int =
 
 
 class _ShardScaler:
-    """A loss scaler whose inf/nan check agrees on every rank (Paddle's GradScaler spelling, torch semantics)."""
+    """A loss scaler whose inf/nan check agrees on every rank (Paddle's GradScaler: its settings, its getters).
+
+    Dynamic scaling: the scale is multiplied by ``decr_ratio`` after ``decr_every_n_nan_or_inf`` steps in a row
+    that saw inf/nan (those steps are skipped), by ``incr_ratio`` after ``incr_every_n_steps`` clean steps in a row.
+    """
 
     def __init__(self, init_loss_scaling=2.0**15, incr_ratio=2.0, decr_ratio=0.5, incr_every_n_steps=1000,
-                 enable=True):
+                 decr_every_n_nan_or_inf=1, use_dynamic_loss_scaling=True, enable=True):
+        if incr_ratio <= 1.0 or not 0.0 < decr_ratio < 1.0:
+            raise ValueError(f"shard_scaler: incr_ratio must be > 1 and decr_ratio in (0, 1), got {incr_ratio}, "
+                             f"{decr_ratio}")
+        self._init = float(init_loss_scaling)
         self._scale = float(init_loss_scaling)
-        self._incr, self._decr, self._every = incr_ratio, decr_ratio, incr_every_n_steps
+        self._incr, self._decr = float(incr_ratio), float(decr_ratio)
+        self._every, self._decr_every = int(incr_every_n_steps), int(decr_every_n_nan_or_inf)
+        self._dynamic = bool(use_dynamic_loss_scaling)
         self._good = 0
-        self._enable = enable
+        self._bad = 0
+        self._enable = bool(enable)
         self._found_inf = False
         self._unscaled = False
 
     @property
     def loss_scaling(self) -> float:
         return self._scale
+
+    # Paddle's getters, and torch's names for the same settings
+    def get_init_loss_scaling(self) -> float:
+        return self._init
+
+    def get_incr_ratio(self) -> float:
+        return self._incr
+
+    def get_decr_ratio(self) -> float:
+        return self._decr
+
+    def get_incr_every_n_steps(self) -> int:
+        return self._every
+
+    def get_decr_every_n_nan_or_inf(self) -> int:
+        return self._decr_every
+
+    def is_enable(self) -> bool:
+        return self._enable
+
+    def is_use_dynamic_loss_scaling(self) -> bool:
+        return self._dynamic
+
+    def get_scale(self) -> float:
+        return self._scale if self._enable else 1.0
+
+    get_growth_factor, get_backoff_factor, get_growth_interval = get_incr_ratio, get_decr_ratio, get_incr_every_n_steps
+    is_enabled = is_enable
 
     def scale(self, loss):
         return loss * self._scale if self._enable else loss
@@ -289,14 +345,19 @@ class _ShardScaler:
             optimizer.step()
 
     def update(self) -> None:
-        if self._enable:
+        if self._enable and self._dynamic:
             if self._found_inf:
-                self._scale *= self._decr
                 self._good = 0
+                self._bad += 1
+                if self._bad == self._decr_every:
+                    self._scale *= self._decr
+                    self._bad = 0
             else:
+                self._bad = 0
                 self._good += 1
-                if self._good % self._every == 0:
+                if self._good == self._every:
                     self._scale *= self._incr
+                    self._good = 0
         self._found_inf = False
         self._unscaled = False
 
@@ -304,15 +365,63 @@ class _ShardScaler:
         self.step(optimizer)
         self.update()
 
+    def state_dict(self) -> dict:
+        return {"scale": self._scale, "incr_ratio": self._incr, "decr_ratio": self._decr,
+                "incr_every_n_steps": self._every, "decr_every_n_nan_or_inf": self._decr_every,
+                "incr_count": self._good, "decr_count": self._bad, "use_dynamic_loss_scaling": self._dynamic}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._scale = float(state["scale"])
+        self._incr, self._decr = float(state["incr_ratio"]), float(state["decr_ratio"])
+        self._every, self._decr_every = int(state["incr_every_n_steps"]), int(state["decr_every_n_nan_or_inf"])
+        self._good, self._bad = int(state["incr_count"]), int(state["decr_count"])
+        self._dynamic = bool(state["use_dynamic_loss_scaling"])
+
+    def __repr__(self) -> str:
+        return (f"ShardScaler(scale={self._scale}, incr_ratio={self._incr}, decr_ratio={self._decr}, "
+                f"incr_every_n_steps={self._every}, decr_every_n_nan_or_inf={self._decr_every}, "
+                f"enable={self._enable})")
+
+
+def _scaler_settings(scaler) -> dict:
+    """The settings of a Paddle-style scaler (``get_incr_ratio`` ...) or a torch ``GradScaler``."""
+    def ask(*names, default=None):
+        for n in names:
+            v = getattr(scaler, n, None)
+            if callable(v):
+                try:
+                    return v()
+                except (AttributeError, RuntimeError):
+                    continue
+        return default
+
+    enabled = ask("is_enable", "is_enabled", default=True)
+    scale = ask("get_init_loss_scaling") if hasattr(scaler, "get_init_loss_scaling") else None
+    if scale is None:
+        # torch: the current scale (its initial one until the first step); 1.0 when disabled, so look past it
+        scale = getattr(scaler, "_init_scale", None) if not enabled else ask("get_scale")
+    return dict(
+        init_loss_scaling=float(scale if scale is not None else 2.0**15),
+        incr_ratio=ask("get_incr_ratio", "get_growth_factor", default=2.0),
+        decr_ratio=ask("get_decr_ratio", "get_backoff_factor", default=0.5),
+        incr_every_n_steps=ask("get_incr_every_n_steps", "get_growth_interval", default=1000),
+        decr_every_n_nan_or_inf=ask("get_decr_every_n_nan_or_inf", default=1),
+        use_dynamic_loss_scaling=ask("is_use_dynamic_loss_scaling", default=True),
+        enable=bool(enabled),
+    )
+
 
 def shard_scaler(scaler=None):
-    """A loss scaler for dist parameters: every rank skips the step when any rank saw inf/nan."""
+    """A loss scaler for dist parameters: every rank skips the step when any rank saw inf/nan.
+
+    Keeps the given scaler's settings (scale, growth and backoff factors, interval, enabled), from a torch
+    ``GradScaler`` or a Paddle-style one; with none, Paddle's defaults but a starting scale of 2**15.
+    """
     if isinstance(scaler, _ShardScaler):
         return scaler
     if scaler is None:
         return _ShardScaler()
-    scale = scaler.get_scale() if hasattr(scaler, "get_scale") else getattr(scaler, "_scale", 2.0**15)
-    return _ShardScaler(init_loss_scaling=float(scale))
+    return _ShardScaler(**_scaler_settings(scaler))
 
 
 # -- shard_dataloader --------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ __all__ = [
     "init", "DistributedStrategy", "distributed_model", "distributed_optimizer", "get_hybrid_communicate_group",
     "get_hybrid_parallel_topology", "worker_index", "worker_num", "is_first_worker", "barrier_worker",
     "local_rank", "is_worker", "HybridCommunicateGroup", "CommunicateTopology", "ParallelMode",
-    "HybridParallelOptimizer", "Fleet", "fleet", "meta_parallel", "utils",
+    "HybridParallelOptimizer", "Fleet", "fleet", "meta_parallel", "utils", "distributed_scaler",
 ]
 
 
@@ -200,3 +200,4 @@ is_worker = fleet.is_worker
 barrier_worker = fleet.barrier_worker
 
 from . import meta_parallel, utils  # noqa: E402  (after fleet exists: they look up its hybrid group)
+from .scaler import distributed_scaler  # noqa: E402

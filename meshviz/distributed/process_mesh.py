@@ -1,0 +1,31 @@
+"""ProcessMesh.get_group on the runtime: one communication group per line of a mesh axis."""
+
+from __future__ import annotations
+
+from ..core.mesh import ProcessMesh, set_group_getter
+from .collective import Group, new_group
+from .env import get_rank, init_parallel_env
+
+__all__ = ["axis_group"]
+
+_lines: dict = {}  # (shape, ids, axis) -> {line: Group}
+
+
+def axis_group(mesh: ProcessMesh, axis: int) -> Group | None:
+    """The group of the calling rank's line along ``axis`` (Paddle's ``mesh.get_group(dim_name)``).
+
+    Every line of the axis gets its group the first time, on every rank in the same order, so that ranks on
+    different lines do not wait for each other. A rank outside the mesh gets None; on a 1-D mesh it gets the
+    mesh's group, of which it is not a member (as Paddle's ``new_group`` gives it).
+    """
+    init_parallel_env()
+    key = (tuple(mesh.shape), tuple(mesh.process_ids), axis)
+    if key not in _lines:
+        _lines[key] = {line: new_group(list(line)) for line in mesh.axis_groups(axis)}
+    line = mesh.axis_group_of(get_rank(), axis)
+    if line is None:
+        return next(iter(_lines[key].values())) if mesh.ndim == 1 else None
+    return _lines[key][line]
+
+
+set_group_getter(axis_group)
