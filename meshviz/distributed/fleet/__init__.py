@@ -200,3 +200,11 @@ is_worker = fleet.is_worker
 barrier_worker = fleet.barrier_worker
 
 from . import meta_parallel, utils  # noqa: E402  (after fleet exists: they look up its hybrid group)
+
+
+def __getattr__(name):
+    if name == "auto":  # Paddle's fleet.auto is paddle.distributed.auto_parallel (set_mesh / get_mesh)
+        from .. import auto_parallel
+
+        return auto_parallel
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
