@@ -109,10 +109,10 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, num_layers):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(num_layers))
         self.norm = LlamaRMSNorm(config)
 
     def forward(self, input_ids):
@@ -123,13 +123,16 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Paddle's test model's layout (``llama.embed_tokens``, ``llama.layers.N.self_attn.q_proj``, ``lm_head``)."""
+    """Paddle's test model's layout (``llama.embed_tokens``, ``llama.layers.N.self_attn.q_proj``, ``lm_head``);
+    ``tie=True`` shares the embedding with the LM head."""
 
-    def __init__(self, config=LlamaConfig, seed=0):
+    def __init__(self, config=LlamaConfig, seed=0, num_layers=None, tie=False):
         super().__init__()
         torch.manual_seed(seed)
-        self.llama = LlamaModel(config)
+        self.llama = LlamaModel(config, num_layers or config.num_layers)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if tie:
+            self.lm_head.weight = self.llama.embed_tokens.weight
 
     def forward(self, input_ids):
         return self.lm_head(self.llama(input_ids))

@@ -43,4 +43,6 @@ def shard_optimizer_with(optimizer, level, sharding_mesh_dim, mesh):
         raise ValueError(f"expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
     if level is None:
         return shard_optimizer(optimizer, None)
+    if "pp" in mesh.dim_names:
+        mesh = None  # parameters live on the stage sub-meshes: each is sharded along the axis of its own mesh
     return shard_optimizer(optimizer, _STAGES[level](sharding_mesh_dim, mesh))
