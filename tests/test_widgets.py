@@ -406,3 +406,18 @@ def test_live_reshard_view_never_steps_back_to_a_slower_ranks_older_reshard():
     view = ReshardView(source=arrivals)
     assert [s.op for s in view.steps] == ["all_gather"]
     assert view.ran == {0} and not view.mismatch
+
+
+def test_reshard_view_of_real_partial_summands_marks_none_as_zeros():
+    """A Partial the ranks computed (a row-parallel output) has a summand on every rank: with the ranks' values,
+    no rank is drawn as a zero fill."""
+    mesh = ProcessMesh([0, 1], ["mp"])
+    plan = plan_reshard((2,), mesh, ["P(sum)"], mesh, ["R"])
+    events = [Event(kind="reshard", rank=r, plan_id=1, mesh=mesh.to_dict(), placements_before=["P(sum)"],
+                    placements_after=["R"], shape_before=[2], shape_after=[2], bytes=plan.total_bytes,
+                    local_shape=[2], values=v, extra={"ops": plan.ops, "target_mesh": mesh.to_dict()})
+              for r, v in ((0, [1.0, 2.0]), (1, [3.0, 4.0]))]
+    view = ReshardView(source=events)
+    assert view.states[0].fills == {0: "value", 1: "value"}
+    np.testing.assert_array_equal(view.states[0].value(), [4.0, 6.0])
+    assert ReshardView((2,), mesh, ["P(sum)"], dst_placements=["R"]).states[0].fills[1] == "zero"  # made up: zeros

@@ -117,6 +117,9 @@ class ReshardView(View):
                 locals_ = apply_step(step, locals_)
             mesh = step.target_mesh if step.op == "send_recv" else step.mesh
             self.states.append(tensor_state(shape, mesh, step.after, locals=locals_))
+        if locals0 is not None:  # real summands (a row-parallel output), not a dense tensor's zero fill
+            for st in self.states:
+                st.fills = {r: "value" for r in st.fills}
         self.frame = min(self.frame, len(plan.steps))
 
     def _ingest(self, events) -> None:
