@@ -409,8 +409,8 @@ def test_live_reshard_view_never_steps_back_to_a_slower_ranks_older_reshard():
 
 
 def test_reshard_view_of_real_partial_summands_marks_none_as_zeros():
-    """A Partial the ranks computed (a row-parallel output) has a summand on every rank: with the ranks' values,
-    no rank is drawn as a zero fill."""
+    """A Partial the ranks computed (a row-parallel output) has a summand on every rank: a reshard that ran draws
+    no rank as a zero fill."""
     mesh = ProcessMesh([0, 1], ["mp"])
     plan = plan_reshard((2,), mesh, ["P(sum)"], mesh, ["R"])
     events = [Event(kind="reshard", rank=r, plan_id=1, mesh=mesh.to_dict(), placements_before=["P(sum)"],
@@ -420,4 +420,7 @@ def test_reshard_view_of_real_partial_summands_marks_none_as_zeros():
     view = ReshardView(source=events)
     assert view.states[0].fills == {0: "value", 1: "value"}
     np.testing.assert_array_equal(view.states[0].value(), [4.0, 6.0])
+    for e in events:  # a block too large for an event to carry its values: still no zero fill drawn
+        e.values = None
+    assert ReshardView(source=events).states[0].fills == {0: "value", 1: "value"}
     assert ReshardView((2,), mesh, ["P(sum)"], dst_placements=["R"]).states[0].fills[1] == "zero"  # made up: zeros

@@ -98,7 +98,7 @@ class ReshardView(View):
     def n_frames(self) -> int:
         return len(self.steps) + 1
 
-    def _set_plan(self, plan: Plan, value=None, locals0: dict | None = None):
+    def _set_plan(self, plan: Plan, value=None, locals0: dict | None = None, ran: bool = False):
         self.plan = plan
         self._cache = {}
         shape = tuple(plan.shape)
@@ -117,7 +117,9 @@ class ReshardView(View):
                 locals_ = apply_step(step, locals_)
             mesh = step.target_mesh if step.op == "send_recv" else step.mesh
             self.states.append(tensor_state(shape, mesh, step.after, locals=locals_))
-        if locals0 is not None:  # real summands (a row-parallel output), not a dense tensor's zero fill
+        if ran or locals0 is not None:
+            # a reshard that ran: its Partial summands are whatever the ranks computed (a row-parallel output has
+            # one on every rank), not the zero fill of a Partial made from a dense tensor
             for st in self.states:
                 st.fills = {r: "value" for r in st.fills}
         self.frame = min(self.frame, len(plan.steps))
@@ -141,7 +143,7 @@ class ReshardView(View):
                     plan = plan_reshard(e.shape_before, src, e.placements_before, dst, e.placements_after, itemsize)
                 self._cur_id = (e.plan_id, e.tensor_id)
                 self.name = e.name or self.name
-                self._set_plan(plan)
+                self._set_plan(plan, ran=True)
                 self._before = {}
                 self._take_before(e)
                 self.ran = set()
