@@ -477,3 +477,5 @@ def test_global_mesh_is_fleet_auto_mesh():
     assert dist.auto_parallel.get_mesh() is None
     with pytest.raises(ValueError, match="set_mesh expects a ProcessMesh"):
         dist.set_mesh([[0, 1]])
+    with pytest.raises(NotImplementedError, match="use dist.parallelize|Use dist.parallelize"):
+        dist.to_distributed(LlamaForCausalLM(), None, None, device_num=4)

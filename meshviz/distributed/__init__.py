@@ -92,7 +92,7 @@ __all__ += ["sharding", "to_static", "DistModel", "Strategy"]
 
 # --- intermediate API (parallelize and its plans, the global mesh, LocalLayer) ---------------------------
 from . import auto_parallel
-from .auto_parallel import LocalLayer, get_mesh, set_mesh
+from .auto_parallel import LocalLayer, get_mesh, set_mesh, to_distributed
 from .auto_parallel.intermediate import (
     ColWiseParallel,
     PrepareLayerInput,
@@ -108,4 +108,4 @@ from .auto_parallel.intermediate import (
 
 __all__ += ["auto_parallel", "parallelize", "ColWiseParallel", "RowWiseParallel", "SequenceParallelBegin",
             "SequenceParallelEnd", "SequenceParallelEnable", "SequenceParallelDisable", "PrepareLayerInput",
-            "PrepareLayerOutput", "SplitPoint", "set_mesh", "get_mesh", "LocalLayer"]
+            "PrepareLayerOutput", "SplitPoint", "set_mesh", "get_mesh", "LocalLayer", "to_distributed"]

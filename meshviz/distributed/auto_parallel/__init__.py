@@ -1,10 +1,11 @@
 """Paddle's auto-parallel entry points: to_static / DistModel, Strategy, the global mesh, parallelize, LocalLayer."""
 
 from . import intermediate
+from .high_level_api import to_distributed
 from .interface import create_mesh, get_mesh, set_mesh
 from .local_layer import LocalLayer
 from .static import DistModel, Program, to_static
 from .strategy import Strategy
 
 __all__ = ["to_static", "DistModel", "Program", "Strategy", "set_mesh", "get_mesh", "create_mesh", "LocalLayer",
-           "intermediate"]
+           "intermediate", "to_distributed"]
