@@ -424,3 +424,12 @@ def test_reshard_view_of_real_partial_summands_marks_none_as_zeros():
         e.values = None
     assert ReshardView(source=events).states[0].fills == {0: "value", 1: "value"}
     assert ReshardView((2,), mesh, ["P(sum)"], dst_placements=["R"]).states[0].fills[1] == "zero"  # made up: zeros
+
+
+def test_reshard_view_heading_names_the_reshard_on_show():
+    mesh = ProcessMesh([0, 1], ["x"])
+    first = _rank_records(0, 1, mesh, ["P(sum)"], ["R"])
+    first[0].name = "w:output"
+    view = ReshardView(source=first + _rank_records(0, 2, mesh, ["S(0)"], ["R"]))
+    assert view.name is None and "w:output" not in view._heading()  # the unnamed reshard after it is on show
+    assert ReshardView(source=first).name == "w:output"

@@ -74,7 +74,7 @@ class ReshardView(View):
                 raise ValueError("ReshardView needs dst_placements")
             plan = plan_reshard(shape, src_mesh, [parse_placement(p) for p in src_placements], dst_mesh,
                                 [parse_placement(p) for p in dst_placements], itemsize)
-        self.name = name
+        self.name = self._given_name = name
         self.plan: Plan | None = None
         self.states: list[TensorState] = []
         self.frame = 0
@@ -142,7 +142,7 @@ class ReshardView(View):
                 if itemsize != 1:
                     plan = plan_reshard(e.shape_before, src, e.placements_before, dst, e.placements_after, itemsize)
                 self._cur_id = (e.plan_id, e.tensor_id)
-                self.name = e.name or self.name
+                self.name = e.name or self._given_name  # an unnamed reshard does not keep the last one's name
                 self._set_plan(plan, ran=True)
                 self._before = {}
                 self._take_before(e)
