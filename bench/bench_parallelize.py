@@ -25,7 +25,8 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    """Heads counted with -1 (torchtitan's way), so torch's local tensors and meshviz's global ones both fit."""
+    """Heads counted with -1 (torchtitan's way), so torch's local tensors and meshviz's global ones both fit.
+    (meshviz runs `@` on the split heads as DTensor ops, which needs torch 2.13: see README.)"""
 
     def __init__(self, c):
         super().__init__()
@@ -129,7 +130,8 @@ def torch_plan(sp):
             for name in ("input_layernorm", "post_attention_layernorm"):
                 plan[f"{p}.{name}"] = SequenceParallel()
             for name in ("self_attn", "mlp"):
-                plan[f"{p}.{name}"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+                plan[f"{p}.{name}"] = PrepareModuleInput(input_layouts=(Shard(1),),
+                                                         desired_input_layouts=(Replicate(),))
     if sp:
         plan["llama.norm"] = SequenceParallel()
     return plan

@@ -77,9 +77,10 @@ class LlamaAttention(nn.Module):
         b, s, h = x.shape
         q, k, v = (p(x).reshape(b, s, self.num_heads, self.head_dim).transpose(1, 2)
                    for p in (self.q_proj, self.k_proj, self.v_proj))
-        scores = torch.matmul(q, k.transpose(-1, -2)) / self.head_dim**0.5
+        # products summed by hand rather than `@`: torch 2.11's DTensor cannot fold a 4-D matmul with its heads split
+        scores = (q.unsqueeze(-2) * k.unsqueeze(-3)).sum(-1) / self.head_dim**0.5
         causal = torch.full((s, s), float("-inf")).triu(1)
-        out = torch.matmul(torch.softmax(scores + causal, dim=-1), v)
+        out = (torch.softmax(scores + causal, dim=-1).unsqueeze(-1) * v.unsqueeze(-3)).sum(-2)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, h))
 
 

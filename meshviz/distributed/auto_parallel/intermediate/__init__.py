@@ -1,4 +1,4 @@
-"""Paddle 3's intermediate parallel API: ``dist.parallelize`` with tensor, sequence, pipeline and data parallel plans."""
+"""Paddle 3's intermediate parallel API: `dist.parallelize` with tensor, sequence, pipeline and data parallel plans."""
 
 from .parallelize import parallelize, parallelize_model, parallelize_optimizer
 from .pipeline_parallel import SplitPoint
