@@ -406,3 +406,30 @@ def test_live_reshard_view_never_steps_back_to_a_slower_ranks_older_reshard():
     view = ReshardView(source=arrivals)
     assert [s.op for s in view.steps] == ["all_gather"]
     assert view.ran == {0} and not view.mismatch
+
+
+def test_reshard_view_of_real_partial_summands_marks_none_as_zeros():
+    """A Partial the ranks computed (a row-parallel output) has a summand on every rank: a reshard that ran draws
+    no rank as a zero fill."""
+    mesh = ProcessMesh([0, 1], ["mp"])
+    plan = plan_reshard((2,), mesh, ["P(sum)"], mesh, ["R"])
+    events = [Event(kind="reshard", rank=r, plan_id=1, mesh=mesh.to_dict(), placements_before=["P(sum)"],
+                    placements_after=["R"], shape_before=[2], shape_after=[2], bytes=plan.total_bytes,
+                    local_shape=[2], values=v, extra={"ops": plan.ops, "target_mesh": mesh.to_dict()})
+              for r, v in ((0, [1.0, 2.0]), (1, [3.0, 4.0]))]
+    view = ReshardView(source=events)
+    assert view.states[0].fills == {0: "value", 1: "value"}
+    np.testing.assert_array_equal(view.states[0].value(), [4.0, 6.0])
+    for e in events:  # a block too large for an event to carry its values: still no zero fill drawn
+        e.values = None
+    assert ReshardView(source=events).states[0].fills == {0: "value", 1: "value"}
+    assert ReshardView((2,), mesh, ["P(sum)"], dst_placements=["R"]).states[0].fills[1] == "zero"  # made up: zeros
+
+
+def test_reshard_view_heading_names_the_reshard_on_show():
+    mesh = ProcessMesh([0, 1], ["x"])
+    first = _rank_records(0, 1, mesh, ["P(sum)"], ["R"])
+    first[0].name = "w:output"
+    view = ReshardView(source=first + _rank_records(0, 2, mesh, ["S(0)"], ["R"]))
+    assert view.name is None and "w:output" not in view._heading()  # the unnamed reshard after it is on show
+    assert ReshardView(source=first).name == "w:output"

@@ -94,3 +94,23 @@ from . import sharding
 from .auto_parallel import DistModel, Strategy, to_static
 
 __all__ += ["sharding", "to_static", "DistModel", "Strategy"]
+
+# --- intermediate API (parallelize and its plans, the global mesh, LocalLayer) ---------------------------
+from . import auto_parallel
+from .auto_parallel import LocalLayer, get_mesh, set_mesh, to_distributed
+from .auto_parallel.intermediate import (
+    ColWiseParallel,
+    PrepareLayerInput,
+    PrepareLayerOutput,
+    RowWiseParallel,
+    SequenceParallelBegin,
+    SequenceParallelDisable,
+    SequenceParallelEnable,
+    SequenceParallelEnd,
+    SplitPoint,
+    parallelize,
+)
+
+__all__ += ["auto_parallel", "parallelize", "ColWiseParallel", "RowWiseParallel", "SequenceParallelBegin",
+            "SequenceParallelEnd", "SequenceParallelEnable", "SequenceParallelDisable", "PrepareLayerInput",
+            "PrepareLayerOutput", "SplitPoint", "set_mesh", "get_mesh", "LocalLayer", "to_distributed"]

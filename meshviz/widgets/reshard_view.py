@@ -74,7 +74,7 @@ class ReshardView(View):
                 raise ValueError("ReshardView needs dst_placements")
             plan = plan_reshard(shape, src_mesh, [parse_placement(p) for p in src_placements], dst_mesh,
                                 [parse_placement(p) for p in dst_placements], itemsize)
-        self.name = name
+        self.name = self._given_name = name
         self.plan: Plan | None = None
         self.states: list[TensorState] = []
         self.frame = 0
@@ -98,7 +98,7 @@ class ReshardView(View):
     def n_frames(self) -> int:
         return len(self.steps) + 1
 
-    def _set_plan(self, plan: Plan, value=None, locals0: dict | None = None):
+    def _set_plan(self, plan: Plan, value=None, locals0: dict | None = None, ran: bool = False):
         self.plan = plan
         self._cache = {}
         shape = tuple(plan.shape)
@@ -117,6 +117,11 @@ class ReshardView(View):
                 locals_ = apply_step(step, locals_)
             mesh = step.target_mesh if step.op == "send_recv" else step.mesh
             self.states.append(tensor_state(shape, mesh, step.after, locals=locals_))
+        if ran or locals0 is not None:
+            # a reshard that ran: its Partial summands are whatever the ranks computed (a row-parallel output has
+            # one on every rank), not the zero fill of a Partial made from a dense tensor
+            for st in self.states:
+                st.fills = {r: "value" for r in st.fills}
         self.frame = min(self.frame, len(plan.steps))
 
     def _ingest(self, events) -> None:
@@ -137,8 +142,8 @@ class ReshardView(View):
                 if itemsize != 1:
                     plan = plan_reshard(e.shape_before, src, e.placements_before, dst, e.placements_after, itemsize)
                 self._cur_id = (e.plan_id, e.tensor_id)
-                self.name = e.name or self.name
-                self._set_plan(plan)
+                self.name = e.name or self._given_name  # an unnamed reshard does not keep the last one's name
+                self._set_plan(plan, ran=True)
                 self._before = {}
                 self._take_before(e)
                 self.ran = set()

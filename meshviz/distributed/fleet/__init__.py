@@ -201,3 +201,11 @@ barrier_worker = fleet.barrier_worker
 
 from . import meta_parallel, utils  # noqa: E402  (after fleet exists: they look up its hybrid group)
 from .scaler import distributed_scaler  # noqa: E402
+
+
+def __getattr__(name):
+    if name == "auto":  # Paddle's fleet.auto is paddle.distributed.auto_parallel (set_mesh / get_mesh)
+        from .. import auto_parallel
+
+        return auto_parallel
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

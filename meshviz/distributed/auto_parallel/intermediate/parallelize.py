@@ -1,0 +1,229 @@
+"""``dist.parallelize``: one call that applies the pipeline, tensor-parallel and data-parallel configs."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from ....core.mesh import ProcessMesh
+from ... import groups
+from ...env import init_parallel_env
+from ..interface import get_mesh, set_mesh
+from .parallel_base import param_holders, remap_optimizer, shard_all_params
+from .pipeline_parallel import (
+    assign_stages,
+    register_pipeline_hooks,
+    resolve_split_spec,
+    stage_indices,
+    stage_mesh,
+)
+from .sharded_data_parallel import check_dp_config, shard_optimizer_with
+from .tensor_parallel import _SP_REGION, _matches, _ShardParams, check_plan
+
+__all__ = ["parallelize", "parallelize_model", "parallelize_optimizer"]
+
+_CONFIG_KEYS = ("dp_config", "mp_config", "pp_config")
+
+has_parallelized_model = False
+
+
+def _use_mesh(mesh, who: str) -> None:
+    if mesh is None:
+        return
+    if not isinstance(mesh, ProcessMesh):
+        raise ValueError(f"The mesh must be an instance of ProcessMesh, got {type(mesh).__name__}: {mesh!r}")
+    g_mesh = get_mesh()
+    if g_mesh is not None and g_mesh != mesh:
+        warnings.warn(f"The mesh set by `dist.auto_parallel.set_mesh` is different with the mesh pass to `{who}`. "
+                      f"Will overwrite the previous mesh", stacklevel=3)
+    set_mesh(mesh)
+
+
+def _check_config(config, who: str) -> dict:
+    if not isinstance(config, dict):
+        raise ValueError(f"{who}: config should be a dict with dp_config / mp_config / pp_config, got "
+                         f"{type(config).__name__}")
+    unknown = set(config) - set(_CONFIG_KEYS)
+    if unknown:
+        raise ValueError(f"{who}: unknown config keys {sorted(unknown)}; the keys are {list(_CONFIG_KEYS)}")
+    return config
+
+
+def _need_mesh():
+    mesh = get_mesh()
+    if mesh is None:
+        raise ValueError("global mesh must not be None, please call dist.auto_parallel.set_mesh(global_mesh) "
+                         "firstly or pass mesh=")
+    return mesh
+
+
+class _Prepared:
+    """Everything parallelize will do, worked out and checked before anything changes or communicates."""
+
+    def __init__(self, model, mesh, config):
+        if not isinstance(model, torch.nn.Module):
+            raise ValueError(f"parallelize expects a torch.nn.Module, got {type(model).__name__}")
+        if getattr(model, "_mv_parallelized", False):
+            raise ValueError("this model has been parallelized already")
+        self.model, self.mesh = model, mesh
+        pp_config, mp_config, dp_config = (config.get(k) for k in ("pp_config", "mp_config", "dp_config"))
+        self.spec = self.global_spec = self.pipeline_layers = None
+        if pp_config is not None:
+            self.spec, self.global_spec, self.pipeline_layers = resolve_split_spec(model, mesh, pp_config)
+        self.stages = self._stages()
+        self.plan = None
+        if mp_config is not None:
+            if not isinstance(mp_config, dict):
+                raise ValueError(f"mp_config should be a dict, got {type(mp_config).__name__}")
+            unknown = set(mp_config) - {"parallelize_plan"}
+            if unknown:
+                raise ValueError(f"mp_config has unknown keys {sorted(unknown)}; it takes 'parallelize_plan'")
+            plan = mp_config.get("parallelize_plan")
+            if plan is None:
+                warnings.warn("No parallelize plan, tensor parallel won't do anything.", stacklevel=3)
+            else:
+                if "mp" not in mesh.dim_names:
+                    raise ValueError(f"mp_config needs a mesh axis named 'mp'; the mesh {mesh} has {mesh.dim_names}")
+                self.plan = check_plan(plan)
+        self.matches = self._match() if self.plan is not None else {}
+        self.dp = check_dp_config(dp_config, mesh) if dp_config is not None else None
+
+    def _stages(self) -> dict:
+        return {} if self.spec is None else stage_indices(self.model, self.spec)
+
+    def _match(self) -> dict:
+        """name -> (layer, [(plan, param names)]), every parameter placement checked; a key that matches
+        nothing is an error."""
+        out, used = {}, set()
+        for name, layer in self.model.named_modules():
+            if not name:
+                continue
+            found = _matches(self.plan, layer, name)
+            if not found:
+                continue
+            smesh = stage_mesh(self.mesh, self.stages.get(name, 0))
+            entries = []
+            for key, plans, params in found:
+                used.add(key)
+                for p in plans:
+                    if isinstance(p, _ShardParams):
+                        p.param_placements(layer, smesh, params, name)
+                    entries.append((p, params))
+            out[name] = (layer, entries)
+        missing = [k for k in self.plan if k not in used]
+        if missing:
+            names = [n for n, _ in self.model.named_modules() if n]
+            raise ValueError(f"parallelize_plan keys {missing} match no layer of {type(self.model).__name__}; its "
+                             f"layers are named like {names[:6] + (['...'] if len(names) > 6 else [])} (a key is a "
+                             f"regular expression matching a whole name, or a name followed by .weight / .bias)")
+        return out
+
+    def apply(self) -> torch.nn.Module:
+        model, mesh = self.model, self.mesh
+        init_parallel_env()
+        groups.check_mesh_in_world(mesh)
+        for name, layer in model.named_modules():
+            layer._mv_layer_name = name
+        if self.spec is not None:
+            assign_stages(model, self.stages)
+            register_pipeline_hooks(model, mesh, self.spec, self.global_spec, self.pipeline_layers)
+        layer_param_placements = {}
+        if self.matches:
+            counts = {k: len(v) for k, v in param_holders(model).items()}
+            sp_layers = [n for n, (_, entries) in self.matches.items() if any(isinstance(p, _SP_REGION)
+                                                                            for p, _ in entries)]
+            for name, (layer, entries) in self.matches.items():
+                layer._mv_in_sp_region = any(name.startswith(s + ".") for s in sp_layers)
+                smesh = stage_mesh(mesh, getattr(layer, "pipeline_stage_index", 0))
+                for p, params in entries:
+                    p.share_param_list = counts
+                    deferred = p.apply(layer, smesh, params)
+                    if deferred:
+                        layer_param_placements.setdefault(layer, {}).update(deferred)
+        shard_all_params(model, mesh, layer_param_placements)
+        model._mv_parallelized = True
+        return model
+
+
+def _parallelize(model, optimizer, config, who):
+    mesh = _need_mesh()
+    prepared = _Prepared(model, mesh, config)
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise ValueError(f"{who}: optimizer should be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    holders = param_holders(model)
+    if optimizer is not None and optimizer.state:
+        raise ValueError(f"{who}: the optimizer already holds state (it has stepped); create it from the model's "
+                         f"parameters and pass it before training")
+    model = prepared.apply()
+    if optimizer is not None:
+        remap_optimizer(optimizer, {k: getattr(*hold[0]) for k, hold in holders.items()})
+        level, dim = prepared.dp if prepared.dp is not None else (None, "dp")
+        optimizer = shard_optimizer_with(optimizer, level, dim, mesh)
+    return model, optimizer
+
+
+def parallelize(model, optimizer=None, mesh=None, config=None):
+    """Parallelize ``model`` (and ``optimizer``) on ``mesh`` (default: the global mesh of ``set_mesh``).
+
+    ``config`` has up to three keys:
+
+    * ``pp_config = {'split_spec': 'llama.layers' | {'llama.layers.1': SplitPoint.END}, 'global_spec': ...}``:
+      pipeline stages on the sub-meshes along ``pp``;
+    * ``mp_config = {'parallelize_plan': {name regex: plan or [plans]}}``: tensor parallel along ``mp``;
+    * ``dp_config = {'sharding_level': 0..3}``: data parallel along ``dp``, with ShardingStage1/2/3 optimizers.
+
+    Returns ``(model, optimizer)``: the same module with dist parameters and forward hooks, and the optimizer
+    wrapped by ``shard_optimizer``. Everything is checked on every rank before anything changes.
+    """
+    if config is None:
+        warnings.warn("The `parallelize` will do nothing since the config is `None`.", stacklevel=2)
+        return model, optimizer
+    _check_config(config, "parallelize")
+    _use_mesh(mesh, "parallelize")
+    if all(config.get(k) is None for k in _CONFIG_KEYS):
+        warnings.warn("parallelize won't do anything: the config has no dp_config, mp_config or pp_config.",
+                      stacklevel=2)
+        return model, optimizer
+    return _parallelize(model, optimizer, config, "parallelize")
+
+
+def parallelize_model(model, mesh=None, config=None):
+    """The model half of ``parallelize``; build the optimizer from its result, then ``parallelize_optimizer``."""
+    if config is None:
+        warnings.warn("The `parallelize_model` will do nothing since the config is `None`.", stacklevel=2)
+        return model
+    global has_parallelized_model
+    _check_config(config, "parallelize_model")
+    _use_mesh(mesh, "parallelize_model")
+    if all(config.get(k) is None for k in _CONFIG_KEYS):
+        warnings.warn("parallelize_model won't do anything: the config has no dp_config, mp_config or pp_config.",
+                      stacklevel=2)
+        return model
+    model, _ = _parallelize(model, None, config, "parallelize_model")
+    has_parallelized_model = True
+    return model
+
+
+def parallelize_optimizer(optimizer, mesh=None, config=None):
+    """The optimizer half: ``shard_optimizer`` with the sharding stage ``config['dp_config']`` names."""
+    if config is None:
+        warnings.warn("The `parallelize_optimizer` will do nothing since the config is `None`.", stacklevel=2)
+        return optimizer
+    _check_config(config, "parallelize_optimizer")
+    _use_mesh(mesh, "parallelize_optimizer")
+    if not has_parallelized_model:
+        raise ValueError("Please parallelize the model before parallelize optimizer.")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ValueError(f"parallelize_optimizer expects a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    from ...dtensor import DistTensor
+
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if not isinstance(p, DistTensor):
+                raise ValueError("Please use model after parallelize to create optimizer: a parameter of shape "
+                                 f"{list(p.shape)} is not a dist tensor.")
+    mesh = _need_mesh()
+    dp_config = config.get("dp_config")
+    level, dim = check_dp_config(dp_config, mesh) if dp_config is not None else (None, "dp")
+    return shard_optimizer_with(optimizer, level, dim, mesh)

@@ -1,0 +1,168 @@
+"""Pipeline split for ``dist.parallelize``: SplitPoint, split_spec / global_spec, stage meshes and transfers."""
+
+from __future__ import annotations
+
+import itertools
+import re
+from collections import OrderedDict
+from enum import Enum
+
+import torch
+
+from ...api import reshard, shard_tensor
+from ...dtensor import DistTensor
+from ....core.placements import Replicate
+
+__all__ = [
+    "SplitPoint", "resolve_split_spec", "stage_mesh", "stage_indices", "assign_stages", "register_pipeline_hooks",
+]
+
+
+class SplitPoint(Enum):
+    """Where a pipeline split sits: BEGINNING (before the layer; not supported, as in Paddle) or END (after it)."""
+
+    BEGINNING = 0
+    END = 1
+
+
+def stage_mesh(mesh, pp_idx: int = 0):
+    """The sub-mesh of pipeline stage ``pp_idx`` (the whole mesh when it has no ``pp`` axis)."""
+    if "pp" in mesh.dim_names:
+        return mesh.get_mesh_with_dim("pp", pp_idx)
+    return mesh
+
+
+def resolve_split_spec(model: torch.nn.Module, mesh, config: dict):
+    """Check ``pp_config`` and return ``(split_spec_dict, global_spec, pipeline_layer_names)``; no side effects."""
+    if not isinstance(config, dict):
+        raise ValueError(f"pp_config should be a dict, got {type(config).__name__}")
+    unknown = set(config) - {"split_spec", "global_spec"}
+    if unknown:
+        raise ValueError(f"pp_config has unknown keys {sorted(unknown)}; it takes 'split_spec' and 'global_spec'")
+    split_spec = config.get("split_spec")
+    if split_spec is None:
+        return None, None, None
+    if "pp" not in mesh.dim_names:
+        raise ValueError(f"pp_config needs a mesh axis named 'pp'; the mesh {mesh} has {mesh.dim_names}")
+    global_spec = config.get("global_spec")
+    names = [name for name, _ in model.named_modules() if name]
+    pp_size = mesh.get_dim_size("pp")
+    matched = None
+    if isinstance(split_spec, str):
+        split_spec = [split_spec]
+    if isinstance(split_spec, (list, tuple)):
+        patterns = [rf"{prefix}\.\d+$" for prefix in split_spec]
+        matched = [n for n in names if any(re.match(p, n) for p in patterns)]
+        if not matched:
+            raise ValueError(f"No layer matches the split_spec {list(split_spec)}: it names the prefix of numbered "
+                             f"layers (such as 'llama.layers' for llama.layers.0, llama.layers.1, ...)")
+        if len(matched) % pp_size:
+            raise ValueError(f"The number of layers must be divisible by the pp size, but got {len(matched)} "
+                             f"layers ({matched}) and pp size {pp_size}")
+        per = len(matched) // pp_size
+        spec = OrderedDict((matched[i * per - 1], SplitPoint.END) for i in range(1, pp_size))
+    elif isinstance(split_spec, dict):
+        spec = OrderedDict(split_spec)
+        if global_spec:
+            raise NotImplementedError("global_spec should be None if split_spec is a dict")
+        for name, point in spec.items():
+            if name not in names:
+                raise ValueError(f"layer name:{name} not in the model, please check the split_spec")
+            if not isinstance(point, SplitPoint):
+                raise ValueError(f"split_spec[{name!r}] should be a SplitPoint, got {point!r}")
+            if point == SplitPoint.BEGINNING:
+                raise NotImplementedError("SplitPoint.BEGINNING is not supported currently")
+        if len(spec) != pp_size - 1:
+            raise ValueError(f"split_spec has {len(spec)} split points; a pp degree of {pp_size} needs "
+                             f"{pp_size - 1}")
+    else:
+        raise ValueError(f"split_spec should be a str, a list of str or a dict of layer name -> SplitPoint, got "
+                         f"{type(split_spec).__name__}")
+    if global_spec:
+        if isinstance(global_spec, str):
+            global_spec = [global_spec]
+        elif not isinstance(global_spec, (list, tuple)):
+            raise ValueError(f"global_spec can only be a str or a list of str, but got: {type(global_spec)}")
+        for name in global_spec:
+            if name not in names:
+                raise ValueError(f"layer name:{name} not in the model, please check the global_spec")
+    return spec, list(global_spec) if global_spec else None, matched
+
+
+def stage_indices(model: torch.nn.Module, spec: OrderedDict) -> dict:
+    """Layer name -> pipeline stage: a split at the END of a layer starts the next stage at the next layer (in
+    ``named_modules`` order) that is not inside it. Nothing is changed."""
+    names = [name for name, _ in model.named_modules() if name]
+    marks = [0] * len(names)
+    for split_name in spec:
+        index = names.index(split_name)
+        nxt = next((i for i in range(index + 1, len(names)) if not names[i].startswith(split_name + ".")), None)
+        if nxt is None:
+            raise ValueError(f"the last layer:{split_name} must not be SplitPoint.END, please check the split_spec")
+        marks[nxt] = 1
+    return dict(zip(names, itertools.accumulate(marks)))
+
+
+def assign_stages(model: torch.nn.Module, stages: dict) -> None:
+    """Set ``pipeline_stage_index`` on every sub-layer."""
+    for name, layer in model.named_modules():
+        if name:
+            layer.pipeline_stage_index = stages[name]
+
+
+def _to_mesh(t, mesh, label):
+    if isinstance(t, DistTensor):
+        if label is not None and t._mv_name is None:
+            t._mv_name = label
+        return reshard(t, mesh, t.placements if t.process_mesh.ndim == mesh.ndim else [Replicate()] * mesh.ndim)
+    if isinstance(t, torch.Tensor):
+        return shard_tensor(t, mesh, [Replicate()] * mesh.ndim)
+    raise ValueError(f"output should be a dict of tensors or list of tensors or tensor, but {type(t)}")
+
+
+def register_pipeline_hooks(model, mesh, spec, global_spec, pipeline_layers) -> None:
+    """The transfer to the next stage after each split layer; global layers' outputs on the whole mesh."""
+    by_name = dict(model.named_modules())
+
+    def forward_post_hook(layer, input, output):
+        nxt = stage_mesh(mesh, layer.pipeline_stage_index + 1)
+        label = f"{getattr(layer, '_mv_layer_name', '')}:output"
+        if isinstance(output, dict):
+            for key in list(output):
+                output[key] = _to_mesh(output[key], nxt, label)
+            return output
+        if isinstance(output, (list, tuple)):
+            moved = [_to_mesh(t, nxt, label) for t in output]
+            return type(output)(moved) if isinstance(output, tuple) else moved
+        return _to_mesh(output, nxt, label)
+
+    for name in spec:
+        layer = by_name[name]
+        layer.split_point = spec[name]
+        layer.register_forward_hook(forward_post_hook)
+    if not global_spec:
+        return
+    g_mesh = mesh.get_mesh_with_dim("pp")
+
+    def global_post_hook(layer, input, output):
+        def glob(t):
+            if isinstance(t, torch.Tensor):
+                return shard_tensor(t, g_mesh, [Replicate()] * g_mesh.ndim)
+            return t
+
+        if isinstance(output, (list, tuple)):
+            out = [glob(t) for t in output]
+            return tuple(out) if isinstance(output, tuple) else out
+        if isinstance(output, torch.Tensor):
+            return glob(output)
+        raise TypeError("layer output can only be tensor or list/tuple of tensor")
+
+    def global_pre_hook(layer, input):
+        here = stage_mesh(mesh, getattr(layer, "pipeline_stage_index", 0))
+        return tuple(reshard(t, here, [Replicate()] * here.ndim)
+                     if isinstance(t, DistTensor) and t.process_mesh == g_mesh else t for t in input)
+
+    for name in global_spec:
+        by_name[name].register_forward_hook(global_post_hook)
+    for name in pipeline_layers or []:
+        by_name[name].register_forward_pre_hook(global_pre_hook)
