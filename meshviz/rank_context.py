@@ -49,7 +49,10 @@ def bound(ctx: RankContext):
     try:
         yield ctx
     finally:
-        _tls.ctx = prev
+        if prev is None:
+            del _tls.ctx
+        else:
+            _tls.ctx = prev
 
 
 def getenv(name: str, default: str | None = None) -> str | None:

@@ -779,7 +779,7 @@ class ThreadWorld:
         try:
             value = job.fn(rank)
         except BaseException as e:
-            tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))
+            tb = _format_exception(e)
             self.rank_failed(rank, e)
             out = RankOutcome(rank, None, "error", _summary(e), tb)
         else:
@@ -984,6 +984,21 @@ def _leave_world() -> None:
 def _rank_env(rank: int, n: int, timeout: float) -> dict[str, str]:
     return {"RANK": str(rank), "WORLD_SIZE": str(n), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(n),
             "MESHVIZ_TIMEOUT": str(timeout)}
+
+
+_INTERNAL: set[str] = {__file__}
+
+
+def internal_frames(filename: str) -> None:
+    """Leave frames of ``filename`` (a module that runs rank jobs) out of the tracebacks rank failures show."""
+    _INTERNAL.add(filename)
+
+
+def _format_exception(e: BaseException) -> str:
+    tb = e.__traceback__
+    while tb is not None and tb.tb_next is not None and tb.tb_frame.f_code.co_filename in _INTERNAL:
+        tb = tb.tb_next
+    return "".join(traceback.format_exception(type(e), e, tb))
 
 
 def _summary(e: BaseException) -> str:
