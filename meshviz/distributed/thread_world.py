@@ -6,7 +6,6 @@ from __future__ import annotations
 import collections
 import ctypes
 import datetime
-import itertools
 import random
 import threading
 import time
