@@ -92,14 +92,103 @@ def child(mode: str, name: str) -> dict:
             "end_pss_mib": pss / MiB}
 
 
+# -- the candidates: torch's threaded process group (threads run at once) against meshviz's (one at a time) ----
+
+def _mlp_step(steps: int) -> tuple[list, list]:
+    """Every rank seeds and builds the same MLP, then trains with gradients averaged by hand; returns the first
+    weights (are they the same on every rank?) and the step times."""
+    import torch
+    import torch.distributed as tdist
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 10))
+    w = model[0].weight.detach().clone()
+    x = torch.randn(64, 256, generator=torch.Generator().manual_seed(tdist.get_rank()))
+    y = torch.randint(0, 10, (64,), generator=torch.Generator().manual_seed(100 + tdist.get_rank()))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        for p in model.parameters():
+            tdist.all_reduce(p.grad)
+            p.grad /= tdist.get_world_size()
+        opt.step()
+        opt.zero_grad()
+        tdist.barrier()
+        times.append(time.perf_counter() - t)
+    return w, times
+
+
+def candidate(kind: str, n: int, steps: int) -> dict:
+    import torch
+    import torch.distributed as tdist
+
+    torch.set_num_threads(1)
+    if kind == "meshviz":
+        from meshviz.distributed.thread_world import run
+
+        def fn():
+            import meshviz.distributed as dist
+
+            dist.init_parallel_env()
+            return _mlp_step(steps)
+
+        res = run(fn, n)
+    else:  # torch's, as its own tests start it
+        from meshviz import compat
+        from torch.testing._internal.distributed import multi_threaded_pg  # noqa: F401 (registers "threaded")
+
+        compat.install_thread_worlds()
+        store = tdist.HashStore()
+        res = [None] * n
+
+        def rank(r):
+            tdist.init_process_group("threaded", rank=r, world_size=n, store=store)
+            res[r] = _mlp_step(steps)
+
+        ts = [threading.Thread(target=rank, args=(r,)) for r in range(n)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+    same = all(torch.equal(w, res[0][0]) for w, _ in res)
+    step = statistics.median(max(times[i] for _, times in res) for i in range(1, steps))
+    return {"kind": kind, "same_weights": same, "step_ms": 1000 * step}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--notebooks", nargs="+", default=list(CASES))
+    ap.add_argument("--candidates", action="store_true",
+                    help="torch's threaded process group against meshviz's (8 ranks, an MLP step)")
     ap.add_argument("--child", nargs=2, metavar=("MODE", "NOTEBOOK"), help=argparse.SUPPRESS)
+    ap.add_argument("--candidate", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         print(json.dumps(child(*args.child)))
+        return
+    if args.candidate:
+        print(json.dumps(candidate(args.candidate, 8, 12)))
+        return
+    if args.candidates:
+        res: dict = {}
+        for _ in range(args.repeat):
+            for kind in ("torch", "meshviz"):
+                out = subprocess.run([sys.executable, __file__, "--candidate", kind], cwd=ROOT, capture_output=True,
+                                     text=True, timeout=600, env=dict(os.environ, PYTHONWARNINGS="ignore"))
+                if out.returncode != 0:
+                    raise SystemExit(f"{kind} failed:\n{out.stderr[-3000:]}")
+                res.setdefault(kind, []).append(json.loads(out.stdout.strip().splitlines()[-1]))
+        print(f"load average {os.getloadavg()[0]:.1f}; 8 ranks, MLP 256-512-10, batch 64, median of 11 steps")
+        print("| process group | ranks run | same weights after torch.manual_seed(0) on every rank | step ms |")
+        print("|---|---|---|---|")
+        for kind, how in (("torch", "all at once"), ("meshviz", "one at a time (baton)")):
+            rs = res[kind]
+            steps = [r["step_ms"] for r in rs]
+            print(f"| {kind} | {how} | {sum(r['same_weights'] for r in rs)}/{len(rs)} runs | "
+                  f"{statistics.median(steps):.1f} ({min(steps):.1f}-{max(steps):.1f}) |")
         return
     env = dict(os.environ, IPP_NONINTERACTIVE="1", PYTHONWARNINGS="ignore")
     env.pop("MESHVIZ_RANKS", None)

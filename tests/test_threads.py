@@ -157,10 +157,13 @@ def _rng():
 
 def test_each_rank_has_its_own_rng_states_as_a_process_has():
     torch.manual_seed(1234)
-    expect_main = torch.rand(3)
+    np.random.seed(1234)
+    expect_main = (torch.rand(3), np.random.rand(3))
     torch.manual_seed(1234)
+    np.random.seed(1234)
     res = run_ranks(_rng, 4, ranks="threads")
-    assert torch.equal(torch.rand(3), expect_main)  # the caller's generator was left alone
+    # the caller's generators were left alone
+    assert torch.equal(torch.rand(3), expect_main[0]) and np.array_equal(np.random.rand(3), expect_main[1])
     fresh = torch.randn(2, generator=torch.Generator()).tolist()
     torch.manual_seed(0)
     weight = torch.nn.Linear(3, 2).weight.detach()
