@@ -142,7 +142,13 @@ def _threaded_pg():
 
 def install_thread_worlds() -> None:
     """Give every thread its own c10d world (default group, group names and ranks) and its own registry of
-    group names, so that threads can be ranks of one process. Undo with :func:`uninstall_thread_worlds`."""
+    group names, so that threads can be ranks of one process. Undo with :func:`uninstall_thread_worlds`.
+
+    Also sets the no-op CUDA device guard from the calling (long-lived) thread when there is no usable GPU:
+    FakeTensorMode (DTensor's shape propagation) sets it on first use, and on torch 2.11's CUDA build a guard set
+    by a thread that has since ended crashes the next thread that asks for it."""
+    if not torch.cuda.is_available() and hasattr(torch._C, "_ensureCUDADeviceGuardSet"):
+        torch._C._ensureCUDADeviceGuardSet()
     torch._C._distributed_c10d._set_thread_isolation_mode(True)
     _threaded_pg()._install_threaded_pg()
 
