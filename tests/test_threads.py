@@ -112,6 +112,26 @@ def _mismatch():
         tdist.all_reduce(t)
 
 
+def _late():
+    import time
+
+    import torch.distributed as tdist
+
+    import meshviz.distributed as dist
+
+    dist.init_parallel_env()
+    if tdist.get_rank() == 1:
+        time.sleep(4)  # the baton moves on while it sleeps: rank 0 waits, and is not deadlocked
+    tdist.all_reduce(torch.ones(1))
+
+
+def test_a_wait_ends_at_the_collective_timeout_naming_what_it_waits_for():
+    with pytest.raises(RankError) as info:
+        run_ranks(_late, 2, ranks="threads", timeout=30, collective_timeout=1)
+    by = {o.rank: o for o in info.value.outcomes}
+    assert "rank 0 timed out after 1 s in all_reduce #0 on ranks [0, 1] (waiting for rank 1)" in by[0].error
+
+
 def test_a_raising_rank_stops_its_peers_at_once_and_a_deadlock_is_named():
     # the collective timeout is far beyond the deadline: only an immediate stop meets it
     with pytest.raises(RankError) as info:
