@@ -137,7 +137,9 @@ def candidate(kind: str, n: int, steps: int) -> dict:
         res = run(fn, n)
     else:  # torch's, as its own tests start it
         from meshviz import compat
-        from torch.testing._internal.distributed import multi_threaded_pg  # noqa: F401 (registers "threaded")
+        import importlib
+
+        importlib.import_module("torch.testing._internal.distributed.multi_threaded_pg")  # registers "threaded"
 
         compat.install_thread_worlds()
         store = tdist.HashStore()

@@ -150,7 +150,20 @@ def install_thread_worlds() -> None:
     if not torch.cuda.is_available() and hasattr(torch._C, "_ensureCUDADeviceGuardSet"):
         torch._C._ensureCUDADeviceGuardSet()
     torch._C._distributed_c10d._set_thread_isolation_mode(True)
-    _threaded_pg()._install_threaded_pg()
+    world = _threaded_pg()._install_threaded_pg()
+    if not hasattr(world, "comms"):  # torch 2.11's destroy_process_group reads _world.comms; its thread world lacks it
+        import threading
+
+        tls = threading.local()
+
+        class _World(type(world)):
+            @property
+            def comms(self):
+                if not hasattr(tls, "comms"):
+                    tls.comms = []
+                return tls.comms
+
+        world.__class__ = _World
 
 
 def uninstall_thread_worlds() -> None:

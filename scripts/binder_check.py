@@ -327,7 +327,8 @@ class Server:
         if os.geteuid() == 0:
             cmd.append("--allow-root")
         self.log_path = os.path.join(state, "server.log")
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env_vars(env, {"JUPYTER_RUNTIME_DIR": self.runtime, **(extra_env or {})}),
+        env_ = env_vars(env, {"JUPYTER_RUNTIME_DIR": self.runtime, **(extra_env or {})})
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env_,
                                      stdout=open(self.log_path, "w"), stderr=subprocess.STDOUT,
                                      preexec_fn=limit.join, start_new_session=True)
 
