@@ -21,6 +21,8 @@ __all__ = [
     "flatten_dense_tensors", "unflatten_dense_tensors", "fake_tensor_type", "amp_unscale_",
     # pipelining
     "PIPELINE_STAGE_METHODS", "pipeline_order", "action_fields",
+    # ranks as threads
+    "install_thread_worlds", "uninstall_thread_worlds", "backend_plugins", "no_dispatch_modes",
     # ipyparallel
     "ar_targets", "ar_children",
 ]
@@ -129,6 +131,59 @@ def action_fields(action) -> tuple[str, int, int]:
     return str(getattr(ct, "value", ct)), action.stage_index, action.microbatch_index
 
 
+# -- ranks as threads ----------------------------------------------------------------------------------------
+
+def _threaded_pg():
+    # torch's threaded process group (for its own tests); meshviz uses its thread-local c10d world only
+    from torch.testing._internal.distributed import multi_threaded_pg
+
+    return multi_threaded_pg
+
+
+def install_thread_worlds() -> None:
+    """Give every thread its own c10d world (default group, group names and ranks) and its own registry of
+    group names, so that threads can be ranks of one process. Undo with :func:`uninstall_thread_worlds`.
+
+    Also sets the no-op CUDA device guard from the calling (long-lived) thread when there is no usable GPU:
+    FakeTensorMode (DTensor's shape propagation) sets it on first use, and on torch 2.11's CUDA build a guard set
+    by a thread that has since ended crashes the next thread that asks for it."""
+    if not torch.cuda.is_available() and hasattr(torch._C, "_ensureCUDADeviceGuardSet"):
+        torch._C._ensureCUDADeviceGuardSet()
+    torch._C._distributed_c10d._set_thread_isolation_mode(True)
+    world = _threaded_pg()._install_threaded_pg()
+    if not hasattr(world, "comms"):  # torch 2.11's destroy_process_group reads _world.comms; its thread world lacks it
+        import threading
+
+        tls = threading.local()
+
+        class _World(type(world)):
+            @property
+            def comms(self):
+                if not hasattr(tls, "comms"):
+                    tls.comms = []
+                return tls.comms
+
+        world.__class__ = _World
+
+
+def uninstall_thread_worlds() -> None:
+    _threaded_pg()._uninstall_threaded_pg()
+    torch._C._distributed_c10d._set_thread_isolation_mode(False)
+
+
+def no_dispatch_modes():
+    """A context in which the calling thread's Python dispatch modes are off (a thread group's own copies must not
+    show up as the rank's ops)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    return _disable_current_modes()
+
+
+def backend_plugins() -> dict:
+    """c10d's table of registered third-party backends (name in capitals -> plugin)."""
+    return tdist.Backend._plugins
+
+
 # -- ipyparallel ------------------------------------------------------------------------------------------
 
 def ar_targets(ar):
@@ -157,6 +212,13 @@ def missing() -> list[str]:
         "torch.distributed.pipelining.PipelineStage methods": _stage_methods,
         "torch.distributed.pipelining schedule actions": _action_fields,
         "ipyparallel AsyncResult._targets/_children": _ar_fields,
+        "multi_threaded_pg._install_threaded_pg/_uninstall_threaded_pg": lambda: (
+            _threaded_pg()._install_threaded_pg, _threaded_pg()._uninstall_threaded_pg),
+        "_distributed_c10d._set_thread_isolation_mode": lambda: torch._C._distributed_c10d._set_thread_isolation_mode,
+        "Backend._plugins": backend_plugins,
+        "torch.utils._python_dispatch._disable_current_modes": lambda: _attr(
+            "torch.utils._python_dispatch", "_disable_current_modes"),
+        "DistributedBackendOptions.global_ranks_in_group/group_id": _backend_options,
     }
     if not _SORT_RANKS:
         checks["distributed_c10d._new_process_group_helper"] = lambda: _param(
@@ -204,6 +266,11 @@ def _action_fields():
 
     action_fields(_Action(0, _ComputationType.FORWARD, 0))
     _attr("torch.distributed.pipelining", "Schedule1F1B.__init__")
+
+
+def _backend_options():
+    opts = torch._C._distributed_c10d._DistributedBackendOptions()
+    opts.global_ranks_in_group, opts.group_id  # noqa: B018 (what a backend created with extended_api reads)
 
 
 def _ar_fields():

@@ -47,13 +47,23 @@ def _entry(index, port, func, args, world, outdir, env):
 
 
 def run_ranks(func, nprocs: int, *args, timeout: float = 120.0, collective_timeout: float = 30.0,
-              env: dict | None = None) -> list:
+              env: dict | None = None, ranks: str | None = None) -> list:
     """Run ``func(*args)`` on ranks 0..nprocs-1 (gloo on CPU); return the list of per-rank return values.
 
     Raises :class:`~meshviz.errors.RankError` (also known here as ``RankFailed``) naming the rank that failed
     first, with its traceback, and what every other rank did: raised, died, or was still running after
     ``timeout`` seconds (those are killed). ``func`` must be importable (defined at module level).
+
+    ``ranks="threads"`` (or ``MESHVIZ_RANKS=threads``) runs the ranks as threads of this process instead
+    (:mod:`meshviz.distributed.thread_world`); ``env`` then holds per-rank variables.
     """
+    ranks = ranks or os.environ.get("MESHVIZ_RANKS") or "processes"
+    if ranks == "threads":
+        from .distributed.thread_world import run
+
+        return run(func, nprocs, *args, timeout=timeout, collective_timeout=collective_timeout, env=env)
+    if ranks not in ("processes", "engines"):
+        raise ValueError(f"run_ranks: ranks must be 'processes' or 'threads', got {ranks!r}")
     from .distributed.rank_processes import RankProcesses
 
     outdir = tempfile.mkdtemp(prefix="meshviz-ranks-")

@@ -65,3 +65,44 @@ def test_groups_keep_the_order_they_are_given():
         assert res[r]["ranks"] == [2, 0]
         assert res[r]["gathered"] == [21.0, 1.0]
         assert res[r]["coordinate"] == [{2: 0, 0: 1}[r]]
+
+
+def test_thread_worlds_give_each_thread_its_own_c10d_world():
+    import threading
+
+    import torch.distributed as tdist
+
+    c10d = tdist.distributed_c10d
+    before = c10d._world
+    compat.install_thread_worlds()
+    try:
+        seen = {}
+
+        def look(name):
+            seen[name] = (tdist.is_initialized(), id(c10d._world._get_world()))
+
+        ts = [threading.Thread(target=look, args=(f"t{i}",)) for i in range(2)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        assert seen["t0"][0] is False and seen["t0"][1] != seen["t1"][1]  # one world per thread
+        assert "THREADS" in compat.backend_plugins() or "THREADED" in compat.backend_plugins()
+    finally:
+        compat.uninstall_thread_worlds()
+    assert c10d._world is before
+
+
+def test_no_dispatch_modes_hides_ops_from_the_active_mode():
+    seen = []
+
+    class Spy(compat.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with Spy():
+        torch.ones(2).add(1)
+        with compat.no_dispatch_modes():
+            torch.ones(2).mul(3)
+    assert any("add" in s for s in seen) and not any("mul" in s for s in seen)

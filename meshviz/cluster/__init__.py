@@ -1,4 +1,4 @@
-"""Ranks as ipyparallel engines: start, bind devices, init the process group, stream events, report failures."""
+"""Ranks as ipyparallel engines or threads of this process: start, process group, events, failures."""
 
 from ..errors import RankError, RankOutcome
 from .cluster import Cluster

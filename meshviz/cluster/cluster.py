@@ -15,13 +15,15 @@ from .config import DEFAULT_CPU_RANKS, ClusterConfig
 from .control import ClusterState, Control
 from .engine import GRACE
 from .engines import Engines
+from .threads import Threads
 
 __all__ = ["Cluster", "ClusterState", "DEFAULT_CPU_RANKS", "RankBackend"]
 
 
 class RankBackend(Protocol):
     """How a Cluster's ranks are started and run code (:class:`~meshviz.cluster.engines.Engines`: one
-    ipyparallel engine each). A handle is whatever ``run_code``/``run_call`` return (an AsyncResult)."""
+    ipyparallel engine each; :class:`~meshviz.cluster.threads.Threads`: one thread of this process each). A handle
+    is whatever ``run_code``/``run_call`` return (an AsyncResult, a RankResult)."""
 
     kind: str
     ranks: list[int]
@@ -59,7 +61,14 @@ def _kill_at_exit(ref) -> None:
 
 
 class Cluster:
-    """ipyparallel engines as ranks, with a process group across them; returns when every rank is ready.
+    """Ranks 0..n-1 with a process group across them (ipyparallel engines, or threads of this process); returns
+    when every rank is ready.
+
+    ``ranks="threads"`` (the default when ``MESHVIZ_RANKS=threads``, as on Binder) runs every rank as a thread of
+    this kernel: the same ``%%px`` cells, outputs, events, views and errors, in a fraction of the memory (one
+    Python with torch instead of one per rank); CPU only. One rank runs at a time, handing over only while it
+    waits (a collective, a receive, ``time.sleep``), so the ranks' code and RNGs behave as in processes
+    (:mod:`meshviz.distributed.thread_world`). Otherwise engines:
 
     Ranks: rank r is the engine with the r-th smallest engine id. A Cluster always starts its own controller,
     so engine ids are 0..n-1 and rank == engine id (the ``[stdout:r]`` labels of ``%%px`` are ranks); after
@@ -86,14 +95,15 @@ class Cluster:
     """
 
     def __init__(self, n: int | None = None, devices="auto", backend: str | None = None, timeout: float = 60,
-                 **ipp_options):
-        self.config = ClusterConfig.from_args(n, devices, backend, timeout, ipp_options)
+                 ranks: str | None = None, **ipp_options):
+        self.config = ClusterConfig.from_args(n, devices, backend, timeout, ipp_options, ranks)
         self.n = self.config.n
         self.timeout = self.config.timeout
         self.backend = backend
         self.events = EventLog()
         self._control = Control()
-        self._ranks: Engines = Engines(self.config, self.events, self._control)
+        kind = Threads if self.config.ranks == "threads" else Engines
+        self._ranks: RankBackend = kind(self.config, self.events, self._control)
         self._magics_suffix = None
         self._atexit = False
         self.start()
@@ -125,8 +135,14 @@ class Cluster:
         return self._ranks.backend_used
 
     @property
+    def ranks_kind(self) -> str:
+        """``"engines"`` or ``"threads"``: where the ranks run."""
+        return self.config.ranks
+
+    @property
     def view(self):
-        """The ipyparallel DirectView over the ranks, in rank order."""
+        """The ranks' view, in rank order: ipyparallel's DirectView over the engines (a ThreadView with the same
+        ``execute``/``apply``/``pull``/``push`` over threads)."""
         return self._ranks.view
 
     @property

@@ -5,10 +5,22 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-__all__ = ["ClusterConfig", "DEFAULT_CPU_RANKS", "LOOPBACK_HOSTS", "gpu_count", "rank_configs"]
+__all__ = ["ClusterConfig", "DEFAULT_CPU_RANKS", "LOOPBACK_HOSTS", "RANKS_ENV", "gpu_count", "rank_configs",
+           "ranks_kind"]
 
 DEFAULT_CPU_RANKS = 4  # ranks when n=None and there is no GPU
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+RANKS_ENV = "MESHVIZ_RANKS"  # "threads": Clusters run their ranks inside this process unless told otherwise
+
+
+def ranks_kind(ranks: str | None = None) -> str:
+    """Where a Cluster's ranks run: ``"engines"`` (ipyparallel engines, one process each) or ``"threads"`` (threads
+    of this process); ``None`` reads ``MESHVIZ_RANKS`` (default engines)."""
+    ranks = ranks or os.environ.get(RANKS_ENV) or "engines"
+    kind = {"engines": "engines", "processes": "engines", "threads": "threads"}.get(ranks)
+    if kind is None:
+        raise ValueError(f"Cluster: ranks must be 'engines' or 'threads', got {ranks!r}")
+    return kind
 
 
 def gpu_count() -> int:
@@ -31,11 +43,24 @@ class ClusterConfig:
     backend: str | None = None
     timeout: float = 60.0
     ipp_options: dict = field(default_factory=dict, compare=False)
+    ranks: str = "engines"
 
     @classmethod
-    def from_args(cls, n=None, devices="auto", backend=None, timeout=60, ipp_options=None) -> "ClusterConfig":
+    def from_args(cls, n=None, devices="auto", backend=None, timeout=60, ipp_options=None,
+                  ranks=None) -> "ClusterConfig":
         """Check ``Cluster(...)``'s arguments (ValueError before anything starts) and decide the devices."""
         ipp_options = dict(ipp_options or {})
+        # -- ranks as threads: CPU only, no ipyparallel options, the process group's backend is the thread one ----
+        ranks = ranks_kind(ranks)
+        if ranks == "threads":
+            if devices not in ("auto", "cpu"):
+                raise ValueError(f"Cluster: ranks='threads' run on the CPU; devices={devices!r} needs ranks='engines'")
+            if backend not in (None, "threads"):
+                raise ValueError(f"Cluster: ranks='threads' use the 'threads' backend, not {backend!r}")
+            if ipp_options:
+                raise ValueError(f"Cluster: {sorted(ipp_options)} are ipyparallel options; ranks='threads' takes none")
+            devices, backend = "cpu", None
+        # -------------------------------------------------------------------------------------------------------
         gpus = None
         if devices == "auto":
             gpus = gpu_count()
@@ -70,7 +95,7 @@ class ClusterConfig:
         if backend not in (None, "gloo", "nccl"):
             raise ValueError(f"Cluster: backend must be None, 'gloo' or 'nccl', got {backend!r}")
         return cls(n=n, mode=mode, gpus=tuple(devices) if mode == "list" else None, backend=backend,
-                   timeout=float(timeout), ipp_options=ipp_options)
+                   timeout=float(timeout), ipp_options=ipp_options, ranks=ranks)
 
     @property
     def host(self) -> str:

@@ -2,22 +2,22 @@
 
 from __future__ import annotations
 
-import os
 from typing import Callable, Sequence
 
 import numpy as np
 
+from ..rank_context import getenv, per_rank
+
 __all__ = ["ProcessMesh", "set_rank_getter", "current_rank", "set_group_getter"]
 
-_rank_getter: Callable[[], int | None] | None = None
+_rank_getter = per_rank(lambda: [None])  # [Callable[[], int | None] | None]
 _group_getter: Callable | None = None
-_unique_ids: dict = {}  # (shape, process ids) -> unique id, in order of first creation
+_unique_ids = per_rank(dict)  # (shape, process ids) -> unique id, in order of first creation
 
 
 def set_rank_getter(fn: Callable[[], int | None] | None) -> None:
     """The runtime installs its ``get_rank`` here so the pure core can ask "which rank am I"."""
-    global _rank_getter
-    _rank_getter = fn
+    _rank_getter[0] = fn
 
 
 def set_group_getter(fn: Callable | None) -> None:
@@ -27,11 +27,12 @@ def set_group_getter(fn: Callable | None) -> None:
 
 
 def current_rank() -> int | None:
-    if _rank_getter is not None:
-        r = _rank_getter()
+    getter = _rank_getter[0]
+    if getter is not None:
+        r = getter()
         if r is not None:
             return r
-    env = os.environ.get("RANK") or os.environ.get("PADDLE_TRAINER_ID")
+    env = getenv("RANK") or getenv("PADDLE_TRAINER_ID")
     return int(env) if env is not None else None
 
 

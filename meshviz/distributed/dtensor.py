@@ -17,13 +17,14 @@ from .. import compat, trace
 from ..compat import TorchDispatchMode, tree_map
 from ..core.mesh import ProcessMesh
 from ..core.placements import Partial, Placement, Replicate, Shard
+from ..rank_context import per_rank
 from . import groups
 from .comm import dtensor_reduce_op, from_dtensor_reduce_op
 
 __all__ = ["DistTensor", "to_torch_placements", "from_torch_placements", "make_dtensor", "make_dist"]
 
 _pmesh_of: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # DeviceMesh -> ProcessMesh
-_ids = itertools.count(1)
+_ids = per_rank(lambda: itertools.count(1))  # tensor ids in events, numbered per rank
 
 
 def to_torch_placements(placements) -> tuple:

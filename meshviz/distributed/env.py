@@ -11,6 +11,8 @@ import torch.distributed as tdist
 from .. import trace
 from ..core.mesh import set_rank_getter
 from ..errors import RankError
+from ..rank_context import current as _rank_context
+from ..rank_context import getenv as _getenv
 from . import rendezvous
 from .rank_processes import SpawnContext, spawn
 
@@ -36,12 +38,12 @@ free_port = rendezvous.free_port  # its old home; a port only named, see rendezv
 
 def default_timeout() -> datetime.timedelta:
     """Collective timeout: ``MESHVIZ_TIMEOUT`` seconds, default 60."""
-    return datetime.timedelta(seconds=float(os.environ.get("MESHVIZ_TIMEOUT", DEFAULT_TIMEOUT_S)))
+    return datetime.timedelta(seconds=float(_getenv("MESHVIZ_TIMEOUT", DEFAULT_TIMEOUT_S)))
 
 
 def _env_int(*names, default=None):
     for n in names:
-        v = os.environ.get(n)
+        v = _getenv(n)
         if v not in (None, ""):
             return int(v)
     return default
@@ -67,6 +69,11 @@ def init_parallel_env(backend: str | None = None, timeout: float | None = None):
     Gloo on CPU, NCCL when this rank has a GPU. Idempotent. Without any variables it starts a 1-rank group.
     ``MESHVIZ_TRACE=path/{rank}.jsonl`` records this rank's events to a file.
     """
+    # -- ranks as threads: the rank's context knows how it joins (its thread world) -----------------------------
+    join = _rank_context().init
+    if join is not None and not tdist.is_initialized():
+        join()
+    # --------------------------------------------------------------------------------------------------------
     if not tdist.is_initialized():
         rank = _env_int("RANK", "PADDLE_TRAINER_ID", default=0)
         world = _env_int("WORLD_SIZE", "PADDLE_TRAINERS_NUM", default=1)
@@ -95,7 +102,7 @@ def init_parallel_env(backend: str | None = None, timeout: float | None = None):
         tdist.init_process_group(backend=backend, rank=rank, world_size=world, timeout=to, **kwargs)
     set_rank_getter(get_rank)
     trace.set_rank(tdist.get_rank())
-    path = os.environ.get("MESHVIZ_TRACE")
+    path = _getenv("MESHVIZ_TRACE")
     if path and not any(isinstance(s, trace.JSONLSink) and s.path == path for s in trace.sinks()):
         trace.add_sink(trace.JSONLSink(path))
     return tdist.group.WORLD

@@ -8,6 +8,7 @@ import torch.distributed as tdist
 
 from .. import compat
 from ..core.mesh import ProcessMesh
+from ..rank_context import per_rank
 from .env import get_world_size, init_parallel_env
 
 __all__ = ["Group", "resolve", "world_group", "register", "lookup", "release", "group_for_ranks", "line_group",
@@ -52,22 +53,21 @@ class Group:
         return f"Group(id={self.id}, ranks={self.ranks}, rank={self.rank})"
 
 
-# -- the registry: everything below is cleared by reset() -------------------------------------------------------
+# -- the registry, one per rank: everything below is cleared by reset() -----------------------------------------
 
-_paddle: dict[int, Group] = {}  # id -> the groups new_group made (0: the world)
-_ids = itertools.count(1)
-_by_ranks: dict[tuple, object] = {}  # ranks in group order -> ProcessGroup | None (not a member)
-_lines: dict[tuple, Group] = {}  # ranks in group order -> an unregistered Group over them (id -1)
-_by_pg: dict[int, tuple] = {}  # id(ProcessGroup) -> (ProcessGroup, Group) for groups given as torch groups
-_meshes: dict = {}  # (shape, ids) -> {axis: {line tuple: ProcessGroup | None}}
-_device_meshes: dict = {}
+_paddle = per_rank(dict)  # id -> the Group new_group made (0: the world)
+_ids = per_rank(lambda: itertools.count(1))
+_by_ranks = per_rank(dict)  # ranks in group order -> ProcessGroup | None (not a member)
+_lines = per_rank(dict)  # ranks in group order -> an unregistered Group over them (id -1)
+_by_pg = per_rank(dict)  # id(ProcessGroup) -> (ProcessGroup, Group) for groups given as torch groups
+_meshes = per_rank(dict)  # (shape, ids) -> {axis: {line tuple: ProcessGroup | None}}
+_device_meshes = per_rank(dict)
 
 
 def reset() -> None:
     """Forget every group (the process groups behind them are gone, or about to be: a new world starts)."""
-    global _ids
     _paddle.clear()
-    _ids = itertools.count(1)
+    _ids.replace(itertools.count(1))
     _by_ranks.clear()
     _lines.clear()
     _by_pg.clear()

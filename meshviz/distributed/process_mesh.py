@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from ..core.mesh import ProcessMesh, set_group_getter
+from ..rank_context import per_rank
 from .collective import Group, new_group
 from .env import get_rank, init_parallel_env
 
 __all__ = ["axis_group"]
 
-_lines: dict = {}  # (shape, ids, axis) -> {line: Group}
+_lines = per_rank(dict)  # (shape, ids, axis) -> {line: Group}
 
 
 def axis_group(mesh: ProcessMesh, axis: int) -> Group | None:

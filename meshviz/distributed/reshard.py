@@ -13,12 +13,13 @@ from ..core.layout import chunk, local_block
 from ..core.partial import partial_fill
 from ..core.placements import ReduceType
 from ..core.planner import Plan, Step
+from ..rank_context import per_rank
 from . import groups
 from .comm import all_to_all_flat, divide_, reduction, run
 
 __all__ = ["run_plan", "run_step"]
 
-_plan_ids = itertools.count(1)
+_plan_ids = per_rank(lambda: itertools.count(1))  # every rank numbers its plans alike: events pair up by plan id
 
 
 def _block_shape(step: Step, placements, mesh, coord) -> list[int]:

@@ -9,6 +9,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..rank_context import per_rank
+
 __all__ = ["Event", "KINDS", "MAX_VALUES", "small_values", "to_json", "from_json", "now"]
 
 # kind of event -> what it describes
@@ -26,7 +28,7 @@ KINDS = {
 
 MAX_VALUES = 64  # tensor elements an event may carry
 
-_seq = itertools.count()
+_seq = per_rank(itertools.count)  # each rank numbers its own events from 0
 now = time.time
 
 

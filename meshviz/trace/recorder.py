@@ -8,6 +8,7 @@ import threading
 import time
 from typing import Callable, Iterable
 
+from ..rank_context import getenv, per_rank
 from .events import Event, from_json, to_json
 
 __all__ = [
@@ -26,9 +27,9 @@ __all__ = [
     "load_events",
 ]
 
-_sinks: list[Callable[[Event], None]] = []
+_sinks = per_rank(list)  # Callable[[Event], None] each; every rank has its own (ranks may be threads of one process)
 _lock = threading.Lock()
-_rank: int | None = None
+_rank = per_rank(lambda: [None])  # [rank events are stamped with]
 
 
 def active() -> bool:
@@ -37,14 +38,14 @@ def active() -> bool:
 
 
 def set_rank(rank: int | None) -> None:
-    global _rank
-    _rank = rank
+    _rank[0] = rank
 
 
 def _my_rank() -> int:
-    if _rank is not None:
-        return _rank
-    env = os.environ.get("RANK")
+    r = _rank[0]
+    if r is not None:
+        return r
+    env = getenv("RANK")
     return int(env) if env is not None else 0
 
 
@@ -53,7 +54,7 @@ def emit(event: Event) -> Event:
         event.rank = _my_rank()
     if event.end is None:
         event.end = time.time()
-    for sink in list(_sinks):
+    for sink in list(_sinks.here()):
         try:
             sink(event)
         except Exception:  # a broken sink must never break training
@@ -64,7 +65,7 @@ def emit(event: Event) -> Event:
 @contextlib.contextmanager
 def span(kind: str, **fields):
     """Time a block and emit one event for it; yields the Event (or None when tracing is off) to fill in."""
-    if not _sinks:
+    if not _sinks.here():
         yield None
         return
     ev = Event(kind=kind, **fields)
@@ -95,11 +96,11 @@ def remove_sink(sink, close: bool = True) -> None:
 
 def sinks() -> tuple:
     """The sinks listening now."""
-    return tuple(_sinks)
+    return tuple(_sinks.here())
 
 
 def clear_sinks() -> None:
-    for s in list(_sinks):
+    for s in list(_sinks.here()):
         remove_sink(s)
 
 

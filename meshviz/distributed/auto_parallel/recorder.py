@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ... import compat
+from .. import thread_world
 from .program import shape_str
 
 __all__ = ["DispatchRecorder", "graph_from_records"]
@@ -16,6 +17,20 @@ class DispatchRecorder(compat.TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.records = []
+
+    def _observe(self, func, tensors) -> None:
+        self.records.append((func, (tensors,), {}, tensors))
+
+    # a thread group's calls (ranks as threads) do not pass the dispatcher: they are shown to this recorder
+    def __enter__(self):
+        thread_world.observers().append(self._observe)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        obs = thread_world.observers()
+        if self._observe in obs:
+            obs.remove(self._observe)
+        return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

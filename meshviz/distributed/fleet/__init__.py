@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from ...rank_context import getenv, per_rank
 from ..env import barrier, get_rank, get_world_size, init_parallel_env
 from . import topology  # noqa: F401  (fleet.topology, as in Paddle)
 from .strategy import DistributedStrategy
@@ -71,13 +72,32 @@ class HybridParallelOptimizer:
         return f"HybridParallelOptimizer({type(self._inner_opt).__name__})"
 
 
-class Fleet:
-    """The singleton behind the module functions (``fleet.init``, ``fleet.distributed_model`` ...)."""
+class _FleetState:
+    __slots__ = ("_hcg", "_topology", "_strategy")
 
     def __init__(self):
-        self._hcg = None
-        self._topology = None
-        self._strategy = None
+        self._hcg = self._topology = self._strategy = None
+
+
+class Fleet:
+    """The singleton behind the module functions (``fleet.init``, ``fleet.distributed_model`` ...); what it holds
+    is per rank."""
+
+    _PER_RANK = frozenset(_FleetState.__slots__)
+
+    def __init__(self):
+        object.__setattr__(self, "_ranks", per_rank(_FleetState))
+
+    def __getattr__(self, name):
+        if name in Fleet._PER_RANK:
+            return getattr(self._ranks.here(), name)
+        raise AttributeError(name)
+
+    def __setattr__(self, name, value):
+        if name in Fleet._PER_RANK:
+            setattr(self._ranks.here(), name, value)
+        else:
+            object.__setattr__(self, name, value)
 
     def init(self, role_maker=None, is_collective=True, strategy=None, log_level="INFO"):
         """Start the process group and build the hybrid topology from ``strategy.hybrid_configs``.
@@ -172,9 +192,7 @@ class Fleet:
         return get_world_size()
 
     def local_rank(self) -> int:
-        import os
-
-        return int(os.environ.get("LOCAL_RANK", "0"))
+        return int(getenv("LOCAL_RANK", "0"))
 
     def is_first_worker(self) -> bool:
         return get_rank() == 0

@@ -6,12 +6,18 @@ import collections
 import math
 
 from ...core.mesh import ProcessMesh
+from ...rank_context import per_rank
 from ..collective import new_group
 from ..env import get_rank, get_world_size
 
-__all__ = ["ParallelMode", "CommunicateTopology", "HybridCommunicateGroup"]
+__all__ = ["ParallelMode", "CommunicateTopology", "HybridCommunicateGroup", "hybrid_group"]
 
-_HYBRID_PARALLEL_GROUP = None
+_HYBRID_PARALLEL_GROUP = per_rank(lambda: [None])  # [the rank's latest HybridCommunicateGroup]
+
+
+def hybrid_group() -> "HybridCommunicateGroup | None":
+    """The hybrid group this rank built last (None before ``fleet.init``)."""
+    return _HYBRID_PARALLEL_GROUP[0]
 
 # hybrid_configs short name -> topology axis name
 AXIS_NAMES = {"dp": "data", "pp": "pipe", "sharding": "sharding", "sep": "sep", "mp": "model"}
@@ -117,8 +123,7 @@ class HybridCommunicateGroup:
                     i = line.index(self.global_rank)
                     self.next_rank = line[(i + 1) % self._pp_degree]
                     self.prev_rank = line[(i - 1) % self._pp_degree]
-        global _HYBRID_PARALLEL_GROUP
-        _HYBRID_PARALLEL_GROUP = self
+        _HYBRID_PARALLEL_GROUP[0] = self
 
     def _set_comm_group(self, axis_name):
         mine = comm = None

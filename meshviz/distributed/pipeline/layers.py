@@ -136,7 +136,7 @@ class _Chunk(nn.Module):
 def _hcg():
     from ..fleet import topology
 
-    return topology._HYBRID_PARALLEL_GROUP
+    return topology.hybrid_group()
 
 
 class PipelineLayer(nn.Module):

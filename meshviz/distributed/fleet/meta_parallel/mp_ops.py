@@ -18,7 +18,7 @@ def mp_group_of(mp_group):
         return mp_group
     from .. import topology
 
-    hcg = topology._HYBRID_PARALLEL_GROUP
+    hcg = topology.hybrid_group()
     return None if hcg is None else hcg.get_model_parallel_group()
 
 

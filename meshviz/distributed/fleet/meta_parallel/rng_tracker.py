@@ -7,6 +7,8 @@ import contextlib
 import numpy as np
 import torch
 
+from ....rank_context import per_rank
+
 __all__ = ["RNGStatesTracker", "get_rng_state_tracker", "model_parallel_random_seed", "MODEL_PARALLEL_RNG"]
 
 MODEL_PARALLEL_RNG = "model_parallel_rng"
@@ -81,11 +83,11 @@ class RNGStatesTracker:
                 torch.cuda.set_rng_state_all(orig_cuda)
 
 
-_TRACKER = RNGStatesTracker()
+_TRACKER = per_rank(RNGStatesTracker)
 
 
 def get_rng_state_tracker() -> RNGStatesTracker:
-    return _TRACKER
+    return _TRACKER.here()
 
 
 def model_parallel_random_seed(seed: int | None = None) -> None:
@@ -101,6 +103,7 @@ def model_parallel_random_seed(seed: int | None = None) -> None:
     pp_rank, pp_size = hcg.get_stage_id(), hcg.get_pipe_parallel_world_size()
     global_seed = seed if seed else int(np.random.randint(0, 10000))
     local_seed = global_seed + 1 + mp_rank * pp_size + pp_rank
-    _TRACKER.reset()
-    _TRACKER.add(MODEL_PARALLEL_RNG, local_seed)
+    tracker = _TRACKER.here()
+    tracker.reset()
+    tracker.add(MODEL_PARALLEL_RNG, local_seed)
     torch.manual_seed(global_seed)

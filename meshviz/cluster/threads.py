@@ -1,0 +1,710 @@
+"""Ranks as threads of the kernel's process: the Cluster's second rank backend (same cells, outputs and events as
+engines, a fraction of the memory)."""
+
+from __future__ import annotations
+
+import ast
+import builtins
+import collections
+import contextlib
+import itertools
+import json
+import linecache
+import sys
+import threading
+import time
+import types
+
+from ..errors import RankError, RankOutcome
+from ..rank_context import bound, per_rank
+from ..trace.stream import EventLog
+from .config import ClusterConfig
+from .control import Control
+
+__all__ = ["Threads", "ThreadView", "RankResult"]
+
+_capture = per_rank(lambda: [None])  # [the _Output this rank writes to now]
+_cells = itertools.count(1)
+
+
+class _Output:
+    """What one rank printed and displayed during one execution."""
+
+    __slots__ = ("stdout", "stderr", "outputs", "execute_result", "count")
+
+    def __init__(self):
+        self.stdout: list[str] = []
+        self.stderr: list[str] = []
+        self.outputs: list[dict] = []  # display_data contents, as ipyparallel keeps them
+        self.execute_result: dict | None = None
+        self.count: int | None = None
+
+
+class _Router:
+    """Stands in for ``sys.stdout`` / ``sys.stderr``: a rank thread's writes go to its execution's output, all
+    others to the stream it replaced."""
+
+    def __init__(self, name: str, fallback):
+        self._name = name
+        self._fallback = fallback
+
+    def write(self, text) -> int:
+        out = _capture[0]
+        if out is None:
+            return self._fallback.write(text)
+        getattr(out, self._name).append(str(text))
+        return len(text)
+
+    def writelines(self, lines) -> None:
+        for line in lines:
+            self.write(line)
+
+    def flush(self) -> None:
+        if _capture[0] is None:
+            self._fallback.flush()
+
+    def isatty(self) -> bool:
+        return False
+
+    def __getattr__(self, name):
+        return getattr(self._fallback, name)
+
+
+def _route_streams() -> None:
+    """Make sure ``sys.stdout`` and ``sys.stderr`` route rank threads' writes (whatever replaced them since)."""
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        if not isinstance(stream, _Router):
+            setattr(sys, name, _Router(name, stream))
+
+
+def _unroute_streams() -> None:
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        if isinstance(stream, _Router):
+            setattr(sys, name, stream._fallback)
+
+
+class _RankDisplay:
+    """Stands in for the shell's display publisher: a rank thread's displays are kept with its output (shown as
+    ``[output:r]``, as with engines), everyone else's are published."""
+
+    def __init__(self, pub):
+        self._pub = pub
+
+    def publish(self, data, metadata=None, *args, **kwargs):
+        out = _capture[0]
+        if out is None:
+            return self._pub.publish(data, metadata, *args, **kwargs)
+        out.outputs.append({"data": data, "metadata": metadata or {}})
+
+    def clear_output(self, *args, **kwargs):
+        if _capture[0] is None:
+            return self._pub.clear_output(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._pub, name)
+
+
+def _shell():
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return None
+    return get_ipython()
+
+
+# -- running a cell on a rank -----------------------------------------------------------------------------------
+
+def _transform(code: str) -> str:
+    """IPython syntax (``%magic``, ``!cmd``) made Python, as an engine's shell would."""
+    try:
+        from IPython.core.inputtransformer2 import TransformerManager
+    except ImportError:
+        return code
+    return TransformerManager().transform_cell(code)
+
+
+def _compile(code: str):
+    """(body, last expression or None, filename): the cell split as IPython runs it (the last expression's value
+    is the cell's result unless the cell ends with ``;``)."""
+    source = _transform(code)
+    filename = f"<rank cell {next(_cells)}>"
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)  # tracebacks show the lines
+    tree = ast.parse(source, filename)
+    last = None
+    if tree.body and isinstance(tree.body[-1], ast.Expr) and not code.rstrip().endswith(";"):
+        last = compile(ast.Expression(tree.body.pop().value), filename, "eval")
+    return compile(tree, filename, "exec"), last, filename
+
+
+def _format(value) -> dict:
+    shell = _shell()
+    if shell is not None:
+        data, md = shell.display_formatter.format(value)
+        return {"data": data, "metadata": md}
+    return {"data": {"text/plain": repr(value)}, "metadata": {}}
+
+
+def _interactive(func, ns: dict):
+    """A function defined in the notebook runs in the rank's namespace (as ipyparallel runs it on an engine)."""
+    if isinstance(func, types.FunctionType) and func.__module__ == "__main__":
+        f = types.FunctionType(func.__code__, ns, func.__name__, func.__defaults__, func.__closure__)
+        f.__kwdefaults__ = func.__kwdefaults__
+        return f
+    return func
+
+
+def _pull(ns: dict, names):
+    if isinstance(names, str):
+        return eval(names, ns)
+    return [eval(n, ns) for n in names]
+
+
+def _push(ns: dict, values: dict) -> None:
+    ns.update(values)
+
+
+class _RankOut:
+    """A rank's cell result, shown as ``Out[rank:count]: ...`` (ipyparallel's form)."""
+
+    def __init__(self, rank: int, result: dict):
+        self.rank = rank
+        self.count = result.get("count")
+        self.data = result["data"]
+        self.metadata = result.get("metadata") or {}
+
+    def _plaintext(self) -> str:
+        text = self.data.get("text/plain", "")
+        if "\n" in text and not text.startswith("\n"):
+            text = "\n" + text
+        return f"Out[{self.rank}:{self.count}]: {text}"
+
+    def _repr_mimebundle_(self, *args, **kwargs):
+        data = dict(self.data)
+        data["text/plain"] = self._plaintext()
+        return data, self.metadata
+
+    def _repr_pretty_(self, p, cycle):
+        p.text(self._plaintext())
+
+    def __repr__(self) -> str:
+        return self._plaintext()
+
+
+class RankResult:
+    """What a thread cluster's ``execute`` / ``apply`` returns, with ipyparallel AsyncResult's surface: ``get``,
+    ``wait``, ``ready``, ``done``, ``stdout``/``stderr`` (in rank order), ``display_outputs``, ``stream_output``."""
+
+    def __init__(self, job, ranks: list[int], outputs: dict, single: bool, kind: str):
+        self._job = job
+        self.ranks = ranks
+        self._outs = outputs
+        self._single = single
+        self.kind = kind
+        self._fname = kind
+        self._streaming = False
+        self._shown: dict = {}
+        self._last_prefix = ""
+        self._trailing_newline = True
+
+    # -- waiting ---------------------------------------------------------------------------------------------
+    def wait(self, timeout: float | None = None) -> bool:
+        done = self._job.wait(timeout)
+        if self._streaming:
+            self._stream()
+        return done
+
+    def ready(self) -> bool:
+        return self._job.done()
+
+    done = ready
+
+    def wait_for_output(self, timeout=None) -> bool:
+        return True
+
+    def wait_interactive(self, *args, **kwargs) -> None:
+        self.wait()
+
+    def successful(self) -> bool:
+        return self.ready() and all(o.status == "ok" for o in self._job.outcomes())
+
+    def get(self, timeout: float | None = None):
+        if not self._job.wait(timeout):
+            from ipyparallel import error
+
+            raise error.TimeoutError("Result not ready.")
+        outcomes = self._job.outcomes()
+        bad = [o.rank for o in outcomes if o.status != "ok"]
+        if bad:
+            raise RankError(outcomes, bad[:1])
+        values = [o.value for o in outcomes]
+        return values[0] if self._single else values
+
+    # -- output ----------------------------------------------------------------------------------------------
+    def _per_rank(self, field: str):
+        vals = ["".join(getattr(self._outs[r], field)) for r in self.ranks]
+        return vals[0] if self._single else vals
+
+    @property
+    def stdout(self):
+        return self._per_rank("stdout")
+
+    @property
+    def stderr(self):
+        return self._per_rank("stderr")
+
+    @property
+    def outputs(self):
+        vals = [list(self._outs[r].outputs) for r in self.ranks]
+        return vals[0] if self._single else vals
+
+    @property
+    def execute_result(self):
+        vals = [self._outs[r].execute_result for r in self.ranks]
+        return vals[0] if self._single else vals
+
+    def _display_stream(self, text: str, prefix: str = "", file=None) -> None:
+        """Print a stream as ipyparallel does: a prefix line each time the rank changes."""
+        if not text:
+            return
+        file = file or sys.stdout
+        if prefix:
+            if prefix == self._last_prefix:
+                prefix = ""
+            else:
+                self._last_prefix = prefix
+        pre = "\n" if prefix and not self._trailing_newline else ""
+        sep = "\n" if prefix else ""
+        self._trailing_newline = text.endswith("\n")
+        print(f"{pre}{prefix}{sep}{text}", file=file, end="")
+
+    def display_outputs(self, groupby: str = "type", result_only: bool = False) -> None:
+        """Show what the ranks printed and displayed, and their results, as ipyparallel does for engines."""
+        from IPython.display import display, display_pretty
+
+        shell = _shell()
+        if self._single:
+            r = self.ranks[0]
+            if not result_only:
+                self._display_stream("".join(self._outs[r].stdout))
+                self._display_stream("".join(self._outs[r].stderr), file=sys.stderr)
+                if shell is not None:
+                    for o in self._outs[r].outputs:
+                        shell.display_pub.publish(data=o["data"], metadata=o["metadata"])
+            if shell is not None and self._outs[r].execute_result is not None:
+                display(_RankOut(r, self._outs[r].execute_result))
+            return
+        if groupby not in ("type", "order", "engine"):
+            raise ValueError(f"groupby must be one of 'type', 'engine', 'order', not {groupby!r}")
+        if groupby == "engine":
+            for r in self.ranks:
+                out = self._outs[r]
+                if not result_only:
+                    self._display_stream("".join(out.stdout), f"[stdout:{r}] ")
+                    self._display_stream("".join(out.stderr), f"[stderr:{r}] ", file=sys.stderr)
+                if shell is None:
+                    continue
+                if (out.outputs and not result_only) or out.execute_result is not None:
+                    display_pretty(f"[output:{r}]", raw=True)
+                if not result_only:
+                    for o in out.outputs:
+                        shell.display_pub.publish(data=o["data"], metadata=o["metadata"])
+                if out.execute_result is not None:
+                    display(_RankOut(r, out.execute_result))
+            return
+        if not result_only:
+            for r in self.ranks:
+                self._display_stream("".join(self._outs[r].stdout), f"[stdout:{r}] ")
+            for r in self.ranks:
+                self._display_stream("".join(self._outs[r].stderr), f"[stderr:{r}] ", file=sys.stderr)
+        if shell is None:
+            return
+        if not result_only:
+            for r in self.ranks:
+                outs = self._outs[r].outputs
+                if outs:
+                    display_pretty(f"[output:{r}]", raw=True)
+                for o in outs:
+                    shell.display_pub.publish(data=o["data"], metadata=o["metadata"])
+        for r in self.ranks:
+            if self._outs[r].execute_result is not None:
+                display(_RankOut(r, self._outs[r].execute_result))
+
+    @contextlib.contextmanager
+    def stream_output(self):
+        """Show each rank's output while the cell runs (on the waiting thread), as ipyparallel streams it."""
+        self._streaming = True
+        try:
+            yield
+        finally:
+            self._stream()
+            self._streaming = False
+
+    def _stream(self) -> None:
+        shell = _shell()
+        in_kernel = shell is not None and getattr(shell, "kernel", None) is not None
+        for r in self.ranks:
+            out = self._outs[r]
+            for name in ("stdout", "stderr"):
+                chunks = getattr(out, name)
+                seen = self._shown.get((r, name), 0)
+                if len(chunks) == seen:
+                    continue
+                self._shown[(r, name)] = len(chunks)
+                if in_kernel:
+                    from IPython.display import publish_display_data
+
+                    publish_display_data({"text/plain": f"[{name}:{r}] " + "".join(chunks)},
+                                         transient={"display_id": f"{id(self)}-{name}-{r}"}, update=seen > 0)
+                else:
+                    self._display_stream("".join(chunks[seen:]), f"[{name}:{r}] ",
+                                         file=sys.stderr if name == "stderr" else None)
+
+    def __repr__(self) -> str:
+        state = "pending" if not self.ready() else ("finished" if self.successful() else "failed")
+        return f"<RankResult({self._fname}): {state}>"
+
+
+# -- the view --------------------------------------------------------------------------------------------------
+
+class _Client:
+    """The little of ipyparallel's Client that ``%px`` reaches for."""
+
+    def __init__(self, backend: "Threads"):
+        self._backend = backend
+
+    @property
+    def ids(self) -> list[int]:
+        return list(self._backend.ranks)
+
+    def send_signal(self, sig=None, targets=None, block=None) -> None:
+        self._backend.interrupt()
+
+    @property
+    def outstanding(self) -> set:
+        return {0} if self._backend.busy() else set()
+
+
+class ThreadView:
+    """The ranks as ipyparallel's DirectView shows engines: ``execute``, ``apply_sync``/``apply_async``, ``pull``,
+    ``push``, ``targets``, ``block`` (what ``%px`` and notebooks use)."""
+
+    def __init__(self, backend: "Threads", targets=None):
+        self._backend = backend
+        self.targets = list(backend.ranks) if targets is None else targets
+        self.block = True
+        self.client = _Client(backend)
+
+    def _ranks(self, targets=None) -> tuple[list[int], bool]:
+        t = self.targets if targets is None else targets
+        if t == "all" or t is None:
+            return list(self._backend.ranks), False
+        if isinstance(t, int):
+            return [t], True
+        return [int(r) for r in t], False
+
+    def execute(self, code: str, silent: bool = False, targets=None, block=None):
+        ranks, single = self._ranks(targets)
+        ar = self._backend.run_code(code, ranks, single)
+        if self.block if block is None else block:
+            ar.get()
+        return ar
+
+    def apply_async(self, f, *args, **kwargs):
+        ranks, single = self._ranks()
+        return self._backend.run_call(f, *args, _ranks=ranks, _single=single, **kwargs)
+
+    def apply_sync(self, f, *args, **kwargs):
+        return self.apply_async(f, *args, **kwargs).get()
+
+    def apply(self, f, *args, **kwargs):
+        ar = self.apply_async(f, *args, **kwargs)
+        return ar.get() if self.block else ar
+
+    def pull(self, names, targets=None, block=None):
+        """Each rank's value of ``names`` (a name or expression, or a sequence of them), evaluated on the rank as
+        ipyparallel evaluates them on an engine (an expression may communicate: every rank evaluates it)."""
+        ranks, single = self._ranks(targets)
+        ar = self._backend.run_eval(names, ranks, single)
+        return ar.get() if (self.block if block is None else block) else ar
+
+    def push(self, ns: dict, targets=None, block=None):
+        ranks, single = self._ranks(targets)
+        ar = self._backend.run_call(_push, dict(ns), _ranks=ranks, _single=single, _namespace=True)
+        return ar.get() if (self.block if block is None else block) else ar
+
+    def __getitem__(self, key):
+        if isinstance(key, str):
+            return self.pull(key)
+        return ThreadView(self._backend, targets=key)
+
+    def __setitem__(self, key: str, value) -> None:
+        self.push({key: value})
+
+    def __len__(self) -> int:
+        return len(self._ranks()[0])
+
+    def __repr__(self) -> str:
+        return f"<ThreadView {self.targets}>"
+
+
+# -- the backend -----------------------------------------------------------------------------------------------
+
+class Threads:
+    """The Cluster's rank backend with every rank a thread of this process (``Cluster(ranks="threads")``).
+
+    Each rank has its own namespace (as an engine has), its own process group (backend ``"threads"``, see
+    :mod:`meshviz.distributed.thread_world`) and its own trace sinks; its events reach ``cluster.events`` on a
+    background thread (JSON round trip, as from an engine), its failures the cluster's control.
+    """
+
+    kind = "threads"
+    local = False
+
+    def __init__(self, config: ClusterConfig, events: EventLog, control: Control):
+        self.config = config
+        self.events = events
+        self.control = control
+        self.ranks: list[int] = []
+        self.devices: list[str] = []
+        self.info: list[dict] = []
+        self.backend_used: str | None = None
+        self.engine_ids: list[int] = []
+        self.state_dir = None
+        self.client = None
+        self.view: ThreadView | None = None
+        self.world = None
+        self.namespaces: list[dict] = []
+        self._counts: list[int] = []
+        self._queue: collections.deque = collections.deque()
+        self._wake = threading.Event()
+        self._qlock = threading.Lock()
+        self._queued = 0  # events handed to the dispatcher
+        self._processed = 0  # ... and taken off its queue (delivered, or dropped as unencodable)
+        self._processed_cv = threading.Condition()
+        self._dispatcher: threading.Thread | None = None
+        self._stop_dispatch = False
+        self._sinks: dict = {}
+        self._display = None
+
+    # -- start and stop -----------------------------------------------------------------------------------------
+    def start(self) -> None:
+        from ..distributed.thread_world import BACKEND, ThreadWorld, internal_frames
+
+        internal_frames(__file__)
+
+        cfg = self.config
+        self.world = ThreadWorld(cfg.n, timeout=cfg.timeout, name="meshviz-rank")
+        self._stop_dispatch = False
+        self._dispatcher = threading.Thread(target=self._dispatch, name="meshviz-thread-events", daemon=True)
+        self._dispatcher.start()
+        self.world.start()
+        self.ranks = list(range(cfg.n))
+        self.namespaces = [{"__name__": "__main__", "__builtins__": builtins} for _ in self.ranks]
+        self._counts = [0] * cfg.n
+        self.devices = ["cpu"] * cfg.n
+        self.backend_used = BACKEND
+        self.info = [{"rank": r, "world": cfg.n, "backend": BACKEND, "device": "cpu",
+                      "thread": self.world.name + f"-{r}"} for r in self.ranks]
+        self.view = ThreadView(self)
+        self.client = self.view.client
+        self.control.attach(self._on_message)
+        self.set_tracing(True)
+
+    def shutdown(self) -> None:
+        self.sync_events(self.ranks, 2.0)
+        if self.world is not None:
+            self.world.stop()
+
+    def teardown(self) -> None:
+        if self.world is not None and self.world.started:
+            self.world.stop()
+        self.world = None
+        self._stop_dispatch = True
+        self._wake.set()
+        if self._dispatcher is not None:
+            self._dispatcher.join(2.0)
+            self._dispatcher = None
+        self.control.attach(None)
+        self._sinks.clear()
+        self.view = None
+        _unroute_streams()
+        shell = _shell()
+        if shell is not None and isinstance(shell.display_pub, _RankDisplay):
+            shell.display_pub = shell.display_pub._pub
+
+    def kill(self) -> None:
+        self.teardown()
+
+    def reinit(self, timeout: float) -> None:
+        """After an abort: fresh meetings and call numbers on every group (the groups and the ranks' state stay)."""
+        self.world.reset()
+
+    # -- running code -------------------------------------------------------------------------------------------
+    def _prepare_io(self) -> None:
+        _route_streams()
+        shell = _shell()
+        if shell is not None and not isinstance(shell.display_pub, _RankDisplay):
+            shell.display_pub = _RankDisplay(shell.display_pub)
+
+    def run_code(self, code: str, ranks=None, single: bool = False) -> RankResult:
+        """Start ``code`` on ``ranks`` (all by default), each in its own namespace; returns the RankResult."""
+        ranks = list(self.ranks) if ranks is None else ranks
+        body, last, _ = _compile(code)  # a syntax error is raised here, once
+        outs = {r: _Output() for r in ranks}
+
+        def cell(r):
+            self._counts[r] += 1
+            out = outs[r]
+            out.count = self._counts[r]
+            ns = self.namespaces[r]
+            _capture[0] = out
+            try:
+                exec(body, ns)
+                if last is not None:
+                    value = eval(last, ns)
+                    if value is not None:
+                        out.execute_result = {**_format(value), "count": out.count}
+            finally:
+                _capture[0] = None
+
+        return self._submit(cell, ranks, outs, single, "%px")
+
+    def run_call(self, func, *args, _ranks=None, _single=False, _namespace=False, **kwargs) -> RankResult:
+        """Start ``func(*args, **kwargs)`` on every rank (in its namespace if defined in the notebook; with
+        ``_namespace`` the namespace is the first argument)."""
+        ranks = list(self.ranks) if _ranks is None else _ranks
+        outs = {r: _Output() for r in ranks}
+
+        def call(r):
+            _capture[0] = outs[r]
+            try:
+                if _namespace:
+                    return func(self.namespaces[r], *args, **kwargs)
+                return _interactive(func, self.namespaces[r])(*args, **kwargs)
+            finally:
+                _capture[0] = None
+
+        return self._submit(call, ranks, outs, _single, "apply")
+
+    def run_eval(self, names, ranks=None, single: bool = False) -> RankResult:
+        """Evaluate ``names`` (an expression, or a sequence of them) on each rank, in its namespace."""
+        return self.run_call(_pull, names, _ranks=ranks, _single=single, _namespace=True)
+
+    def _submit(self, fn, ranks, outs, single, kind) -> RankResult:
+        self._prepare_io()
+        since = time.time()
+
+        def guarded(r):
+            try:
+                return fn(r)
+            except BaseException as e:
+                self._report(r, e, since)
+                raise
+
+        job = self.world.submit(guarded, ranks)
+        return RankResult(job, ranks, outs, single, kind)
+
+    def _report(self, rank: int, e: BaseException, since: float) -> None:
+        import traceback
+
+        from ..distributed.thread_world import RankStopped
+
+        if isinstance(e, RankStopped):  # stopped for a peer: the peer's report names the cause
+            return
+        text = f"{type(e).__name__}: {e}"
+        self.control.on_control({
+            "type": "failed", "rank": rank, "time": time.time(), "error": text[:500],
+            "traceback": "".join(traceback.format_exception(e))[-8000:],
+        })
+
+    def _on_message(self, msg: dict) -> None:
+        """The cluster's messages to the ranks: an abort stops every waiting rank now."""
+        if msg.get("type") == "abort" and self.world is not None:
+            self.world.abort(msg.get("origin"))
+
+    def pending(self, ar: RankResult) -> list[int]:
+        return ar._job.pending()
+
+    def wait(self, ar: RankResult, timeout: float) -> bool:
+        return ar.wait(timeout)
+
+    def outcomes(self, ar: RankResult) -> list[RankOutcome]:
+        return ar._job.outcomes()
+
+    def interrupt(self) -> None:
+        if self.world is not None:
+            self.world.interrupt()
+
+    def busy(self) -> bool:
+        return self.world is not None and self.world.busy()
+
+    # -- events -------------------------------------------------------------------------------------------------
+    def set_tracing(self, on: bool) -> None:
+        from .. import trace
+
+        for r in self.ranks:
+            with bound(self.world.contexts[r]):
+                sink = self._sinks.get(r)
+                if on and sink is None:
+                    sink = self._sinks[r] = self._sink_for(r)
+                    trace.add_sink(sink)
+                elif not on and sink is not None:
+                    trace.remove_sink(sink, close=False)
+                    del self._sinks[r]
+
+    def _sink_for(self, rank: int):
+        def sink(event) -> None:
+            with self._qlock:
+                self._queued += 1
+                self._queue.append(event)
+            self._wake.set()
+
+        return sink
+
+    def _dispatch(self) -> None:
+        """Hand the ranks' events to the log as an engine's stream would: JSON-plain copies, in batches."""
+        from ..trace.events import Event, _default
+
+        while True:
+            self._wake.wait(0.1)
+            self._wake.clear()
+            taken, good = 0, []
+            while self._queue:
+                ev = self._queue.popleft()
+                taken += 1
+                try:
+                    good.append(Event.from_dict(json.loads(json.dumps(ev.__dict__, default=_default))))
+                except Exception:  # an unencodable event is dropped, as on the stream
+                    pass
+            if good:
+                self.events._extend(good, time.time())  # the log's own delivery (subscribers called here)
+            if taken:
+                with self._processed_cv:
+                    self._processed += taken
+                    self._processed_cv.notify_all()
+            if self._stop_dispatch and not self._queue:
+                return
+
+    def sync_events(self, ranks, timeout: float = 2.0) -> None:
+        """Wait until the events the ranks emitted so far are in the log."""
+        with self._qlock:
+            want = self._queued
+        self._wake.set()
+        deadline = time.monotonic() + timeout
+        with self._processed_cv:
+            while self._processed < want:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return
+                self._processed_cv.wait(min(left, 0.05))
+
+    # -- health -------------------------------------------------------------------------------------------------
+    def find_dead(self) -> dict[int, str] | None:
+        if self.world is None:
+            return None
+        return {}
+
+    def describe(self, rank: int) -> str:
+        return f"thread {self.world.name if self.world else 'meshviz-rank'}-{rank}, cpu"

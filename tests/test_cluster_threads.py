@@ -1,0 +1,269 @@
+"""meshviz.Cluster(ranks="threads"): the same Cluster API, %px output, events and RankError with ranks as threads."""
+
+import os
+import sys
+import threading
+import time
+
+import pytest
+
+import meshviz
+from meshviz import trace
+from meshviz.cluster import RankError
+
+N = 3
+pytestmark = pytest.mark.timeout(120)
+
+
+# runs before the module's cluster exists: nothing of the thread world may outlive the last cluster
+def test_stop_leaves_nothing_behind():
+    import torch.distributed.distributed_c10d as c10d
+
+    world_before, sleep_before, out_before = c10d._world, time.sleep, sys.stdout
+    c = meshviz.Cluster(n=2, ranks="threads")
+    assert time.sleep is not sleep_before
+    c.execute("import torch, torch.distributed as tdist\nx = torch.ones(1)\ntdist.all_reduce(x)\n")
+    c.stop()
+    assert c.state == "stopped" and "stopped" in repr(c)
+    assert not [t for t in threading.enumerate() if t.name.startswith("meshviz-rank")]
+    assert c10d._world is world_before and time.sleep is sleep_before and sys.stdout is out_before
+    c.restart()
+    assert c.execute("print(tdist.get_rank() if 'tdist' in dir() else 'fresh')").stdout == ["fresh\n"] * 2
+    c.stop()
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    c = meshviz.Cluster(n=N, timeout=30, ranks="threads")
+    yield c
+    c.stop()
+
+
+def _whoami():
+    import torch
+    import torch.distributed as tdist
+
+    import meshviz.distributed as dist
+
+    return {"rank": tdist.get_rank(), "world": tdist.get_world_size(), "backend": tdist.get_backend(),
+            "dist": (dist.get_rank(), dist.get_world_size(), dist.ParallelEnv().local_rank), "thread":
+            threading.current_thread().name, "device": str(dist.env.device()), "threads": torch.get_num_threads()}
+
+
+def test_ranks_devices_and_state(cluster):
+    assert cluster.state == "ready" and cluster.ranks_kind == "threads"
+    assert cluster.ranks == list(range(N)) and cluster.devices == ["cpu"] * N
+    assert cluster.backend_used == "threads" and cluster.view.targets == list(range(N))
+    seen = cluster.apply(_whoami)
+    for r, s in enumerate(seen):
+        assert s["rank"] == r and s["world"] == N and s["backend"] == "threads"
+        assert s["dist"] == (r, N, r) and s["device"] == "cpu"
+        assert s["thread"] == f"meshviz-rank-{r}"
+    text = repr(cluster)
+    assert f"Cluster({N} ranks, threads, ready" in text
+    for r in range(N):
+        assert f"rank {r}: thread meshviz-rank-{r}, cpu" in text
+
+
+def test_all_reduce_values_in_rank_order_and_cell_results(cluster):
+    ar = cluster.execute(
+        "import torch, torch.distributed as tdist\n"
+        "x = torch.tensor([float(tdist.get_rank() + 1)])\n"
+        "tdist.all_reduce(x)\n"
+        "print(tdist.get_rank(), x.item())\n"
+        "tdist.get_rank() * 10\n")
+    assert ar.stdout == [f"{r} {float(sum(range(1, N + 1)))}\n" for r in range(N)]
+    assert [e["data"]["text/plain"] for e in ar.execute_result] == [str(r * 10) for r in range(N)]
+    assert cluster.view.pull("x.item()") == [float(sum(range(1, N + 1)))] * N
+    cluster.view.push({"pushed": 5})
+    assert cluster.view.pull(("pushed", "pushed + tdist.get_rank()")) == [[5, 5 + r] for r in range(N)]
+    # a function defined in the notebook runs in the rank's namespace, as on an engine
+    ns = {}
+    exec("def f(k):\n    return pushed * k + tdist.get_rank()\n", {"__name__": "__main__"}, ns)
+    ns["f"].__module__ = "__main__"
+    assert cluster.apply(ns["f"], 2) == [10 + r for r in range(N)]
+
+
+def test_display_outputs_as_ipyparallel_prints_them(cluster, capsys):
+    ar = cluster.view.execute("print('a', tdist.get_rank())\nprint('b')", block=False)
+    ar.get(timeout=30)
+    capsys.readouterr()
+    ar.display_outputs()
+    out = capsys.readouterr().out
+    assert out == "".join(f"[stdout:{r}] \na {r}\nb\n" for r in range(N))
+    single = cluster.view.execute("print('only')", targets=1)
+    assert single.stdout == "only\n"
+
+
+CELL_WAITS = """
+import os, time, torch
+import torch.distributed as tdist
+from meshviz import trace
+from meshviz.trace import Event
+r = tdist.get_rank()
+for i in range(3):
+    trace.emit(Event(kind="mark", name=f"early{i}", values=[r, i]))
+x = torch.tensor([float(r)])
+with trace.span("collective", op="all_reduce", group=list(range(tdist.get_world_size())), bytes=4) as ev:
+    tdist.all_reduce(x)
+    ev.values = x.tolist()
+deadline = time.time() + 20
+while not os.path.exists(FLAG) and time.time() < deadline:
+    time.sleep(0.02)
+trace.emit(Event(kind="mark", name="late"))
+"""
+
+
+def test_events_arrive_while_the_cell_runs(cluster, tmp_path):
+    flag = str(tmp_path / "go")
+    cluster.events.clear()
+    seen = []
+    cb = cluster.subscribe(seen.append)
+    try:
+        ar = cluster.view.execute(CELL_WAITS.replace("FLAG", repr(flag)), block=False)
+        t0 = time.time()
+        while len([e for e in cluster.events if e.kind == "collective"]) < N and time.time() - t0 < 20:
+            time.sleep(0.01)
+        assert not ar.done(), "the cell should still be running"
+        early = list(cluster.events)
+        assert len(early) == 4 * N
+        open(flag, "w").close()
+        ar.get(timeout=30)
+        cluster._sync_events(list(range(N)))
+    finally:
+        cluster.unsubscribe(cb)
+    events = list(cluster.events)
+    assert len(events) == 5 * N and seen[: len(events)] == events
+    total = float(sum(range(N)))
+    for r, evs in cluster.events.by_rank().items():
+        assert [e.name for e in evs] == ["early0", "early1", "early2", None, "late"]
+        assert [e.seq for e in evs] == sorted(e.seq for e in evs)
+        assert [e.values for e in evs[:3]] == [[r, i] for i in range(3)]
+        coll = evs[3]
+        assert coll.op == "all_reduce" and coll.values == [total] and coll.group == list(range(N))
+
+
+RESHARD_CELL = """
+import torch
+import meshviz.distributed as dist
+mesh = dist.ProcessMesh([2, 0, 1], dim_names=["x"])
+a = torch.arange(12.0).reshape(6, 2)
+s0 = dist.shard_tensor(a, mesh, [dist.Shard(0)])
+plan = [(st.op, st.axis, st.bytes) for st in dist.plan_of(s0, mesh, [dist.Replicate()]).steps]
+r = dist.reshard(s0, mesh, [dist.Replicate()])
+print(s0._local_value().tolist(), r._local_value().tolist() == a.tolist())
+"""
+
+
+def test_reshard_events_carry_the_planners_steps_and_replay(cluster, tmp_path):
+    cluster.events.clear()
+    ar = cluster.execute(RESHARD_CELL)
+    blocks = {2: [[0.0, 1.0], [2.0, 3.0]], 0: [[4.0, 5.0], [6.0, 7.0]], 1: [[8.0, 9.0], [10.0, 11.0]]}
+    assert ar.stdout == [f"{blocks[r]} True\n" for r in range(N)]
+    plans = cluster.view.pull("plan", block=True)
+    assert plans[0] == plans[1] == plans[2] and [p[0] for p in plans[0]] == ["all_gather"]
+    by = cluster.events.by_rank()
+    assert sorted(by) == list(range(N))
+    for r, evs in by.items():
+        placed = [e for e in evs if e.kind == "placed"]
+        assert placed and placed[0].values == [v for row in blocks[r] for v in row]
+        steps = [e for e in evs if e.kind == "reshard_step"]
+        assert [(e.op, e.axis, e.bytes) for e in steps] == [tuple(p) for p in plans[r]]
+        assert steps[0].values == [float(v) for v in range(12)]
+    assert len({e.plan_id for e in cluster.events.of_kind("reshard_step")}) == 1  # one plan id on every rank
+    path = str(tmp_path / "run.jsonl")
+    assert cluster.record(path) == len(cluster.events)
+    key = lambda e: (e.rank, e.seq)  # noqa: E731
+    back = trace.load_events(path)
+    assert [e.to_dict() for e in sorted(back, key=key)] == [e.to_dict() for e in sorted(cluster.events, key=key)]
+
+
+def test_rank_raising_mid_collective_stops_every_rank(cluster):
+    cell = ("import torch, torch.distributed as tdist\n"
+            "if tdist.get_rank() == 1:\n"
+            "    raise ValueError('rank one broke')\n"
+            "x = torch.ones(2)\n"
+            "tdist.all_reduce(x)\n")
+    with pytest.raises(RankError) as info:
+        cluster.execute(cell, timeout=25)
+    err = info.value
+    assert err.ranks == [1]
+    assert "rank 1 raised ValueError: rank one broke" in str(err)
+    assert "rank one broke" in "\n".join(err.render_traceback())
+    assert "thread_world.py" not in err.outcomes[1].traceback  # the traceback starts in the cell
+    by = {o.rank: o for o in err.outcomes}
+    assert all(by[r].status == "error" for r in range(N))
+    ar = cluster.execute("x = torch.ones(1); tdist.all_reduce(x); print(x.item())")
+    assert ar.stdout == [f"{float(N)}\n"] * N
+    assert cluster.state == "ready"
+
+
+def test_same_error_on_every_rank_keeps_the_process_group(cluster):
+    cluster.execute("import torch, torch.distributed as tdist\ny = torch.ones(1); tdist.all_reduce(y)")
+    with pytest.raises(RankError) as info:
+        cluster.execute("undefined_name_xyz")
+    assert "NameError" in str(info.value)
+    assert cluster.state == "ready"
+    ar = cluster.execute("print(y.item())")
+    assert ar.stdout == [f"{float(N)}\n"] * N
+
+
+def test_interrupt_reaches_sleeping_and_busy_ranks(cluster):
+    for body in ("import time\nfor _ in range(600): time.sleep(0.05)", "while True:\n    pass"):
+        ar = cluster.view.execute("started = True\n" + body, block=False)
+        time.sleep(0.3)
+        cluster.interrupt()
+        with pytest.raises(Exception) as info:
+            ar.get(timeout=20)
+        assert "KeyboardInterrupt" in str(info.value)
+    ar = cluster.execute("x = torch.ones(1); tdist.all_reduce(x); print(x.item())")
+    assert ar.stdout == [f"{float(N)}\n"] * N
+
+
+def test_a_deadlock_is_named_at_once(cluster):
+    cell = ("import torch\nt = torch.zeros(1)\n"
+            "tdist.recv(t, src=(tdist.get_rank() + 1) % tdist.get_world_size())  # every rank waits\n")
+    with pytest.raises(RankError) as info:
+        cluster.execute(cell, timeout=10)  # the collective timeout is 30 s
+    text = str(info.value)
+    assert "deadlock" in text and "rank 0 waits in recv from rank 1" in text
+    ar = cluster.execute("x = torch.ones(1); tdist.all_reduce(x); print(x.item())")
+    assert ar.stdout == [f"{float(N)}\n"] * N
+
+
+def test_px_magic_names_the_rank(cluster):
+    pytest.importorskip("IPython")
+    from IPython.core.interactiveshell import InteractiveShell
+
+    shell = InteractiveShell.instance()
+    cluster.activate()
+    res = shell.run_cell("%%px\nimport torch.distributed as tdist\nif tdist.get_rank() == 2:\n    raise KeyError('two')\n")
+    assert isinstance(res.error_in_exec, RankError)
+    assert res.error_in_exec.ranks == [2]
+    res = shell.run_cell("%%px\nz = tdist.get_rank() * 10\n")
+    assert res.error_in_exec is None
+    assert cluster.view.pull("z", block=True) == [0, 10, 20]
+    res = shell.run_cell("%%px --targets 1\nonly_one = 1\n")
+    assert res.error_in_exec is None
+    assert cluster.view.pull("only_one", targets=1) == 1
+    with pytest.raises(RankError, match="NameError"):
+        cluster.view.pull("only_one", targets=0)
+
+
+def test_the_environment_picks_threads_and_bad_arguments_raise(monkeypatch):
+    from meshviz.cluster.config import ClusterConfig
+
+    monkeypatch.setenv("MESHVIZ_RANKS", "threads")
+    assert ClusterConfig.from_args(2).ranks == "threads"
+    assert ClusterConfig.from_args(2, ranks="engines").ranks == "engines"
+    monkeypatch.delenv("MESHVIZ_RANKS")
+    assert ClusterConfig.from_args(2).ranks == "engines"
+    with pytest.raises(ValueError, match="ranks must be"):
+        meshviz.Cluster(n=2, ranks="fibres")
+    with pytest.raises(ValueError, match="CPU"):
+        meshviz.Cluster(n=2, ranks="threads", devices="cuda")
+    with pytest.raises(ValueError, match="ipyparallel options"):
+        meshviz.Cluster(n=2, ranks="threads", engines="mpi")
+    with pytest.raises(ValueError, match="'threads' backend"):
+        meshviz.Cluster(n=2, ranks="threads", backend="nccl")
+    assert os.environ.get("MESHVIZ_RANKS") is None
