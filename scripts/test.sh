@@ -15,7 +15,7 @@ if [ "${MESHVIZ_TEST_THREADS:-1}" != "0" ]; then
   MESHVIZ_RANKS=threads .venv/bin/python -m pytest notebooks --nbval -p no:cacheprovider \
     tests/test_collective.py tests/test_runtime.py tests/test_shard_api.py tests/test_data_parallel.py \
     tests/test_fleet.py tests/test_group_sharded.py tests/test_pipeline.py tests/test_to_static.py \
-    tests/test_checkpoint.py tests/test_ownership.py tests/test_rng_tracker.py tests/test_widgets.py "$@"
+    tests/test_checkpoint.py tests/test_ownership.py tests/test_rng_tracker.py tests/test_widgets.py tests/test_parallelize.py "$@"
 fi
 if [ "${MESHVIZ_BINDER_CHECK:-1}" != "0" ]; then
   .venv/bin/python scripts/binder_check.py

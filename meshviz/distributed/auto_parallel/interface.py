@@ -5,23 +5,23 @@ from __future__ import annotations
 import numpy as np
 
 from ...core.mesh import ProcessMesh
+from ...rank_context import per_rank
 
 __all__ = ["set_mesh", "get_mesh", "create_mesh"]
 
-_g_mesh: ProcessMesh | None = None
+_state = per_rank(lambda: {"mesh": None})  # the global mesh, per rank
 
 
 def set_mesh(mesh: ProcessMesh | None) -> None:
     """Set the global mesh (``None`` clears it)."""
-    global _g_mesh
     if mesh is not None and not isinstance(mesh, ProcessMesh):
         raise ValueError(f"set_mesh expects a ProcessMesh, got {type(mesh).__name__}: {mesh!r}")
-    _g_mesh = mesh
+    _state["mesh"] = mesh
 
 
 def get_mesh() -> ProcessMesh | None:
     """The global mesh, or None when none was set."""
-    return _g_mesh
+    return _state["mesh"]
 
 
 def create_mesh(mesh_dims) -> ProcessMesh:

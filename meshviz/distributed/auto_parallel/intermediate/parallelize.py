@@ -18,6 +18,7 @@ from .pipeline_parallel import (
     stage_indices,
     stage_mesh,
 )
+from ....rank_context import per_rank
 from .sharded_data_parallel import check_dp_config, shard_optimizer_with
 from .tensor_parallel import _SP_REGION, _matches, _ShardParams, check_plan
 
@@ -25,7 +26,7 @@ __all__ = ["parallelize", "parallelize_model", "parallelize_optimizer"]
 
 _CONFIG_KEYS = ("dp_config", "mp_config", "pp_config")
 
-has_parallelized_model = False
+_state = per_rank(lambda: {"model_done": False})  # parallelize_model ran on this rank
 
 
 def _use_mesh(mesh, who: str) -> None:
@@ -193,7 +194,6 @@ def parallelize_model(model, mesh=None, config=None):
     if config is None:
         warnings.warn("The `parallelize_model` will do nothing since the config is `None`.", stacklevel=2)
         return model
-    global has_parallelized_model
     _check_config(config, "parallelize_model")
     _use_mesh(mesh, "parallelize_model")
     if all(config.get(k) is None for k in _CONFIG_KEYS):
@@ -201,7 +201,7 @@ def parallelize_model(model, mesh=None, config=None):
                       stacklevel=2)
         return model
     model, _ = _parallelize(model, None, config, "parallelize_model")
-    has_parallelized_model = True
+    _state["model_done"] = True
     return model
 
 
@@ -212,7 +212,7 @@ def parallelize_optimizer(optimizer, mesh=None, config=None):
         return optimizer
     _check_config(config, "parallelize_optimizer")
     _use_mesh(mesh, "parallelize_optimizer")
-    if not has_parallelized_model:
+    if not _state["model_done"]:
         raise ValueError("Please parallelize the model before parallelize optimizer.")
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ValueError(f"parallelize_optimizer expects a torch.optim.Optimizer, got {type(optimizer).__name__}")
