@@ -139,7 +139,8 @@ def check_peer(what: str, rank, ranks) -> int:
 
 def run(op: str, group, start, *, tensors=(), nbytes: int | None = None, peers: dict | None = None,
         sync_op: bool = True, then=None, kind: str | None = "collective", peer: int | None = None,
-        name: str | None = None, **extra) -> Task:
+        name: str | None = None, reduce_op: str | None = None, src: int | None = None, dst: int | None = None,
+        bucket: int | None = None) -> Task:
     """Issue one collective: resolve ``group``, check ``peers``, skip non-members, trace, start, finish.
 
     Every collective meshviz issues passes through here (the wrappers of ``dist.*``, reshard steps,
@@ -151,7 +152,8 @@ def run(op: str, group, start, *, tensors=(), nbytes: int | None = None, peers: 
     finished Task and ``start`` is not called. ``start(g)`` starts the torch call(s) on the resolved Group and
     returns their work handle(s), or None when it blocked until done. ``then()`` runs once the works are done
     (at once when ``sync_op``, else in ``Task.wait``). ``kind``: the trace event's kind ("collective", "send",
-    "recv"), or None when the caller traces the step itself; ``extra`` goes into the event.
+    "recv"), or None when the caller traces the step itself; ``reduce_op``, ``src``, ``dst`` and ``bucket`` go
+    into the event's :class:`~meshviz.trace.Collective` payload.
     """
     g = group if type(group) is Group else resolve(group)
     if peers:
@@ -167,8 +169,7 @@ def run(op: str, group, start, *, tensors=(), nbytes: int | None = None, peers: 
         fields["peer"] = peer
     if name is not None:
         fields["name"] = name
-    if extra or kind == "collective":
-        fields["extra"] = extra
+    fields["payload"] = trace.Collective(reduce_op=reduce_op, src=src, dst=dst, bucket=bucket)
     with trace.span(kind, **fields):
         return _finish(start(g), sync_op, then)
 

@@ -302,7 +302,7 @@ class _CommObserver(TorchDispatchMode):
                     group = None
             trace.emit(trace.Event(
                 kind="collective", op=_COLLECTIVES[name], start=t0, group=group, bytes=int(nbytes),
-                extra={"implicit": True, "inside": self.context},
+                payload=trace.Collective(implicit=True, inside=self.context),
             ))
             return out
         return func(*args, **kwargs)

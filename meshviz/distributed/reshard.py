@@ -240,7 +240,7 @@ def run_plan(plan: Plan, local, rank: int, *, dtype=None, device=None, name=None
             shape_before=list(plan.shape), shape_after=list(plan.shape), bytes=plan.total_bytes,
             local_shape=None if local is None else list(local.shape),
             values=None if local is None else trace.small_values(local),
-            extra={"target_mesh": plan.dst_mesh.to_dict(), "ops": plan.ops},
+            payload=trace.ReshardPlan(target_mesh=plan.dst_mesh.to_dict(), ops=tuple(plan.ops)),
         ))
     for i, step in enumerate(plan.steps):
         part = step.group_of(rank)
@@ -255,7 +255,7 @@ def run_plan(plan: Plan, local, rank: int, *, dtype=None, device=None, name=None
                 placements_after=[repr(p) for p in step.after], shape_before=list(plan.shape),
                 shape_after=list(plan.shape), local_shape=None if local is None else list(local.shape),
                 values=None if local is None else trace.small_values(local),
-                extra={"dim": step.dim, "dst_dim": step.dst_dim,
-                       "reduce": None if step.reduce is None else step.reduce.short},
+                payload=trace.ReshardStep(dim=step.dim, dst_dim=step.dst_dim,
+                                          reduce=None if step.reduce is None else step.reduce.short),
             ))
     return local

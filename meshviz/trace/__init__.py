@@ -2,6 +2,18 @@
 
 from .events import KINDS, MAX_VALUES, Event, from_json, small_values, to_json
 from .ownership import Ownership
+from .payloads import (
+    Collective,
+    Compute,
+    Note,
+    Payload,
+    PipelineStep,
+    Placed,
+    ReshardPlan,
+    ReshardStep,
+    Share,
+    Transfer,
+)
 from .recorder import (
     JSONLSink,
     MemorySink,
@@ -20,6 +32,8 @@ from .recorder import (
 
 __all__ = [
     "Event", "KINDS", "MAX_VALUES", "small_values", "to_json", "from_json", "Ownership",
+    "Payload", "Placed", "ReshardPlan", "ReshardStep", "Collective", "Transfer", "Compute", "PipelineStep", "Share",
+    "Note",
     "active", "emit", "span", "add_sink", "remove_sink", "clear_sinks", "sinks", "set_rank",
     "MemorySink", "JSONLSink", "record", "replay", "load_events",
 ]
