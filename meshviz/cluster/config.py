@@ -5,9 +5,10 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-__all__ = ["ClusterConfig", "DEFAULT_CPU_RANKS", "LOOPBACK_HOSTS", "gpu_count", "rank_configs"]
+__all__ = ["ClusterConfig", "DEFAULT_CPU_RANKS", "DEFAULT_HANG_AFTER", "LOOPBACK_HOSTS", "gpu_count", "rank_configs"]
 
 DEFAULT_CPU_RANKS = 4  # ranks when n=None and there is no GPU
+DEFAULT_HANG_AFTER = 5.0  # seconds a rank may wait in a collective before the roll-call shows
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
@@ -31,9 +32,12 @@ class ClusterConfig:
     backend: str | None = None
     timeout: float = 60.0
     ipp_options: dict = field(default_factory=dict, compare=False)
+    hang_after: float | None = DEFAULT_HANG_AFTER
+    check_collectives: bool = True
 
     @classmethod
-    def from_args(cls, n=None, devices="auto", backend=None, timeout=60, ipp_options=None) -> "ClusterConfig":
+    def from_args(cls, n=None, devices="auto", backend=None, timeout=60, ipp_options=None,
+                  hang_after=DEFAULT_HANG_AFTER, check_collectives=True) -> "ClusterConfig":
         """Check ``Cluster(...)``'s arguments (ValueError before anything starts) and decide the devices."""
         ipp_options = dict(ipp_options or {})
         gpus = None
@@ -69,8 +73,13 @@ class ClusterConfig:
             raise ValueError(f"Cluster: timeout must be a positive number of seconds, got {timeout!r}")
         if backend not in (None, "gloo", "nccl"):
             raise ValueError(f"Cluster: backend must be None, 'gloo' or 'nccl', got {backend!r}")
+        if hang_after is not None and (isinstance(hang_after, bool) or not isinstance(hang_after, (int, float))
+                                       or hang_after <= 0):
+            raise ValueError(f"Cluster: hang_after must be a positive number of seconds or None, got {hang_after!r}")
         return cls(n=n, mode=mode, gpus=tuple(devices) if mode == "list" else None, backend=backend,
-                   timeout=float(timeout), ipp_options=ipp_options)
+                   timeout=float(timeout), ipp_options=ipp_options,
+                   hang_after=None if hang_after is None else float(hang_after),
+                   check_collectives=bool(check_collectives))
 
     @property
     def host(self) -> str:
@@ -109,6 +118,9 @@ def rank_configs(probes: list[dict], mode: str, gpus, master: str, loopback: boo
             env["CUDA_VISIBLE_DEVICES"] = str(gpus[r] if gpus else lr)
             threads = max(1, ncpu // hosts.count(h))
             env["OMP_NUM_THREADS"] = str(threads)
+            # a timed-out NCCL collective aborts its communicators and raises in the rank (the default, 3, ends
+            # the whole process): the engine lives on and the cluster re-creates the group before the next cell
+            env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
         cfgs.append({
             "rank": r, "world": n, "port": port, "loopback": loopback, "env": env, "threads": threads,
             "peer_pids": [p["pid"] for i, p in enumerate(probes) if i != r and hosts[i] == h],

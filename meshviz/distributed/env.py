@@ -11,7 +11,7 @@ import torch.distributed as tdist
 from .. import trace
 from ..core.mesh import set_rank_getter
 from ..errors import RankError
-from . import rendezvous
+from . import rendezvous, rollcall, watchdog
 from .rank_processes import SpawnContext, spawn
 
 __all__ = [
@@ -93,6 +93,11 @@ def init_parallel_env(backend: str | None = None, timeout: float | None = None):
         if store is not None:
             kwargs["store"] = store
         tdist.init_process_group(backend=backend, rank=rank, world_size=world, timeout=to, **kwargs)
+        rec = rollcall.current()
+        rec.rank = rank
+        if not rec.running:
+            rec.start()
+        watchdog.start_rank_watch(rank, world)
     set_rank_getter(get_rank)
     trace.set_rank(tdist.get_rank())
     path = os.environ.get("MESHVIZ_TRACE")
@@ -159,12 +164,13 @@ class ParallelEnv:
     nranks = world_size
 
 
-def exit_quietly(code: int = 0) -> None:
+def exit_quietly(code: int = 0, note: str = "its function returned") -> None:
     """End a rank process once its work is done: wait for the peers, flush, and leave without interpreter
     teardown, where torch's gloo/DDP threads can abort the process ("terminate called without an active
-    exception") after training has already succeeded."""
+    exception") after training has already succeeded. ``note``: what the roll-call says of it meanwhile."""
     import sys
 
+    rollcall.current().finish(note)
     try:
         if tdist.is_initialized() and tdist.get_world_size() > 1:
             tdist.barrier()

@@ -13,7 +13,7 @@ from ..core.layout import chunk, local_block
 from ..core.partial import partial_fill
 from ..core.placements import ReduceType
 from ..core.planner import Plan, Step
-from . import groups
+from . import groups, rollcall
 from .comm import all_to_all_flat, divide_, reduction, run
 
 __all__ = ["run_plan", "run_step"]
@@ -242,6 +242,9 @@ def run_plan(plan: Plan, local, rank: int, *, dtype=None, device=None, name=None
             values=None if local is None else trace.small_values(local),
             payload=trace.ReshardPlan(target_mesh=plan.dst_mesh.to_dict(), ops=tuple(plan.ops)),
         ))
+    if tracing:
+        module, backward = rollcall.issuer()
+        here = rollcall.where()
     for i, step in enumerate(plan.steps):
         part = step.group_of(rank)
         t0 = time.time()
@@ -256,6 +259,7 @@ def run_plan(plan: Plan, local, rank: int, *, dtype=None, device=None, name=None
                 shape_after=list(plan.shape), local_shape=None if local is None else list(local.shape),
                 values=None if local is None else trace.small_values(local),
                 payload=trace.ReshardStep(dim=step.dim, dst_dim=step.dst_dim,
-                                          reduce=None if step.reduce is None else step.reduce.short),
+                                          reduce=None if step.reduce is None else step.reduce.short,
+                                          where=here, module=module, backward=backward),
             ))
     return local

@@ -67,7 +67,8 @@ class Event:
     local_shape: list | None = None
     values: list | None = None  # at most MAX_VALUES elements of the local value, row-major
     plan_id: int | None = None
-    step: int | None = None  # index of the step in its plan (the cell number of a ``cell`` mark)
+    step: int | None = None  # index of the step in its plan
+    cell: int | None = None  # the notebook cell (a Cluster's execution on this rank) that emitted it
     payload: Payload | None = None  # what this kind of event carries beyond these fields (meshviz.trace.payloads)
 
     @property

@@ -12,6 +12,8 @@ from .events import Event, from_json, to_json
 
 __all__ = [
     "active",
+    "on_active",
+    "set_cell",
     "emit",
     "span",
     "add_sink",
@@ -29,6 +31,8 @@ __all__ = [
 _sinks: list[Callable[[Event], None]] = []
 _lock = threading.Lock()
 _rank: int | None = None
+_cell: int | None = None
+_watchers: list[Callable[[bool], None]] = []
 
 
 def active() -> bool:
@@ -41,6 +45,30 @@ def set_rank(rank: int | None) -> None:
     _rank = rank
 
 
+def set_cell(cell: int | None) -> None:
+    """Events emitted from now on carry ``cell`` (a Cluster's engine sets it as each cell starts)."""
+    global _cell
+    _cell = cell
+
+
+def on_active(callback: Callable[[bool], None]) -> Callable[[bool], None]:
+    """Call ``callback(True)`` when tracing turns on (a first sink is added) and ``callback(False)`` when it turns
+    off; at once with the current state. What tracing alone needs (module hooks) comes and goes with it."""
+    _watchers.append(callback)
+    callback(bool(_sinks))
+    return callback
+
+
+def _changed(was: bool) -> None:
+    now = bool(_sinks)
+    if now != was:
+        for cb in list(_watchers):
+            try:
+                cb(now)
+            except Exception:
+                pass
+
+
 def _my_rank() -> int:
     if _rank is not None:
         return _rank
@@ -51,6 +79,8 @@ def _my_rank() -> int:
 def emit(event: Event) -> Event:
     if event.rank < 0:
         event.rank = _my_rank()
+    if event.cell is None:
+        event.cell = _cell
     if event.end is None:
         event.end = time.time()
     for sink in list(_sinks):
@@ -78,16 +108,20 @@ def span(kind: str, **fields):
 
 def add_sink(sink: Callable[[Event], None]) -> Callable[[Event], None]:
     with _lock:
+        was = bool(_sinks)
         if sink not in _sinks:
             _sinks.append(sink)
+    _changed(was)
     return sink
 
 
 def remove_sink(sink, close: bool = True) -> None:
     """Stop sending events to ``sink``; also close it (a file) unless ``close=False``."""
     with _lock:
+        was = bool(_sinks)
         if sink in _sinks:
             _sinks.remove(sink)
+    _changed(was)
     closer = getattr(sink, "close", None) if close else None
     if closer is not None:
         closer()
