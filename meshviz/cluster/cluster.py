@@ -106,6 +106,7 @@ class Cluster:
         self.timeout = self.config.timeout
         self.hang_after = self.config.hang_after
         self.rollcalls: list[RollCall] = []  # the roll-calls the last execution showed
+        self._executions = 0
         self.backend = backend
         self.events = EventLog()
         self._control = Control()
@@ -243,6 +244,7 @@ class Cluster:
         if self._control.needs_reset:
             self.reset()
         self.rollcalls = []
+        self._executions += 1
 
     def _check_alive(self) -> None:
         if self.state == ClusterState.STOPPED or self.view is None:
@@ -375,13 +377,13 @@ class Cluster:
         next cell) so that the blocked collectives fail at once.
         """
         if abort_after is not None:
-            t = threading.Timer(abort_after, self._abort_if_busy)
+            t = threading.Timer(abort_after, self._abort_if_busy, args=(self._executions,))
             t.daemon = True
             t.start()
         self._ranks.interrupt()
 
-    def _abort_if_busy(self) -> None:
-        if self._ranks.busy():
+    def _abort_if_busy(self, execution: int) -> None:
+        if self._executions == execution and self._ranks.busy():  # still the execution that was interrupted
             self._control.abort(None)
 
     # -- events -------------------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ from .. import compat, trace
 from ..core.placements import ReduceType
 from . import rollcall
 from .groups import Group, resolve
-from .match import check_match, checking
+from .match import CollectiveMismatch, check_match, checking
 
 __all__ = ["torch_reduce_op", "dtensor_reduce_op", "from_dtensor_reduce_op", "reduction", "divide_", "Task",
            "run", "check_peer", "local", "tensor_bytes", "all_to_all_flat", "all_reduce_mean_", "FUSE_BYTES"]
@@ -204,6 +204,8 @@ def run(op: str, group, start, *, tensors=(), nbytes: int | None = None, peers: 
         with trace.span(kind, **fields):
             task = _finish(start(g), sync_op, then, call)
         return task
+    except CollectiveMismatch:
+        raise  # raised on every member before any data moved: no collective failed
     except BaseException as e:
         rec.fail(e)
         raise

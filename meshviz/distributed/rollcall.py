@@ -224,6 +224,16 @@ def _in_backward(frame) -> bool:
     return False
 
 
+def _in_cell(frame) -> bool:
+    """Is a notebook cell running (one executed silently fires no cell hooks)?"""
+    f = frame
+    while f is not None:
+        if _CELL.search(f.f_code.co_filename):
+            return True
+        f = f.f_back
+    return False
+
+
 def _torch_collective(frame):
     """(op, group ranks) of a torch.distributed collective the stack is inside, else None."""
     f = frame
@@ -287,9 +297,10 @@ def snapshot(rec: Record | None = None, stacks: bool = False) -> RankStatus:
                       note="issued, not finished on the device")
     else:
         found = _torch_collective(frame) if frame is not None else None
-        if found is not None and rec.running:
+        running = rec.running or (frame is not None and _in_cell(frame))
+        if found is not None and running:
             fields = dict(state="in_collective", op=found[0], group=found[1], note="called through torch")
-        elif rec.running:
+        elif running:
             fields = dict(state="running")
         else:
             fields = dict(state="idle", note=rec.idle_note)
