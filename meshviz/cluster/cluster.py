@@ -106,6 +106,7 @@ class Cluster:
         self.timeout = self.config.timeout
         self.hang_after = self.config.hang_after
         self.rollcalls: list[RollCall] = []  # the roll-calls the last execution showed
+        self.last_error = None  # the RankError of the last execution that failed
         self._executions = 0
         self.backend = backend
         self.events = EventLog()
@@ -285,7 +286,8 @@ class Cluster:
         self._sync_events([o.rank for o in outcomes if o.status in ("ok", "error")])
         if any(o.status != "ok" for o in outcomes):
             rollcall = self._blame(watch, since, t0)
-            raise self._control.rank_error(outcomes, since, t0, rollcall)
+            self.last_error = self._control.rank_error(outcomes, since, t0, rollcall)
+            raise self.last_error
         return outcomes
 
     def _blame(self, watch: HangWatch, since: int, t0: float) -> RollCall | None:

@@ -29,11 +29,13 @@ class CommView(View):
         super().__init__()
 
     def _size(self):
-        return self.width, 1.2 + 0.32 * max(1, len(self.table))
+        return self.width, 1.0 + 0.32 * max(1, len(self.table))
 
     def _draw(self, fig) -> None:
         rows = list(self.table)
-        ax = fig.add_axes([0.42, 0.12, 0.4, 0.78])
+        h = fig.get_figheight()
+        bottom, top = 0.5 / h, 0.35 / h  # room for the x label and the title, in inches
+        ax = fig.add_axes([0.42, bottom, 0.4, 1 - bottom - top])
         if not rows:
             ax.set_axis_off()
             ax.text(0.5, 0.5, "no communication", ha="center", va="center")

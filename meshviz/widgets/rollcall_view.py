@@ -83,15 +83,17 @@ class RollCallView(View):
         return [w for ln in self.lines for w in textwrap.wrap(ln, 110, subsequent_indent="    ")] or [
             "no rank waits in a collective"]
 
+    _LINE = 0.16  # inches per line of text below the ranks
+
     def _size(self):
         rows = 1 if self.mesh.ndim == 1 else self.mesh.shape[0]
-        return 9.0, 1.9 + 0.55 * rows + 0.2 * len(self._wrapped())
+        return 9.0, 1.5 + 0.6 * rows + self._LINE * len(self._wrapped())
 
     def _draw(self, fig) -> None:
         wrapped = self._wrapped()
         h = fig.get_figheight()
-        text_h = (0.2 * len(wrapped) + 0.35) / h
-        spec = fig.add_gridspec(1, 1, left=0.08, right=0.75, top=0.88, bottom=min(0.6, text_h + 0.12))[0]
+        text_h = (self._LINE * len(wrapped) + 0.15) / h
+        spec = fig.add_gridspec(1, 1, left=0.08, right=0.75, top=1 - 0.35 / h, bottom=text_h + 0.45 / h)[0]
         culprits = self.rollcall.culprits()
         draw_mesh(fig, spec, self.mesh, self.cell_rgb(), hatched=culprits, text_extra=self.labels(),
                   title=self.title or "roll-call")
@@ -103,7 +105,7 @@ class RollCallView(View):
         y = text_h
         for ln in wrapped:
             fig.text(0.02, y, ln, fontsize=7.5, family="monospace", va="top")
-            y -= 0.2 / h
+            y -= self._LINE / h
 
     def __repr__(self) -> str:
         counts: dict = {}
