@@ -11,6 +11,7 @@ Part 2 (gloo ranks, rank 0's medians, variants interleaved round by round so dri
   the record, one blocks in the store) and without;
 - ``no_sync`` + ``fused_allreduce_gradients`` (its bucket all-reduces pass ``comm.run``) with and without;
 - one 4-float ``dist.all_reduce``: with the roll-call, without it, and with the gloo match check on.
+- the DataParallel and fused steps once more, kept and stubbed alternating every step.
 """
 
 import argparse
@@ -80,6 +81,27 @@ def _time(step, steps, warmup=3):
     return statistics.median(out)
 
 
+def _paired(step, steps, warmup=3):
+    """(median with the roll-call, median stubbed out), alternating the two every step so load drift cancels."""
+    import torch.distributed as tdist
+
+    for _ in range(warmup):
+        step()
+    on, off = [], []
+    for i in range(2 * steps):
+        stub = i % 2 == 1
+        ctx = _Off() if stub else None
+        if ctx:
+            ctx.__enter__()
+        tdist.barrier()
+        t0 = time.perf_counter()
+        step()
+        (off if stub else on).append(time.perf_counter() - t0)
+        if ctx:
+            ctx.__exit__(None, None, None)
+    return statistics.median(on), statistics.median(off)
+
+
 class _Off:
     """Stubs the roll-call out (Record.enter/leave/begin_region do nothing) while inside."""
 
@@ -137,7 +159,8 @@ def _ranks(steps, width, depth, rounds, calls):
         for _ in range(calls):
             dist.all_reduce(t)
 
-    res = {k: [] for k in ("ddp", "dp", "dp_off", "dp_watch", "fused", "fused_off", "ar", "ar_off", "ar_check")}
+    res = {k: [] for k in ("ddp", "dp", "dp_off", "dp_watch", "fused", "fused_off", "ar", "ar_off", "ar_check",
+                           "dp_pair", "dp_pair_off", "fused_pair", "fused_pair_off")}
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     for _ in range(rounds):
         res["ddp"].append(_time(ddp, steps))
@@ -151,6 +174,10 @@ def _ranks(steps, width, depth, rounds, calls):
         res["fused"].append(_time(fused, steps))
         with _Off():
             res["fused_off"].append(_time(fused, steps))
+        for name, fn in (("dp_pair", dp), ("fused_pair", fused)):
+            a, b = _paired(fn, steps)
+            res[name].append(a)
+            res[name + "_off"].append(b)
         res["ar"].append(_time(small, 1) / calls)
         with _Off():
             res["ar_off"].append(_time(small, 1) / calls)
@@ -195,6 +222,9 @@ def main():
     print(f"  {'variant':46s} {'ms/step':>8s} {'vs stubbed':>10s}")
     for name, v, ref in rows:
         print(f"  {name:46s} {v:8.2f} {'' if ref is None else f'{v / ref:10.3f}'}")
+    print("  alternating kept / stubbed every step (drift cancels):")
+    for name, key in (("DataParallel", "dp_pair"), ("no_sync + fused_allreduce_gradients", "fused_pair")):
+        print(f"  {name:46s} {ms[key]:8.2f} {ms[key] / ms[key + '_off']:10.3f}  (stubbed {ms[key + '_off']:.2f})")
     us = {k: r[k] * 1e6 for k in ("ar", "ar_off", "ar_check")}
     print(f"\none dist.all_reduce of 4 floats ({a.calls} calls a round): roll-call kept {us['ar']:.0f} us, "
           f"stubbed {us['ar_off']:.0f} us, with the gloo match check {us['ar_check']:.0f} us "

@@ -308,7 +308,8 @@ class Cluster:
         control, ranks = self._control, self._ranks
         deadline = None if timeout is None else time.monotonic() + timeout
         interrupted_at = None
-        aborted_at = None
+        aborted_at = None  # when this loop saw the abort go out
+        stragglers_told = False
         while True:
             new = control.failures[since:]
             if new and not control.abort_sent and time.time() - new[0]["received"] > GRACE:
@@ -316,14 +317,14 @@ class Cluster:
                 failed = {f.get("rank") for f in new}
                 if any(r not in failed for r in ranks.pending(ar)):
                     control.abort(new[0]["rank"])
-            if control.abort_sent:
+            if control.abort_sent and not stragglers_told:
                 aborted_at = aborted_at or time.monotonic()
-                if aborted_at is not True and time.monotonic() - aborted_at > 1.0:
+                if time.monotonic() - aborted_at > 1.0:
                     # the abort unblocks collectives, not a rank busy in Python: interrupt what still runs
                     pending = [r for r in ranks.pending(ar) if r not in control.dead]
                     if pending:
                         ranks.interrupt(pending)
-                    aborted_at = True
+                    stragglers_told = True
             if watch is not None and watch.tick() is not None:
                 # ranks sit in different collectives at one sequence number: they will never meet
                 control.abort(None)

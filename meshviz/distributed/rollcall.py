@@ -46,7 +46,7 @@ class Record:
         self.since = 0.0
         self.entered: dict[tuple, int] = {}
         self.region: tuple | None = None  # (op, group, note, since)
-        self.works = None  # (op, group, seq, since, works) of the last collective, until its works complete
+        self.works = None  # (op, group, seq, since, works) of the last collective whose works were still running
         self.failed: dict | None = None
         self.modules: list = []  # (name, weakref) of the nn.Modules whose forward runs, outermost first
         self.backward_module: str | None = None  # the module whose backward ran last
@@ -71,9 +71,12 @@ class Record:
         return prev
 
     def leave(self, prev, works=None) -> None:
-        """The collective returned (``works``: its handles when they may still run, as under NCCL)."""
-        if works:
+        """The collective returned (``works``: its handles, kept while they still run on the device, as under
+        NCCL; finished ones are dropped at once, they hold the collective's buffers)."""
+        if works and not works[-1].is_completed():
             self.works = (self.op, self.group, self.seq, self.since, works)
+        elif self.works is not None:
+            self.works = None
         if prev is None:
             self.op = None
             self.tensors = ()
