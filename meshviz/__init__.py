@@ -16,6 +16,8 @@ _LAZY = {
     "TensorView": ".widgets",
     "ReshardView": ".widgets",
     "PipelineView": ".widgets",
+    "RollCallView": ".widgets",
+    "CommView": ".widgets",
 }
 
 

@@ -19,6 +19,7 @@ __all__ = [
     # tensor subclasses and dispatch
     "disabled_torch_function_impl", "make_wrapper_subclass", "TorchDispatchMode", "tree_map", "tree_flatten",
     "flatten_dense_tensors", "unflatten_dense_tensors", "fake_tensor_type", "amp_unscale_",
+    "queue_backward_callback",
     # pipelining
     "PIPELINE_STAGE_METHODS", "pipeline_order", "action_fields",
     # ranks as threads
@@ -105,6 +106,11 @@ make_wrapper_subclass = torch.Tensor._make_wrapper_subclass
 flatten_dense_tensors = _flatten_dense_tensors
 unflatten_dense_tensors = _unflatten_dense_tensors
 amp_unscale_ = torch._amp_foreach_non_finite_check_and_unscale_
+
+
+def queue_backward_callback(fn) -> None:
+    """Run ``fn()`` once the backward pass that is running now has finished (call it from inside a backward)."""
+    torch.autograd.Variable._execution_engine.queue_callback(fn)
 
 
 def fake_tensor_type():
@@ -209,6 +215,7 @@ def missing() -> list[str]:
         "DTensor._local_tensor": lambda: _slot("torch.distributed.tensor", "DTensor", "_local_tensor"),
         "torch._C._disabled_torch_function_impl": lambda: disabled_torch_function_impl,
         "torch._subclasses.fake_tensor.FakeTensor": fake_tensor_type,
+        "autograd engine queue_callback": lambda: torch.autograd.Variable._execution_engine.queue_callback,
         "torch.distributed.pipelining.PipelineStage methods": _stage_methods,
         "torch.distributed.pipelining schedule actions": _action_fields,
         "ipyparallel AsyncResult._targets/_children": _ar_fields,

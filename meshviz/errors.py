@@ -40,13 +40,19 @@ def _where(o: RankOutcome) -> str:
 
 class RankError(RuntimeError):
     """One or more ranks failed. ``ranks`` are the ranks that caused it (``rank`` the first of them), ``outcomes``
-    every rank's :class:`RankOutcome` in rank order. ``str()`` is plain text; a notebook shows the tracebacks as
-    the ranks printed them."""
+    every rank's :class:`RankOutcome` in rank order. ``diagnosis``: what the roll-call says about a hang, one line
+    each ("rank 1 never entered all_reduce #1 on group [0, 1] (idle: its cell finished)", then the ranks that
+    waited); ``rollcall``: the roll-call it was read from. ``str()`` is plain text; a notebook shows the
+    tracebacks as the ranks printed them, in colour (IPython's ``_render_traceback_``)."""
 
-    def __init__(self, outcomes: list[RankOutcome], ranks: list[int], note: str = ""):
+    def __init__(self, outcomes: list[RankOutcome], ranks: list[int], note: str = "", diagnosis=(),
+                 lead: bool = False, rollcall=None):
         self.outcomes = sorted(outcomes, key=lambda o: o.rank)
         self.ranks = list(ranks)
         self.note = note
+        self.diagnosis = list(diagnosis)
+        self.lead = lead  # the diagnosis is the headline: the ranks named did not fail on their own
+        self.rollcall = rollcall
         self.streamed = False  # tracebacks were already shown as they arrived: render only the summary
         super().__init__(self.headline())
 
@@ -60,6 +66,8 @@ class RankError(RuntimeError):
 
     def headline(self) -> str:
         """One line: what the failing ranks did, and how many others stopped because of it."""
+        if self.lead and self.diagnosis:
+            return strip_ansi("; ".join(self.diagnosis))
         by = self._by_rank()
         parts = []
         for r in self.ranks:
@@ -84,10 +92,13 @@ class RankError(RuntimeError):
             line += f" (rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))} stopped because of it)"
         return line
 
-    def render_traceback(self) -> list[str]:
-        """The lines a notebook shows: the headline, the failing ranks' tracebacks, one line per other rank."""
+    def render_traceback(self, color: bool = False) -> list[str]:
+        """The lines a notebook shows: the headline, the roll-call's diagnosis, the failing ranks' tracebacks, one
+        line per other rank. ``color``: keep the ranks' terminal colour codes (plain text otherwise)."""
         by = self._by_rank()
         lines = [f"RankError: {self.headline()}"]
+        if self.diagnosis and not self.lead:
+            lines += [f"  {d}" for d in self.diagnosis]
         if self.note:
             lines.append(self.note)
         for r in self.ranks:
@@ -98,19 +109,19 @@ class RankError(RuntimeError):
             if o.rank in self.ranks or o.status == "ok":
                 continue
             lines += ["", f"--- {_where(o)}: {o.status}: {o.error}"]
-        return lines
+        return lines if color else [strip_ansi(ln) for ln in lines]
 
-    def _render_traceback_(self) -> list[str]:
-        return self.render_traceback()
+    def _render_traceback_(self) -> list[str]:  # IPython's hook: its front ends render colour codes
+        return self.render_traceback(color=True)
 
     def __str__(self) -> str:
-        return strip_ansi("\n".join(self.render_traceback())).removeprefix("RankError: ")
+        return "\n".join(self.render_traceback()).removeprefix("RankError: ")
 
     def __reduce__(self):
-        return (_rebuild, (self.outcomes, self.ranks, self.note, self.streamed))
+        return (_rebuild, (self.outcomes, self.ranks, self.note, self.streamed, self.diagnosis, self.lead))
 
 
-def _rebuild(outcomes, ranks, note, streamed):
-    err = RankError(outcomes, ranks, note)
+def _rebuild(outcomes, ranks, note, streamed, diagnosis=(), lead=False):
+    err = RankError(outcomes, ranks, note, diagnosis, lead)
     err.streamed = streamed
     return err

@@ -123,7 +123,7 @@ def _collectives():
     dist.wait(t)
 
     evs = [e for e in mem.events if e.kind == "collective" and e.op == "all_reduce"]
-    out["events"] = (len(evs), evs[0].group, evs[0].bytes, evs[0].extra.get("reduce_op"),
+    out["events"] = (len(evs), evs[0].group, evs[0].bytes, evs[0].payload.reduce_op,
                      sorted({e.kind for e in mem.events}))
     trace.remove_sink(mem)
     return out

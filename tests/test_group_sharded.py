@@ -78,7 +78,7 @@ def _train(levels, segment_size, save_dir=None):
             d = os.path.join(save_dir, level)
             save_group_sharded_model(model, d, opt)
         out[level] = res
-    out["ownership"] = [(e.name, e.op, e.extra["ranges"]) for e in sink.of_kind("ownership")]
+    out["ownership"] = [(e.name, e.op, e.payload.ranges) for e in sink.of_kind("ownership")]
     out["collectives"] = sorted({e.op for e in sink.of_kind("collective")})
     return out
 

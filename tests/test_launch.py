@@ -13,9 +13,9 @@ from meshviz.distributed.rendezvous import free_port
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _launch(args, cwd, timeout=90, wait=True):
+def _launch(args, cwd, timeout=90, wait=True, **env_extra):
     cmd = [sys.executable, "-m", "meshviz.launch", *args]
-    env = {**os.environ, "MESHVIZ_RDZV_TIMEOUT": "60", "MESHVIZ_TIMEOUT": "30"}
+    env = {**os.environ, "MESHVIZ_RDZV_TIMEOUT": "60", "MESHVIZ_TIMEOUT": "30", **env_extra}
     p = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     if not wait:
         return p
@@ -105,6 +105,31 @@ LISTENING = textwrap.dedent("""
     ips = sorted({c.laddr.ip for c in psutil.net_connections("tcp") if c.status == "LISTEN" and c.pid in pids})
     print(f"rank={dist.get_rank()} sum={t.item()} listening={ips}")
 """)
+
+
+HANGS = textwrap.dedent("""
+    import torch
+    import meshviz.distributed as dist
+    dist.init_parallel_env()
+    t = torch.ones(4)
+    if dist.get_rank() == 0:
+        dist.all_reduce(t)
+""")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_a_hang_prints_the_roll_call_and_names_the_rank(tmp_path):
+    (tmp_path / "h.py").write_text(HANGS)
+    rc, out, err = _launch(["--nproc_per_node", "2", "--log_dir", str(tmp_path / "log"), "--max_restart", "0",
+                            "--hang_after", "1", "h.py"], cwd=str(tmp_path), MESHVIZ_TIMEOUT="6")
+    assert rc == 1
+    situation = re.search(r"  - (rank 0 waits in all_reduce #1 on group \[0, 1\] for ([\d.]+) s; .*)", err)
+    assert situation, err
+    assert situation.group(1).endswith("rank 1 is idle: its script finished without entering all_reduce #1")
+    assert 1.0 <= float(situation.group(2)) <= 3.5
+    assert "meshviz.launch: rank 1 never entered all_reduce #1 on group [0, 1] (idle: its script finished)" in err
+    assert re.search(r"meshviz.launch: rank 0 waited in all_reduce #1 on group \[0, 1\] for 6\.\d s", err), err
 
 
 @pytest.mark.slow

@@ -5,7 +5,7 @@ import torch
 import torch.nn as nn
 
 from meshviz.testing import run_ranks
-from meshviz.trace import Event, Ownership, from_json, to_json
+from meshviz.trace import Event, Ownership, Share, from_json, to_json
 
 # what Paddle's levels split over the group (ShardingStage1/2/3 are os/os_g/p_g_os)
 PARTS = {"os": ["state"], "os_g": ["grad", "state"], "p_g_os": ["param", "grad", "state"]}
@@ -17,8 +17,8 @@ def test_ownership_record_round_trips_through_json_and_says_what_it_holds():
     e = from_json(to_json(own.to_event()))
     assert e.kind == "ownership" and e.op == "os_g" and e.name == "w" and e.group == [2, 5]
     assert e.shape_after == [4, 3] and e.local_shape == [6] and e.bytes == 24
-    assert e.extra == {"sharded": ["grad", "state"], "numel": 12, "mode": "slice", "ranges": [[0, 6], [6, 12]],
-                       "param": [0, 12], "grad": [6, 12], "state": [6, 12]}
+    assert e.payload == Share(sharded=("grad", "state"), numel=12, mode="slice", ranges=((0, 6), (6, 12)),
+                              holds={"param": [0, 12], "grad": [6, 12], "state": [6, 12]})
     assert Ownership.from_event(e) == own
     layout = Ownership("b", "p_g_os", ("param", "grad", "state"), (6,), group=(0, 1), mesh={"shape": [2]},
                        placements=("S(0)",), tensor_id=7)
@@ -74,7 +74,7 @@ def test_shard_optimizer_and_group_sharding_emit_one_shape():
                 n = 15 if own.name == "weight" else 3
                 assert own.shape == ((3, 5) if own.name == "weight" else (3,))
                 for part in ("param", "grad", "state"):
-                    assert e["extra"][part] == ([lo, hi] if part in PARTS[level] else [0, n])
+                    assert e["payload"]["holds"][part] == ([lo, hi] if part in PARTS[level] else [0, n])
             weight = Ownership.from_event(Event.from_dict(evs[0]))
             if level == "p_g_os":  # FSDP2 splits dim 0: 3 rows of 5 over 2 ranks -> rows 0-1 and row 2
                 assert weight.mode == "fsdp" and weight.ranges == ((0, 10), (10, 15))
@@ -82,6 +82,6 @@ def test_shard_optimizer_and_group_sharding_emit_one_shape():
                 assert weight.mode == "slice" and weight.ranges == ((0, 8), (8, 15))
     # the same keys are filled in by both APIs
     filled = {k for k, v in res[0]["stage1"][0].items() if v is not None} - {"start", "seq", "rank", "end"}
-    assert {"name", "op", "group", "shape_after", "extra", "kind"} <= filled
-    assert {"name", "op", "group", "shape_after", "extra", "kind"} <= {
+    assert {"name", "op", "group", "shape_after", "payload", "kind"} <= filled
+    assert {"name", "op", "group", "shape_after", "payload", "kind"} <= {
         k for k, v in res[0]["os"][0].items() if v is not None}

@@ -157,7 +157,7 @@ def _train(case):
         if step == 0:
             trace.remove_sink(sink)
             res["forward"] = list({(e.name, e.op) for e in sink.events if e.kind == "reshard_step"})
-            res["implicit"] = [e.extra.get("inside") for e in sink.events if e.kind == "collective"]
+            res["implicit"] = [e.payload.inside for e in sink.events if e.kind == "collective"]
             res["logits"] = repr(logits.placements)
         loss = llama_loss(logits, labels)
         loss.backward()

@@ -1,5 +1,7 @@
 """Pipeline parallelism: seed 001 4.3 across meshes, fleet PipelineLayer with every schedule, events, bubbles."""
 
+import dataclasses
+
 import pytest
 import torch
 from torch import nn
@@ -191,17 +193,17 @@ def test_fleet_schedules_match_single_process_with_their_orders_and_transfers():
             order = textbook_order(mode, p, M, v, d) if mode != "ZBH1" else out["order"]
             assert out["order"] == order, (mode, d)
             for step in range(2):
-                ran = [(e["extra"]["phase"], e["extra"]["stage"], e["extra"]["micro_batch"])
+                ran = [(e["payload"]["phase"], e["payload"]["stage"], e["payload"]["micro_batch"])
                        for e in sorted(ev, key=lambda e: (e["start"], e["seq"]))
-                       if e["kind"] == "compute" and e["extra"]["step"] == step]
+                       if e["kind"] == "compute" and e["payload"]["step"] == step]
                 assert ran == order, (mode, d, step)
             if mode == "ZBH1":  # every micro-batch's backward split into B then W
                 for i in range(M):
                     assert order.index(("B", d, i)) < order.index(("W", d, i))
         assert seen == set(ref_grads[0]), mode  # the stages together hold every parameter
         # events cover every transfer: each activation/gradient send has its recv on the peer
-        sends = {e["extra"]["transfer"]: e for r in res for e in r[mode]["events"] if e["kind"] == "send"}
-        recvs = {e["extra"]["transfer"]: e for r in res for e in r[mode]["events"] if e["kind"] == "recv"}
+        sends = {e["payload"]["transfer"]: e for r in res for e in r[mode]["events"] if e["kind"] == "send"}
+        recvs = {e["payload"]["transfer"]: e for r in res for e in r[mode]["events"] if e["kind"] == "recv"}
         stages = p * v
         assert len(sends) == len(recvs) == 2 * 2 * M * (stages - 1), mode  # 2 steps, F and B, every boundary
         assert set(sends) == set(recvs)
@@ -372,7 +374,7 @@ def test_bubble_formula_and_measured_bubble_on_ideal_timelines():
         for sched in ("1F1B", "FThenB"):
             ev = synthetic_schedule(p, m, sched, forward=1.0, backward=2.0)
             for e in ev:
-                e.extra["step"] = 0
+                e.payload = dataclasses.replace(e.payload, step=0)
             assert measured_bubble(ev) == pytest.approx(bubble_formula(p, m), abs=1e-9), (p, m, sched)
     with pytest.raises(ValueError, match="no pipeline compute events"):
         measured_bubble([])

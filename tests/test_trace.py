@@ -1,5 +1,6 @@
 """Trace sinks and the live stream: batching, order, latency, JSONL round trips, robustness."""
 
+import json
 import threading
 import time
 
@@ -152,3 +153,81 @@ def test_eventlog_limit_keeps_newest():
     assert len(log) == 10 and [e.step for e in log] == list(range(15, 25))
     assert len(log.arrivals) == 10
     assert "EventLog(10 events" in repr(log)
+
+
+PAYLOADS = [
+    ("placed", None, trace.Placed(dtype="float32")),
+    ("reshard", None, trace.ReshardPlan(target_mesh={"shape": [2], "process_ids": [0, 1], "dim_names": ["x"]},
+                                        ops=("all_reduce", "all_gather"))),
+    ("reshard_step", "all_to_all", trace.ReshardStep(dim=0, dst_dim=1, seq=3, where="cell.py:4", module="fc1")),
+    ("collective", "all_reduce", trace.Collective(reduce_op="avg", bucket=2, seq=7, module="net.fc2", backward=True)),
+    ("send", "send", trace.Collective(batched=True)),
+    ("recv", "recv", trace.Transfer(micro_batch=1, phase="B", stage=2, src_stage=3, dst_stage=2, step=0,
+                                    transfer="0:B1:s3->s2")),
+    ("compute", "F", trace.Compute(stage=1, micro_batch=0, phase="F", chunk=0, step=4, live_activation_bytes=96)),
+    ("mark", "pipeline_step", trace.PipelineStep(schedule="1F1B", p=2, m=4, v=1, step=0, stage=1, eval=True)),
+    ("ownership", "os_g", trace.Share(sharded=("grad", "state"), numel=12, mode="slice", ranges=((0, 6), (6, 12)),
+                                      holds={"param": [0, 12], "grad": [6, 12], "state": [6, 12]})),
+    ("mark", None, trace.Note({"anything": [1, 2], "said": "hi"})),
+]
+
+
+@pytest.mark.parametrize("kind,op,payload", PAYLOADS, ids=[f"{k}-{type(p).__name__}" for k, _, p in PAYLOADS])
+def test_typed_payloads_round_trip_through_json_and_the_stream(kind, op, payload, link, tmp_path):
+    e = Event(kind=kind, rank=1, op=op, payload=payload)
+    back = trace.from_json(trace.to_json(e))
+    assert type(back.payload) is type(payload) and back.payload == payload
+    assert back.to_dict() == e.to_dict() and back.to_dict()["payload"]["type"] == payload.TYPE
+    path = str(tmp_path / "p.jsonl")
+    with trace.record(path):
+        trace.emit(Event(kind=kind, rank=1, op=op, payload=payload))
+    (loaded,) = trace.load_events(path)
+    assert loaded.payload == payload
+    rx, sink, _ = link
+    trace.emit(Event(kind=kind, rank=5, op=op, payload=payload))
+    assert rx.log.wait_for({5: 1}, timeout=10)
+    assert rx.log[-1].payload == payload  # the live stream carries the same record
+    assert type(payload).__name__ in repr(payload) and "None" not in repr(payload)
+
+
+def test_files_recorded_with_the_untyped_extra_still_load(tmp_path):
+    old = [
+        {"kind": "placed", "rank": 0, "seq": 1, "start": 1.0, "op": "shard_tensor", "extra": {"dtype": "int64"}},
+        {"kind": "reshard", "rank": 0, "seq": 2, "start": 2.0,
+         "extra": {"target_mesh": {"shape": [2]}, "ops": ["all_gather"]}},
+        {"kind": "reshard_step", "rank": 0, "seq": 3, "start": 3.0, "op": "all_gather",
+         "extra": {"dim": 0, "dst_dim": None, "reduce": None}},
+        {"kind": "collective", "rank": 0, "seq": 4, "start": 4.0, "op": "all_reduce", "extra": {"reduce_op": "sum"}},
+        {"kind": "collective", "rank": 0, "seq": 5, "start": 5.0, "op": "all_reduce", "extra": {}},
+        {"kind": "send", "rank": 0, "seq": 6, "start": 6.0, "extra": {"micro_batch": 0, "phase": "F", "stage": 0,
+                                                                       "transfer": "0:F0:s0->s1", "step": 0}},
+        {"kind": "recv", "rank": 0, "seq": 7, "start": 7.0, "extra": {"batched": True}},
+        {"kind": "compute", "rank": 0, "seq": 8, "start": 8.0, "op": "B",
+         "extra": {"stage": 1, "micro_batch": 2, "phase": "B", "chunk": 0, "step": 1}},
+        {"kind": "mark", "rank": 0, "seq": 9, "start": 9.0, "op": "pipeline_step",
+         "extra": {"schedule": "FThenB", "p": 2, "m": 2, "v": 1, "step": 0, "stage": 0, "eval": False}},
+        {"kind": "ownership", "rank": 0, "seq": 10, "start": 10.0, "op": "os",
+         "extra": {"sharded": ["state"], "numel": 4, "ranges": [[0, 2], [2, 4]], "param": [0, 4], "state": [0, 2]}},
+        {"kind": "mark", "rank": 0, "seq": 11, "start": 11.0, "extra": {"mine": 1}},
+    ]
+    path = tmp_path / "old.jsonl"
+    path.write_text("".join(json.dumps(d) + "\n" for d in old))
+    got = [e.payload for e in trace.load_events(str(path))]
+    assert got == [
+        trace.Placed(dtype="int64"),
+        trace.ReshardPlan(target_mesh={"shape": [2]}, ops=("all_gather",)),
+        trace.ReshardStep(dim=0),
+        trace.Collective(reduce_op="sum"),
+        None,
+        trace.Transfer(micro_batch=0, phase="F", stage=0, step=0, transfer="0:F0:s0->s1"),
+        trace.Collective(batched=True),
+        trace.Compute(stage=1, micro_batch=2, phase="B", chunk=0, step=1),
+        trace.PipelineStep(schedule="FThenB", p=2, m=2, v=1, step=0, stage=0),
+        trace.Share(sharded=("state",), numel=4, ranges=((0, 2), (2, 4)), holds={"param": [0, 4], "state": [0, 2]}),
+        trace.Note({"mine": 1}),
+    ]
+    own = trace.Ownership.from_event(trace.load_events(str(path))[9])
+    assert own.held == (0, 2) and own.ranges == ((0, 2), (2, 4))
+    # an unknown payload type from a newer writer is kept as a Note, never executed
+    e = Event.from_dict({"kind": "mark", "payload": {"type": "from_the_future", "x": 1}})
+    assert e.payload == trace.Note({"x": 1})

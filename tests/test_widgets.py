@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from meshviz.core import Partial, ProcessMesh, Replicate, Shard, layout, plan_reshard, simulate
-from meshviz.trace import Event, to_json
+from meshviz.trace import Event, ReshardPlan, to_json
 from meshviz.widgets import (
     Explorer, MeshView, PipelineView, ReshardView, TensorView, bubble_formula, show, synthetic_schedule,
 )
@@ -157,7 +157,7 @@ def test_pipeline_bubble_matches_formula_on_an_ideal_machine(schedule, v):
 
 def test_pipeline_schedule_orders_respect_dependencies():
     evs = synthetic_schedule(3, 6, "1F1B", comm=0.25)
-    done = {(e.extra["phase"], e.extra["stage"], e.extra["micro_batch"]): e for e in evs if e.kind == "compute"}
+    done = {(e.payload.phase, e.payload.stage, e.payload.micro_batch): e for e in evs if e.kind == "compute"}
     for (ph, s, mb), e in done.items():
         if ph == "F" and s > 0:
             assert e.start >= done[("F", s - 1, mb)].end + 0.25 - 1e-9
@@ -240,7 +240,7 @@ def _reshard_events(mesh, shape, src, dst, dst_mesh=None):
                  placements_before=[repr(p) for p in plan.src_placements],
                  placements_after=[repr(p) for p in plan.dst_placements], shape_before=list(shape),
                  shape_after=list(shape), bytes=plan.total_bytes,
-                 extra={"target_mesh": dst_mesh.to_dict(), "ops": plan.ops})]
+                 payload=ReshardPlan(target_mesh=dst_mesh.to_dict(), ops=tuple(plan.ops)))]
     for i, step in enumerate(plan.steps):
         locals_ = apply_step(step, locals_)
         for r in sorted(set(mesh.process_ids) | set(dst_mesh.process_ids)):
@@ -388,7 +388,7 @@ def _rank_records(rank, plan_id, mesh, src, dst, member=True):
     out = [Event(kind="reshard", rank=rank, plan_id=plan_id, tensor_id=100 + rank, mesh=mesh.to_dict(),
                  placements_before=[repr(p) for p in plan.src_placements],
                  placements_after=[repr(p) for p in plan.dst_placements], shape_before=[4, 2], shape_after=[4, 2],
-                 bytes=plan.total_bytes, extra={"ops": plan.ops, "target_mesh": mesh.to_dict()})]
+                 bytes=plan.total_bytes, payload=ReshardPlan(ops=tuple(plan.ops), target_mesh=mesh.to_dict()))]
     if member:
         out += [Event(kind="reshard_step", rank=rank, plan_id=plan_id, step=i, op=s.op, axis=s.axis)
                 for i, s in enumerate(plan.steps)]
@@ -415,7 +415,7 @@ def test_reshard_view_of_real_partial_summands_marks_none_as_zeros():
     plan = plan_reshard((2,), mesh, ["P(sum)"], mesh, ["R"])
     events = [Event(kind="reshard", rank=r, plan_id=1, mesh=mesh.to_dict(), placements_before=["P(sum)"],
                     placements_after=["R"], shape_before=[2], shape_after=[2], bytes=plan.total_bytes,
-                    local_shape=[2], values=v, extra={"ops": plan.ops, "target_mesh": mesh.to_dict()})
+                    local_shape=[2], values=v, payload=ReshardPlan(ops=tuple(plan.ops), target_mesh=mesh.to_dict()))
               for r, v in ((0, [1.0, 2.0]), (1, [3.0, 4.0]))]
     view = ReshardView(source=events)
     assert view.states[0].fills == {0: "value", 1: "value"}

@@ -4,17 +4,21 @@ from __future__ import annotations
 
 import atexit
 import shutil
+import sys
 import threading
 import time
 import weakref
 from typing import Any, Protocol
 
 from ..errors import RankOutcome
+from ..trace.commtable import CommTable, comm_table
+from ..trace.status import RollCall
 from ..trace.stream import EventLog
-from .config import DEFAULT_CPU_RANKS, ClusterConfig
-from .control import ClusterState, Control
+from .config import DEFAULT_CPU_RANKS, DEFAULT_HANG_AFTER, ClusterConfig
+from .control import ClusterState, Control, blame_rollcall
 from .engine import GRACE
 from .engines import Engines
+from .hangs import HangWatch
 from .threads import Threads
 
 __all__ = ["Cluster", "ClusterState", "DEFAULT_CPU_RANKS", "RankBackend"]
@@ -43,7 +47,7 @@ class RankBackend(Protocol):
     def wait(self, handle, timeout: float) -> bool: ...
     def outcomes(self, handle) -> list[RankOutcome]: ...
     def sync_events(self, ranks, timeout: float = 2.0) -> None: ...
-    def interrupt(self) -> None: ...
+    def interrupt(self, ranks=None) -> None: ...
     def busy(self) -> bool: ...
     def set_tracing(self, on: bool) -> None: ...
     def find_dead(self) -> dict[int, str] | None: ...
@@ -92,13 +96,28 @@ class Cluster:
     ``state`` is a :class:`ClusterState`, equal to its name: ``"stopped"``, ``"starting"``, ``"ready"``,
     ``"aborted"`` (a failure tore the process group down; it is re-created before the next cell), ``"broken"``
     (an engine died: ``restart()``) or ``"failed"`` (``start()`` did not finish).
+
+    Hangs: once a rank has waited ``hang_after`` seconds in a collective (None: never), the running cell shows
+    the roll-call (:meth:`status`: each rank's state drawn on the ranks, one line per situation, "rank 0 waits in
+    all_reduce #1 on group [0, 1] for 6.2 s; rank 1 is idle: its cell finished without entering all_reduce #1"),
+    updated until the cell ends; ranks inside different collectives at one sequence number of a group are a
+    mismatch, and the cell fails at once naming them. A collective timeout's error names the ranks that never
+    entered the collective. ``check_collectives``: before each collective on a gloo group, the members compare
+    op, sequence number, shapes and dtypes (gloo would end the process on a size mismatch); one small
+    all-gather each.
     """
 
     def __init__(self, n: int | None = None, devices="auto", backend: str | None = None, timeout: float = 60,
-                 ranks: str | None = None, **ipp_options):
-        self.config = ClusterConfig.from_args(n, devices, backend, timeout, ipp_options, ranks)
+                 ranks: str | None = None, hang_after: float | None = DEFAULT_HANG_AFTER,
+                 check_collectives: bool = True, **ipp_options):
+        self.config = ClusterConfig.from_args(n, devices, backend, timeout, ipp_options, ranks, hang_after,
+                                              check_collectives)
         self.n = self.config.n
         self.timeout = self.config.timeout
+        self.hang_after = self.config.hang_after
+        self.rollcalls: list[RollCall] = []  # the roll-calls the last execution showed
+        self.last_error = None  # the RankError of the last execution that failed
+        self._executions = 0
         self.backend = backend
         self.events = EventLog()
         self._control = Control()
@@ -200,11 +219,14 @@ class Cluster:
         self.stop()
         return self.start()
 
-    def reset(self) -> None:
+    def reset(self, quiet: bool = False) -> None:
         """Re-create the process group on the running engines (after a failure tore it down); keeps their state."""
         self._check_alive()
         self._ranks.reinit(self.timeout)
         self._control.reset_done()
+        if not quiet:
+            print(f"meshviz: the last failure tore the process group down; re-created it on ranks 0-{self.n - 1}",
+                  file=sys.stderr, flush=True)
 
     def __enter__(self) -> "Cluster":
         return self
@@ -239,6 +261,8 @@ class Cluster:
         self._check_alive()
         if self._control.needs_reset:
             self.reset()
+        self.rollcalls = []
+        self._executions += 1
 
     def _check_alive(self) -> None:
         if self.state == ClusterState.STOPPED or self.view is None:
@@ -269,17 +293,40 @@ class Cluster:
         """Wait for ``ar`` (stopping the other ranks when one fails), then its outcomes; RankError if any failed."""
         since = len(self.failures)
         t0 = time.time()
-        self._wait(ar, timeout, since)
-        outcomes = self._collect(ar)
+        watch = HangWatch(self, self.hang_after)
+        self.rollcalls = watch.shown
+        try:
+            self._wait(ar, timeout, since, watch)
+        finally:
+            outcomes = self._collect(ar)
+            watch.close(all(o.status == "ok" for o in outcomes))
         self._sync_events([o.rank for o in outcomes if o.status in ("ok", "error")])
         if any(o.status != "ok" for o in outcomes):
-            raise self._control.rank_error(outcomes, since, t0)
+            rollcall = self._blame(watch, since, t0)
+            self.last_error = self._control.rank_error(outcomes, since, t0, rollcall)
+            raise self.last_error
         return outcomes
 
-    def _wait(self, ar, timeout, since: int = 0) -> None:
+    def _blame(self, watch: HangWatch, since: int, t0: float) -> RollCall | None:
+        """The roll-call that explains a failed execution: the last one shown while the ranks hung (else one taken
+        now), with the failing ranks inside the collectives they failed in."""
+        reports = self._control.reports(since, t0)
+        if not any(f.get("collective") for f in reports) and not self._control.dead:
+            return watch.mismatch or watch.last
+        base = watch.mismatch or watch.last
+        if base is None:
+            try:
+                base = self.status(timeout=1.0)
+            except Exception:
+                base = None
+        return blame_rollcall(base, reports, self.ranks, self._control.dead)
+
+    def _wait(self, ar, timeout, since: int = 0, watch: HangWatch | None = None) -> None:
         control, ranks = self._control, self._ranks
         deadline = None if timeout is None else time.monotonic() + timeout
         interrupted_at = None
+        aborted_at = None  # when this loop saw the abort go out
+        stragglers_told = False
         while True:
             new = control.failures[since:]
             if new and not control.abort_sent and time.time() - new[0]["received"] > GRACE:
@@ -287,6 +334,17 @@ class Cluster:
                 failed = {f.get("rank") for f in new}
                 if any(r not in failed for r in ranks.pending(ar)):
                     control.abort(new[0]["rank"])
+            if control.abort_sent and not stragglers_told:
+                aborted_at = aborted_at or time.monotonic()
+                if time.monotonic() - aborted_at > 1.0:
+                    # the abort unblocks collectives, not a rank busy in Python: interrupt what still runs
+                    pending = [r for r in ranks.pending(ar) if r not in control.dead]
+                    if pending:
+                        ranks.interrupt(pending)
+                    stragglers_told = True
+            if watch is not None and watch.tick() is not None:
+                # ranks sit in different collectives at one sequence number: they will never meet
+                control.abort(None)
             try:
                 if ranks.wait(ar, 0.05):
                     return
@@ -312,6 +370,25 @@ class Cluster:
         """Wait until the events the ranks sent during the last execution have arrived here."""
         self._ranks.sync_events(ranks, timeout)
 
+    # -- the roll-call -------------------------------------------------------------------------------------------
+    def status(self, stacks: bool = False, timeout: float = 2.0) -> RollCall:
+        """The roll-call: one :class:`~meshviz.trace.RankStatus` per rank (``rank``, ``state`` — ``"idle"``,
+        ``"running"``, ``"in_collective"``, ``"dead"``, or ``"unknown"`` when it did not answer within
+        ``timeout`` s — ``op``, ``group``, ``seq``, ``waiting_s``, ``where``, ...), answered by a thread on each
+        engine even while the rank is blocked; ``stacks`` adds each rank's Python stack.
+        ``meshviz.show(cluster.status())`` draws it; ``.lines()`` says what it means."""
+        if self.state == ClusterState.STOPPED or self.view is None:
+            raise RuntimeError("Cluster is stopped; call cluster.start() or cluster.restart()")
+        taken = time.time()
+        rid = self._control.request_status(stacks)
+        return self._control.collect_status(rid, self.ranks, timeout, taken)
+
+    def comm_table(self, cell=None) -> CommTable:
+        """Where the bytes went: per cell, collective, mesh axis (or group) and issuing nn.Module, the count, the
+        bytes per rank and the time, read from the events received so far (``cell``: only that engine cell,
+        ``-1``: the last one). ``meshviz.show(...)`` draws it."""
+        return comm_table(self.events, cell=cell)
+
     def interrupt(self, abort_after: float | None = 1.0) -> None:
         """Send SIGINT to every engine (what Ctrl-C / the kernel's interrupt button does during ``%%px``).
 
@@ -320,13 +397,13 @@ class Cluster:
         next cell) so that the blocked collectives fail at once.
         """
         if abort_after is not None:
-            t = threading.Timer(abort_after, self._abort_if_busy)
+            t = threading.Timer(abort_after, self._abort_if_busy, args=(self._executions,))
             t.daemon = True
             t.start()
         self._ranks.interrupt()
 
-    def _abort_if_busy(self) -> None:
-        if self._ranks.busy():
+    def _abort_if_busy(self, execution: int) -> None:
+        if self._executions == execution and self._ranks.busy():  # still the execution that was interrupted
             self._control.abort(None)
 
     # -- events -------------------------------------------------------------------------------------------------

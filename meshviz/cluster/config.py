@@ -5,10 +5,11 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-__all__ = ["ClusterConfig", "DEFAULT_CPU_RANKS", "LOOPBACK_HOSTS", "RANKS_ENV", "gpu_count", "rank_configs",
-           "ranks_kind"]
+__all__ = ["ClusterConfig", "DEFAULT_CPU_RANKS", "DEFAULT_HANG_AFTER", "LOOPBACK_HOSTS", "RANKS_ENV", "gpu_count",
+           "rank_configs", "ranks_kind"]
 
 DEFAULT_CPU_RANKS = 4  # ranks when n=None and there is no GPU
+DEFAULT_HANG_AFTER = 5.0  # seconds a rank may wait in a collective before the roll-call shows
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 RANKS_ENV = "MESHVIZ_RANKS"  # "threads": Clusters run their ranks inside this process unless told otherwise
 
@@ -44,10 +45,12 @@ class ClusterConfig:
     timeout: float = 60.0
     ipp_options: dict = field(default_factory=dict, compare=False)
     ranks: str = "engines"
+    hang_after: float | None = DEFAULT_HANG_AFTER
+    check_collectives: bool = True
 
     @classmethod
-    def from_args(cls, n=None, devices="auto", backend=None, timeout=60, ipp_options=None,
-                  ranks=None) -> "ClusterConfig":
+    def from_args(cls, n=None, devices="auto", backend=None, timeout=60, ipp_options=None, ranks=None,
+                  hang_after=DEFAULT_HANG_AFTER, check_collectives=True) -> "ClusterConfig":
         """Check ``Cluster(...)``'s arguments (ValueError before anything starts) and decide the devices."""
         ipp_options = dict(ipp_options or {})
         # -- ranks as threads: CPU only, no ipyparallel options, the process group's backend is the thread one ----
@@ -94,8 +97,13 @@ class ClusterConfig:
             raise ValueError(f"Cluster: timeout must be a positive number of seconds, got {timeout!r}")
         if backend not in (None, "gloo", "nccl"):
             raise ValueError(f"Cluster: backend must be None, 'gloo' or 'nccl', got {backend!r}")
+        if hang_after is not None and (isinstance(hang_after, bool) or not isinstance(hang_after, (int, float))
+                                       or hang_after <= 0):
+            raise ValueError(f"Cluster: hang_after must be a positive number of seconds or None, got {hang_after!r}")
         return cls(n=n, mode=mode, gpus=tuple(devices) if mode == "list" else None, backend=backend,
-                   timeout=float(timeout), ipp_options=ipp_options, ranks=ranks)
+                   timeout=float(timeout), ipp_options=ipp_options, ranks=ranks,
+                   hang_after=None if hang_after is None else float(hang_after),
+                   check_collectives=bool(check_collectives))
 
     @property
     def host(self) -> str:
@@ -134,6 +142,9 @@ def rank_configs(probes: list[dict], mode: str, gpus, master: str, loopback: boo
             env["CUDA_VISIBLE_DEVICES"] = str(gpus[r] if gpus else lr)
             threads = max(1, ncpu // hosts.count(h))
             env["OMP_NUM_THREADS"] = str(threads)
+            # a timed-out NCCL collective aborts its communicators and raises in the rank (the default, 3, ends
+            # the whole process): the engine lives on and the cluster re-creates the group before the next cell
+            env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
         cfgs.append({
             "rank": r, "world": n, "port": port, "loopback": loopback, "env": env, "threads": threads,
             "peer_pids": [p["pid"] for i, p in enumerate(probes) if i != r and hosts[i] == h],

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import threading
 import time
 from enum import Enum
 from typing import Callable
 
 from ..errors import RankError, RankOutcome
+from ..trace.status import RankStatus, RollCall
 
-__all__ = ["ClusterState", "Control"]
+__all__ = ["ClusterState", "Control", "blame_rollcall"]
 
 
 class ClusterState(str, Enum):
@@ -63,6 +66,9 @@ class Control:
         self._publish: Callable[[dict], None] | None = None
         self._monitor: threading.Thread | None = None
         self._stop_monitor = threading.Event()
+        self._replies: dict[int, dict[int, dict]] = {}  # roll-call request id -> rank -> its status
+        self._replied = threading.Condition()
+        self._ids = itertools.count(1)
 
     # -- state --------------------------------------------------------------------------------------------------
     @property
@@ -129,15 +135,68 @@ class Control:
             send(msg)
 
     def on_control(self, msg: dict) -> None:
-        """A message from a rank: ``failed`` (it raised; the others are told) or ``stuck`` (it is still running
-        after a peer failed: abort)."""
+        """A message from a rank: ``failed`` (it raised; the others are told; ``aborted``: it tore its own
+        process group down, so the group is re-created before the next execution), ``stuck`` (it is still
+        running after a peer failed: abort) or ``status`` (its roll-call answer)."""
         kind = msg.get("type")
         if kind == "failed":
             msg["received"] = time.time()
+            if msg.get("aborted"):
+                with self._lock:
+                    self.needs_reset = True
+                    self._move(S.ABORTED)
             self.failures.append(msg)
             self.publish({"type": "failed", "rank": msg.get("rank")})
         elif kind == "stuck":
             self.abort(msg.get("failed"))
+        elif kind == "status":
+            with self._replied:
+                box = self._replies.get(msg.get("id"))
+                if box is not None and isinstance(msg.get("status"), dict):
+                    box[msg.get("rank")] = msg["status"]
+                    self._replied.notify_all()
+
+    # -- the roll-call ------------------------------------------------------------------------------------------
+    def request_status(self, stacks: bool = False) -> int:
+        """Ask every rank for its roll-call record; returns the request's id for :meth:`collect_status`."""
+        rid = next(self._ids)
+        with self._replied:
+            self._replies[rid] = {}
+        self.publish({"type": "status", "id": rid, "stacks": bool(stacks)})
+        return rid
+
+    def replies(self, rid: int) -> dict[int, dict]:
+        with self._replied:
+            return dict(self._replies.get(rid, {}))
+
+    def collect_status(self, rid: int, ranks, timeout: float, taken: float | None = None) -> RollCall:
+        """The roll-call of request ``rid``: every rank of ``ranks`` that answered within ``timeout`` seconds, the
+        dead ones as ``dead``, the rest as ``unknown``."""
+        want = set(ranks) - set(self.dead)
+        deadline = time.monotonic() + timeout
+        with self._replied:
+            while not want <= set(self._replies.get(rid, {})):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._replied.wait(left)
+            got = self._replies.pop(rid, {})
+        return self.rollcall(got, ranks, taken)
+
+    def rollcall(self, got: dict, ranks, taken: float | None = None) -> RollCall:
+        """RankStatus for every rank of ``ranks`` from the answers ``got`` (rank -> status dict)."""
+        out = []
+        for r in ranks:
+            if r in self.dead:
+                out.append(RankStatus(r, "dead", note=self.dead[r]))
+            elif r in got:
+                try:
+                    out.append(RankStatus.from_dict({**got[r], "rank": r}))
+                except Exception:
+                    out.append(RankStatus(r, "unknown"))
+            else:
+                out.append(RankStatus(r, "unknown"))
+        return RollCall(out, taken)
 
     def abort(self, origin) -> None:
         """Tell every rank to tear its process group down (once per execution); it is re-created before the next."""
@@ -187,24 +246,65 @@ class Control:
         self._monitor = None
 
     # -- blame --------------------------------------------------------------------------------------------------
-    def rank_error(self, outcomes: list[RankOutcome], since: int, t0: float) -> RankError:
+    def reports(self, since: int, t0: float) -> list[dict]:
+        """The failure reports of an execution that started at ``t0`` (``since``: reports before it)."""
+        return [f for f in self.failures[since:] if f.get("time", 0) >= t0 - 1]
+
+    def rank_error(self, outcomes: list[RankOutcome], since: int, t0: float,
+                   rollcall: RollCall | None = None) -> RankError:
         """The RankError for an execution that started at ``t0`` (``since``: failure reports before it).
 
-        The cause: the ranks whose process died; else the first rank that reported a failure during the
-        execution; else the first rank that raised (or did not finish).
+        The cause: the ranks of a collective mismatch; else the ranks whose process died; else the first rank
+        that reported a failure during the execution, unless it failed inside a collective and ``rollcall``
+        (the roll-call of the hang, merged with the failing ranks' collectives) names the members that never
+        entered it: then those; else the first rank that raised (or did not finish).
         """
         dead = [o.rank for o in outcomes if o.status == "died"]
-        reports = [f for f in self.failures[since:] if f.get("time", 0) >= t0 - 1]
-        if dead:
+        reports = self.reports(since, t0)
+        mismatch = next((f["mismatch"] for f in reports if f.get("mismatch")), None)
+        diagnosis = rollcall.blame() if rollcall is not None else []
+        culprits = rollcall.culprits() if rollcall is not None else []
+        lead = False
+        if mismatch is not None:
+            origin = sorted(set(mismatch.get("ranks") or [f["rank"] for f in reports if f.get("mismatch")]))
+            diagnosis, lead = [mismatch["line"]], True
+        elif dead:
             origin = dead
         elif reports:
             origin = [reports[0]["rank"]]
+            if reports[0].get("collective") and culprits:
+                origin, lead = culprits, True
         else:
             errs = [o for o in outcomes if o.status == "error"] or [o for o in outcomes if o.status != "ok"]
             origin = [errs[0].rank]
+            if culprits:
+                origin, lead = culprits, True
         note = ""
         if self.needs_reset:
-            note = "The other ranks' process group was torn down to stop them; it is re-created before the next cell."
+            note = "The ranks' process group was torn down to stop them; it is re-created before the next cell."
         if dead:
             note = "Call cluster.restart() for a working cluster."
-        return RankError(outcomes, origin, note)
+        return RankError(outcomes, origin, note, diagnosis, lead, rollcall)
+
+
+def blame_rollcall(base: RollCall | None, reports: list[dict], ranks, dead: dict) -> RollCall | None:
+    """The roll-call an error is explained from: ``base`` (taken while the ranks hung, or right after), with each
+    failing rank shown inside the collective its error came out of, and dead ranks as dead. None without a base
+    or without a failure inside a collective."""
+    failed = {f["rank"]: f["collective"] for f in reports if f.get("collective")}
+    if base is None or not (failed or dead):
+        return None
+    by = base.by_rank()
+    over = []
+    for r, c in failed.items():
+        old = by.get(r)
+        group = tuple(c.get("group") or ()) or None
+        if old is not None and old.state == "in_collective" and (old.op, old.group, old.seq) == (
+                c.get("op"), group, c.get("seq")):
+            over.append(dataclasses.replace(old, waiting_s=c.get("waited_s")))  # keeps its shapes and dtypes
+            continue
+        over.append(RankStatus(r, "in_collective", op=c.get("op"), group=group, seq=c.get("seq"),
+                               waiting_s=c.get("waited_s"), where=c.get("where"),
+                               entered=old.entered if old is not None else ()))
+    over += [RankStatus(r, "dead", note=why) for r, why in dead.items() if r in set(ranks)]
+    return base.merged(over)

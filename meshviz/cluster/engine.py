@@ -105,6 +105,12 @@ class _EngineState:
         self._sub.setsockopt(zmq.SUBSCRIBE, b"")
         self._sub.connect(cfg["control"])
         self._stop = False
+        from ..distributed import rollcall
+
+        self._rollcall = rollcall
+        rec = rollcall.current()
+        rec.rank = self.rank
+        rec.thread = threading.get_ident()  # cells run on the engine's main thread, which sets us up
         self._thread = threading.Thread(target=self._listen, name="meshviz-guard", daemon=True)
         self._thread.start()
         self._trace = trace
@@ -149,30 +155,51 @@ class _EngineState:
     def _pre(self, *_):
         self.cell += 1
         self.running = True
+        self._rollcall.current().start(self.cell)
+        self._trace.set_cell(self.cell)  # events say which cell emitted them (the comm table groups by it)
 
-    def _post(self, *_):
+    def _post(self, *_, note: str = "its cell finished"):
         self.running = False
+        self._rollcall.current().finish(note)
         if self.abort_pending:
             self._abort()
         self.sink.flush(1.0)
 
     def _on_exception(self, shell, etype, value, tb, tb_offset=None):
-        self.report_failure(value)
-        if self.abort_pending or _broke_process_group(value):
+        aborts = self.abort_pending or _broke_process_group(value)
+        self.report_failure(value, aborts)
+        if aborts:
             # cascade: peers blocked on this rank fail now instead of at the timeout. Gloo closes its sockets
             # only when the group is freed, and the traceback's frames hold the pending work (and so the group).
             traceback.clear_frames(tb)
             self._abort()
         return shell.showtraceback((etype, value, tb), tb_offset=tb_offset)
 
-    def report_failure(self, value: BaseException) -> None:
+    def report_failure(self, value: BaseException, aborts: bool = False) -> None:
+        """Tell the client this rank failed: the error, its traceback, the collective it came out of (the
+        roll-call's record of it), and whether this rank tears its process group down because of it."""
         _debug("failure", _summary(value))
         self.failed_cell = self.cell  # a rank busy reporting its own error is not stuck
         self.last_failure = {
             "type": "failed", "rank": self.rank, "cell": self.cell, "time": time.time(),
             "error": _summary(value), "traceback": "".join(traceback.format_exception(value))[-8000:],
+            "aborted": bool(aborts),
         }
+        rec = self._rollcall.current()
+        failed, rec.failed = rec.failed, None
+        if failed is not None and failed.get("cell") == self.cell:
+            self.last_failure["collective"] = failed
+        if type(value).__name__ == "CollectiveMismatch":
+            self.last_failure["mismatch"] = {"line": str(value), "ranks": list(getattr(value, "ranks", []))}
         self.sink.send_control(self.last_failure)
+
+    def answer_status(self, msg: dict) -> None:
+        """The roll-call: this rank's record as it is now, taken on the listening thread (the rank may be blocked)."""
+        try:
+            status = self._rollcall.snapshot(stacks=bool(msg.get("stacks"))).to_dict()
+        except Exception as e:  # never leave the client waiting for a broken snapshot
+            status = {"rank": self.rank, "state": "unknown", "note": f"roll-call failed: {_summary(e)}"}
+        self.sink.send_control({"type": "status", "id": msg.get("id"), "rank": self.rank, "status": status})
 
     # -- commands from the client -------------------------------------------------------------------------------
     def _listen(self) -> None:
@@ -191,7 +218,9 @@ class _EngineState:
                 continue
             kind = msg.get("type")
             _debug("got", msg, "running", self.running, "cell", self.cell)
-            if kind == "failed" and msg.get("rank") != self.rank and self.running:
+            if kind == "status":
+                self.answer_status(msg)
+            elif kind == "failed" and msg.get("rank") != self.rank and self.running:
                 cell = self.cell
                 threading.Timer(GRACE, self._check_stuck, args=(cell, msg.get("rank"))).start()
             elif kind == "abort":
@@ -312,6 +341,9 @@ def setup(cfg: dict) -> dict:
         torch.set_num_threads(int(cfg["threads"]))
     if _state is not None:
         _state.close()
+    from ..distributed import match
+
+    match.set_checking(bool(cfg.get("check", False)))
     _state = _EngineState(cfg)
     _init_process_group(cfg["rank"], cfg["world"], cfg["backend"], cfg["timeout"], cfg["port"], cfg["loopback"])
     import torch.distributed as tdist
@@ -340,6 +372,9 @@ def reinit(port: int, timeout: float, loopback: bool = True) -> bool:
     compat.reset_group_count()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     backend = _state.backend if _state is not None else "gloo"
+    from ..distributed import rollcall
+
+    rollcall.reset()  # a new world: every rank counts its collectives from 1 again
     _init_process_group(rank, world, backend, timeout, port, loopback)
     if _state is not None:
         _state.aborted = False
@@ -369,13 +404,14 @@ def guarded_call(func, *args, **kwargs):
     try:
         return func(*args, **kwargs)
     except BaseException as e:
-        st.report_failure(e)
-        if st.abort_pending or _broke_process_group(e):
+        aborts = st.abort_pending or _broke_process_group(e)
+        st.report_failure(e, aborts)
+        if aborts:
             traceback.clear_frames(e.__traceback__)
             st._abort()
         raise
     finally:
-        st._post()
+        st._post(note="its call returned")
 
 
 def shutdown(exit_after: float | None = 0.2) -> None:

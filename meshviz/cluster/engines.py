@@ -115,7 +115,7 @@ class Engines:
         master = "127.0.0.1" if loopback else socket.gethostbyname(hosts[0])
         cfgs = rank_configs(probes, cfg.mode, cfg.gpus, master, loopback, cfg.timeout, cfg.backend)
         for c in cfgs:
-            c.update(stream=self._receiver.address, control=control, trace=True)
+            c.update(stream=self._receiver.address, control=control, trace=True, check=cfg.check_collectives)
         ars = [self.client[eid].apply_async(_engine.setup, c) for eid, c in zip(ids, cfgs)]
         deadline = time.monotonic() + cfg.timeout + 60
         infos = []
@@ -257,14 +257,23 @@ class Engines:
         want = {r: self._base.get(r, 0) + c for r, c in counts if r >= 0}
         self.events.wait_for(want, timeout)
 
-    def interrupt(self) -> None:
-        """SIGINT to every engine."""
+    def interrupt(self, ranks=None) -> None:
+        """SIGINT to every engine (or to the engines of ``ranks``)."""
+        targets = self.engine_ids if ranks is None else [self.engine_ids[r] for r in ranks]
         if self.client is not None:
             try:
-                self.client.send_signal("SIGINT", targets=self.engine_ids, block=True)
+                self.client.send_signal("SIGINT", targets=targets, block=True)
+                return
             except Exception:
-                if self._ipp is not None:
-                    self._ipp.signal_engines_sync(signal.SIGINT)
+                pass
+        if self.local:
+            for r in (self.ranks if ranks is None else ranks):
+                try:
+                    os.kill(self.pids[r], signal.SIGINT)
+                except (OSError, KeyError):
+                    pass
+        elif self._ipp is not None:
+            self._ipp.signal_engines_sync(signal.SIGINT)
 
     def busy(self) -> bool:
         client = self.client

@@ -17,6 +17,7 @@ import types
 
 from ..errors import RankError, RankOutcome
 from ..rank_context import bound, per_rank
+from ..trace.status import RankStatus
 from ..trace.stream import EventLog
 from .config import ClusterConfig
 from .control import Control
@@ -487,6 +488,7 @@ class Threads:
         self._stop_dispatch = False
         self._sinks: dict = {}
         self._display = None
+        self._records: dict = {}  # rank -> its roll-call record
 
     # -- start and stop -----------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -596,12 +598,20 @@ class Threads:
         self._prepare_io()
         since = time.time()
 
+        from ..distributed import rollcall
+
         def guarded(r):
+            rec = rollcall.current()  # this rank's roll-call record: what status() reads while it waits
+            rec.rank, rec.thread = r, threading.get_ident()
+            self._records[r] = rec
+            rec.start()
             try:
                 return fn(r)
             except BaseException as e:
                 self._report(r, e, since)
                 raise
+            finally:
+                rec.finish()
 
         job = self.world.submit(guarded, ranks)
         return RankResult(job, ranks, outs, single, kind)
@@ -620,9 +630,20 @@ class Threads:
         })
 
     def _on_message(self, msg: dict) -> None:
-        """The cluster's messages to the ranks: an abort stops every waiting rank now."""
-        if msg.get("type") == "abort" and self.world is not None:
+        """The cluster's messages to the ranks: an abort stops every waiting rank now; a status request is
+        answered at once from every rank's roll-call record (readable while the rank waits)."""
+        kind = msg.get("type")
+        if kind == "abort" and self.world is not None:
             self.world.abort(msg.get("origin"))
+        elif kind == "status":
+            from ..distributed import rollcall
+
+            for r in self.ranks:
+                rec = self._records.get(r)
+                status = rollcall.snapshot(rec, bool(msg.get("stacks"))) if rec is not None else \
+                    RankStatus(r, "idle", note="no cell ran yet")
+                self.control.on_control({"type": "status", "id": msg.get("id"), "rank": r,
+                                         "status": status.to_dict()})
 
     def pending(self, ar: RankResult) -> list[int]:
         return ar._job.pending()

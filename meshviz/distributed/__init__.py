@@ -1,6 +1,7 @@
 """Paddle's distributed API on torch: ``import meshviz.distributed as dist``."""
 
 from ..core import Partial, Placement, ProcessMesh, ReduceType, Replicate, Shard
+from . import modules as _modules  # noqa: F401  (module hooks while tracing: who issued a collective)
 from . import process_mesh as _process_mesh  # noqa: F401  (installs ProcessMesh.get_group)
 from .api import (
     dtensor_from_fn,

@@ -62,7 +62,7 @@ def _emit_placed(t: DistTensor, how: str) -> None:
         kind="placed", name=t._mv_name, tensor_id=t._mv_id, op=how, mesh=t.process_mesh.to_dict(),
         placements_after=[repr(p) for p in t.placements], shape_after=list(t.shape),
         local_shape=list(local.shape), values=trace.small_values(local),
-        extra={"dtype": str(t.dtype).replace("torch.", "")},
+        payload=trace.Placed(dtype=str(t.dtype).replace("torch.", "")),
     ))
 
 

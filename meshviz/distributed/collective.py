@@ -343,7 +343,7 @@ def batch_isend_irecv(p2p_op_list):
         for p, t, g in ops:
             kind = "send" if p.is_send else "recv"
             trace.emit(trace.Event(kind=kind, op=kind, group=list(g.ranks), peer=p.peer, bytes=tensor_bytes(t),
-                                   extra={"batched": True}))
+                                   payload=trace.Collective(batched=True)))
     works = []
     run("batch_isend_irecv", groups.world_group(), lambda _: works.extend(tdist.batch_isend_irecv(
         [tdist.P2POp(tdist.isend if p.is_send else tdist.irecv, t, p.peer, group=g.process_group)

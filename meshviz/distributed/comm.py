@@ -8,7 +8,9 @@ import torch.distributed as tdist
 
 from .. import compat, trace
 from ..core.placements import ReduceType
+from . import rollcall
 from .groups import Group, resolve
+from .match import CollectiveMismatch, check_match, checking
 
 __all__ = ["torch_reduce_op", "dtensor_reduce_op", "from_dtensor_reduce_op", "reduction", "divide_", "Task",
            "run", "check_peer", "local", "tensor_bytes", "all_to_all_flat", "all_reduce_mean_", "FUSE_BYTES"]
@@ -74,17 +76,34 @@ def reduction(rt, group: Group):
 class Task:
     """What an ``sync_op=False`` call returns: ``wait()`` blocks until the result is in place."""
 
-    __slots__ = ("_works", "_then", "_done")
+    __slots__ = ("_works", "_then", "_done", "_call")
 
-    def __init__(self, works=(), then=None, done: bool = False):
+    def __init__(self, works=(), then=None, done: bool = False, call=None):
         self._works = [w for w in works if w is not None]
         self._then = then
         self._done = done
+        self._call = call  # (op, group key, seq, tensors): what the roll-call shows while wait() blocks
 
     def wait(self, timeout=None) -> bool:
         if not self._done:
-            for w in self._works:
-                w.wait()
+            call = self._call
+            rec = prev = None
+            if call is not None:
+                rec = rollcall.current()
+                if rec.op is None or rec.seq != call[2] or rec.group != call[1]:
+                    prev = rec.resume(*call)
+                else:
+                    rec = None  # the collective's own run() is waiting: it is shown already
+            try:
+                for w in self._works:
+                    w.wait()
+            except BaseException as e:
+                if rec is not None:
+                    rec.fail(e)
+                raise
+            finally:
+                if rec is not None:
+                    rec.leave(prev)
             if self._then is not None:
                 self._then()
             self._done = True
@@ -101,12 +120,12 @@ class Task:
         return f"Task(done={self._done})"
 
 
-def _finish(works, sync_op: bool, then) -> Task:
+def _finish(works, sync_op: bool, then, call) -> Task:
     if works is None:
         works = ()
     elif not isinstance(works, (list, tuple)):
         works = (works,)
-    task = Task(works, then)
+    task = Task(works, then, call=call)
     if sync_op:
         task.wait()
     return task
@@ -139,19 +158,23 @@ def check_peer(what: str, rank, ranks) -> int:
 
 def run(op: str, group, start, *, tensors=(), nbytes: int | None = None, peers: dict | None = None,
         sync_op: bool = True, then=None, kind: str | None = "collective", peer: int | None = None,
-        name: str | None = None, **extra) -> Task:
+        name: str | None = None, reduce_op: str | None = None, src: int | None = None, dst: int | None = None,
+        bucket: int | None = None) -> Task:
     """Issue one collective: resolve ``group``, check ``peers``, skip non-members, trace, start, finish.
 
     Every collective meshviz issues passes through here (the wrappers of ``dist.*``, reshard steps,
     DataParallel, the gradient mean, clipping), so what a rank is doing — ``op`` on the group's ranks, with
-    ``tensors`` (``nbytes`` in all, their sum by default) — is known in one place.
+    ``tensors`` (``nbytes`` in all, their sum by default) — is known in one place: the rank's roll-call record
+    (:mod:`~meshviz.distributed.rollcall`) says so while the call runs, and with :func:`match.checking` on,
+    the members first compare what they are about to run (:func:`match.check_match`).
 
     ``group``: whatever :func:`groups.resolve` reads. ``peers``: ``{"src": rank, ...}``, global ranks that must be
     in the group (ValueError before any communication, on members and non-members alike). A non-member gets a
     finished Task and ``start`` is not called. ``start(g)`` starts the torch call(s) on the resolved Group and
     returns their work handle(s), or None when it blocked until done. ``then()`` runs once the works are done
     (at once when ``sync_op``, else in ``Task.wait``). ``kind``: the trace event's kind ("collective", "send",
-    "recv"), or None when the caller traces the step itself; ``extra`` goes into the event.
+    "recv"), or None when the caller traces the step itself; ``reduce_op``, ``src``, ``dst`` and ``bucket`` go
+    into the event's :class:`~meshviz.trace.Collective` payload.
     """
     g = group if type(group) is Group else resolve(group)
     if peers:
@@ -159,18 +182,38 @@ def run(op: str, group, start, *, tensors=(), nbytes: int | None = None, peers: 
             check_peer(what, r, g.ranks)
     if g.rank < 0:
         return Task(done=True)
-    if kind is None or not trace.active():
-        return _finish(start(g), sync_op, then)
-    fields = {"op": op, "group": list(g.ranks),
-              "bytes": int(tensor_bytes(*tensors) if nbytes is None else nbytes)}
-    if peer is not None:
-        fields["peer"] = peer
-    if name is not None:
-        fields["name"] = name
-    if extra or kind == "collective":
-        fields["extra"] = extra
-    with trace.span(kind, **fields):
-        return _finish(start(g), sync_op, then)
+    rec = rollcall.current()
+    prev = rec.enter(op, g.key, tensors, nbytes)
+    task = None
+    try:
+        if checking() and op not in _P2P and g.nranks > 1:
+            check_match(g, op, rec.seq, tensors, src if src is not None else dst)
+        call = (op, g.key, rec.seq, tensors)
+        if kind is None or not trace.active():
+            task = _finish(start(g), sync_op, then, call)
+            return task
+        fields = {"op": op, "group": list(g.ranks),
+                  "bytes": int(tensor_bytes(*tensors) if nbytes is None else nbytes)}
+        if peer is not None:
+            fields["peer"] = peer
+        if name is not None:
+            fields["name"] = name
+        mod, bwd = rollcall.issuer(rec)
+        fields["payload"] = trace.Collective(reduce_op=reduce_op, src=src, dst=dst, bucket=bucket, seq=rec.seq,
+                                             where=rollcall.where(), module=mod, backward=bwd)
+        with trace.span(kind, **fields):
+            task = _finish(start(g), sync_op, then, call)
+        return task
+    except CollectiveMismatch:
+        raise  # raised on every member before any data moved: no collective failed
+    except BaseException as e:
+        rec.fail(e)
+        raise
+    finally:
+        rec.leave(prev, task._works if task is not None else None)
+
+
+_P2P = frozenset({"send", "recv", "send_recv", "batch_isend_irecv"})  # not every rank of the group takes part
 
 
 # -- packed forms -----------------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from ..compat import TorchDispatchMode, tree_map
 from ..core.mesh import ProcessMesh
 from ..core.placements import Partial, Placement, Replicate, Shard
 from ..rank_context import per_rank
-from . import groups
+from . import groups, rollcall
 from .comm import dtensor_reduce_op, from_dtensor_reduce_op
 
 __all__ = ["DistTensor", "to_torch_placements", "from_torch_placements", "make_dtensor", "make_dist"]
@@ -301,9 +301,10 @@ class _CommObserver(TorchDispatchMode):
                     group = tdist.get_process_group_ranks(compat.resolve_process_group(gname))
                 except Exception:
                     group = None
+            module, backward = rollcall.issuer()
             trace.emit(trace.Event(
                 kind="collective", op=_COLLECTIVES[name], start=t0, group=group, bytes=int(nbytes),
-                extra={"implicit": True, "inside": self.context},
+                payload=trace.Collective(implicit=True, inside=self.context, module=module, backward=backward),
             ))
             return out
         return func(*args, **kwargs)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import threading
 
 import torch
 import torch.distributed as tdist
@@ -13,7 +14,7 @@ from ..core.mesh import set_rank_getter
 from ..errors import RankError
 from ..rank_context import current as _rank_context
 from ..rank_context import getenv as _getenv
-from . import rendezvous
+from . import rendezvous, rollcall, watchdog
 from .rank_processes import SpawnContext, spawn
 
 __all__ = [
@@ -73,6 +74,8 @@ def init_parallel_env(backend: str | None = None, timeout: float | None = None):
     join = _rank_context().init
     if join is not None and not tdist.is_initialized():
         join()
+        rec = rollcall.current()
+        rec.rank, rec.thread = tdist.get_rank(), threading.get_ident()
     # --------------------------------------------------------------------------------------------------------
     if not tdist.is_initialized():
         rank = _env_int("RANK", "PADDLE_TRAINER_ID", default=0)
@@ -100,6 +103,11 @@ def init_parallel_env(backend: str | None = None, timeout: float | None = None):
         if store is not None:
             kwargs["store"] = store
         tdist.init_process_group(backend=backend, rank=rank, world_size=world, timeout=to, **kwargs)
+        rec = rollcall.current()
+        rec.rank = rank
+        if not rec.running:
+            rec.start()
+        watchdog.start_rank_watch(rank, world)
     set_rank_getter(get_rank)
     trace.set_rank(tdist.get_rank())
     path = _getenv("MESHVIZ_TRACE")
@@ -166,12 +174,13 @@ class ParallelEnv:
     nranks = world_size
 
 
-def exit_quietly(code: int = 0) -> None:
+def exit_quietly(code: int = 0, note: str = "its function returned") -> None:
     """End a rank process once its work is done: wait for the peers, flush, and leave without interpreter
     teardown, where torch's gloo/DDP threads can abort the process ("terminate called without an active
-    exception") after training has already succeeded."""
+    exception") after training has already succeeded. ``note``: what the roll-call says of it meanwhile."""
     import sys
 
+    rollcall.current().finish(note)
     try:
         if tdist.is_initialized() and tdist.get_world_size() > 1:
             tdist.barrier()

@@ -25,6 +25,7 @@ class Group:
         self.rank = rank
         self.id = id
         self.ranks = list(ranks)
+        self.key = tuple(self.ranks)  # the roll-call's name for the group: its ranks in group order
         self.nranks = len(self.ranks)
         self.process_group = pg
         self.name = name or f"_default_pg{id}"

@@ -10,7 +10,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .. import compat, trace
-from . import groups
+from . import groups, rollcall
 from .comm import FUSE_BYTES, all_reduce_mean_, run
 from .env import init_parallel_env
 
@@ -41,6 +41,7 @@ class DataParallel(nn.Module):
         self._layers = layers
         self.group = group
         self._ranks = ranks
+        self._key = tuple(ranks)
         self.comm_buffer_size = comm_buffer_size
         self.last_comm_buffer_size = last_comm_buffer_size
         self.find_unused_parameters = find_unused_parameters
@@ -68,7 +69,12 @@ class DataParallel(nn.Module):
     def forward(self, *inputs, **kwargs):
         if self._ddp is None:
             return self._layers(*inputs, **kwargs)
-        return self._ddp(*inputs, **kwargs)
+        out = self._ddp(*inputs, **kwargs)
+        if self._ddp.require_backward_grad_sync and torch.is_grad_enabled():
+            # DDP's bucket all-reduces bypass the comm layer (its C++ hook): a rank blocked in the backward that
+            # follows is shown as inside them on this group
+            rollcall.current().begin_region("all_reduce", self._key, "DataParallel gradients")
+        return out
 
     @contextlib.contextmanager
     def no_sync(self):

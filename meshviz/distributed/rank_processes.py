@@ -25,10 +25,12 @@ class RankProcesses:
     started: a forked child never inherits the store's thread.
     """
 
-    def __init__(self, entry, args: tuple, nprocs: int, timeout: float, start_method: str, daemon: bool = False):
+    def __init__(self, entry, args: tuple, nprocs: int, timeout: float, start_method: str, daemon: bool = False,
+                 hang_after: float | None = None):
         import torch.multiprocessing as mp
 
         self.nprocs = nprocs
+        self.host = None
         reservation = rendezvous.reserve_port().listen(nprocs)
         self.port = reservation.port
         try:
@@ -45,6 +47,18 @@ class RankProcesses:
         self._seen: dict[int, int] = {}  # rank -> when its exit was seen (count of waits that returned)
         self._waits = 0
         self.ended: dict[int, str] = {}  # rank -> "stopped" or "running": ended by this object, not by itself
+        if hang_after is not None and nprocs > 1:
+            from .watchdog import RollCallHost
+
+            self.host = RollCallHost(rendezvous.LOOPBACK, self.port, nprocs, hang_after, dead=self.gone).start()
+
+    def gone(self) -> dict[int, str]:
+        """rank -> how its process ended, for the ranks whose process ended badly (a signal, an exit code)."""
+        out = {}
+        for i, p in enumerate(self.processes):
+            if not p.is_alive() and p.exitcode:
+                out[i] = _exit_text(p.exitcode)
+        return out
 
     @property
     def error_files(self) -> list[str]:
@@ -95,17 +109,24 @@ class RankProcesses:
 
     def close(self) -> None:
         """Stop serving the store (every rank has exited or been ended)."""
+        if self.host is not None:
+            self.host.stop()
         self.store = None
 
+    def blame(self):
+        """The roll-call that explains a failure (before the others are ended: they still answer), or None."""
+        return self.host.blame() if self.host is not None else None
+
     def rank_error(self, reports: dict[int, tuple[str, str | None, float]], values: dict[int, object] | None = None,
-                   deadline_s: float | None = None) -> RankError:
+                   deadline_s: float | None = None, rollcall=None) -> RankError:
         """The RankError for this run: ``reports`` maps a rank that raised to (summary, traceback, when written);
-        ``values`` (when given) the ranks that returned a result to it.
+        ``values`` (when given) the ranks that returned a result to it; ``rollcall``: what the roll-call says.
 
         Named as the cause: the ranks that never reached the rendezvous while others did (the others waited for
-        them until the timeout); else the rank whose failure was seen first, a rank that died without a report
-        before one that raised in the same instant (that one most likely lost its connection to it), then the
-        earliest report.
+        them until the timeout); else, when the first failure came out of a collective and the roll-call names
+        members that never entered it, those; else the rank whose failure was seen first, a rank that died
+        without a report before one that raised in the same instant (that one most likely lost its connection to
+        it), then the earliest report.
         """
         arrived = self.arrived()
         outcomes = []
@@ -131,14 +152,22 @@ class RankProcesses:
             key=lambda r: (self._seen[r], outcomes[r].status == "error", reports.get(r, (0, 0, 0.0))[2]),
         )
         origin = []
+        diagnosis, lead = [], False
         if any(arrived) and all(arrived[r] for r in first):
             # a rank that joined cannot get past the rendezvous without the others: it failed waiting for them
             origin = [r for r in range(self.nprocs) if not arrived[r]]
+        if not origin and rollcall is not None:
+            diagnosis = rollcall.blame()
+            failed_inside = {s.rank for s in rollcall if s.state == "in_collective"}
+            culprits = rollcall.culprits()
+            dead_first = first[:1] and outcomes[first[0]].status == "died"
+            if culprits and not dead_first and (not first or first[0] in failed_inside):
+                origin, lead = culprits, True
         if not origin and first:
             origin = first[:1]
         if not origin:  # nothing failed on its own: name whatever did not end well
             origin = [o.rank for o in outcomes if o.status != "ok"][:1]
-        return RankError(outcomes, origin)
+        return RankError(outcomes, origin, diagnosis=diagnosis, lead=lead, rollcall=rollcall)
 
 
 def _exit_text(code: int | None) -> str:
@@ -181,7 +210,7 @@ def _spawn_entry(index, port, func, args, world, env):
 
     torch.set_num_threads(int(env.get("MESHVIZ_THREADS", "1")))
     func(*args)
-    exit_quietly(0)
+    exit_quietly(0, note="its function returned")
 
 
 def _importable(func) -> bool:
@@ -213,15 +242,23 @@ class SpawnContext:
         try:
             while not procs.done():
                 left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                if procs.host is not None:  # look at the roll-call a few times a second
+                    left = 0.25 if left is None else min(left, 0.25)
                 procs.wait(left)
+                if procs.host is not None and procs.host.mismatch is not None:
+                    # ranks sit in different collectives at one sequence number: they would wait until the timeout
+                    rc = procs.host.mismatch
+                    procs.terminate()
+                    raise procs.rank_error({}, rollcall=rc)
                 if procs.failed():
+                    rc = procs.blame()  # before the others are ended: they still answer the roll-call
                     procs.terminate()
                     reports = {}
                     for r in range(procs.nprocs):
                         rep = read_report(procs.error_files[r])
                         if rep is not None:
                             reports[r] = rep
-                    raise procs.rank_error(reports)
+                    raise procs.rank_error(reports, rollcall=rc)
                 if deadline is not None and time.monotonic() >= deadline and not procs.done():
                     return False
         except BaseException:
@@ -248,11 +285,16 @@ def spawn(func, args=(), nprocs: int = -1, join: bool = True, daemon: bool = Fal
     ``nprocs=-1`` uses one process per GPU, or 2 on a CPU-only machine. If one rank raises or dies, the others are
     stopped and a :class:`RankError` names that rank (and any rank that never reached the rendezvous) with its
     traceback. ``options``: ``backend``, ``timeout`` (seconds), ``trace`` (a JSONL path, ``{rank}`` filled in),
-    ``threads`` (torch threads per rank, default 1), ``start_method``.
+    ``threads`` (torch threads per rank, default 1), ``start_method``, ``hang_after`` (seconds a rank may wait in
+    one collective before the roll-call is printed to stderr, default 5; None: no watchdog),
+    ``check_collectives`` (compare op, shapes and dtypes before each collective on gloo, default off). When a
+    collective times out, the error names the ranks that never entered it.
     """
     import torch
 
+    from . import watchdog
     from .env import DEFAULT_TIMEOUT_S
+    from .watchdog import DEFAULT_HANG_AFTER
 
     if nprocs == -1:
         nprocs = torch.cuda.device_count() or 2
@@ -266,11 +308,18 @@ def spawn(func, args=(), nprocs: int = -1, join: bool = True, daemon: bool = Fal
     if options.get("trace"):
         env["MESHVIZ_TRACE"] = str(options["trace"])
     env["MESHVIZ_THREADS"] = str(options.get("threads", 1))
+    hang_after = options.get("hang_after", DEFAULT_HANG_AFTER)
+    if hang_after is not None:
+        env[watchdog.HANG_AFTER_ENV] = str(float(hang_after))
+        env[watchdog.HOST_ENV] = "parent"
+    if options.get("check_collectives"):
+        env["MESHVIZ_CHECK_COLLECTIVES"] = "1"
     method = options.get("start_method")
     if method is None:
         method = "spawn" if _importable(func) else "fork"
     timeout = float(env.get("MESHVIZ_TIMEOUT", os.environ.get("MESHVIZ_TIMEOUT", DEFAULT_TIMEOUT_S)))
-    procs = RankProcesses(_spawn_entry, (func, tuple(args), nprocs, env), nprocs, timeout, method, daemon)
+    procs = RankProcesses(_spawn_entry, (func, tuple(args), nprocs, env), nprocs, timeout, method, daemon,
+                          hang_after=hang_after)
     ctx = SpawnContext(procs)
     if not join:
         return ctx

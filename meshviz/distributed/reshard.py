@@ -14,7 +14,7 @@ from ..core.partial import partial_fill
 from ..core.placements import ReduceType
 from ..core.planner import Plan, Step
 from ..rank_context import per_rank
-from . import groups
+from . import groups, rollcall
 from .comm import all_to_all_flat, divide_, reduction, run
 
 __all__ = ["run_plan", "run_step"]
@@ -241,8 +241,11 @@ def run_plan(plan: Plan, local, rank: int, *, dtype=None, device=None, name=None
             shape_before=list(plan.shape), shape_after=list(plan.shape), bytes=plan.total_bytes,
             local_shape=None if local is None else list(local.shape),
             values=None if local is None else trace.small_values(local),
-            extra={"target_mesh": plan.dst_mesh.to_dict(), "ops": plan.ops},
+            payload=trace.ReshardPlan(target_mesh=plan.dst_mesh.to_dict(), ops=tuple(plan.ops)),
         ))
+    if tracing:
+        module, backward = rollcall.issuer()
+        here = rollcall.where()
     for i, step in enumerate(plan.steps):
         part = step.group_of(rank)
         t0 = time.time()
@@ -256,7 +259,8 @@ def run_plan(plan: Plan, local, rank: int, *, dtype=None, device=None, name=None
                 placements_after=[repr(p) for p in step.after], shape_before=list(plan.shape),
                 shape_after=list(plan.shape), local_shape=None if local is None else list(local.shape),
                 values=None if local is None else trace.small_values(local),
-                extra={"dim": step.dim, "dst_dim": step.dst_dim,
-                       "reduce": None if step.reduce is None else step.reduce.short},
+                payload=trace.ReshardStep(dim=step.dim, dst_dim=step.dst_dim,
+                                          reduce=None if step.reduce is None else step.reduce.short,
+                                          where=here, module=module, backward=backward),
             ))
     return local

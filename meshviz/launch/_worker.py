@@ -25,7 +25,7 @@ def main() -> None:
     runpy.run_path(script, run_name="__main__")
     from meshviz.distributed.env import exit_quietly
 
-    exit_quietly(0)
+    exit_quietly(0, note="its script finished")
 
 
 if __name__ == "__main__":

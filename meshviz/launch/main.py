@@ -28,6 +28,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--job_id", default="default", help="run id shared by the nodes of one job")
     p.add_argument("--run_mode", default="collective", help="only 'collective' is supported")
     p.add_argument("--start_port", type=int, default=6070, help="master port with --ips and no --master")
+    p.add_argument("--hang_after", type=float, default=5.0, help="seconds a rank may wait in one collective "
+                   "before node 0 prints the roll-call (which rank waits where, which never arrived); 0: never")
+    p.add_argument("--check_collectives", action="store_true", help="compare op, shapes and dtypes across the "
+                   "ranks before each collective on gloo (gloo ends a process on a size mismatch)")
     p.add_argument("training_script", help="the script to run")
     p.add_argument("training_script_args", nargs=argparse.REMAINDER)
     return p.parse_args(argv)
@@ -108,8 +112,17 @@ def _build(args: argparse.Namespace):
         raise ValueError(f"--master must be ip:port, got {master!r}")
     if args.max_restart < 0:
         raise ValueError(f"--max_restart must be >= 0, got {args.max_restart}")
+    if args.hang_after < 0:
+        raise ValueError(f"--hang_after must be >= 0, got {args.hang_after}")
+
+    from ..distributed import watchdog
 
     env = {"MESHVIZ_LAUNCH_MERGE_STDERR": "1"}
+    if args.hang_after > 0:
+        env[watchdog.HANG_AFTER_ENV] = str(args.hang_after)
+        env[watchdog.HOST_ENV] = "parent"  # node 0's launcher prints the roll-call
+    if args.check_collectives:
+        env["MESHVIZ_CHECK_COLLECTIVES"] = "1"
     if devices:
         env["MESHVIZ_LAUNCH_DEVICES"] = ",".join(devices[:nproc])
         env["MESHVIZ_LAUNCH_GPU"] = "1" if gpus else "0"
@@ -220,12 +233,16 @@ def launch(argv=None) -> int:
         return 2
     print(_banner(args, config), flush=True)
     os.environ.update(env)
+    host = _rollcall_host(args, config)
     try:
         elastic_launch(config, entrypoint=sys.executable)(
             "-u", "-m", "meshviz.launch._worker", args.training_script, *args.training_script_args)
     except ChildFailedError as e:
         stopped = {-15, -9}  # the agent ends the other workers once one fails
         failed = sorted(r for r, f in e.failures.items() if f.exitcode not in stopped) or sorted(e.failures)
+        rc = host.blame() if host is not None else None
+        if rc is not None and rc.blame():
+            print("meshviz.launch: " + "\nmeshviz.launch: ".join(rc.blame()), file=sys.stderr)
         print(f"meshviz.launch: worker(s) with global rank {failed} failed; the others were stopped. Logs: "
               f"{os.path.join(args.log_dir, 'workerlog.N')}", file=sys.stderr)
         for rank in failed:
@@ -238,8 +255,22 @@ def launch(argv=None) -> int:
                 print("\n".join(tail), file=sys.stderr)
         return 1
     finally:
+        if host is not None:
+            host.stop()
         del store
     return 0
+
+
+def _rollcall_host(args, config):
+    """On node 0, the thread that prints the roll-call when a worker has waited ``--hang_after`` seconds in a
+    collective (it reads the agent's store, which may come up a moment later). None elsewhere or when off."""
+    if args.hang_after <= 0 or config.rdzv_configs["rank"] != 0:
+        return None
+    from ..distributed.watchdog import RollCallHost
+
+    host, _, port = config.rdzv_endpoint.rpartition(":")
+    world = config.min_nodes * config.nproc_per_node
+    return RollCallHost(host, int(port), world, args.hang_after, wait_for_store=60.0).start()
 
 
 def main(argv=None) -> None:

@@ -1,7 +1,20 @@
 """Events the runtime emits and the widgets draw, and where they go."""
 
+from .commtable import CommRow, CommTable, comm_table
 from .events import KINDS, MAX_VALUES, Event, from_json, small_values, to_json
 from .ownership import Ownership
+from .payloads import (
+    Collective,
+    Compute,
+    Note,
+    Payload,
+    PipelineStep,
+    Placed,
+    ReshardPlan,
+    ReshardStep,
+    Share,
+    Transfer,
+)
 from .recorder import (
     JSONLSink,
     MemorySink,
@@ -10,16 +23,21 @@ from .recorder import (
     clear_sinks,
     emit,
     load_events,
+    on_active,
     record,
     remove_sink,
     replay,
+    set_cell,
     set_rank,
     sinks,
     span,
 )
+from .status import RankStatus, RollCall, Situation
 
 __all__ = [
     "Event", "KINDS", "MAX_VALUES", "small_values", "to_json", "from_json", "Ownership",
-    "active", "emit", "span", "add_sink", "remove_sink", "clear_sinks", "sinks", "set_rank",
+    "Payload", "Placed", "ReshardPlan", "ReshardStep", "Collective", "Transfer", "Compute", "PipelineStep", "Share",
+    "Note", "RankStatus", "RollCall", "Situation", "CommRow", "CommTable", "comm_table",
+    "active", "on_active", "emit", "span", "add_sink", "remove_sink", "clear_sinks", "sinks", "set_rank", "set_cell",
     "MemorySink", "JSONLSink", "record", "replay", "load_events",
 ]

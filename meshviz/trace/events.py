@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..rank_context import per_rank
+from .payloads import Payload, from_legacy, payload_from_dict
 
 __all__ = ["Event", "KINDS", "MAX_VALUES", "small_values", "to_json", "from_json", "now"]
 
@@ -24,6 +25,19 @@ KINDS = {
     "compute": "a block of compute (pipeline forward/backward of a micro-batch, a training step)",
     "ownership": "which rank owns which parameter/gradient/optimizer-state shard",
     "mark": "a free-form marker (cell start, step boundary)",
+}
+
+# kind of event -> the payload type it carries (``mark``: a PipelineStep at a pipeline step, else none or a Note)
+PAYLOAD_OF = {
+    "placed": "Placed",
+    "reshard": "ReshardPlan",
+    "reshard_step": "ReshardStep",
+    "collective": "Collective",
+    "send": "Transfer (a pipeline stage) or Collective (the collective API)",
+    "recv": "Transfer (a pipeline stage) or Collective (the collective API)",
+    "compute": "Compute (a pipeline block)",
+    "ownership": "Share",
+    "mark": "PipelineStep (op 'pipeline_step') or Note",
 }
 
 MAX_VALUES = 64  # tensor elements an event may carry
@@ -55,19 +69,29 @@ class Event:
     values: list | None = None  # at most MAX_VALUES elements of the local value, row-major
     plan_id: int | None = None
     step: int | None = None  # index of the step in its plan
-    extra: dict = field(default_factory=dict)
+    cell: int | None = None  # the notebook cell (a Cluster's execution on this rank) that emitted it
+    payload: Payload | None = None  # what this kind of event carries beyond these fields (meshviz.trace.payloads)
 
     @property
     def duration(self) -> float:
         return 0.0 if self.end is None else self.end - self.start
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        d = dict(self.__dict__)
+        if self.payload is not None:
+            d["payload"] = self.payload.to_dict()
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "Event":
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in names})
+        """The event a dict from :meth:`to_dict` (or JSON) describes; a file recorded before the typed payloads
+        (an ``extra`` dict) loads with the matching payload."""
+        kw = {k: v for k, v in d.items() if k in _NAMES}
+        if "payload" in kw:
+            kw["payload"] = payload_from_dict(kw["payload"])
+        elif "extra" in d:
+            kw["payload"] = from_legacy(d.get("kind", ""), d.get("op"), d.get("extra"))
+        return cls(**kw)
 
 
 def small_values(tensor, limit: int = MAX_VALUES) -> list | None:
@@ -85,7 +109,12 @@ def small_values(tensor, limit: int = MAX_VALUES) -> list | None:
         return None
 
 
+_NAMES = frozenset(f.name for f in dataclasses.fields(Event))
+
+
 def _default(o: Any):
+    if isinstance(o, Payload):
+        return o.to_dict()
     if hasattr(o, "tolist"):
         return o.tolist()
     if isinstance(o, (set, tuple)):

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 
 from .events import Event
+from .payloads import Share
 
 __all__ = ["PARTS", "Ownership"]
 
@@ -52,12 +53,9 @@ class Ownership:
         return {p: list(self.held) if p in self.sharded else [0, self.numel] for p in PARTS}
 
     def to_event(self) -> Event:
-        extra = {"sharded": list(self.sharded), "numel": self.numel}
-        if self.mode is not None:
-            extra["mode"] = self.mode
-        if self.ranges is not None:
-            extra["ranges"] = [list(r) for r in self.ranges]
-        extra.update(self.holds() or {})
+        share = Share(sharded=tuple(self.sharded), numel=self.numel, mode=self.mode,
+                      ranges=None if self.ranges is None else tuple(tuple(r) for r in self.ranges),
+                      holds=self.holds())
         return Event(
             kind="ownership",
             name=self.name,
@@ -69,7 +67,7 @@ class Ownership:
             placements_after=None if self.placements is None else list(self.placements),
             shape_after=list(self.shape),
             local_shape=None if self.local_shape is None else list(self.local_shape),
-            extra=extra,
+            payload=share,
         )
 
     @classmethod
@@ -77,11 +75,11 @@ class Ownership:
         """The record an ``ownership`` event carries (the inverse of ``to_event``)."""
         if e.kind != "ownership":
             raise ValueError(f"Ownership.from_event: not an ownership event (kind {e.kind!r})")
-        x = e.extra or {}
+        x = e.payload if isinstance(e.payload, Share) else Share()
         held = None
-        sharded = tuple(x.get("sharded", ()))
-        if sharded and sharded[0] in x:
-            held = tuple(x[sharded[0]])
+        sharded = tuple(x.sharded)
+        if sharded and x.holds and sharded[0] in x.holds:
+            held = tuple(x.holds[sharded[0]])
         return cls(
             name=e.name,
             level=e.op,
@@ -89,8 +87,8 @@ class Ownership:
             shape=tuple(e.shape_after or ()),
             group=None if e.group is None else tuple(e.group),
             held=held,
-            ranges=None if "ranges" not in x else tuple(tuple(r) for r in x["ranges"]),
-            mode=x.get("mode"),
+            ranges=None if x.ranges is None else tuple(tuple(r) for r in x.ranges),
+            mode=x.mode,
             local_shape=None if e.local_shape is None else tuple(e.local_shape),
             nbytes=e.bytes,
             mesh=e.mesh,

@@ -13,6 +13,8 @@ from .events import Event, from_json, to_json
 
 __all__ = [
     "active",
+    "on_active",
+    "set_cell",
     "emit",
     "span",
     "add_sink",
@@ -30,6 +32,9 @@ __all__ = [
 _sinks = per_rank(list)  # Callable[[Event], None] each; every rank has its own (ranks may be threads of one process)
 _lock = threading.Lock()
 _rank = per_rank(lambda: [None])  # [rank events are stamped with]
+_cell = per_rank(lambda: [None])  # [engine cell events are stamped with]
+_watchers: list[Callable[[bool], None]] = []
+_active_ranks = [0]  # rank contexts with a sink: module hooks stay while any rank traces
 
 
 def active() -> bool:
@@ -39,6 +44,35 @@ def active() -> bool:
 
 def set_rank(rank: int | None) -> None:
     _rank[0] = rank
+
+
+def set_cell(cell: int | None) -> None:
+    """Events emitted from now on carry ``cell`` (a Cluster's engine sets it as each cell starts)."""
+    _cell[0] = cell
+
+
+def on_active(callback: Callable[[bool], None]) -> Callable[[bool], None]:
+    """Call ``callback(True)`` when tracing turns on (a first sink is added) and ``callback(False)`` when it turns
+    off; at once with the current state. What tracing alone needs (module hooks) comes and goes with it."""
+    _watchers.append(callback)
+    callback(_active_ranks[0] > 0)
+    return callback
+
+
+def _changed(was: bool) -> None:
+    now = bool(_sinks)
+    if now == was:
+        return
+    with _lock:
+        before = _active_ranks[0]
+        _active_ranks[0] += 1 if now else -1
+        after = _active_ranks[0]
+    if (before > 0) != (after > 0):
+        for cb in list(_watchers):
+            try:
+                cb(after > 0)
+            except Exception:
+                pass
 
 
 def _my_rank() -> int:
@@ -52,6 +86,8 @@ def _my_rank() -> int:
 def emit(event: Event) -> Event:
     if event.rank < 0:
         event.rank = _my_rank()
+    if event.cell is None:
+        event.cell = _cell[0]
     if event.end is None:
         event.end = time.time()
     for sink in list(_sinks.here()):
@@ -79,16 +115,20 @@ def span(kind: str, **fields):
 
 def add_sink(sink: Callable[[Event], None]) -> Callable[[Event], None]:
     with _lock:
+        was = bool(_sinks)
         if sink not in _sinks:
             _sinks.append(sink)
+    _changed(was)
     return sink
 
 
 def remove_sink(sink, close: bool = True) -> None:
     """Stop sending events to ``sink``; also close it (a file) unless ``close=False``."""
     with _lock:
+        was = bool(_sinks)
         if sink in _sinks:
             _sinks.remove(sink)
+    _changed(was)
     closer = getattr(sink, "close", None) if close else None
     if closer is not None:
         closer()

@@ -12,7 +12,7 @@ import time
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-__all__ = ["View", "Live", "Replayer", "as_events", "new_figure", "fig_png"]
+__all__ = ["View", "Live", "Replayer", "as_events", "new_figure", "fig_png", "target_mesh", "plan_ops"]
 
 DPI = 90
 STATIC_DPI = 72  # the picture stored in notebooks beside the widget
@@ -48,6 +48,21 @@ def as_events(source):
     except TypeError:
         raise ValueError(f"source must be a Cluster, a list of events or a JSONL path, got {source!r}") from None
     return [e if isinstance(e, Event) else Event.from_dict(e) for e in events], None
+
+
+def target_mesh(e) -> dict | None:
+    """The mesh a ``reshard`` event moves its tensor to (None when the event does not say)."""
+    from ..trace import ReshardPlan
+
+    return e.payload.target_mesh if isinstance(e.payload, ReshardPlan) else None
+
+
+def plan_ops(e) -> list | None:
+    """The step ops of a ``reshard`` event's plan (None when the event does not say)."""
+    from ..trace import ReshardPlan
+
+    p = e.payload
+    return list(p.ops) if isinstance(p, ReshardPlan) and p.ops is not None else None
 
 
 class Live:

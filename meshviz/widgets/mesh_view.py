@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..core import ProcessMesh
-from .base import View
+from .base import View, target_mesh
 from .draw import draw_mesh
 from .style import GREY
 
@@ -73,7 +73,7 @@ class MeshView(View):
         super()._ingest(events)
         for e in events:
             if e.kind in ("placed", "reshard") and e.mesh:
-                tgt = (e.extra or {}).get("target_mesh") if e.kind == "reshard" else None
+                tgt = target_mesh(e) if e.kind == "reshard" else None
                 self.set_within(tgt or e.mesh)
 
     def _size(self):

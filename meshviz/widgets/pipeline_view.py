@@ -10,7 +10,7 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
 from ..core.schedule import bubble_formula, schedule_orders
-from ..trace import Event
+from ..trace import Compute, Event, Transfer
 from .base import View
 
 __all__ = ["PipelineView", "synthetic_schedule"]
@@ -68,17 +68,17 @@ def synthetic_schedule(stages: int = 4, micro_batches: int = 8, schedule: str = 
                 done[(ph, vs, mb)] = end
                 free[d] = end
                 events.append(Event(kind="compute", rank=ranks[d], seq=seq, start=ready, end=end, name=f"{ph}{mb}",
-                                    op=ph, extra={"stage": vs, "micro_batch": mb, "phase": ph, "chunk": vs // p}))
+                                    op=ph, payload=Compute(stage=vs, micro_batch=mb, phase=ph, chunk=vs // p)))
                 seq += 1
                 nxt = vs + 1 if ph == "F" else vs - 1
                 if 0 <= nxt < nv and nxt % p != d:
                     dst = nxt % p
                     events.append(Event(kind="send", rank=ranks[d], seq=seq, start=end, end=end, op="send",
                                         peer=ranks[dst], bytes=bytes_per_transfer,
-                                        extra={"micro_batch": mb, "phase": ph}))
+                                        payload=Transfer(micro_batch=mb, phase=ph)))
                     events.append(Event(kind="recv", rank=ranks[dst], seq=seq + 1, start=end, end=end + comm,
                                         op="recv", peer=ranks[d], bytes=bytes_per_transfer,
-                                        extra={"micro_batch": mb, "phase": ph}))
+                                        payload=Transfer(micro_batch=mb, phase=ph)))
                     seq += 2
                 pos[d] += 1
                 remaining -= 1
@@ -90,7 +90,7 @@ def synthetic_schedule(stages: int = 4, micro_batches: int = 8, schedule: str = 
 
 
 class PipelineView(View):
-    """A timeline from events (``compute`` with extra stage/micro_batch/phase, ``send``/``recv``, cross-mesh
+    """A timeline from events (``compute`` with a Compute payload: stage/micro_batch/phase, ``send``/``recv``, cross-mesh
     ``reshard_step`` send/recv, collectives): ``PipelineView(events)``, ``PipelineView(source=cluster)``, or
     ``PipelineView.synthetic(stages=4, micro_batches=8, schedule='1F1B')``.
     """
@@ -116,10 +116,10 @@ class PipelineView(View):
         super()._ingest(events)
         for e in events:
             if e.kind == "compute":
-                x = e.extra or {}
-                ph = str(x.get("phase", e.op if e.op in PHASE_COLOUR else "F"))
-                self.blocks.append({"rank": e.rank, "stage": x.get("stage"), "micro_batch": x.get("micro_batch"),
-                                    "phase": ph, "chunk": x.get("chunk", 0), "start": e.start,
+                x = e.payload if isinstance(e.payload, Compute) else Compute()
+                ph = str(x.phase if x.phase is not None else (e.op if e.op in PHASE_COLOUR else "F"))
+                self.blocks.append({"rank": e.rank, "stage": x.stage, "micro_batch": x.micro_batch,
+                                    "phase": ph, "chunk": x.chunk or 0, "start": e.start,
                                     "end": e.end if e.end is not None else e.start, "name": e.name})
             elif e.kind in ("send", "recv") and e.peer is not None:
                 if e.kind == "send":

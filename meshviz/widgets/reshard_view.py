@@ -7,7 +7,7 @@ import numpy as np
 from ..core import ProcessMesh, parse_placement
 from ..core.placements import placements_str
 from ..core.planner import Plan, apply_step, initial_locals, plan_reshard
-from .base import View, fig_png, new_figure
+from .base import View, fig_png, new_figure, plan_ops, target_mesh
 from .mesh_view import as_mesh
 from .style import fmt_bytes
 from .tensor_view import TensorState, draw_tensor_state, state_panels, tensor_state
@@ -136,7 +136,7 @@ class ReshardView(View):
                     if e.plan_id < cur:  # a slower rank's record of an earlier reshard: never step back
                         continue
                 src = ProcessMesh.from_dict(e.mesh)
-                dst = ProcessMesh.from_dict((e.extra or {}).get("target_mesh") or e.mesh)
+                dst = ProcessMesh.from_dict(target_mesh(e) or e.mesh)
                 plan = plan_reshard(e.shape_before, src, e.placements_before, dst, e.placements_after, 1)
                 itemsize = max(1, round(e.bytes / plan.total_bytes)) if plan.total_bytes and e.bytes else 4
                 if itemsize != 1:
@@ -148,7 +148,7 @@ class ReshardView(View):
                 self._take_before(e)
                 self.ran = set()
                 self.mismatch = []
-                ops = (e.extra or {}).get("ops")
+                ops = plan_ops(e)
                 if ops is not None and list(ops) != plan.ops:
                     self.mismatch.append(f"event lists {ops}, planner says {plan.ops}")
                 if self.follow:

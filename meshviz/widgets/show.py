@@ -1,14 +1,19 @@
-"""``meshviz.show(obj)``: the right view for a mesh, a layout, a tensor, a plan, events or a cluster."""
+"""``meshviz.show(obj)``: the right view for a mesh, a layout, a tensor, a plan, events, a cluster, a roll-call
+(``cluster.status()``) or a comm table."""
 
 from __future__ import annotations
 
 import os
 
 from ..core import Layout, Plan, ProcessMesh
+from ..trace.commtable import CommTable
+from ..trace.status import RankStatus, RollCall
 from .base import View, as_events
+from .comm_view import CommView
 from .mesh_view import MeshView
 from .pipeline_view import PipelineView
 from .reshard_view import ReshardView
+from .rollcall_view import RollCallView
 from .tensor_view import TensorView
 
 __all__ = ["show", "view_for_events"]
@@ -30,6 +35,11 @@ def show(obj, **kw) -> View:
     """A view of ``obj``; in a notebook, the returned view draws itself when it is a cell's last expression."""
     if isinstance(obj, View):
         return obj
+    if isinstance(obj, RollCall) or (isinstance(obj, (list, tuple)) and obj
+                                     and all(isinstance(s, RankStatus) for s in obj)):
+        return RollCallView(obj, **kw)
+    if isinstance(obj, CommTable):
+        return CommView(obj, **kw)
     if isinstance(obj, ProcessMesh):
         return MeshView(obj, **kw)
     if isinstance(obj, Layout):

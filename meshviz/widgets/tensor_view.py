@@ -10,7 +10,7 @@ from ..core import Partial, ProcessMesh, layout, parse_placement
 from ..core.layout import dense_to_local
 from ..core.placements import placements_str
 from ..core.planner import assemble
-from .base import View
+from .base import View, plan_ops, target_mesh
 from .draw import draw_blocks, draw_mesh
 from .mesh_view import as_mesh
 from .style import GREY, block_colours
@@ -241,9 +241,9 @@ class TensorView(View):
                 self._set_layout(e.shape_after, e.mesh, e.placements_after, e.tensor_id)
                 self._take_values(e)
             elif e.kind == "reshard" and e.mesh:
-                tgt = (e.extra or {}).get("target_mesh") or e.mesh
+                tgt = target_mesh(e) or e.mesh
                 self._set_layout(e.shape_after or e.shape_before, tgt, e.placements_after, e.tensor_id)
-                self._pending_steps = len((e.extra or {}).get("ops") or [])
+                self._pending_steps = len(plan_ops(e) or [])
             elif e.kind == "reshard_step" and self.state is not None and e.step is not None:
                 if e.step == getattr(self, "_pending_steps", 0) - 1:
                     self._take_values(e)

@@ -7,7 +7,7 @@ from torch import nn
 
 from ... import compat, trace
 from ...core.schedule import fthenb_order, one_f_one_b_order
-from ...trace import Event
+from ...trace import Event, PipelineStep
 from .layers import PipelineLayer
 
 __all__ = ["PipelineParallel", "SCHEDULE_MODES", "resolve_schedule", "check_pipeline_config", "ActivationMeter"]
@@ -156,14 +156,17 @@ class PipelineParallel(nn.Module):
 
     Events (``meshviz.trace``), one per block and per transfer, on the rank that ran it:
 
-    - ``compute``: ``op`` and ``extra['phase']`` 'F' (forward), 'B' (backward; input-grad only under ZBH1) or 'W'
-      (weight-grad, ZBH1); ``extra`` also has ``stage`` (global virtual stage index), ``chunk`` (this rank's chunk,
-      ``stage // pp_degree``), ``micro_batch``, ``step`` (train/eval call number) and, while tracing,
-      ``live_activation_bytes`` (bytes saved for backward still held after the block). ``start``/``end`` measured.
-    - ``send`` / ``recv``: ``peer`` (the other global rank), ``bytes``, ``group`` [src, dst], ``extra``
-      {micro_batch, phase ('F' activations, 'B' gradients), stage, src_stage, dst_stage, step, transfer}; the
-      ``transfer`` string is the same on both sides and pairs them. A recv runs from posting to the wait's end.
-    - ``mark`` with ``op='pipeline_step'`` at each step: extra {schedule, p, m, v, step, stage, eval}.
+    - ``compute``: ``op`` and ``payload.phase`` 'F' (forward), 'B' (backward; input-grad only under ZBH1) or 'W'
+      (weight-grad, ZBH1); the :class:`~meshviz.trace.Compute` payload also has ``stage`` (global virtual stage
+      index), ``chunk`` (this rank's chunk, ``stage // pp_degree``), ``micro_batch``, ``step`` (train/eval call
+      number) and, while tracing, ``live_activation_bytes`` (bytes saved for backward still held after the
+      block). ``start``/``end`` measured.
+    - ``send`` / ``recv``: ``peer`` (the other global rank), ``bytes``, ``group`` [src, dst], a
+      :class:`~meshviz.trace.Transfer` payload (micro_batch, phase ('F' activations, 'B' gradients), stage,
+      src_stage, dst_stage, step, transfer); the ``transfer`` string is the same on both sides and pairs them.
+      A recv runs from posting to the wait's end.
+    - ``mark`` with ``op='pipeline_step'`` at each step: a :class:`~meshviz.trace.PipelineStep` payload (schedule,
+      p, m, v, step, stage, eval).
     - The final loss broadcast and dp / shared-weight gradient all-reduces are ``collective`` events.
 
     Where meshviz follows Paddle rather than torch: micro-batches are rows ``[k*mbs, (k+1)*mbs)`` of a batch of
@@ -293,9 +296,9 @@ class PipelineParallel(nn.Module):
         if trace.active():
             trace.emit(Event(kind="mark", op="pipeline_step", name=f"{self.schedule_mode} step {self._step}",
                              group=list(self._ranks),
-                             extra={"schedule": "FThenB" if eval_mode else self.schedule_mode, "p": self.num_stages,
-                                    "m": m, "v": self.num_virtual_stages, "step": self._step,
-                                    "stage": self.stage_id, "eval": eval_mode}))
+                             payload=PipelineStep(schedule="FThenB" if eval_mode else self.schedule_mode,
+                                                  p=self.num_stages, m=m, v=self.num_virtual_stages, step=self._step,
+                                                  stage=self.stage_id, eval=eval_mode)))
         self.meter.reset()
         run = sched.eval if (eval_mode and loss is not None) else sched.step
         return run(*args, target=target)

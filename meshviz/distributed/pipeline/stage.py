@@ -7,7 +7,7 @@ import time
 from torch.distributed.pipelining import PipelineStage
 
 from ... import trace
-from ...trace import Event
+from ...trace import Compute, Event, Transfer
 
 __all__ = ["TracedStage"]
 
@@ -37,9 +37,10 @@ class TracedStage(PipelineStage):
     def _peer(self, stage_index: int) -> int:
         return self._ranks[stage_index % self._p]
 
-    def _xfer_fields(self, phase, mb, src, dst):
-        return {"micro_batch": mb, "phase": phase, "stage": self.stage_index, "src_stage": src, "dst_stage": dst,
-                "step": self._step_ref(), "transfer": f"{self._step_ref()}:{phase}{mb}:s{src}->s{dst}"}
+    def _transfer(self, phase, mb, src, dst) -> Transfer:
+        step = self._step_ref()
+        return Transfer(micro_batch=mb, phase=phase, stage=self.stage_index, src_stage=src, dst_stage=dst, step=step,
+                        transfer=f"{step}:{phase}{mb}:s{src}->s{dst}")
 
     def _posted_recv(self, phase, mb, ops):
         if ops and trace.active():
@@ -55,7 +56,7 @@ class TracedStage(PipelineStage):
         trace.emit(Event(kind="recv", start=t0, end=time.time(), op="recv", peer=self._peer(src), bytes=nbytes,
                          group=[self._peer(src), self._peer(self.stage_index)],
                          name=f"{'act' if phase == 'F' else 'grad'} mb{mb} s{src}->s{self.stage_index}",
-                         extra=self._xfer_fields(phase, mb, src, self.stage_index)))
+                         payload=self._transfer(phase, mb, src, self.stage_index)))
 
     def _emit_send(self, phase, mb, ops):
         if ops and trace.active():
@@ -64,7 +65,7 @@ class TracedStage(PipelineStage):
             trace.emit(Event(kind="send", start=t, end=t, op="send", peer=self._peer(dst), bytes=_nbytes(ops),
                              group=[self._peer(self.stage_index), self._peer(dst)],
                              name=f"{'act' if phase == 'F' else 'grad'} mb{mb} s{self.stage_index}->s{dst}",
-                             extra=self._xfer_fields(phase, mb, self.stage_index, dst)))
+                             payload=self._transfer(phase, mb, self.stage_index, dst)))
         return ops
 
     def get_fwd_recv_ops(self, fwd_chunk_id):
@@ -81,11 +82,9 @@ class TracedStage(PipelineStage):
 
     # -- compute -------------------------------------------------------------------------------------
     def _emit_compute(self, phase, mb, t0):
-        extra = {"stage": self.stage_index, "micro_batch": mb, "phase": phase, "chunk": self.stage_index // self._p,
-                 "step": self._step_ref()}
-        if self._meter is not None:
-            extra["live_activation_bytes"] = self._meter.live
-        trace.emit(Event(kind="compute", start=t0, end=time.time(), op=phase, name=f"{phase}{mb}", extra=extra))
+        block = Compute(stage=self.stage_index, micro_batch=mb, phase=phase, chunk=self.stage_index // self._p,
+                        step=self._step_ref(), live_activation_bytes=None if self._meter is None else self._meter.live)
+        trace.emit(Event(kind="compute", start=t0, end=time.time(), op=phase, name=f"{phase}{mb}", payload=block))
 
     def forward_one_chunk(self, fwd_chunk_id, args, kwargs=None, save_forward_output=True):
         if not trace.active():

@@ -4,19 +4,29 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+from ...trace import Compute, Transfer
+
 __all__ = ["measured_bubble", "compute_order", "peak_activation_bytes", "transfers"]
+
+
+def _block(e) -> Compute | None:
+    """The Compute payload of a pipeline block event (None for any other event)."""
+    if e.kind == "compute" and isinstance(e.payload, Compute) and e.payload.phase is not None:
+        return e.payload
+    return None
 
 
 def _steps(events):
     by = defaultdict(list)
     for e in events:
-        if e.kind == "compute" and (e.extra or {}).get("phase") is not None:
-            by[(e.extra or {}).get("step")].append(e)
+        b = _block(e)
+        if b is not None:
+            by[b.step].append(e)
     return by
 
 
 def measured_bubble(events, step=None) -> float:
-    """1 - busy / (ranks x makespan) over the pipeline's compute blocks (kind 'compute' with extra 'phase').
+    """1 - busy / (ranks x makespan) over the pipeline's compute blocks (kind 'compute' with a Compute payload).
 
     The makespan runs from the first block's start to the last block's end over all ranks. Blocks carry their
     ``step``; ``step=None`` averages over the steps present, an int picks one.
@@ -42,23 +52,27 @@ def measured_bubble(events, step=None) -> float:
 
 def compute_order(events, rank: int, step=None) -> list[tuple[str, int, int]]:
     """The (phase, stage, micro-batch) blocks a rank ran, in time order."""
-    blocks = [e for e in events if e.kind == "compute" and e.rank == rank and (e.extra or {}).get("phase")
-              and (step is None or e.extra.get("step") == step)]
+    blocks = [e for e in events if e.rank == rank and _block(e) is not None
+              and (step is None or e.payload.step == step)]
     blocks.sort(key=lambda e: (e.start, e.seq))
-    return [(e.extra["phase"], e.extra["stage"], e.extra["micro_batch"]) for e in blocks]
+    return [(e.payload.phase, e.payload.stage, e.payload.micro_batch) for e in blocks]
 
 
 def peak_activation_bytes(events, rank: int | None = None, step=None) -> int:
     """Largest ``live_activation_bytes`` a compute block reported (per rank, or the max over ranks)."""
-    vals = [e.extra.get("live_activation_bytes", 0) for e in events if e.kind == "compute" and e.extra
-            and (rank is None or e.rank == rank) and (step is None or e.extra.get("step") == step)]
+    vals = [e.payload.live_activation_bytes or 0 for e in events
+            if e.kind == "compute" and isinstance(e.payload, Compute)
+            and (rank is None or e.rank == rank) and (step is None or e.payload.step == step)]
     return max(vals, default=0)
 
 
 def transfers(events) -> list[tuple]:
     """Stage transfers matched across ranks: (transfer key, src rank, dst rank, bytes, sent at, received at)."""
-    sends = {e.extra["transfer"]: e for e in events if e.kind == "send" and (e.extra or {}).get("transfer")}
-    recvs = {e.extra["transfer"]: e for e in events if e.kind == "recv" and (e.extra or {}).get("transfer")}
+    def keyed(kind):
+        return {e.payload.transfer: e for e in events
+                if e.kind == kind and isinstance(e.payload, Transfer) and e.payload.transfer}
+
+    sends, recvs = keyed("send"), keyed("recv")
     out = []
     for k in sorted(set(sends) & set(recvs)):
         s, r = sends[k], recvs[k]

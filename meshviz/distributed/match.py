@@ -1,0 +1,153 @@
+"""Collective matching: before a collective on a gloo group, the members compare what they are about to run.
+
+Gloo aborts the whole process when the members of a collective pass tensors of different sizes ("terminate
+called after throwing an instance of 'gloo::EnforceNotMet'"), and silently pairs two different collectives of
+the same size. With checking on, each member first all-gathers a small fixed-size fingerprint (the op, the
+roll-call's sequence number, the shapes and dtypes), and every member raises :class:`CollectiveMismatch`,
+naming both sides, before any data moves; the process group stays usable. It costs one small all-gather per
+collective (bench/README.md); NCCL groups are not checked (a mismatch there hangs, and the roll-call names it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import zlib
+
+import torch
+import torch.distributed as tdist
+
+from ..trace.status import SHAPED_OPS, RankStatus, RollCall
+
+__all__ = ["CollectiveMismatch", "checking", "set_checking", "check_match", "fingerprint"]
+
+_SLOTS = 16
+_MAX_DIMS = 6
+_OPS = ["all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter", "gather", "scatter", "alltoall",
+        "alltoall_single", "all_to_all", "barrier", "all_gather_object", "broadcast_object_list",
+        "scatter_object_list"]
+_DTYPES = ["float32", "float64", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool",
+           "complex64", "complex128"]
+
+
+class CollectiveMismatch(RuntimeError):
+    """The members of a group entered different collectives, or the same one with different shapes or dtypes.
+    ``ranks``: the members that disagree with the majority (all of them when there is none); ``line``: what
+    each one entered."""
+
+    def __init__(self, line: str, ranks: list[int]):
+        self.line = line
+        self.ranks = list(ranks)
+        super().__init__(line)
+
+    def __reduce__(self):
+        return (CollectiveMismatch, (self.line, self.ranks))
+
+
+_state = {"on": None}
+
+
+def checking() -> bool:
+    """Whether collectives on gloo groups are checked first (``MESHVIZ_CHECK_COLLECTIVES=1``, or
+    :func:`set_checking`)."""
+    on = _state["on"]
+    if on is None:
+        on = _state["on"] = os.environ.get("MESHVIZ_CHECK_COLLECTIVES", "0") not in ("", "0", "false", "False")
+    return on
+
+
+def set_checking(on: bool) -> bool:
+    """Turn the check on or off on this rank (every rank of a group must agree); returns the old setting."""
+    old = checking()
+    _state["on"] = bool(on)
+    return old
+
+
+def _code(name, table) -> int:
+    try:
+        return table.index(name)
+    except ValueError:
+        return 1000 + zlib.crc32(str(name).encode()) % 1_000_000
+
+
+def _dtype(t) -> str:
+    return str(t.dtype).replace("torch.", "")
+
+
+def fingerprint(op: str, seq: int, tensors=(), root=None) -> list[int]:
+    """``_SLOTS`` integers saying what this rank is about to run."""
+    ts = [t for t in tensors if isinstance(t, torch.Tensor)]
+    fp = [0] * _SLOTS
+    fp[0] = int(seq)
+    fp[1] = _code(op, _OPS)
+    fp[2] = len(ts)
+    if ts:
+        first = ts[0]
+        fp[3] = _code(_dtype(first), _DTYPES)
+        fp[4] = first.dim()
+        for i, d in enumerate(list(first.shape)[:_MAX_DIMS]):
+            fp[5 + i] = int(d)
+    fp[11] = sum(t.numel() for t in ts)
+    fp[12] = zlib.crc32(repr([(_dtype(t), tuple(t.shape)) for t in ts]).encode())
+    fp[13] = -1 if root is None else int(root)
+    return fp
+
+
+def _status(rank: int, op: str, fp: list[int]) -> RankStatus:
+    n, ndim = fp[2], fp[4]
+    shapes = dtypes = None
+    if n:
+        shape = tuple(fp[5 : 5 + min(ndim, _MAX_DIMS)])
+        shapes = (shape,) + ((("...",),) if n > 1 else ())
+        d = fp[3]
+        dtypes = (_DTYPES[d] if d < len(_DTYPES) else f"dtype#{d}",) + (("",) if n > 1 else ())
+    name = _OPS[fp[1]] if fp[1] < len(_OPS) else (op if fp[1] == _code(op, _OPS) else f"op#{fp[1]}")
+    return RankStatus(rank=rank, state="in_collective", op=name, seq=fp[0], shapes=shapes, dtypes=dtypes)
+
+
+def _differs(op: str, a: list[int], b: list[int]) -> bool:
+    if a[:2] != b[:2]:  # seq, op
+        return True
+    if op in SHAPED_OPS:
+        return a[12] != b[12] or a[13] != b[13]
+    return a[3] != b[3] and a[2] and b[2]  # dtypes, where shapes may differ per rank (all-to-all pieces)
+
+
+def check_match(g, op: str, seq: int, tensors=(), root=None) -> None:
+    """All-gather this rank's fingerprint over group ``g`` (a gloo group; others are left alone) and raise
+    :class:`CollectiveMismatch` on every member when they differ."""
+    pg = g.process_group
+    gloo = getattr(g, "_gloo", None)
+    if gloo is None:
+        try:
+            gloo = tdist.get_backend(pg) == "gloo"
+        except Exception:
+            gloo = False
+        g._gloo = gloo
+    if not gloo:
+        return
+    mine = torch.tensor(fingerprint(op, seq, tensors, root), dtype=torch.int64)
+    out = torch.empty(g.nranks * _SLOTS, dtype=torch.int64)
+    from .. import compat
+
+    compat.all_gather_single(out, mine, group=pg)
+    rows = out.view(g.nranks, _SLOTS).tolist()
+    me = rows[g.rank]
+    if not any(_differs(op, me, r) for r in rows):
+        return
+    counts: dict = {}
+    for r in rows:
+        counts.setdefault(tuple(r), 0)
+        counts[tuple(r)] += 1
+    common = max(counts.values())
+    majority = [k for k, c in counts.items() if c == common]
+    odd = [g.ranks[i] for i, r in enumerate(rows) if len(majority) > 1 or tuple(r) != majority[0]]
+    statuses = [_status(rank, op, r) for rank, r in zip(g.ranks, rows)]
+    statuses = [dataclasses.replace(s, group=tuple(g.ranks)) for s in statuses]
+    found = RollCall(statuses).mismatches()
+    if found:
+        line = found[0].line()
+    else:  # the same op with different sequence numbers: one side skipped an earlier collective on this group
+        line = f"mismatch on group {list(g.ranks)}: " + "; ".join(
+            f"rank {s.rank} entered {s.op} #{s.seq}" for s in statuses)
+    raise CollectiveMismatch(line, odd)

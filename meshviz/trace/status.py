@@ -1,0 +1,326 @@
+"""Roll-call records: what each rank is doing (plain data), and what a set of them says about a hang."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
+
+__all__ = ["STATES", "RankStatus", "RollCall", "Situation", "describe", "SHAPED_OPS"]
+
+STATES = ("idle", "running", "in_collective", "dead", "unknown")
+
+# collectives whose tensors must have the same shapes and dtypes on every member (others may differ per rank)
+SHAPED_OPS = frozenset({"all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter", "gather", "scatter"})
+
+
+@dataclass(frozen=True)
+class RankStatus:
+    """One rank's roll-call answer.
+
+    ``state``: ``"idle"`` (nothing running), ``"running"`` (a cell or function runs, outside any collective),
+    ``"in_collective"`` (inside ``op``, the ``seq``-th collective this rank entered on ``group``, for
+    ``waiting_s`` seconds), ``"dead"`` (its process is gone) or ``"unknown"`` (it did not answer).
+    ``where``: the user's code the rank is at (``"line 3 of the cell"``, ``"train.py:12 in step"``).
+    ``entered``: (group, how many collectives this rank entered on it) for every group it used.
+    ``note``: why it is idle or dead, or what kind of wait it is ("DataParallel gradients").
+    ``stack``: the rank's Python stack, when asked for.
+    """
+
+    rank: int
+    state: str
+    op: str | None = None
+    group: tuple | None = None
+    seq: int | None = None
+    waiting_s: float | None = None
+    where: str | None = None
+    bytes: int | None = None
+    shapes: tuple | None = None
+    dtypes: tuple | None = None
+    cell: int | None = None
+    entered: tuple = ()
+    note: str | None = None
+    stack: str | None = None
+
+    def __post_init__(self):
+        if self.state not in STATES:
+            raise ValueError(f"RankStatus: state must be one of {STATES}, got {self.state!r}")
+
+    def entered_on(self, group) -> int:
+        """How many collectives this rank entered on ``group``."""
+        g = tuple(group)
+        for k, n in self.entered:
+            if tuple(k) == g:
+                return n
+        return 0
+
+    @property
+    def collective(self) -> str | None:
+        """``"all_reduce #1 on group [0, 1]"`` while in a collective."""
+        return describe(self.op, self.group, self.seq) if self.state == "in_collective" else None
+
+    def signature(self) -> str:
+        """``"float32[4]"``: the dtypes and shapes of the tensors it passed."""
+        if not self.shapes:
+            return ""
+        dts = self.dtypes or ("?",) * len(self.shapes)
+        parts = [f"{d}{list(s)}" for d, s in zip(dts, self.shapes)]
+        return ", ".join(parts[:3]) + (f", ... ({len(parts)} tensors)" if len(parts) > 3 else "")
+
+    def to_dict(self) -> dict:
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        for k in ("group", "shapes", "dtypes"):
+            if d[k] is not None:
+                d[k] = [list(x) if isinstance(x, tuple) else x for x in d[k]]
+        d["entered"] = [[list(g), n] for g, n in self.entered]
+        return {k: v for k, v in d.items() if v is not None and v != []}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "RankStatus":
+        names = {f.name for f in dataclasses.fields(cls)}
+        kw = {k: v for k, v in d.items() if k in names}
+        for k in ("group", "dtypes"):
+            if kw.get(k) is not None:
+                kw[k] = tuple(kw[k])
+        if kw.get("shapes") is not None:
+            kw["shapes"] = tuple(tuple(s) for s in kw["shapes"])
+        kw["entered"] = tuple((tuple(g), int(n)) for g, n in kw.get("entered", ()))
+        return cls(**kw)
+
+    def line(self) -> str:
+        """One line: ``rank 0: in all_reduce #1 on group [0, 1] for 6.2 s at line 3 of the cell``."""
+        if self.state == "in_collective":
+            text = f"in {self.collective}"
+            if self.waiting_s is not None:
+                text += f" for {self.waiting_s:.1f} s"
+            if self.note:
+                text += f" ({self.note})"
+        elif self.state == "dead":
+            text = "dead" + (f" ({self.note})" if self.note else "")
+        elif self.state == "running":
+            text = "running"
+        elif self.state == "idle":
+            text = "idle" + (f" ({self.note})" if self.note else "")
+        else:
+            text = "did not answer"
+        if self.where and self.state in ("in_collective", "running"):
+            text += f" at {self.where}"
+        return f"rank {self.rank}: {text}"
+
+
+def describe(op, group, seq) -> str:
+    """``"all_reduce #1 on group [0, 1]"`` (no ``#`` when the sequence number is not known)."""
+    text = str(op) if seq is None else f"{op} #{seq}"
+    return text if group is None else f"{text} on group {list(group)}"
+
+
+def _ranks(rs) -> str:
+    rs = sorted(rs)
+    return f"rank {rs[0]}" if len(rs) == 1 else "ranks " + ", ".join(map(str, rs))
+
+
+@dataclass(frozen=True)
+class Situation:
+    """One hang: the collective ``op`` #``seq`` on ``group`` that ``waiting`` ranks are inside, the members that
+    are not (``culprits``: rank -> (what it does instead: "idle", "running", "elsewhere", "dead" or "unknown",
+    the detail)), or the members inside it with another op, shape or dtype (``mismatch``: rank -> what it
+    entered). A situation without waiting ranks is a dead rank nobody waits for."""
+
+    op: str | None
+    group: tuple | None
+    seq: int | None
+    waiting: tuple
+    waited_s: float
+    culprits: dict = field(default_factory=dict)
+    mismatch: dict = field(default_factory=dict)
+    left: tuple = ()  # members whose count says they already passed this collective
+
+    @property
+    def collective(self) -> str:
+        return describe(self.op, self.group, self.seq)
+
+    def line(self) -> str:
+        """One line for the roll-call: who waits where and for how long, and what each missing member does."""
+        if self.mismatch:
+            return self._mismatch_line()
+        if not self.waiting:
+            return "; ".join(_now(r, how, what, None) for r, (how, what) in sorted(self.culprits.items()))
+        head = f"{_ranks(self.waiting)} wait{'s' if len(self.waiting) == 1 else ''} in {self.collective} for " \
+               f"{self.waited_s:.1f} s"
+        name = describe(self.op, None, self.seq)
+        parts = [head] + [_now(r, how, what, name) for r, (how, what) in sorted(self.culprits.items())]
+        if not self.culprits:
+            parts.append("every member entered it")
+        return "; ".join(parts)
+
+    def _mismatch_line(self) -> str:
+        at = f"#{self.seq} on group {list(self.group)}" if self.seq is not None else f"group {list(self.group)}"
+        return f"mismatch at {at}: " + "; ".join(f"rank {r} entered {what}" for r, what in sorted(self.mismatch.items()))
+
+    def blame(self) -> list[str]:
+        """The error's lines: each culprit ("rank 1 never entered all_reduce #1 on group [0, 1]", and where it is),
+        or the mismatch, then the ranks that waited."""
+        if self.mismatch:
+            return [self._mismatch_line()]
+        coll = self.collective
+        out = []
+        for r, (how, what) in sorted(self.culprits.items()):
+            if not self.waiting:
+                out.append(_now(r, how, what, None))
+            elif how == "elsewhere":
+                out.append(f"rank {r} never entered {coll}: it is elsewhere, in {what}")
+            elif how == "running":
+                out.append(f"rank {r} never entered {coll}; it is running at {what or 'an unknown place'}")
+            elif how == "idle":
+                out.append(f"rank {r} never entered {coll} (idle: {what or 'it runs nothing'})")
+            elif how == "dead":
+                out.append(f"rank {r} never entered {coll}: it is dead" + (f" ({what})" if what else ""))
+            else:
+                out.append(f"rank {r} never entered {coll} (it did not answer the roll-call)")
+        if self.waiting:
+            out.append(f"{_ranks(self.waiting)} waited in {coll} for {self.waited_s:.1f} s")
+        return out
+
+
+def _now(rank: int, how: str, what, name) -> str:
+    """What member ``rank`` does, for a roll-call line (``name``: the collective it is missing from)."""
+    if how == "dead":
+        return f"rank {rank} is dead" + (f" ({what})" if what else "")
+    if how == "elsewhere":
+        return f"rank {rank} is elsewhere: in {what}"
+    if how == "idle":
+        return f"rank {rank} is idle: {what or 'it runs nothing'}" + (f" without entering {name}" if name else "")
+    if how == "running":
+        return f"rank {rank} is running at {what or 'an unknown place'}" + (
+            f": it never entered {name}" if name else "")
+    return f"rank {rank} did not answer the roll-call"
+
+
+class RollCall(Sequence):
+    """Every rank's :class:`RankStatus` (indexed by position, rank order), taken at ``taken`` (``time.time()``),
+    and what they say: :meth:`situations` (hangs and mismatches), :meth:`lines`, :meth:`culprits`."""
+
+    def __init__(self, statuses, taken: float | None = None, title: str | None = None):
+        self.statuses = tuple(sorted(statuses, key=lambda s: s.rank))
+        self.taken = time.time() if taken is None else taken
+        self.title = title
+
+    # -- a sequence of RankStatus ---------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self.statuses)
+
+    def __getitem__(self, i):
+        return self.statuses[i]
+
+    def __iter__(self) -> Iterator[RankStatus]:
+        return iter(self.statuses)
+
+    def by_rank(self) -> dict[int, RankStatus]:
+        return {s.rank: s for s in self.statuses}
+
+    @property
+    def states(self) -> dict[int, str]:
+        return {s.rank: s.state for s in self.statuses}
+
+    def to_dicts(self) -> list[dict]:
+        return [s.to_dict() for s in self.statuses]
+
+    @classmethod
+    def from_dicts(cls, ds, taken: float | None = None) -> "RollCall":
+        return cls([RankStatus.from_dict(d) for d in ds], taken)
+
+    def merged(self, others) -> "RollCall":
+        """This roll-call with ``others`` (RankStatus) replacing the ranks they name."""
+        by = self.by_rank()
+        for s in others:
+            by[s.rank] = s
+        return RollCall(by.values(), self.taken, self.title)
+
+    # -- what it says ---------------------------------------------------------------------------------------
+    def waiting(self, after: float = 0.0) -> list[RankStatus]:
+        """Ranks inside a collective for at least ``after`` seconds."""
+        return [s for s in self.statuses if s.state == "in_collective" and (s.waiting_s or 0.0) >= after]
+
+    def hung(self, after: float) -> bool:
+        return bool(self.waiting(after))
+
+    def situations(self) -> list[Situation]:
+        """One Situation per collective some rank is inside (with a known group), in order of its lowest rank."""
+        by = self.by_rank()
+        inst: dict = {}
+        for s in self.statuses:
+            if s.state != "in_collective" or s.group is None:
+                continue
+            key = (tuple(s.group), s.seq) if s.seq is not None else (tuple(s.group), None, s.op)
+            inst.setdefault(key, []).append(s)
+        out = []
+        for key, inside in sorted(inst.items(), key=lambda kv: min(s.rank for s in kv[1])):
+            group, seq = key[0], key[1]
+            first = inside[0]
+            mismatch = {}
+            ops = {s.op for s in inside}
+            if len(ops) > 1:
+                mismatch = {s.rank: f"{s.op} {s.signature()}".rstrip() for s in inside}
+            elif first.op in SHAPED_OPS and len({(s.shapes, s.dtypes) for s in inside if s.shapes}) > 1:
+                mismatch = {s.rank: f"{s.op} with {s.signature()}" for s in inside}
+            members = [r for r in group if r not in {s.rank for s in inside}]
+            culprits, left = {}, []
+            for m in members:
+                why = _absent(by.get(m), group, seq)
+                if why is None:
+                    left.append(m)
+                else:
+                    culprits[m] = why
+            waited = max((s.waiting_s or 0.0) for s in inside)
+            out.append(Situation(first.op, group, seq, tuple(sorted(s.rank for s in inside)), waited, culprits,
+                                 mismatch, tuple(left)))
+        for s in self.statuses:  # a dead rank nobody waits for is still news
+            if s.state == "dead" and not any(s.rank in x.culprits for x in out):
+                out.append(Situation(None, None, None, (), 0.0, {s.rank: ("dead", s.note)}))
+        return out
+
+    def mismatches(self) -> list[Situation]:
+        return [x for x in self.situations() if x.mismatch]
+
+    def culprits(self) -> list[int]:
+        """The ranks to blame: members missing from a collective others wait in, and the ranks of a mismatch."""
+        out = set()
+        for x in self.situations():
+            out |= set(x.mismatch) | set(x.culprits)
+        return sorted(out)
+
+    def lines(self) -> list[str]:
+        """One line per situation (a hang, a mismatch, a dead rank); ``[]`` when nothing is wrong."""
+        return [x.line() for x in self.situations()]
+
+    def blame(self) -> list[str]:
+        """The lines an error shows: who never entered (and where it is), who waited."""
+        return [ln for x in self.situations() for ln in x.blame()]
+
+    def gist(self) -> tuple:
+        """What this roll-call says, without the seconds that change every time (equal gists: nothing new)."""
+        return tuple((s.rank, s.state, s.op, s.seq, s.where) for s in self.statuses) + tuple(
+            (x.op, x.seq, tuple(sorted(x.culprits)), bool(x.mismatch)) for x in self.situations())
+
+    def text(self) -> str:
+        head = self.title or f"roll-call of {len(self)} ranks"
+        return "\n".join([head] + [f"  {s.line()}" for s in self.statuses] + [f"  - {ln}" for ln in self.lines()])
+
+    def __repr__(self) -> str:
+        return self.text()
+
+
+def _absent(s: RankStatus | None, group, seq):
+    """(how, detail) for a member that is not inside collective #``seq`` on ``group`` (None: it already passed)."""
+    if s is None or s.state == "unknown":
+        return ("unknown", None)
+    if s.state == "dead":
+        return ("dead", s.note)
+    if s.state == "in_collective":
+        return ("elsewhere", s.collective + (f" at {s.where}" if s.where else ""))
+    if seq is not None and s.entered_on(group) >= seq:
+        return None
+    if s.state == "idle":
+        return ("idle", s.note)
+    return ("running", s.where)

@@ -1,0 +1,353 @@
+"""The roll-call: what a set of rank records says about a hang, records read while a rank blocks, the comm table,
+module attribution, the gloo match check."""
+
+import pickle
+import threading
+import time
+
+import pytest
+import torch
+
+from meshviz import trace
+from meshviz.errors import RankError, RankOutcome
+from meshviz.testing import run_ranks
+from meshviz.trace import Event, RankStatus, RollCall
+
+pytestmark = pytest.mark.timeout(120)
+
+G = (0, 1)
+
+
+def _waits(rank, op="all_reduce", seq=1, group=G, s=6.2, shape=(4,), dtype="float32", where="line 3 of the cell"):
+    return RankStatus(rank, "in_collective", op=op, group=group, seq=seq, waiting_s=s, where=where,
+                      shapes=(shape,), dtypes=(dtype,), entered=((group, seq),))
+
+
+def test_a_skipped_collective_names_the_rank_that_never_entered():
+    rc = RollCall([_waits(0), RankStatus(1, "idle", note="its cell finished", entered=((G, 0),))])
+    assert rc.lines() == ["rank 0 waits in all_reduce #1 on group [0, 1] for 6.2 s; rank 1 is idle: its cell "
+                          "finished without entering all_reduce #1"]
+    assert rc.culprits() == [1] and rc.hung(6.0) and not rc.hung(7.0)
+    assert rc.blame() == ["rank 1 never entered all_reduce #1 on group [0, 1] (idle: its cell finished)",
+                          "rank 0 waited in all_reduce #1 on group [0, 1] for 6.2 s"]
+
+
+def test_running_elsewhere_dead_and_silent_ranks():
+    group = (0, 1, 2, 3, 4)
+    rc = RollCall([
+        _waits(0, group=group, seq=2, s=3.0),
+        _waits(1, group=group, seq=2, s=2.5),
+        RankStatus(2, "running", where="train.py:12 in step()", entered=((group, 1),)),
+        _waits(3, op="all_gather", group=(3, 4), seq=1, s=1.0, where="train.py:20"),
+        RankStatus(4, "dead", note="engine process 9 exited"),
+    ])
+    (x, y) = rc.situations()
+    assert x.waiting == (0, 1) and sorted(x.culprits) == [2, 3, 4] and not x.mismatch
+    assert x.line() == ("ranks 0, 1 wait in all_reduce #2 on group [0, 1, 2, 3, 4] for 3.0 s; rank 2 is running at "
+                        "train.py:12 in step(): it never entered all_reduce #2; rank 3 is elsewhere: in all_gather #1 "
+                        "on group [3, 4] at train.py:20; rank 4 is dead (engine process 9 exited)")
+    assert y.waiting == (3,) and list(y.culprits) == [4]
+    assert rc.blame()[:4] == [
+        "rank 2 never entered all_reduce #2 on group [0, 1, 2, 3, 4]; it is running at train.py:12 in step()",
+        "rank 3 never entered all_reduce #2 on group [0, 1, 2, 3, 4]: it is elsewhere, in all_gather #1 on group "
+        "[3, 4] at train.py:20",
+        "rank 4 never entered all_reduce #2 on group [0, 1, 2, 3, 4]: it is dead (engine process 9 exited)",
+        "ranks 0, 1 waited in all_reduce #2 on group [0, 1, 2, 3, 4] for 3.0 s"]
+    assert rc.culprits() == [2, 3, 4]
+    silent = RollCall([_waits(0), RankStatus(1, "unknown")])
+    assert silent.blame()[0] == "rank 1 never entered all_reduce #1 on group [0, 1] (it did not answer the roll-call)"
+    alone = RollCall([RankStatus(0, "idle"), RankStatus(1, "dead", note="killed by SIGKILL")])
+    assert alone.lines() == ["rank 1 is dead (killed by SIGKILL)"]
+    quiet = RollCall([RankStatus(0, "idle"), RankStatus(1, "running")])
+    assert quiet.lines() == [] and quiet.culprits() == [] and not quiet.hung(0)
+
+
+def test_mismatches_at_one_sequence_number():
+    op = RollCall([_waits(0), _waits(1, op="all_gather")])
+    assert op.lines() == ["mismatch at #1 on group [0, 1]: rank 0 entered all_reduce float32[4]; rank 1 entered "
+                          "all_gather float32[4]"]
+    assert op.culprits() == [0, 1] and op.blame() == op.lines()
+    shape = RollCall([_waits(0), _waits(1, shape=(8,))])
+    assert shape.lines() == ["mismatch at #1 on group [0, 1]: rank 0 entered all_reduce with float32[4]; rank 1 "
+                             "entered all_reduce with float32[8]"]
+    dtype = RollCall([_waits(0), _waits(1, dtype="float64")])
+    assert "rank 1 entered all_reduce with float64[4]" in dtype.lines()[0]
+    # all-to-all pieces may differ per rank; everyone inside one collective is no mismatch
+    a2a = RollCall([_waits(0, op="all_to_all"), _waits(1, op="all_to_all", shape=(2,))])
+    assert a2a.mismatches() == [] and a2a.lines()[0].endswith("every member entered it")
+    # a member whose count says it already passed this collective is not blamed
+    passed = RollCall([_waits(0), RankStatus(1, "idle", entered=((G, 1),))])
+    assert passed.culprits() == [] and passed.situations()[0].left == (1,)
+
+
+def test_status_records_round_trip_and_check_their_state():
+    s = _waits(0)
+    assert RankStatus.from_dict(s.to_dict()) == s
+    assert s.entered_on([0, 1]) == 1 and s.entered_on((2, 3)) == 0
+    assert s.line() == "rank 0: in all_reduce #1 on group [0, 1] for 6.2 s at line 3 of the cell"
+    with pytest.raises(ValueError, match="state must be one of"):
+        RankStatus(0, "sleeping")
+    rc = RollCall([s, RankStatus(1, "idle")])
+    assert RollCall.from_dicts(rc.to_dicts()).statuses == rc.statuses
+    assert len(rc) == 2 and rc[1].state == "idle" and [x.rank for x in rc] == [0, 1]
+    assert rc.gist() == RollCall([_waits(0, s=9.0), RankStatus(1, "idle")]).gist()  # seconds are not news
+
+
+# -- a rank's record, read from another thread ------------------------------------------------------------------
+
+def test_the_record_is_read_while_the_rank_blocks_in_a_collective():
+    from meshviz.distributed import rollcall
+
+    rec = rollcall.Record(rank=3)
+    inside, release = threading.Event(), threading.Event()
+    t = torch.ones(2, 3, dtype=torch.float64)
+
+    def rank_code():  # what comm.run does around a collective that blocks
+        rec.thread = threading.get_ident()
+        rec.start(7)
+        prev = rec.enter("all_gather", (3, 5), (t,), None)
+        inside.set()
+        release.wait(10)
+        rec.leave(prev)
+        prev = rec.enter("all_gather", (3, 5), (t,), None)
+        rec.leave(prev)
+        rec.finish("its cell finished")
+
+    th = threading.Thread(target=rank_code)
+    th.start()
+    assert inside.wait(10)
+    time.sleep(0.05)
+    s = rollcall.snapshot(rec, stacks=True)
+    assert (s.rank, s.state, s.op, s.group, s.seq, s.cell) == (3, "in_collective", "all_gather", (3, 5), 1, 7)
+    assert s.shapes == ((2, 3),) and s.dtypes == ("float64",) and s.bytes == 48 and s.waiting_s >= 0.04
+    assert s.where.startswith("test_rollcall.py:") and s.where.endswith("in rank_code()")
+    assert "release.wait(10)" in s.stack
+    release.set()
+    th.join(10)
+    s = rollcall.snapshot(rec)
+    assert (s.state, s.note, s.op) == ("idle", "its cell finished", None)
+    assert s.entered == (((3, 5), 2),)  # the second all_gather on that group was #2
+    rec.reset()
+    assert rollcall.snapshot(rec).entered == ()
+
+
+def test_async_waits_show_the_collective_again():
+    from meshviz.distributed import rollcall
+    from meshviz.distributed.comm import Task
+
+    rec = rollcall.current()
+    seen = []
+
+    class Work:
+        def wait(self):
+            seen.append((rec.op, rec.group, rec.seq))
+
+        def is_completed(self):
+            return True
+
+    Task([Work()], call=("broadcast", (0, 1), 4, ())).wait()
+    assert seen == [("broadcast", (0, 1), 4)] and rec.op is None
+
+
+def test_a_backward_under_dataparallel_counts_as_its_all_reduce():
+    from meshviz.distributed import rollcall
+
+    rec = rollcall.Record(rank=0)
+    inside, release = threading.Event(), threading.Event()
+
+    def rank_code():
+        rec.thread = threading.get_ident()
+        rec.start()
+        w = torch.ones(3, requires_grad=True)
+        rec.begin_region("all_reduce", (0, 1), "DataParallel gradients")
+        y = (w * 2).sum()
+        w.register_hook(lambda g: (inside.set(), release.wait(10)) and None)
+        y.backward()
+
+    th = threading.Thread(target=rank_code)
+    th.start()
+    assert inside.wait(10)
+    s = rollcall.snapshot(rec)
+    release.set()
+    th.join(10)
+    assert (s.state, s.op, s.group, s.note) == ("in_collective", "all_reduce", (0, 1), "DataParallel gradients")
+    assert rollcall.snapshot(rec).state == "running"  # the backward is over
+
+
+def test_where_is_the_users_code():
+    from meshviz.distributed import rollcall
+
+    def inner():
+        return rollcall.where()
+
+    assert inner().startswith("test_rollcall.py:") and inner().endswith("in inner()")
+
+
+# -- errors -------------------------------------------------------------------------------------------------------
+
+def test_rank_error_leads_with_the_rank_that_never_entered():
+    rc = RollCall([_waits(0, s=8.0), RankStatus(1, "idle", note="its cell finished")])
+    outcomes = [RankOutcome(0, 0, "error", "RuntimeError: \x1b[31mTimed out\x1b[0m waiting 8000ms"),
+                RankOutcome(1, 1, "ok")]
+    err = RankError(outcomes, rc.culprits(), "re-created before the next cell", rc.blame(), True, rc)
+    text = str(err)
+    assert err.ranks == [1] and "\x1b" not in text
+    assert text.splitlines()[0] == ("rank 1 never entered all_reduce #1 on group [0, 1] (idle: its cell finished); "
+                                    "rank 0 waited in all_reduce #1 on group [0, 1] for 8.0 s")
+    back = pickle.loads(pickle.dumps(err))
+    assert str(back) == text and back.diagnosis == err.diagnosis
+    raised = RankError([RankOutcome(1, 1, "error", "ValueError: broke"), RankOutcome(0, 0, "error", "peer")], [1],
+                       diagnosis=["rank 1 never entered all_reduce #1 on group [0, 1] (idle: its cell finished)"])
+    assert str(raised).splitlines()[:2] == [
+        "rank 1 raised ValueError: broke (rank 0 stopped because of it)",
+        "  rank 1 never entered all_reduce #1 on group [0, 1] (idle: its cell finished)"]
+
+
+# -- the comm table -----------------------------------------------------------------------------------------------
+
+def _comm_events():
+    mesh = {"shape": [2, 2], "process_ids": [0, 1, 2, 3], "dim_names": ["dp", "mp"]}
+    out = []
+    for r in range(2):
+        out += [
+            Event(kind="collective", rank=r, op="all_reduce", group=[0, 1], bytes=64, start=1.0, end=1.5, cell=3,
+                  payload=trace.Collective(module="Net.row", seq=1)),
+            Event(kind="collective", rank=r, op="all_reduce", group=[0, 1], bytes=32, start=2.0, end=2.25, cell=3,
+                  payload=trace.Collective(module="Net.col", backward=True, seq=2)),
+            Event(kind="reshard_step", rank=r, op="all_gather", mesh=mesh, axis=1, group=[0, 1], bytes=16,
+                  start=3.0, end=3.1, cell=4, payload=trace.ReshardStep(dim=0)),
+            Event(kind="reshard_step", rank=r, op="slice", mesh=mesh, axis=0, start=3.2, end=3.2, cell=4),
+            Event(kind="mark", rank=r, op="x", cell=4),
+        ]
+    out.append(Event(kind="collective", rank=0, op="all_reduce", group=[0, 1], bytes=64, start=4.0, end=5.0,
+                     cell=3, payload=trace.Collective(module="Net.row")))
+    return out
+
+
+def test_comm_table_counts_per_cell_module_op_and_axis(tmp_path):
+    from meshviz.trace import comm_table
+
+    evs = _comm_events()
+    table = comm_table(evs)
+    got = [(r.cell, r.module, r.phase, r.op, r.axis, r.count, r.bytes, round(r.seconds, 3), r.ranks) for r in table]
+    assert got == [
+        (3, "Net.col", "backward", "all_reduce", "group [0, 1]", 1, 32, 0.25, (0, 1)),
+        (3, "Net.row", "forward", "all_reduce", "group [0, 1]", 2, 128, 1.5, (0, 1)),  # rank 0 issued it twice
+        (4, "(top level)", "forward", "all_gather", "axis mp", 1, 16, 0.1, (0, 1)),
+    ]
+    assert [r.cell for r in comm_table(evs, cell=-1)] == [4]
+    assert len(comm_table(evs, cell=3)) == 2 and table.total_bytes == 176
+    assert table.where(backward=True)[0].module == "Net.col"
+    text = table.text(times=False)
+    assert text.splitlines()[0].split() == ["cell", "module", "pass", "op", "axis", "count", "bytes/rank"]
+    assert "Net.col" in text and "<td>axis mp</td>" in table._repr_html_()
+    path = str(tmp_path / "run.jsonl")
+    with trace.record(path):
+        for e in evs:
+            trace.emit(Event(**{k: v for k, v in e.__dict__.items() if k != "seq"}))
+    assert [tuple(r.__dict__.values()) for r in comm_table(trace.load_events(path))] == [
+        tuple(r.__dict__.values()) for r in table]  # a reading of the trace: a recorded file gives the same
+
+
+def test_views_draw_a_roll_call_and_a_comm_table():
+    import meshviz
+    from meshviz.trace import comm_table
+    from meshviz.widgets import CommView, RollCallView
+
+    rc = RollCall([_waits(0), RankStatus(1, "idle", note="its cell finished")], title="roll-call after 6.3 s")
+    v = meshviz.show(rc)
+    assert isinstance(v, RollCallView) and v.png().startswith(b"\x89PNG")
+    assert v.labels() == {0: "all_reduce #1\n6.2 s", 1: "idle"}
+    rgb = v.cell_rgb()
+    assert not (rgb[0] == rgb[1]).all()
+    assert repr(v).splitlines()[0] == "<RollCallView 2 ranks: 1 in collective, 1 idle>"
+    assert isinstance(meshviz.show(list(rc)), RollCallView)
+    mism = meshviz.show(RollCall([_waits(0), _waits(1, shape=(8,))]))
+    assert (mism.cell_rgb()[0] == mism.cell_rgb()[1]).all()  # both red
+    cv = meshviz.show(comm_table(_comm_events()))
+    assert isinstance(cv, CommView) and cv.png().startswith(b"\x89PNG")
+    assert repr(cv) == "<CommView 3 rows, 176 B per rank>"
+    assert len(CommView(_comm_events(), cell=4).table) == 1
+
+
+# -- on real ranks ------------------------------------------------------------------------------------------------
+
+def _tp_step():
+    from torch import nn
+
+    import meshviz.distributed as dist
+    from meshviz.distributed.fleet.meta_parallel import ColumnParallelLinear, RowParallelLinear
+    from meshviz.trace import comm_table
+
+    dist.init_parallel_env()
+    torch.manual_seed(0)
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.col = ColumnParallelLinear(4, 8, gather_output=False)
+            self.row = RowParallelLinear(8, 4, input_is_parallel=True)
+
+        def forward(self, x):
+            return self.row(torch.relu(self.col(x)))
+
+    net = Net()
+    x = torch.ones(3, 4, requires_grad=True)
+    mesh = dist.ProcessMesh([0, 1], dim_names=["mp"])
+    with trace.record() as mem:
+        net(x).sum().backward()
+        dist.reshard(dist.shard_tensor(torch.ones(4, 2), mesh, [dist.Shard(0)]), mesh, [dist.Replicate()])
+    rows = [(r.module, r.phase, r.op, r.axis, r.count, r.bytes) for r in comm_table(mem.events)]
+    return rows, sorted({e.payload.where for e in mem.events if e.kind == "collective"})
+
+
+def test_collectives_are_attributed_to_the_module_that_issued_them():
+    rows, where = run_ranks(_tp_step, 2, timeout=100)[0]
+    assert rows == [
+        ("(top level)", "forward", "all_gather", "axis mp", 1, 16),  # the reshard: 2x2 floats from the peer
+        ("Net.col", "backward", "all_reduce", "group [0, 1]", 1, 3 * 4 * 4),  # the input gradient, summed
+        ("Net.row", "forward", "all_reduce", "group [0, 1]", 1, 3 * 4 * 4),  # the partial outputs, summed
+    ]
+    assert all(w.startswith("test_rollcall.py:") for w in where), where
+
+
+def _mismatches():
+    import meshviz.distributed as dist
+    from meshviz.distributed import rollcall
+    from meshviz.distributed.match import CollectiveMismatch, set_checking
+
+    dist.init_parallel_env()
+    set_checking(True)
+    r = dist.get_rank()
+    out = []
+    for case in ("shape", "op", "seq"):
+        t = torch.ones(4 if r == 0 or case != "shape" else 8)
+        if case == "seq":
+            rollcall.reset()
+            if r == 1:  # as if rank 1 had run one more collective on the world than rank 0
+                rollcall.current().entered[(0, 1)] = 1
+        try:
+            if case == "op" and r == 1:
+                dist.broadcast(t, src=0)
+            else:
+                dist.all_reduce(t)
+            out.append(None)
+        except CollectiveMismatch as e:
+            out.append((str(e), e.ranks))
+    rollcall.reset()  # realign the counts, as a re-created world does
+    t = torch.full((2,), float(r + 1))
+    dist.all_reduce(t)  # the group is intact: the check raised before any data moved
+    return out, t.tolist()
+
+
+def test_the_match_check_raises_on_every_rank_before_data_moves():
+    res = run_ranks(_mismatches, 2, timeout=100)
+    for out, after in res:
+        assert after == [3.0, 3.0]
+        shape, op, seq = out
+        assert shape == ("mismatch at #1 on group [0, 1]: rank 0 entered all_reduce with float32[4]; rank 1 entered "
+                         "all_reduce with float32[8]", [0, 1])
+        assert op[0] == ("mismatch at #2 on group [0, 1]: rank 0 entered all_reduce float32[4]; rank 1 entered "
+                         "broadcast float32[4]")
+        assert seq[0] == "mismatch on group [0, 1]: rank 0 entered all_reduce #1; rank 1 entered all_reduce #2"
+    assert res[0][0] == res[1][0]
