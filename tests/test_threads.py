@@ -129,7 +129,7 @@ def test_a_wait_ends_at_the_collective_timeout_naming_what_it_waits_for():
     with pytest.raises(RankError) as info:
         run_ranks(_late, 2, ranks="threads", timeout=30, collective_timeout=1)
     by = {o.rank: o for o in info.value.outcomes}
-    assert "rank 0 timed out after 1 s in all_reduce #0 on ranks [0, 1] (waiting for rank 1)" in by[0].error
+    assert "rank 0 timed out after 1 s in all_reduce #1 on ranks [0, 1] (waiting for rank 1)" in by[0].error
 
 
 def test_a_raising_rank_stops_its_peers_at_once_and_a_deadlock_is_named():

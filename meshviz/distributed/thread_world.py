@@ -289,13 +289,13 @@ class ThreadGroup(tdist.ProcessGroup):
             seq = self.seq
             self.seq += 1
             key = (self._name, seq)
-            what = f"{op} #{seq} on ranks {self.ranks}"
+            what = f"{op} #{seq + 1} on ranks {self.ranks}"
             m = w._meetings.get(key)
             if m is None:
                 m = w._meetings[key] = _Meeting(op, self.ranks, what)
             elif m.op != op:
                 other = m.ranks[m.here.index(True)]
-                err = RankStopped(f"collective mismatch on ranks {self.ranks} (call #{seq}): rank {self.me} called "
+                err = RankStopped(f"collective mismatch on ranks {self.ranks} (call #{seq + 1}): rank {self.me} called "
                                   f"{op}, rank {other} called {m.op}")
                 w._fail_meeting(key, m, err)
                 raise err
