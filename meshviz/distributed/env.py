@@ -12,6 +12,7 @@ from .. import trace
 from ..core.mesh import set_rank_getter
 from ..errors import RankError
 from . import rendezvous
+from .devices import device, initial_device
 from .rank_processes import SpawnContext, spawn
 
 __all__ = [
@@ -47,24 +48,11 @@ def _env_int(*names, default=None):
     return default
 
 
-def _gpu_for_this_rank() -> int | None:
-    if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
-        return None
-    local = _env_int("LOCAL_RANK", "PADDLE_LOCAL_RANK", default=0)
-    return local % torch.cuda.device_count()
-
-
-def device() -> torch.device:
-    """The device this rank computes on: its GPU under NCCL, else the CPU."""
-    if tdist.is_initialized() and tdist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def init_parallel_env(backend: str | None = None, timeout: float | None = None):
     """Initialise the default process group from torchrun's variables (RANK, WORLD_SIZE, MASTER_ADDR, ...).
 
-    Gloo on CPU, NCCL when this rank has a GPU. Idempotent. Without any variables it starts a 1-rank group.
+    NCCL when this rank has a GPU of its own, else gloo on the CPU (see ``meshviz.core.devices``: ranks and GPUs
+    are counted before anything starts). Idempotent. Without any variables it starts a 1-rank group.
     ``MESHVIZ_TRACE=path/{rank}.jsonl`` records this rank's events to a file.
     """
     if not tdist.is_initialized():
@@ -77,13 +65,12 @@ def init_parallel_env(backend: str | None = None, timeout: float | None = None):
                 raise RuntimeError("init_parallel_env: WORLD_SIZE > 1 but MASTER_PORT is not set")
             reservation = rendezvous.reserve_port()  # held until this rank's store serves on it
             os.environ["MASTER_PORT"] = str(reservation.port)
-        gpu = _gpu_for_this_rank()
-        if backend is None:
-            backend = os.environ.get("MESHVIZ_BACKEND") or ("nccl" if gpu is not None else "gloo")
+        backend, dev = initial_device(backend)  # what spawn / launch decided, or the same decision made here
         kwargs = {}
-        if backend == "nccl":
-            torch.cuda.set_device(gpu)
-            kwargs["device_id"] = torch.device("cuda", gpu)
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)
+            if backend == "nccl":
+                kwargs["device_id"] = dev
         to = datetime.timedelta(seconds=timeout) if timeout is not None else default_timeout()
         master = os.environ["MASTER_ADDR"]
         if rendezvous.is_loopback(master):
@@ -152,8 +139,8 @@ class ParallelEnv:
 
     @property
     def device_id(self) -> int:
-        gpu = _gpu_for_this_rank()
-        return -1 if gpu is None else gpu
+        dev = device() if tdist.is_initialized() else initial_device()[1]
+        return -1 if dev.type != "cuda" else dev.index
 
     dev_id = device_id
     nranks = world_size
