@@ -8,6 +8,7 @@ import torch.distributed as tdist
 
 from .. import compat, trace
 from ..core.placements import ReduceType
+from . import devices
 from .groups import Group, resolve
 
 __all__ = ["torch_reduce_op", "dtensor_reduce_op", "from_dtensor_reduce_op", "reduction", "divide_", "Task",
@@ -146,7 +147,8 @@ def run(op: str, group, start, *, tensors=(), nbytes: int | None = None, peers: 
     DataParallel, the gradient mean, clipping), so what a rank is doing — ``op`` on the group's ranks, with
     ``tensors`` (``nbytes`` in all, their sum by default) — is known in one place.
 
-    ``group``: whatever :func:`groups.resolve` reads. ``peers``: ``{"src": rank, ...}``, global ranks that must be
+    ``tensors`` must be where the group's backend needs them (NCCL: on the GPU; strict device mode: on this
+    rank's device), else ValueError before any communication. ``group``: whatever :func:`groups.resolve` reads. ``peers``: ``{"src": rank, ...}``, global ranks that must be
     in the group (ValueError before any communication, on members and non-members alike). A non-member gets a
     finished Task and ``start`` is not called. ``start(g)`` starts the torch call(s) on the resolved Group and
     returns their work handle(s), or None when it blocked until done. ``then()`` runs once the works are done
@@ -159,6 +161,8 @@ def run(op: str, group, start, *, tensors=(), nbytes: int | None = None, peers: 
             check_peer(what, r, g.ranks)
     if g.rank < 0:
         return Task(done=True)
+    if tensors:
+        devices.check(op, g, tensors)  # ValueError naming the fix, before any communication
     if kind is None or not trace.active():
         return _finish(start(g), sync_op, then)
     fields = {"op": op, "group": list(g.ranks),

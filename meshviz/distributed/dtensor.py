@@ -19,6 +19,7 @@ from ..core.mesh import ProcessMesh
 from ..core.placements import Partial, Placement, Replicate, Shard
 from . import groups
 from .comm import dtensor_reduce_op, from_dtensor_reduce_op
+from .devices import device
 
 __all__ = ["DistTensor", "to_torch_placements", "from_torch_placements", "make_dtensor", "make_dist"]
 
@@ -54,8 +55,8 @@ def from_torch_placements(placements) -> list[Placement]:
     return out
 
 
-def device_mesh_for(mesh: ProcessMesh):
-    dm = groups.device_mesh(mesh)
+def device_mesh_for(mesh: ProcessMesh, device_type: str | None = None):
+    dm = groups.device_mesh(mesh, device_type)
     _pmesh_of[dm] = mesh
     return dm
 
@@ -82,9 +83,18 @@ def representable(placements) -> bool:
     return len({p.reduce_type for p in placements if isinstance(p, Partial)}) <= 1
 
 
-def make_dtensor(local: torch.Tensor, mesh: ProcessMesh, placements, shape) -> DTensor:
-    """A DTensor (no autograd history) whose local value is ``local`` and global shape ``shape``."""
-    dm = device_mesh_for(mesh)
+def block_device_type(local: torch.Tensor) -> str:
+    """Where a dist tensor's blocks live: a CUDA block stays on CUDA (gloo carries CUDA tensors for its main
+    collectives); a CPU one goes to this rank's device (its GPU under NCCL), as Paddle places tensors on the
+    current device."""
+    t = local.device.type
+    return t if t != "cpu" else device().type
+
+
+def make_dtensor(local: torch.Tensor, mesh: ProcessMesh, placements, shape, device_type: str | None = None) -> DTensor:
+    """A DTensor (no autograd history) whose local value is ``local`` and global shape ``shape``, on a DeviceMesh of
+    ``device_type`` (default :func:`block_device_type`; DTensor moves ``local`` there)."""
+    dm = device_mesh_for(mesh, device_type or block_device_type(local))
     if not representable(placements):
         placements = [Replicate() if isinstance(p, Partial) else p for p in placements]
     return DTensor.from_local(
@@ -209,7 +219,7 @@ class DistTensor(torch.Tensor):
             if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) and x.dim() > 0 and x.numel() > 1:
                 # a dense tensor meeting a dist one is replicated on its mesh, as in Paddle
                 return make_dtensor(_local_for_replicate(x, ref._pmesh), ref._pmesh,
-                                    [Replicate()] * ref._pmesh.ndim, x.shape)
+                                    [Replicate()] * ref._pmesh.ndim, x.shape, ref._dtensor.device_mesh.device_type)
             return x
 
         uargs, ukwargs = tree_map(unwrap, (args, kwargs))
