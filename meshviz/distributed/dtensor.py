@@ -27,7 +27,15 @@ _pmesh_of: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # DeviceMe
 _ids = itertools.count(1)
 
 
+_to_torch: dict = {}  # placements (both kinds are frozen, hashable values) -> converted, asked on every call
+_from_torch: dict = {}
+
+
 def to_torch_placements(placements) -> tuple:
+    key = tuple(placements)
+    hit = _to_torch.get(key)
+    if hit is not None:
+        return hit
     out = []
     for p in placements:
         if isinstance(p, Shard):
@@ -38,10 +46,16 @@ def to_torch_placements(placements) -> tuple:
             out.append(TPartial(dtensor_reduce_op(p.reduce_type)))
         else:
             raise ValueError(f"not a placement: {p!r}")
+    if len(_to_torch) < 4096:
+        _to_torch[key] = tuple(out)
     return tuple(out)
 
 
 def from_torch_placements(placements) -> list[Placement]:
+    key = tuple(placements)
+    hit = _from_torch.get(key)
+    if hit is not None:
+        return list(hit)
     out: list[Placement] = []
     for p in placements:
         if p.is_shard():
@@ -52,12 +66,15 @@ def from_torch_placements(placements) -> list[Placement]:
             out.append(Partial(from_dtensor_reduce_op(getattr(p, "reduce_op", "sum"))))
         else:
             raise ValueError(f"unsupported torch placement {p!r}")
+    if len(_from_torch) < 4096:
+        _from_torch[key] = tuple(out)
     return out
 
 
 def device_mesh_for(mesh: ProcessMesh, device_type: str | None = None):
     dm = groups.device_mesh(mesh, device_type)
-    _pmesh_of[dm] = mesh
+    if dm not in _pmesh_of:
+        _pmesh_of[dm] = mesh
     return dm
 
 
@@ -97,10 +114,8 @@ def make_dtensor(local: torch.Tensor, mesh: ProcessMesh, placements, shape, devi
     dm = device_mesh_for(mesh, device_type or block_device_type(local))
     if not representable(placements):
         placements = [Replicate() if isinstance(p, Partial) else p for p in placements]
-    return DTensor.from_local(
-        local.detach(), dm, to_torch_placements(placements), run_check=False,
-        shape=torch.Size(shape), stride=_contiguous_stride(shape),
-    )
+    return compat.dtensor_from_local(local.detach(), dm, to_torch_placements(placements), shape,
+                                     _contiguous_stride(shape))
 
 
 def make_dist(local: torch.Tensor, mesh: ProcessMesh, placements, shape, requires_grad: bool = False):

@@ -55,7 +55,11 @@ def init_parallel_env(backend: str | None = None, timeout: float | None = None):
     are counted before anything starts). Idempotent. Without any variables it starts a 1-rank group.
     ``MESHVIZ_TRACE=path/{rank}.jsonl`` records this rank's events to a file.
     """
-    if not tdist.is_initialized():
+    global _set_up_for
+    initialized = tdist.is_initialized()
+    if initialized and _set_up_for is not None and _set_up_for is tdist.group.WORLD:
+        return _set_up_for  # every shard_tensor / reshard asks: once set up, nothing to do
+    if not initialized:
         rank = _env_int("RANK", "PADDLE_TRAINER_ID", default=0)
         world = _env_int("WORLD_SIZE", "PADDLE_TRAINERS_NUM", default=1)
         os.environ.setdefault("MASTER_ADDR", rendezvous.LOOPBACK)
@@ -85,7 +89,11 @@ def init_parallel_env(backend: str | None = None, timeout: float | None = None):
     path = os.environ.get("MESHVIZ_TRACE")
     if path and not any(isinstance(s, trace.JSONLSink) and s.path == path for s in trace.sinks()):
         trace.add_sink(trace.JSONLSink(path))
-    return tdist.group.WORLD
+    _set_up_for = tdist.group.WORLD
+    return _set_up_for
+
+
+_set_up_for = None  # the default group init_parallel_env last set this process up for (rank getter, trace)
 
 
 def destroy_process_group(group=None) -> None:

@@ -174,7 +174,7 @@ def resolve(group) -> Group:
 # -- meshes ----------------------------------------------------------------------------------------------------
 
 def _key(mesh: ProcessMesh):
-    return (tuple(mesh.shape), tuple(mesh.process_ids))
+    return mesh.unique_id  # one number per (shape, ids) in this process
 
 
 def check_mesh_in_world(mesh: ProcessMesh) -> None:

@@ -208,6 +208,8 @@ def run_step(step: Step, local, rank: int, dtype, device):
         return _send_recv(step, local, rank, dtype, device)
     if local is None or not step.mesh.contains(rank):
         return local
+    if step.mesh.mesh.shape[step.axis] == 1:  # a line of one rank: every step keeps the block (a new tensor)
+        return local.clone()
     coord, coords = _line_coords(step, rank)
     my_index = coord[step.axis]
     k = len(coords)
