@@ -86,7 +86,7 @@ def _print(res: dict) -> None:
     t = res["table"]
     print(f"\n{res['ranks']} rank(s) on {res['device']} ({res['backend']}), torch {res['torch']}: us per call "
           f"(median, min-max over rounds)")
-    print(f"| call | meshviz us | DTensor us | ratio |\n|---|---|---|---|")
+    print("| call | meshviz us | DTensor us | ratio |\n|---|---|---|---|")
     pairs = [("shard_tensor", "DTensor distribute_tensor")]
     pairs += [(k, k.replace("reshard", "DTensor redistribute")) for k in t
               if k.startswith("reshard ") and "traced" not in k and "again" not in k]
