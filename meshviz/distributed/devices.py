@@ -12,8 +12,8 @@ import torch.distributed as tdist
 from ..core.devices import DeviceNotice, RankDevices, plan_devices
 
 __all__ = [
-    "device", "initial_device", "strict", "set_strict", "strict_devices", "check", "needed_type",
-    "place_module", "staged_send", "staged_recv", "needs_host_p2p", "visible_gpu_count", "rank_env",
+    "device", "initial_device", "strict", "set_strict", "strict_devices", "check", "place_module",
+    "staged_send", "staged_recv", "needs_host_p2p", "visible_gpu_count", "visible_gpu_labels", "rank_env",
     "DeviceNotice", "STRICT_ENV", "DEVICE_ENV",
 ]
 
@@ -142,11 +142,6 @@ def strict_devices(on: bool = True):
 
 
 # -- the check in comm.run ----------------------------------------------------------------------------------------
-
-def needed_type(group) -> str | None:
-    """The device type a collective on ``group`` (a meshviz Group) needs its tensors on; None when any will do."""
-    return "cuda" if group.backend == "nccl" else None
-
 
 def check(op: str, group, tensors) -> None:
     """ValueError when a tensor handed to collective ``op`` is not where ``group``'s backend needs it (NCCL: on a
