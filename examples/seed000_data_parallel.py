@@ -61,7 +61,7 @@ def train():
     for step in range(3):
         inputs = torch.randn(10, 10)
         outputs = dp_layer(inputs)
-        labels = torch.randn(10, 1)
+        labels = torch.randn(10, 1).to(outputs.device)  # on a GPU rank the outputs are there
         loss = loss_fn(outputs, labels)
         loss.backward()
         adam.step()

@@ -41,7 +41,7 @@ def main(steps=20):
     for step in range(steps):
         inputs = torch.randn(10, 10, generator=data)
         outputs = dp_layer(inputs)
-        labels = torch.randn(10, 1, generator=data)
+        labels = torch.randn(10, 1, generator=data).to(outputs.device)  # on a GPU rank the outputs are there
         loss = loss_fn(outputs, labels)
         print(f"step:{step}\tloss:[{loss.item():.7f}]", flush=True)
         loss.backward()

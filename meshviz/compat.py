@@ -15,7 +15,7 @@ __all__ = [
     "TORCH_VERSION", "SUPPORTED_TORCH", "missing",
     # torch.distributed
     "new_group_in_order", "all_gather_single", "reduce_scatter_single", "abort_process_group",
-    "reset_group_count", "resolve_process_group", "device_mesh_without_backend", "dtensor_local",
+    "reset_group_count", "resolve_process_group", "device_mesh_without_backend", "dtensor_local", "dtensor_from_local",
     # tensor subclasses and dispatch
     "disabled_torch_function_impl", "make_wrapper_subclass", "TorchDispatchMode", "tree_map", "tree_flatten",
     "flatten_dense_tensors", "unflatten_dense_tensors", "fake_tensor_type", "amp_unscale_",
@@ -97,6 +97,29 @@ def device_mesh_without_backend(device_type: str, mesh, mesh_dim_names=None):
 def dtensor_local(dt) -> torch.Tensor:
     """A DTensor's local tensor without autograd (``to_local()`` records a node)."""
     return dt._local_tensor
+
+
+_specs: dict = {}  # (id(mesh), placements, shape, stride, dtype) -> (mesh, DTensorSpec)
+
+
+def dtensor_from_local(local: torch.Tensor, device_mesh, placements: tuple, shape, stride):
+    """``DTensor.from_local(local, device_mesh, placements, run_check=False, shape=shape, stride=stride)`` for a
+    ``local`` without autograd history: the DTensor built directly on a DTensorSpec reused across calls (from_local
+    goes through an autograd Function and builds a fresh spec each time: most of a small reshard's fixed cost)."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    if local.device.type != device_mesh.device_type and local.device.type != "meta":
+        local = local.to(device_mesh.device_type)
+    key = (id(device_mesh), placements, tuple(shape), tuple(stride), local.dtype)
+    hit = _specs.get(key)
+    if hit is None or hit[0] is not device_mesh:
+        if len(_specs) >= 4096:
+            _specs.clear()
+        spec = DTensorSpec(device_mesh, placements, tensor_meta=TensorMeta(torch.Size(shape), tuple(stride),
+                                                                           local.dtype))
+        hit = _specs[key] = (device_mesh, spec)
+    return DTensor(local.view_as(local), hit[1], requires_grad=False)
 
 
 # -- tensor subclasses and dispatch ---------------------------------------------------------------------------
@@ -213,6 +236,7 @@ def missing() -> list[str]:
         "DeviceMesh(_init_backend=)": lambda: _param("torch.distributed.device_mesh", "DeviceMesh.__init__",
                                                      "_init_backend"),
         "DTensor._local_tensor": lambda: _slot("torch.distributed.tensor", "DTensor", "_local_tensor"),
+        "DTensor(local, DTensorSpec(mesh, placements, tensor_meta=TensorMeta(...)), requires_grad=)": _dtensor_spec,
         "torch._C._disabled_torch_function_impl": lambda: disabled_torch_function_impl,
         "torch._subclasses.fake_tensor.FakeTensor": fake_tensor_type,
         "autograd engine queue_callback": lambda: torch.autograd.Variable._execution_engine.queue_callback,
@@ -286,3 +310,12 @@ def _ar_fields():
     src = inspect.getsource(AsyncResult.__init__)
     if "self._targets" not in src or "self._children" not in src:
         raise AttributeError("_targets/_children")
+
+
+def _dtensor_spec():
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    for cls, names in ((DTensorSpec, ("mesh", "placements", "tensor_meta")), (TensorMeta, ("shape", "stride", "dtype"))):
+        params = inspect.signature(cls).parameters
+        if any(n not in params for n in names):
+            raise AttributeError(f"{cls.__name__}({', '.join(names)})")

@@ -10,12 +10,27 @@ import torch.distributed as tdist
 __all__ = ["ClipGradByGlobalNorm"]
 
 
-def _sq_sum(grads) -> torch.Tensor:
-    total = torch.zeros((), dtype=torch.float64)
+def _sq_sum(grads, dev) -> torch.Tensor:
+    """The sum of squares of ``grads`` (float64) on ``dev``: one sum per device the gradients live on, then one move
+    each (offloaded shards sit on the CPU, the others on the rank's GPU)."""
+    per: dict = {}
     for g in grads:
         if g is not None and g.numel():
-            total += g.detach().double().pow(2).sum().cpu()
+            per.setdefault(g.device, []).append(g.detach())
+    total = torch.zeros((), dtype=torch.float64, device=dev)
+    for gs in per.values():
+        total += torch.stack([g.double().pow(2).sum() for g in gs]).sum().to(dev)
     return total
+
+
+def _norm_device(grads) -> torch.device:
+    """Where the squared sums meet: this rank's device when a process group exists (the all-reduce over the
+    sharding group needs it there: a GPU under NCCL), else the first gradient's device."""
+    if tdist.is_initialized():
+        from .distributed.devices import device
+
+        return device()
+    return next((g.device for g in grads if g is not None), torch.device("cpu"))
 
 
 def _is_dtensor(t) -> bool:
@@ -55,16 +70,17 @@ class ClipGradByGlobalNorm:
         sharded = [g for g in sharded if g is not None]
         replicated = [g for g in replicated if g is not None]
         dts = [g for g in sharded + replicated if _is_dtensor(g)]
-        sq = _sq_sum([g for g in sharded if not _is_dtensor(g)])
+        dev = _norm_device(sharded + replicated)
+        sq = _sq_sum([g for g in sharded if not _is_dtensor(g)], dev)
         if group is not None and tdist.is_initialized() and tdist.get_world_size(group) > 1:
             from .distributed.comm import run
 
             run("all_reduce", group, lambda g: tdist.all_reduce(sq, group=g.process_group, async_op=True),
                 tensors=(sq,), kind=None)
-        sq = sq + _sq_sum([g for g in replicated if not _is_dtensor(g)])
+        sq = sq + _sq_sum([g for g in replicated if not _is_dtensor(g)], dev)
         for g in dts:
             n = torch.linalg.vector_norm(g.detach().float(), 2.0)
-            sq = sq + n.full_tensor().double().cpu() ** 2
+            sq = sq + n.full_tensor().double().to(dev) ** 2
         norm = float(sq.sqrt())
         coef = self.coefficient(norm)
         if coef < 1.0:

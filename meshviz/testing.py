@@ -16,10 +16,12 @@ __all__ = ["run_ranks", "RankFailed"]
 RankFailed = RankError  # the name tests have used for a failed run_ranks
 
 
-def _entry(index, port, func, args, world, outdir, env):
+def _entry(index, port, func, args, world, outdir, env, rank_envs=None):
     from .distributed import rendezvous
 
     os.environ.update(env)
+    if rank_envs:
+        os.environ.update(rank_envs[index])
     os.environ.update(rendezvous.rank_env(index, world, rendezvous.LOOPBACK, port, hosted=True))
     import torch
 
@@ -47,8 +49,12 @@ def _entry(index, port, func, args, world, outdir, env):
 
 
 def run_ranks(func, nprocs: int, *args, timeout: float = 120.0, collective_timeout: float = 30.0,
-              env: dict | None = None, ranks: str | None = None) -> list:
-    """Run ``func(*args)`` on ranks 0..nprocs-1 (gloo on CPU); return the list of per-rank return values.
+              env: dict | None = None, ranks: str | None = None, devices="cpu",
+              backend: str | None = "gloo") -> list:
+    """Run ``func(*args)`` on ranks 0..nprocs-1; return the list of per-rank return values.
+
+    ``devices``/``backend`` as for ``dist.spawn`` (default: gloo on the CPU, whatever GPUs the machine has;
+    ``devices="cuda"`` with gloo puts the ranks on the GPUs round robin, several ranks sharing one).
 
     Raises :class:`~meshviz.errors.RankError` (also known here as ``RankFailed``) naming the rank that failed
     first, with its traceback, and what every other rank did: raised, died, or was still running after
@@ -61,14 +67,22 @@ def run_ranks(func, nprocs: int, *args, timeout: float = 120.0, collective_timeo
     if ranks == "threads":
         from .distributed.thread_world import run
 
+        if devices not in ("cpu", "auto"):
+            raise ValueError(f"run_ranks: ranks='threads' run on the CPU; devices={devices!r} needs processes")
+
         return run(func, nprocs, *args, timeout=timeout, collective_timeout=collective_timeout, env=env)
     if ranks not in ("processes", "engines"):
         raise ValueError(f"run_ranks: ranks must be 'processes' or 'threads', got {ranks!r}")
+    from .core.devices import plan_devices
+    from .distributed.devices import rank_env, visible_gpu_count
     from .distributed.rank_processes import RankProcesses
 
+    plan = plan_devices(nprocs, devices, visible_gpu_count(), backend, who="run_ranks")
+    rank_envs = [rank_env(plan, r) for r in range(nprocs)]
     outdir = tempfile.mkdtemp(prefix="meshviz-ranks-")
-    envd = {"MESHVIZ_TIMEOUT": str(collective_timeout), "MESHVIZ_BACKEND": "gloo", **(env or {})}
-    procs = RankProcesses(_entry, (func, args, nprocs, outdir, envd), nprocs, collective_timeout, "spawn")
+    envd = {"MESHVIZ_TIMEOUT": str(collective_timeout), **(env or {})}
+    procs = RankProcesses(_entry, (func, args, nprocs, outdir, envd, rank_envs), nprocs, collective_timeout,
+                          "spawn")
     deadline = time.monotonic() + timeout
     try:
         while not procs.done() and time.monotonic() < deadline:

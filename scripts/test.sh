@@ -10,6 +10,7 @@ if [ -f scripts/install_browser.sh ]; then
   bash scripts/install_browser.sh
 fi
 export IPP_NONINTERACTIVE=1 PYTHONWARNINGS=ignore::FutureWarning
+export MESHVIZ_STRICT_DEVICES="${MESHVIZ_STRICT_DEVICES:-1}"  # every tensor into a collective on its rank's device
 .venv/bin/python -m pytest tests notebooks --nbval -p no:cacheprovider "$@"
 if [ "${MESHVIZ_TEST_THREADS:-1}" != "0" ]; then
   MESHVIZ_RANKS=threads .venv/bin/python -m pytest notebooks --nbval -p no:cacheprovider \

@@ -19,7 +19,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 @pytest.fixture(scope="module")
 def cluster():
-    c = meshviz.Cluster(n=N, timeout=30)
+    c = meshviz.Cluster(n=N, timeout=30, devices="cpu")
     yield c
     c.stop()
 
@@ -284,7 +284,7 @@ def test_killed_engine_is_reported_and_restart_works(cluster, tmp_path):
 
 
 def test_stop_is_quiet_and_cleans_up(capfd):
-    c = meshviz.Cluster(n=2, timeout=20)
+    c = meshviz.Cluster(n=2, timeout=20, devices="cpu")
     pids = [i["pid"] for i in c.info]
     capfd.readouterr()
     c.stop()
@@ -307,8 +307,10 @@ def test_stop_is_quiet_and_cleans_up(capfd):
 
 
 @pytest.mark.timeout(30)
-def test_rank_configs_bind_devices_as_documented():
+def test_rank_configs_bind_devices_as_documented(monkeypatch):
     from meshviz.cluster.config import rank_configs
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)  # GPU ids as this process sees them: all of them
 
     probes = [{"host": "a", "pid": 10 + r, "port": 5000 + r} for r in range(4)]
     gpu = rank_configs(probes, "cuda", None, "127.0.0.1", True, 60.0, None, ncpu=16)

@@ -25,7 +25,7 @@ SCRIPT = textwrap.dedent(
         dist.barrier()
 
     if __name__ == "__main__":
-        dist.spawn(train, args=(2.0,), nprocs=3)
+        dist.spawn(train, args=(2.0,), nprocs=3, devices="cpu")
     """
 )
 

@@ -33,8 +33,9 @@ def _losses(path):
 def test_seed004_under_launch_matches_single_process(tmp_path):
     from tests.test_fleet import _seed004_single_on
 
-    rc, out, err = _launch(["--devices", "0,1", "--log_dir", str(tmp_path / "log"), "--max_restart", "0",
-                            os.path.join(ROOT, "examples", "seed004_fleet.py")], cwd=str(tmp_path))
+    rc, out, err = _launch(["--devices", "cpu", "--nproc_per_node", "2", "--log_dir", str(tmp_path / "log"),
+                            "--max_restart", "0", os.path.join(ROOT, "examples", "seed004_fleet.py")],
+                           cwd=str(tmp_path))
     assert rc == 0, err
     assert "Configuration Arguments" in out and "nproc_per_node: 2" in out
     l0, l1 = _losses(tmp_path / "log" / "workerlog.0"), _losses(tmp_path / "log" / "workerlog.1")
@@ -67,6 +68,7 @@ def test_two_nodes_on_loopback(tmp_path):
     port = free_port()
     procs = [
         _launch(["--nnodes", "2", "--master", f"127.0.0.1:{port}", "--rank", str(node), "--nproc_per_node", "1",
+                 "--devices", "cpu",
                  "--log_dir", str(tmp_path / f"log{node}"), "--max_restart", "0", "--job_id", "t2",
                  "s.py", "--x", "1"], cwd=str(tmp_path), wait=False)
         for node in (0, 1)
@@ -87,8 +89,8 @@ def test_failing_worker_and_bad_flags(tmp_path):
     assert rc == 2 and "more processes than the 2 devices" in err
     rc, out, err = _launch(["--nnodes", "2", "s.py"], cwd=str(tmp_path))
     assert rc == 2 and "--rank" in err
-    rc, out, err = _launch(["--nproc_per_node", "2", "--log_dir", str(tmp_path / "log"), "--max_restart", "0",
-                            "s.py", "--fail"], cwd=str(tmp_path))
+    rc, out, err = _launch(["--nproc_per_node", "2", "--devices", "cpu", "--log_dir", str(tmp_path / "log"),
+                            "--max_restart", "0", "s.py", "--fail"], cwd=str(tmp_path))
     assert rc == 1
     assert "global rank [1] failed" in err and "rank 1 fails on purpose" in err
     assert "rank 1 fails on purpose" in (tmp_path / "log" / "workerlog.1").read_text()
@@ -137,8 +139,8 @@ def test_a_hang_prints_the_roll_call_and_names_the_rank(tmp_path):
 def test_one_node_listens_on_loopback_only(tmp_path):
     """The store on the port launch picked (held until served, never free in between) and gloo stay on loopback."""
     (tmp_path / "l.py").write_text(LISTENING)
-    rc, out, err = _launch(["--nproc_per_node", "2", "--log_dir", str(tmp_path / "log"), "--max_restart", "0",
-                            "l.py"], cwd=str(tmp_path))
+    rc, out, err = _launch(["--nproc_per_node", "2", "--devices", "cpu", "--log_dir", str(tmp_path / "log"),
+                            "--max_restart", "0", "l.py"], cwd=str(tmp_path))
     assert rc == 0, err
     for r in (0, 1):
         assert f"rank={r} sum=2.0 listening=['127.0.0.1']" in (tmp_path / "log" / f"workerlog.{r}").read_text()

@@ -135,7 +135,7 @@ def test_spawn_names_a_rank_that_never_joins():
 
     t0 = time.time()
     with pytest.raises(RankError) as info:
-        dist.spawn(skips_the_rendezvous_on_rank_2, nprocs=3, timeout=4)
+        dist.spawn(skips_the_rendezvous_on_rank_2, nprocs=3, timeout=4, devices="cpu")
     err = info.value
     assert time.time() - t0 < 60
     assert err.ranks == [2] and err.rank == 2
@@ -152,7 +152,7 @@ def test_spawn_and_run_ranks_name_a_rank_that_dies():
     from meshviz.testing import RankFailed, run_ranks
 
     with pytest.raises(RankError) as info:
-        dist.spawn(dies_on_rank_1, args=(7,), nprocs=3, timeout=20)
+        dist.spawn(dies_on_rank_1, args=(7,), nprocs=3, timeout=20, devices="cpu")
     err = info.value
     assert err.ranks == [1] and str(err).startswith("rank 1 died (exit code 7)")
     assert all(o.status in ("error", "stopped") for o in err.outcomes if o.rank != 1)

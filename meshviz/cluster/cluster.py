@@ -7,9 +7,11 @@ import shutil
 import sys
 import threading
 import time
+import warnings
 import weakref
 from typing import Any, Protocol
 
+from ..core.devices import DeviceNotice
 from ..errors import RankOutcome
 from ..trace.commtable import CommTable, comm_table
 from ..trace.status import RollCall
@@ -78,10 +80,14 @@ class Cluster:
     so engine ids are 0..n-1 and rank == engine id (the ``[stdout:r]`` labels of ``%%px`` are ranks); after
     ``restart()`` the same holds.
 
-    Devices: ``devices='auto'`` binds rank r to GPU (its local rank) when the machine has GPUs (NCCL), else
-    to the CPU with one torch thread each (gloo). ``devices='cpu'`` forces CPU; a list of GPU ids binds
-    rank r to GPU ``devices[r]``. ``CUDA_VISIBLE_DEVICES`` is set on each engine before torch is imported, so a
-    rank sees its GPU as ``cuda:0``. ``n=None``: one rank per GPU, or 4 without GPUs.
+    Devices, counted before any engine starts: ``devices='auto'`` binds rank r to GPU r (NCCL) when the machine
+    has a GPU for every rank, else every rank runs on the CPU with one torch thread (gloo) — with GPUs present but
+    too few, a :class:`DeviceNotice` warning and the repr say so. ``devices='cpu'`` forces the CPU;
+    ``devices='cuda'`` insists on one GPU per rank (ValueError at once when there are too few; with
+    ``backend='gloo'`` the ranks share the GPUs round robin); a list of GPU ids binds rank r to GPU
+    ``devices[r]`` (one visible id per rank; an id twice only with ``backend='gloo'``). ``CUDA_VISIBLE_DEVICES``
+    is set on each engine before torch is imported, so a rank sees its GPU as ``cuda:0``. ``n=None``: one rank
+    per GPU, or 4 without GPUs. A world never mixes NCCL and gloo ranks.
 
     ``timeout``: collective timeout in seconds (every rank stops within it when one fails; usually much
     sooner, see ``%%px`` below). ``ipp_options`` go to ``ipyparallel.Cluster`` unchanged (``engines='mpi'``,
@@ -112,6 +118,8 @@ class Cluster:
                  check_collectives: bool = True, **ipp_options):
         self.config = ClusterConfig.from_args(n, devices, backend, timeout, ipp_options, ranks, hang_after,
                                               check_collectives)
+        if self.config.notice:  # fewer GPUs than ranks: said once here, and in the repr
+            warnings.warn(self.config.notice, DeviceNotice, stacklevel=2)
         self.n = self.config.n
         self.timeout = self.config.timeout
         self.hang_after = self.config.hang_after
@@ -427,6 +435,8 @@ class Cluster:
     def __repr__(self) -> str:
         backend = self.backend_used or self.backend or "auto"
         lines = [f"Cluster({self.n} ranks, {backend}, {self.state}, {len(self.events)} events)"]
+        if self.config.notice:
+            lines.append(f"  {self.config.notice}")
         dead = self._control.dead
         for r in self.ranks:
             extra = f"  DEAD: {dead[r]}" if r in dead else ""

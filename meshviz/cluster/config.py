@@ -35,8 +35,9 @@ def gpu_count() -> int:
 
 @dataclass(frozen=True)
 class ClusterConfig:
-    """A Cluster's checked arguments. ``mode``: ``"cpu"`` (gloo), ``"cuda"`` (rank r on GPU LOCAL_RANK, NCCL) or
-    ``"list"`` (rank r on GPU ``gpus[r]``)."""
+    """A Cluster's checked arguments. ``mode``: ``"cpu"`` (gloo), ``"cuda"`` (rank r on GPU LOCAL_RANK) or
+    ``"list"`` (rank r on GPU ``gpus[r]``, an index among the visible GPUs); ``backend`` the one backend of the
+    world; ``notice`` the line said when the ranks run on the CPU for want of GPUs."""
 
     n: int
     mode: str
@@ -47,11 +48,18 @@ class ClusterConfig:
     ranks: str = "engines"
     hang_after: float | None = DEFAULT_HANG_AFTER
     check_collectives: bool = True
+    notice: str | None = None
 
     @classmethod
     def from_args(cls, n=None, devices="auto", backend=None, timeout=60, ipp_options=None, ranks=None,
-                  hang_after=DEFAULT_HANG_AFTER, check_collectives=True) -> "ClusterConfig":
-        """Check ``Cluster(...)``'s arguments (ValueError before anything starts) and decide the devices."""
+                  hang_after=DEFAULT_HANG_AFTER, check_collectives=True, gpus: int | None = None) -> "ClusterConfig":
+        """Check ``Cluster(...)``'s arguments and count ranks and GPUs (ValueError before anything starts).
+
+        ``gpus``: the visible GPU count (default: counted here; not counted when ``ipp_options`` start the
+        engines elsewhere and GPUs are asked for). The decision is :func:`meshviz.core.devices.plan_devices`'s.
+        """
+        from ..core.devices import plan_devices
+
         ipp_options = dict(ipp_options or {})
         # -- ranks as threads: CPU only, no ipyparallel options, the process group's backend is the thread one ----
         ranks = ranks_kind(ranks)
@@ -64,46 +72,26 @@ class ClusterConfig:
                 raise ValueError(f"Cluster: {sorted(ipp_options)} are ipyparallel options; ranks='threads' takes none")
             devices, backend = "cpu", None
         # -------------------------------------------------------------------------------------------------------
-        gpus = None
-        if devices == "auto":
-            gpus = gpu_count()
-            mode = "cuda" if gpus else "cpu"
-        elif devices in ("cpu",):
-            mode = "cpu"
-        elif devices in ("cuda", "gpu"):
-            mode = "cuda"
-        elif isinstance(devices, (list, tuple)) and all(isinstance(d, int) and d >= 0 for d in devices):
-            mode = "list"
-        else:
-            raise ValueError(f"Cluster: devices must be 'auto', 'cpu', 'cuda' or a list of GPU ids, got {devices!r}")
-        if n is None:
-            if mode == "list":
-                n = len(devices)
-            elif mode == "cuda":
-                n = gpus if gpus is not None else gpu_count()
-                if not n:
-                    raise ValueError("Cluster: devices='cuda' but no GPU is visible")
-            else:
-                n = DEFAULT_CPU_RANKS
-        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-            raise ValueError(f"Cluster: n must be a positive int or None, got {n!r}")
-        if mode == "list" and len(devices) != n:
-            raise ValueError(f"Cluster: {len(devices)} devices given for {n} ranks")
-        if mode == "cuda" and "engines" not in ipp_options:  # all ranks on this machine: one GPU each
-            gpus = gpus if gpus is not None else gpu_count()
-            if n > gpus:
-                raise ValueError(f"Cluster: {n} ranks but {gpus} GPUs here; pass devices='cpu' or n <= {gpus}")
-        if not (isinstance(timeout, (int, float)) and timeout > 0):
+        if not (isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout > 0):
             raise ValueError(f"Cluster: timeout must be a positive number of seconds, got {timeout!r}")
-        if backend not in (None, "gloo", "nccl"):
-            raise ValueError(f"Cluster: backend must be None, 'gloo' or 'nccl', got {backend!r}")
         if hang_after is not None and (isinstance(hang_after, bool) or not isinstance(hang_after, (int, float))
                                        or hang_after <= 0):
             raise ValueError(f"Cluster: hang_after must be a positive number of seconds or None, got {hang_after!r}")
-        return cls(n=n, mode=mode, gpus=tuple(devices) if mode == "list" else None, backend=backend,
-                   timeout=float(timeout), ipp_options=ipp_options, ranks=ranks,
-                   hang_after=None if hang_after is None else float(hang_after),
-                   check_collectives=bool(check_collectives))
+        if gpus is None:
+            remote = "engines" in ipp_options and devices not in (None, "auto", "cpu")
+            gpus = None if remote else gpu_count()
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise ValueError(f"Cluster: n must be a positive int or None, got {n!r}")
+        plan = plan_devices(n, devices, gpus, backend, default_cpu=DEFAULT_CPU_RANKS, who="Cluster")
+        if not plan.on_gpu:
+            mode, ids = "cpu", None
+        elif plan.gpus is None:
+            mode, ids = "cuda", None
+        else:
+            mode, ids = "list", plan.gpus
+        return cls(n=plan.n, mode=mode, gpus=ids, backend=plan.backend, timeout=float(timeout),
+                   ipp_options=ipp_options, ranks=ranks, hang_after=None if hang_after is None else float(hang_after),
+                   check_collectives=bool(check_collectives), notice=plan.notice)
 
     @property
     def host(self) -> str:
@@ -120,10 +108,14 @@ def rank_configs(probes: list[dict], mode: str, gpus, master: str, loopback: boo
     """What each rank's engine is told at set-up: rank r is ``probes[r]``'s engine (engines sorted by id).
 
     LOCAL_RANK counts the ranks before r on the same host. A CPU rank hides the GPUs and uses one thread; a GPU
-    rank sees only GPU ``gpus[r]`` (a list was given) or GPU LOCAL_RANK, as its ``cuda:0``.
+    rank sees only GPU ``gpus[r]`` (a list was given) or GPU LOCAL_RANK, as its ``cuda:0`` (ids through this
+    process's own CUDA_VISIBLE_DEVICES, when it is set).
     """
     from ..distributed.rendezvous import loopback_ifname, rank_env
 
+    from ..distributed.devices import visible_gpu_labels
+
+    labels = visible_gpu_labels()
     n = len(probes)
     hosts = [p["host"] for p in probes]
     ncpu = ncpu or os.cpu_count() or 1
@@ -136,10 +128,12 @@ def rank_configs(probes: list[dict], mode: str, gpus, master: str, loopback: boo
         if loopback and "GLOO_SOCKET_IFNAME" not in os.environ:
             env["GLOO_SOCKET_IFNAME"] = loopback_ifname()  # gloo's sockets too
         if mode == "cpu":
-            env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
+            env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", MESHVIZ_DEVICE="cpu")
             threads = 1
-        else:
-            env["CUDA_VISIBLE_DEVICES"] = str(gpus[r] if gpus else lr)
+        else:  # the rank sees only its GPU, as cuda:0 (an index among this process's visible GPUs)
+            gpu = gpus[r] if gpus else lr
+            env["CUDA_VISIBLE_DEVICES"] = labels[gpu] if labels is not None and gpu < len(labels) else str(gpu)
+            env["MESHVIZ_DEVICE"] = "cuda:0"
             threads = max(1, ncpu // hosts.count(h))
             env["OMP_NUM_THREADS"] = str(threads)
             # a timed-out NCCL collective aborts its communicators and raises in the rank (the default, 3, ends

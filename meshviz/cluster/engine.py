@@ -316,9 +316,10 @@ def _init_process_group(rank: int, world: int, backend: str, timeout: float, por
             held.close()
         store = connect_store(master, port, world, to)
     kwargs = {}
-    if backend == "nccl":
+    if os.environ.get("MESHVIZ_DEVICE", "cpu").startswith("cuda") or backend == "nccl":
         torch.cuda.set_device(0)  # CUDA_VISIBLE_DEVICES shows this rank its one GPU
-        kwargs["device_id"] = torch.device("cuda", 0)
+        if backend == "nccl":
+            kwargs["device_id"] = torch.device("cuda", 0)
     tdist.init_process_group(backend=backend, store=store, rank=rank, world_size=world, timeout=to, **kwargs)
     os.environ["MASTER_PORT"] = str(port)
     from .. import trace
@@ -349,7 +350,8 @@ def setup(cfg: dict) -> dict:
     import torch.distributed as tdist
 
     gpu = os.environ.get("CUDA_VISIBLE_DEVICES")
-    dev = f"cuda:{gpu}" if _state.backend == "nccl" and gpu else "cpu"
+    on_gpu = os.environ.get("MESHVIZ_DEVICE", "cpu").startswith("cuda") or _state.backend == "nccl"
+    dev = f"cuda:{gpu}" if on_gpu and gpu else "cpu"  # the GPU's id on this machine (it sees it as cuda:0)
     return {
         "rank": tdist.get_rank(), "world": tdist.get_world_size(), "pid": os.getpid(), "host": socket.gethostname(),
         "backend": _state.backend, "device": dev, "threads": torch.get_num_threads(),

@@ -33,11 +33,12 @@ from .env import (
     is_initialized,
     spawn,
 )
+from .devices import device, strict_devices
 
 __all__ = [
     "ProcessMesh", "Placement", "Shard", "Replicate", "Partial", "ReduceType",
     "init_parallel_env", "get_rank", "get_world_size", "is_initialized", "spawn",
-    "ParallelEnv", "destroy_process_group",
+    "ParallelEnv", "destroy_process_group", "device", "strict_devices",
     "DistTensor", "shard_tensor", "reshard", "dtensor_from_fn", "dtensor_from_local", "dtensor_to_local", "unshard_dtensor",
     "local_map", "is_dist_tensor", "plan_of",
     "shard_layer", "shard_optimizer", "shard_scaler", "shard_dataloader", "ShardDataloader",

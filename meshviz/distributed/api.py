@@ -207,10 +207,21 @@ def is_dist_tensor(t) -> bool:
     return isinstance(t, DistTensor)
 
 
+_plans: dict = {}  # a plan is a pure, frozen function of its key: made once per layout pair
+
+
 def plan_of(t: DistTensor, mesh: ProcessMesh, placements):
     """The plan ``reshard(t, mesh, placements)`` would run (no communication)."""
-    return plan_reshard(tuple(t.shape), t.process_mesh, t.placements, mesh, placements,
-                        itemsize=t.element_size())
+    src = t.process_mesh
+    key = (tuple(t.shape), src.unique_id, tuple(src.dim_names), tuple(t.placements), mesh.unique_id,
+           tuple(mesh.dim_names), tuple(placements), t.element_size())
+    plan = _plans.get(key)
+    if plan is None:
+        plan = plan_reshard(key[0], src, key[3], mesh, placements, itemsize=key[7])
+        if len(_plans) >= 1024:
+            _plans.clear()
+        _plans[key] = plan
+    return plan
 
 
 def _grad_layout(placements):

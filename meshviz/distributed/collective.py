@@ -11,6 +11,7 @@ from .. import trace
 from ..core.placements import ReduceType
 from . import comm, groups
 from .comm import Task, check_peer, local, reduction, run, tensor_bytes
+from .devices import staged_recv, staged_send
 from .env import init_parallel_env
 from .groups import Group
 
@@ -289,17 +290,26 @@ def alltoall_single(in_tensor, out_tensor, in_split_sizes=None, out_split_sizes=
 # -- point to point -----------------------------------------------------------------------------
 
 def send(tensor, dst=0, group=None, sync_op=True):
-    """Send ``tensor`` to global rank ``dst``."""
+    """Send ``tensor`` to global rank ``dst`` (a CUDA tensor over gloo goes through a CPU copy)."""
     t = local(tensor)
-    return run("send", group, lambda g: tdist.isend(t.contiguous(), dst, group=g.process_group), tensors=(t,),
-               peers={"dst": dst}, sync_op=sync_op, kind="send", peer=dst)
+    return run("send", group, lambda g: tdist.isend(staged_send(t.contiguous(), g.process_group), dst,
+                                                    group=g.process_group),
+               tensors=(t,), peers={"dst": dst}, sync_op=sync_op, kind="send", peer=dst)
 
 
 def recv(tensor, src=0, group=None, sync_op=True):
-    """Receive into ``tensor`` from global rank ``src``."""
+    """Receive into ``tensor`` from global rank ``src`` (over gloo, a CUDA tensor through a CPU buffer)."""
     t = local(tensor)
-    return run("recv", group, lambda g: tdist.irecv(t, src, group=g.process_group), tensors=(t,),
-               peers={"src": src}, sync_op=sync_op, kind="recv", peer=src)
+    copy_back = []
+
+    def start(g):
+        buf, fin = staged_recv(t, g.process_group)
+        if fin is not None:
+            copy_back.append(fin)
+        return tdist.irecv(buf, src, group=g.process_group)
+
+    return run("recv", group, start, tensors=(t,), peers={"src": src}, sync_op=sync_op, kind="recv", peer=src,
+               then=lambda: [fin() for fin in copy_back])
 
 
 def isend(tensor, dst, group=None):
@@ -344,11 +354,17 @@ def batch_isend_irecv(p2p_op_list):
             kind = "send" if p.is_send else "recv"
             trace.emit(trace.Event(kind=kind, op=kind, group=list(g.ranks), peer=p.peer, bytes=tensor_bytes(t),
                                    payload=trace.Collective(batched=True)))
-    works = []
+    works, staged = [], []
+    for p, t, g in ops:  # over gloo, CUDA tensors go through CPU copies
+        if p.is_send:
+            staged.append((tdist.isend, staged_send(t, g.process_group), None))
+        else:
+            buf, fin = staged_recv(t, g.process_group)
+            staged.append((tdist.irecv, buf, fin))
     run("batch_isend_irecv", groups.world_group(), lambda _: works.extend(tdist.batch_isend_irecv(
-        [tdist.P2POp(tdist.isend if p.is_send else tdist.irecv, t, p.peer, group=g.process_group)
-         for p, t, g in ops])), tensors=[t for _, t, _ in ops], kind=None)
-    return [Task([w]) for w in works]
+        [tdist.P2POp(fn, buf, p.peer, group=g.process_group) for (fn, buf, _), (p, _, g) in zip(staged, ops)])),
+        tensors=[t for _, t, _ in ops], kind=None)
+    return [Task([w], then=fin) for w, (_, _, fin) in zip(works, staged)]
 
 
 def barrier(group=None):

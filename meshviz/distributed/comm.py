@@ -8,7 +8,7 @@ import torch.distributed as tdist
 
 from .. import compat, trace
 from ..core.placements import ReduceType
-from . import rollcall
+from . import devices, rollcall
 from .groups import Group, resolve
 from .match import CollectiveMismatch, check_match, checking
 
@@ -168,8 +168,9 @@ def run(op: str, group, start, *, tensors=(), nbytes: int | None = None, peers: 
     (:mod:`~meshviz.distributed.rollcall`) says so while the call runs, and with :func:`match.checking` on,
     the members first compare what they are about to run (:func:`match.check_match`).
 
-    ``group``: whatever :func:`groups.resolve` reads. ``peers``: ``{"src": rank, ...}``, global ranks that must be
-    in the group (ValueError before any communication, on members and non-members alike). A non-member gets a
+    ``tensors`` must be where the group's backend needs them (NCCL: on the GPU; strict device mode: on this
+    rank's device), else ValueError before any communication. ``group``: whatever :func:`groups.resolve` reads.
+    ``peers``: ``{"src": rank, ...}``, global ranks that must be in the group (ValueError before any communication, on members and non-members alike). A non-member gets a
     finished Task and ``start`` is not called. ``start(g)`` starts the torch call(s) on the resolved Group and
     returns their work handle(s), or None when it blocked until done. ``then()`` runs once the works are done
     (at once when ``sync_op``, else in ``Task.wait``). ``kind``: the trace event's kind ("collective", "send",
@@ -182,6 +183,8 @@ def run(op: str, group, start, *, tensors=(), nbytes: int | None = None, peers: 
             check_peer(what, r, g.ranks)
     if g.rank < 0:
         return Task(done=True)
+    if tensors:
+        devices.check(op, g, tensors)  # ValueError naming the fix, before any communication
     rec = rollcall.current()
     prev = rec.enter(op, g.key, tensors, nbytes)
     task = None

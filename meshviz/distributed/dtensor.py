@@ -20,6 +20,7 @@ from ..core.placements import Partial, Placement, Replicate, Shard
 from ..rank_context import per_rank
 from . import groups, rollcall
 from .comm import dtensor_reduce_op, from_dtensor_reduce_op
+from .devices import device
 
 __all__ = ["DistTensor", "to_torch_placements", "from_torch_placements", "make_dtensor", "make_dist"]
 
@@ -27,7 +28,15 @@ _pmesh_of: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # DeviceMe
 _ids = per_rank(lambda: itertools.count(1))  # tensor ids in events, numbered per rank
 
 
+_to_torch: dict = {}  # placements (both kinds are frozen, hashable values) -> converted, asked on every call
+_from_torch: dict = {}
+
+
 def to_torch_placements(placements) -> tuple:
+    key = tuple(placements)
+    hit = _to_torch.get(key)
+    if hit is not None:
+        return hit
     out = []
     for p in placements:
         if isinstance(p, Shard):
@@ -38,10 +47,16 @@ def to_torch_placements(placements) -> tuple:
             out.append(TPartial(dtensor_reduce_op(p.reduce_type)))
         else:
             raise ValueError(f"not a placement: {p!r}")
+    if len(_to_torch) < 4096:
+        _to_torch[key] = tuple(out)
     return tuple(out)
 
 
 def from_torch_placements(placements) -> list[Placement]:
+    key = tuple(placements)
+    hit = _from_torch.get(key)
+    if hit is not None:
+        return list(hit)
     out: list[Placement] = []
     for p in placements:
         if p.is_shard():
@@ -52,12 +67,15 @@ def from_torch_placements(placements) -> list[Placement]:
             out.append(Partial(from_dtensor_reduce_op(getattr(p, "reduce_op", "sum"))))
         else:
             raise ValueError(f"unsupported torch placement {p!r}")
+    if len(_from_torch) < 4096:
+        _from_torch[key] = tuple(out)
     return out
 
 
-def device_mesh_for(mesh: ProcessMesh):
-    dm = groups.device_mesh(mesh)
-    _pmesh_of[dm] = mesh
+def device_mesh_for(mesh: ProcessMesh, device_type: str | None = None):
+    dm = groups.device_mesh(mesh, device_type)
+    if dm not in _pmesh_of:
+        _pmesh_of[dm] = mesh
     return dm
 
 
@@ -83,15 +101,22 @@ def representable(placements) -> bool:
     return len({p.reduce_type for p in placements if isinstance(p, Partial)}) <= 1
 
 
-def make_dtensor(local: torch.Tensor, mesh: ProcessMesh, placements, shape) -> DTensor:
-    """A DTensor (no autograd history) whose local value is ``local`` and global shape ``shape``."""
-    dm = device_mesh_for(mesh)
+def block_device_type(local: torch.Tensor) -> str:
+    """Where a dist tensor's blocks live: a CUDA block stays on CUDA (gloo carries CUDA tensors for its main
+    collectives); a CPU one goes to this rank's device (its GPU under NCCL), as Paddle places tensors on the
+    current device."""
+    t = local.device.type
+    return t if t != "cpu" else device().type
+
+
+def make_dtensor(local: torch.Tensor, mesh: ProcessMesh, placements, shape, device_type: str | None = None) -> DTensor:
+    """A DTensor (no autograd history) whose local value is ``local`` and global shape ``shape``, on a DeviceMesh of
+    ``device_type`` (default :func:`block_device_type`; DTensor moves ``local`` there)."""
+    dm = device_mesh_for(mesh, device_type or block_device_type(local))
     if not representable(placements):
         placements = [Replicate() if isinstance(p, Partial) else p for p in placements]
-    return DTensor.from_local(
-        local.detach(), dm, to_torch_placements(placements), run_check=False,
-        shape=torch.Size(shape), stride=_contiguous_stride(shape),
-    )
+    return compat.dtensor_from_local(local.detach(), dm, to_torch_placements(placements), shape,
+                                     _contiguous_stride(shape))
 
 
 def make_dist(local: torch.Tensor, mesh: ProcessMesh, placements, shape, requires_grad: bool = False):
@@ -210,7 +235,7 @@ class DistTensor(torch.Tensor):
             if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) and x.dim() > 0 and x.numel() > 1:
                 # a dense tensor meeting a dist one is replicated on its mesh, as in Paddle
                 return make_dtensor(_local_for_replicate(x, ref._pmesh), ref._pmesh,
-                                    [Replicate()] * ref._pmesh.ndim, x.shape)
+                                    [Replicate()] * ref._pmesh.ndim, x.shape, ref._dtensor.device_mesh.device_type)
             return x
 
         uargs, ukwargs = tree_map(unwrap, (args, kwargs))

@@ -15,6 +15,7 @@ from ..errors import RankError
 from ..rank_context import current as _rank_context
 from ..rank_context import getenv as _getenv
 from . import rendezvous, rollcall, watchdog
+from .devices import device, initial_device
 from .rank_processes import SpawnContext, spawn
 
 __all__ = [
@@ -50,24 +51,11 @@ def _env_int(*names, default=None):
     return default
 
 
-def _gpu_for_this_rank() -> int | None:
-    if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
-        return None
-    local = _env_int("LOCAL_RANK", "PADDLE_LOCAL_RANK", default=0)
-    return local % torch.cuda.device_count()
-
-
-def device() -> torch.device:
-    """The device this rank computes on: its GPU under NCCL, else the CPU."""
-    if tdist.is_initialized() and tdist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def init_parallel_env(backend: str | None = None, timeout: float | None = None):
     """Initialise the default process group from torchrun's variables (RANK, WORLD_SIZE, MASTER_ADDR, ...).
 
-    Gloo on CPU, NCCL when this rank has a GPU. Idempotent. Without any variables it starts a 1-rank group.
+    NCCL when this rank has a GPU of its own, else gloo on the CPU (see ``meshviz.core.devices``: ranks and GPUs
+    are counted before anything starts). Idempotent. Without any variables it starts a 1-rank group.
     ``MESHVIZ_TRACE=path/{rank}.jsonl`` records this rank's events to a file.
     """
     # -- ranks as threads: the rank's context knows how it joins (its thread world) -----------------------------
@@ -77,7 +65,11 @@ def init_parallel_env(backend: str | None = None, timeout: float | None = None):
         rec = rollcall.current()
         rec.rank, rec.thread = tdist.get_rank(), threading.get_ident()
     # --------------------------------------------------------------------------------------------------------
-    if not tdist.is_initialized():
+    global _set_up_for
+    initialized = tdist.is_initialized()
+    if initialized and _set_up_for is not None and _set_up_for is tdist.group.WORLD:
+        return _set_up_for  # every shard_tensor / reshard asks: once set up, nothing to do
+    if not initialized:
         rank = _env_int("RANK", "PADDLE_TRAINER_ID", default=0)
         world = _env_int("WORLD_SIZE", "PADDLE_TRAINERS_NUM", default=1)
         os.environ.setdefault("MASTER_ADDR", rendezvous.LOOPBACK)
@@ -87,13 +79,12 @@ def init_parallel_env(backend: str | None = None, timeout: float | None = None):
                 raise RuntimeError("init_parallel_env: WORLD_SIZE > 1 but MASTER_PORT is not set")
             reservation = rendezvous.reserve_port()  # held until this rank's store serves on it
             os.environ["MASTER_PORT"] = str(reservation.port)
-        gpu = _gpu_for_this_rank()
-        if backend is None:
-            backend = os.environ.get("MESHVIZ_BACKEND") or ("nccl" if gpu is not None else "gloo")
+        backend, dev = initial_device(backend)  # what spawn / launch decided, or the same decision made here
         kwargs = {}
-        if backend == "nccl":
-            torch.cuda.set_device(gpu)
-            kwargs["device_id"] = torch.device("cuda", gpu)
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)
+            if backend == "nccl":
+                kwargs["device_id"] = dev
         to = datetime.timedelta(seconds=timeout) if timeout is not None else default_timeout()
         master = os.environ["MASTER_ADDR"]
         if rendezvous.is_loopback(master):
@@ -113,7 +104,11 @@ def init_parallel_env(backend: str | None = None, timeout: float | None = None):
     path = _getenv("MESHVIZ_TRACE")
     if path and not any(isinstance(s, trace.JSONLSink) and s.path == path for s in trace.sinks()):
         trace.add_sink(trace.JSONLSink(path))
-    return tdist.group.WORLD
+    _set_up_for = tdist.group.WORLD
+    return _set_up_for
+
+
+_set_up_for = None  # the default group init_parallel_env last set this process up for (rank getter, trace)
 
 
 def destroy_process_group(group=None) -> None:
@@ -167,8 +162,8 @@ class ParallelEnv:
 
     @property
     def device_id(self) -> int:
-        gpu = _gpu_for_this_rank()
-        return -1 if gpu is None else gpu
+        dev = device() if tdist.is_initialized() else initial_device()[1]
+        return -1 if dev.type != "cuda" else dev.index
 
     dev_id = device_id
     nranks = world_size

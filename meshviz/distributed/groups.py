@@ -29,6 +29,7 @@ class Group:
         self.nranks = len(self.ranks)
         self.process_group = pg
         self.name = name or f"_default_pg{id}"
+        self._backend: str | None = None
 
     @property
     def world_size(self) -> int:
@@ -36,7 +37,9 @@ class Group:
 
     @property
     def backend(self) -> str:
-        return tdist.get_backend(self.process_group) if self.process_group is not None else "undefined"
+        if self._backend is None:  # asked by every collective (comm.run's device check): once per group
+            self._backend = tdist.get_backend(self.process_group) if self.process_group is not None else "undefined"
+        return self._backend
 
     def is_member(self) -> bool:
         return self.rank >= 0
@@ -172,7 +175,7 @@ def resolve(group) -> Group:
 # -- meshes ----------------------------------------------------------------------------------------------------
 
 def _key(mesh: ProcessMesh):
-    return (tuple(mesh.shape), tuple(mesh.process_ids))
+    return mesh.unique_id  # one number per (shape, ids) in this process
 
 
 def check_mesh_in_world(mesh: ProcessMesh) -> None:

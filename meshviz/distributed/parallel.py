@@ -12,6 +12,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from .. import compat, trace
 from . import groups, rollcall
 from .comm import FUSE_BYTES, all_reduce_mean_, run
+from .devices import place_module
 from .env import init_parallel_env
 
 __all__ = ["DataParallel", "fused_allreduce_gradients", "sync_params_buffers"]
@@ -19,6 +20,9 @@ __all__ = ["DataParallel", "fused_allreduce_gradients", "sync_params_buffers"]
 
 class DataParallel(nn.Module):
     """Run ``layers`` data-parallel: parameters broadcast from the group's first rank, gradients averaged.
+
+    ``layers`` left on the CPU of a GPU rank move to its GPU (``dist.device()``), as Paddle creates layers on the
+    current device; on a GPU the inputs are moved there too.
 
     Built on ``torch.nn.parallel.DistributedDataParallel``: buckets of ``comm_buffer_size`` MB, the first bucket
     (the parameters defined first, whose gradients are ready last) of ``last_comm_buffer_size`` MB.
@@ -38,6 +42,7 @@ class DataParallel(nn.Module):
         ranks, pg = g.ranks, g.process_group
         if not g.is_member():
             raise ValueError(f"DataParallel: this rank ({tdist.get_rank()}) is not in the group {ranks}")
+        place_module(layers, "DataParallel")  # a CPU model on a GPU rank moves to the GPU, as in Paddle
         self._layers = layers
         self.group = group
         self._ranks = ranks
@@ -49,8 +54,11 @@ class DataParallel(nn.Module):
         if has_grad:
             made = []  # DDP's constructor broadcasts the parameters and buffers from the group's first rank
             nbytes = sum(t.numel() * t.element_size() for t in layers.state_dict().values())
+            devs = {p.device for p in layers.parameters()}
+            gpu = next(iter(devs)) if len(devs) == 1 and next(iter(devs)).type == "cuda" else None
             run("broadcast", g, lambda g: made.append(DDP(
                 layers,
+                device_ids=None if gpu is None else [gpu.index],  # on a GPU, DDP moves the inputs there too
                 process_group=pg,
                 bucket_cap_mb=comm_buffer_size,
                 bucket_cap_mb_list=[last_comm_buffer_size, comm_buffer_size],

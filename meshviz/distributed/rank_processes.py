@@ -201,8 +201,10 @@ def _summary_of(tb: str) -> str:
     return head if len(head) <= 500 else head[:497] + "..."
 
 
-def _spawn_entry(index, port, func, args, world, env):
+def _spawn_entry(index, port, func, args, world, env, rank_envs=None):
     os.environ.update(env)
+    if rank_envs:
+        os.environ.update(rank_envs[index])  # this rank's device, before anything starts CUDA here
     os.environ.update(rendezvous.rank_env(index, world, rendezvous.LOOPBACK, port, hosted=True))
     import torch
 
@@ -284,22 +286,34 @@ def spawn(func, args=(), nprocs: int = -1, join: bool = True, daemon: bool = Fal
 
     ``nprocs=-1`` uses one process per GPU, or 2 on a CPU-only machine. If one rank raises or dies, the others are
     stopped and a :class:`RankError` names that rank (and any rank that never reached the rendezvous) with its
-    traceback. ``options``: ``backend``, ``timeout`` (seconds), ``trace`` (a JSONL path, ``{rank}`` filled in),
-    ``threads`` (torch threads per rank, default 1), ``start_method``, ``hang_after`` (seconds a rank may wait in
-    one collective before the roll-call is printed to stderr, default 5; None: no watchdog),
-    ``check_collectives`` (compare op, shapes and dtypes before each collective on gloo, default off). When a
-    collective times out, the error names the ranks that never entered it.
-    """
-    import torch
+    traceback. ``options``: ``backend``, ``devices`` (``"auto"``, ``"cpu"``, ``"cuda"`` or GPU ids; Paddle's
+    ``gpus="0,1"`` too), ``timeout`` (seconds), ``trace`` (a JSONL path, ``{rank}`` filled in), ``threads``
+    (torch threads per rank, default 1), ``start_method``, ``hang_after`` (seconds a rank may wait in one
+    collective before the roll-call is printed to stderr, default 5; None: no watchdog), ``check_collectives``
+    (compare op, shapes and dtypes before each collective on gloo, default off). When a collective times out, the
+    error names the ranks that never entered it.
 
+    Ranks and GPUs are counted before any process starts (:func:`meshviz.core.devices.plan_devices`): one GPU per
+    rank with NCCL when there are enough; otherwise, unless ``devices``/``backend`` insist on GPUs, every rank runs
+    on the CPU with gloo (said once, as a :class:`~meshviz.distributed.devices.DeviceNotice` warning), and bad
+    device requests raise ValueError at once.
+    """
+    import warnings
+
+    from ..core.devices import plan_devices
     from . import watchdog
+    from .devices import DeviceNotice, rank_env, visible_gpu_count
     from .env import DEFAULT_TIMEOUT_S
     from .watchdog import DEFAULT_HANG_AFTER
 
-    if nprocs == -1:
-        nprocs = torch.cuda.device_count() or 2
-    if not isinstance(nprocs, int) or nprocs < 1:
+    if isinstance(nprocs, bool) or not isinstance(nprocs, int) or (nprocs < 1 and nprocs != -1):
         raise ValueError(f"spawn: nprocs must be a positive int or -1, got {nprocs!r}")
+    plan = plan_devices(None if nprocs == -1 else nprocs, options.get("devices", options.get("gpus")),
+                        visible_gpu_count(), options.get("backend") or None, default_cpu=2, who="spawn",
+                        names={"n": "nprocs"})
+    nprocs = plan.n
+    if plan.notice:
+        warnings.warn(plan.notice, DeviceNotice, stacklevel=2)
     env = {}
     if options.get("backend"):
         env["MESHVIZ_BACKEND"] = options["backend"]
@@ -318,8 +332,9 @@ def spawn(func, args=(), nprocs: int = -1, join: bool = True, daemon: bool = Fal
     if method is None:
         method = "spawn" if _importable(func) else "fork"
     timeout = float(env.get("MESHVIZ_TIMEOUT", os.environ.get("MESHVIZ_TIMEOUT", DEFAULT_TIMEOUT_S)))
-    procs = RankProcesses(_spawn_entry, (func, tuple(args), nprocs, env), nprocs, timeout, method, daemon,
-                          hang_after=hang_after)
+    rank_envs = [rank_env(plan, r) for r in range(nprocs)]
+    procs = RankProcesses(_spawn_entry, (func, tuple(args), nprocs, env, rank_envs), nprocs, timeout, method,
+                          daemon, hang_after=hang_after)
     ctx = SpawnContext(procs)
     if not join:
         return ctx

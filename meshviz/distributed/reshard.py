@@ -16,6 +16,7 @@ from ..core.planner import Plan, Step
 from ..rank_context import per_rank
 from . import groups, rollcall
 from .comm import all_to_all_flat, divide_, reduction, run
+from .devices import staged_recv, staged_send
 
 __all__ = ["run_plan", "run_step"]
 
@@ -173,7 +174,7 @@ def _slice(step: Step, local: torch.Tensor, k: int, my_index: int) -> torch.Tens
 
 def _send_recv(step: Step, local: torch.Tensor | None, rank: int, dtype, device) -> torch.Tensor | None:
     dst_mesh = step.target_mesh
-    ops, result, pending = [], None, []
+    ops, tensors, result, pending, copy_back = [], [], None, [], []
     for j, (s, t) in enumerate(step.groups):
         blk = step.blocks[j] if step.blocks is not None else None
         if s == rank:
@@ -181,16 +182,22 @@ def _send_recv(step: Step, local: torch.Tensor | None, rank: int, dtype, device)
             if t == rank:
                 result = v.clone()
             else:
-                ops.append(tdist.P2POp(tdist.isend, v.contiguous(), t))
+                v = v.contiguous()
+                ops.append(tdist.P2POp(tdist.isend, staged_send(v), t))  # gloo: CUDA through a CPU copy
+                tensors.append(v)
         elif t == rank:
             coord = dst_mesh.coordinate(t)
             shp = _block_shape(step, step.after, dst_mesh, coord)
             buf = torch.empty(shp, dtype=dtype, device=device)
-            ops.append(tdist.P2POp(tdist.irecv, buf, s))
+            host, fin = staged_recv(buf)
+            ops.append(tdist.P2POp(tdist.irecv, host, s))
+            tensors.append(buf)
             pending.append(buf)
+            if fin is not None:
+                copy_back.append(fin)
     if ops:
-        run("send_recv", groups.world_group(), lambda g: tdist.batch_isend_irecv(ops),
-            tensors=[op.tensor for op in ops], kind=None)
+        run("send_recv", groups.world_group(), lambda g: tdist.batch_isend_irecv(ops), tensors=tensors, kind=None,
+            then=lambda: [fin() for fin in copy_back])
     if pending:
         result = pending[0]
     return result
@@ -202,6 +209,8 @@ def run_step(step: Step, local, rank: int, dtype, device):
         return _send_recv(step, local, rank, dtype, device)
     if local is None or not step.mesh.contains(rank):
         return local
+    if step.mesh.mesh.shape[step.axis] == 1:  # a line of one rank: every step keeps the block (a new tensor)
+        return local.clone()
     coord, coords = _line_coords(step, rank)
     my_index = coord[step.axis]
     k = len(coords)

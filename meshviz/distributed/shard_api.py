@@ -10,6 +10,8 @@ from ..core.mesh import ProcessMesh
 from ..core.placements import Replicate, Shard
 from .api import dtensor_from_local, reshard, shard_tensor
 from .dtensor import DistTensor
+from .comm import run
+from .devices import device
 from .env import init_parallel_env
 
 __all__ = [
@@ -135,6 +137,27 @@ class ShardingStage3(ShardingStage2):
     stage = 3
 
 
+@torch.no_grad()
+def _place_plain(optimizer) -> None:
+    """Dense parameters left on the CPU of a GPU rank move to its GPU, in place (their gradients, as dist tensors,
+    come back on the GPU, where the dist parameters' blocks already are; Paddle creates them there)."""
+    want = device()
+    if want.type == "cpu":
+        return
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if isinstance(p, DistTensor) or p.device.type != "cpu":
+                continue
+            p.data = p.data.to(want)
+            if p.grad is not None:
+                p.grad = p.grad.to(want)
+            st = optimizer.state.get(p)
+            if st:
+                for k, v in st.items():
+                    if torch.is_tensor(v) and v.dim() > 0:
+                        st[k] = v.to(want)
+
+
 class _ShardOptimizer:
     """Wraps a torch optimizer whose parameters are dist tensors (Paddle's shard_optimizer result)."""
 
@@ -150,6 +173,7 @@ class _ShardOptimizer:
         # as in Paddle, only recorded: every step() updates; the training loop decides how often to call it
         self.gradient_accumulation_steps = gradient_accumulation_steps
         self._shadow: dict = {}  # param -> sharded leaf the inner optimizer updates (stages 1 and 2)
+        _place_plain(optimizer)
         if shard_fn is not None:
             self._setup_sharding()
 
@@ -250,7 +274,8 @@ class _ShardOptimizer:
 
 
 def shard_optimizer(optimizer, shard_fn=None, gradient_accumulation_steps: int = 1):
-    """Make ``optimizer`` step dist parameters: Partial gradients are reduced once before the update; with
+    """Make ``optimizer`` step dist parameters: Partial gradients are reduced once before the update; dense
+    parameters on the CPU of a GPU rank move to its GPU (in place). With
     ``ShardingStage1/2/3(sharding_mesh_dim, mesh)`` optimizer states (then gradients, then parameters) are sharded
     along that mesh axis. ``gradient_accumulation_steps`` is recorded as Paddle records it: every ``step()``
     updates, so a loop that accumulates k micro-batches calls ``step()`` once per k."""
@@ -326,7 +351,7 @@ class _ShardScaler:
     def unscale_(self, optimizer) -> None:
         if not self._enable or self._unscaled:
             return
-        bad = torch.zeros(1)
+        bad = torch.zeros(1, device=device())
         for p in self._params(optimizer):
             if p.grad is None:
                 continue
@@ -335,7 +360,8 @@ class _ShardScaler:
                 bad.fill_(1.0)
             p.grad.mul_(1.0 / self._scale)
         if tdist.is_initialized() and tdist.get_world_size() > 1:
-            tdist.all_reduce(bad, op=tdist.ReduceOp.MAX)
+            run("all_reduce", None, lambda g: tdist.all_reduce(bad, op=tdist.ReduceOp.MAX, group=g.process_group,
+                                                               async_op=True), tensors=(bad,), kind=None)
         self._found_inf = bool(bad.item())
         self._unscaled = True
 

@@ -1,5 +1,6 @@
 """Runs one worker's training script: Paddle's variables set, stderr joined to stdout (workerlog.N)."""
 
+import json
 import os
 import runpy
 import sys
@@ -8,12 +9,9 @@ import sys
 def main() -> None:
     script, args = sys.argv[1], sys.argv[2:]
     local = int(os.environ.get("LOCAL_RANK", "0"))
-    devices = os.environ.get("MESHVIZ_LAUNCH_DEVICES")
-    if devices:
-        dev = devices.split(",")[local]
-        os.environ["FLAGS_selected_gpus"] = dev
-        if os.environ.get("MESHVIZ_LAUNCH_GPU") == "1":
-            os.environ["CUDA_VISIBLE_DEVICES"] = dev
+    rank_envs = os.environ.get("MESHVIZ_LAUNCH_RANK_ENV")
+    if rank_envs:  # this worker's device, decided by the launcher before anything started
+        os.environ.update(json.loads(rank_envs)[local])
     os.environ["PADDLE_TRAINER_ID"] = os.environ.get("RANK", "0")
     os.environ["PADDLE_TRAINERS_NUM"] = os.environ.get("WORLD_SIZE", "1")
     os.environ["PADDLE_LOCAL_RANK"] = str(local)

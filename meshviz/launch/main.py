@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import socket
 import sys
@@ -21,7 +22,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--master", default=None, help="ip:port of the rendezvous on node 0 (needed with nnodes > 1)")
     p.add_argument("--rank", type=int, default=-1, help="this node's rank, 0..nnodes-1")
     p.add_argument("--devices", "--gpus", "--xpus", dest="devices", default=None,
-                   help="comma-separated device ids, one process each (labels only on CPU)")
+                   help="comma-separated GPU ids, one process each, or 'cpu' (default: one process per GPU with "
+                        "NCCL when there are enough GPUs, else on the CPU with gloo)")
     p.add_argument("--ips", default=None, help="comma-separated node ips (legacy); node 0's is the master")
     p.add_argument("--log_dir", default="log", help="where workerlog.N (local rank N) goes (default: log)")
     p.add_argument("--max_restart", type=int, default=3, help="restarts of the local workers on failure")
@@ -48,36 +50,70 @@ def _local_ips() -> set[str]:
     return ips
 
 
+def _spec(args):
+    from ..core.devices import parse_devices
+
+    if not args.devices:
+        return "auto"
+    try:
+        return parse_devices(args.devices)
+    except ValueError:
+        raise ValueError(f"--devices must be comma-separated GPU ids or 'cpu', got {args.devices!r}") from None
+
+
+def _plan(args):
+    """Every local worker's device and the one backend, decided before anything starts (ValueError otherwise)."""
+    from ..core.devices import plan_devices
+    from ..distributed.devices import visible_gpu_count
+
+    spec, nproc = _spec(args), args.nproc_per_node
+    if nproc is not None and nproc < 1:
+        raise ValueError(f"--nproc_per_node must be >= 1, got {nproc}")
+    if isinstance(spec, tuple) and nproc is not None:
+        if nproc > len(spec):
+            raise ValueError(f"--nproc_per_node {nproc} asks for more processes than the {len(spec)} devices "
+                             f"listed in --devices {args.devices}")
+        spec = spec[:nproc]
+    return plan_devices(nproc, spec, visible_gpu_count(), os.environ.get("MESHVIZ_BACKEND") or None,
+                        default_cpu=1, who="", names={"n": "--nproc_per_node", "devices": "--devices",
+                                                      "backend": "MESHVIZ_BACKEND"})
+
+
+def _rank_envs(plan, listed: bool) -> list[dict]:
+    """Each local worker's device variables: GPUs named in --devices are the only one a worker sees (as Paddle's
+    FLAGS_selected_gpus); otherwise worker i sees every GPU and computes on its own; CPU workers see none."""
+    from ..distributed.devices import rank_env, visible_gpu_labels
+
+    labels = visible_gpu_labels()
+    out = []
+    for r in range(plan.n):
+        env = rank_env(plan, r, labels, renumber=listed)
+        if plan.on_gpu and plan.gpus is not None:
+            g = plan.gpus[r]
+            env["FLAGS_selected_gpus"] = labels[g] if listed and labels and g < len(labels) else str(g)
+        out.append(env)
+    return out
+
+
 def build_config(args: argparse.Namespace):
     """(LaunchConfig, environment for the workers) from the parsed flags; ValueError on inconsistent flags.
 
     A port picked here for a one-node run is only a number once this returns; :func:`launch` keeps it held.
     """
-    config, env, _ = _build(args)
+    config, env, _, _ = _build(args)
     return config, env
 
 
 def _build(args: argparse.Namespace):
-    """build_config, and the port reservation for the agent's store when this process picked the port."""
-    import torch
+    """build_config, the port reservation for the agent's store when this process picked the port, and the plan."""
     from torch.distributed.launcher.api import LaunchConfig
 
     from ..distributed import rendezvous
 
     if args.run_mode != "collective":
         raise ValueError(f"--run_mode {args.run_mode!r}: only 'collective' is supported")
-    devices = [d.strip() for d in args.devices.split(",") if d.strip()] if args.devices else None
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    nproc = args.nproc_per_node
-    if nproc is None:
-        nproc = len(devices) if devices else (gpus or 1)
-    if nproc < 1:
-        raise ValueError(f"--nproc_per_node must be >= 1, got {nproc}")
-    if devices is not None and nproc > len(devices):
-        raise ValueError(f"--nproc_per_node {nproc} asks for more processes than the {len(devices)} devices "
-                         f"listed in --devices {args.devices}")
-    if devices is None and gpus and nproc > gpus:
-        raise ValueError(f"--nproc_per_node {nproc} asks for more processes than this node's {gpus} GPUs")
+    plan = _plan(args)
+    nproc = plan.n
     ips = [i.strip() for i in args.ips.split(",") if i.strip()] if args.ips else None
     nnodes = args.nnodes if args.nnodes is not None else (len(ips) if ips else 1)
     if nnodes < 1:
@@ -117,15 +153,13 @@ def _build(args: argparse.Namespace):
 
     from ..distributed import watchdog
 
-    env = {"MESHVIZ_LAUNCH_MERGE_STDERR": "1"}
+    env = {"MESHVIZ_LAUNCH_MERGE_STDERR": "1", "MESHVIZ_BACKEND": plan.backend,
+           "MESHVIZ_LAUNCH_RANK_ENV": json.dumps(_rank_envs(plan, listed=isinstance(_spec(args), tuple)))}
     if args.hang_after > 0:
         env[watchdog.HANG_AFTER_ENV] = str(args.hang_after)
         env[watchdog.HOST_ENV] = "parent"  # node 0's launcher prints the roll-call
     if args.check_collectives:
         env["MESHVIZ_CHECK_COLLECTIVES"] = "1"
-    if devices:
-        env["MESHVIZ_LAUNCH_DEVICES"] = ",".join(devices[:nproc])
-        env["MESHVIZ_LAUNCH_GPU"] = "1" if gpus else "0"
     logs = _WorkerLogs(args.log_dir, tee_ranks={0} if node_rank == 0 else set())
     config = LaunchConfig(
         min_nodes=nnodes,
@@ -141,7 +175,7 @@ def _build(args: argparse.Namespace):
         start_method="spawn",
         logs_specs=logs,
     )
-    return config, env, reservation
+    return config, env, reservation, plan
 
 
 def _agent_store(config, reservation):
@@ -201,9 +235,11 @@ def _WorkerLogs(log_dir, tee_ranks=frozenset()):
     return _LazyLogs.cls(log_dir, tee_ranks)
 
 
-def _banner(args, config) -> str:
+def _banner(args, config, plan=None) -> str:
+    placed = None if plan is None else f"{', '.join(plan.devices)} ({plan.backend})"
     rows = [("nnodes", config.min_nodes), ("nproc_per_node", config.nproc_per_node), ("node rank",
             config.rdzv_configs["rank"]), ("master", config.rdzv_endpoint), ("devices", args.devices),
+            ("workers on", placed),
             ("log_dir", args.log_dir), ("max_restart", config.max_restarts), ("job_id", config.run_id),
             ("training_script", args.training_script), ("training_script_args", args.training_script_args)]
     lines = ["-----------  Configuration Arguments -----------"]
@@ -219,7 +255,7 @@ def launch(argv=None) -> int:
 
     args = parse_args(argv)
     try:
-        config, env, reservation = _build(args)
+        config, env, reservation, plan = _build(args)
     except ValueError as e:
         print(f"meshviz.launch: error: {e}", file=sys.stderr)
         return 2
@@ -231,7 +267,9 @@ def launch(argv=None) -> int:
     except OSError as e:
         print(f"meshviz.launch: error: cannot serve the rendezvous on {config.rdzv_endpoint}: {e}", file=sys.stderr)
         return 2
-    print(_banner(args, config), flush=True)
+    print(_banner(args, config, plan), flush=True)
+    if plan.notice:
+        print(f"meshviz.launch: {plan.notice}", file=sys.stderr, flush=True)
     os.environ.update(env)
     host = _rollcall_host(args, config)
     try:

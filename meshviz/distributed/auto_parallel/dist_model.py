@@ -93,6 +93,9 @@ class DistModel:
 
         world = _world()
         if world > 1:
+            from ..devices import place_module
+
+            place_module(layer, "DistModel")  # a CPU model on a GPU rank moves to the GPU, as in Paddle
             plain = [p for p in layer.parameters() if not _is_dist(p)]
             with torch.no_grad():
                 for p in plain:  # data parallel starts from rank 0's parameters

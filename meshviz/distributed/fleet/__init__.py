@@ -153,6 +153,7 @@ class Fleet:
         """Data parallel only: ``DataParallel`` over the dp group. mp/sharding: parameters made consistent
         (non-split ones over the mp group, all over dp/sharding) and the model returned; gradients are averaged
         by ``distributed_optimizer``'s step. pp > 1: the pipeline runtime (``pipeline_hook._pipeline_model``)."""
+        from ..devices import place_module
         from ..parallel import DataParallel, sync_params_buffers
 
         self._require_init()
@@ -164,6 +165,7 @@ class Fleet:
             return _pipeline_model(model, hcg, strategy)
         if get_world_size() == 1:
             return model
+        place_module(model, "fleet.distributed_model")  # a CPU model on a GPU rank moves to the GPU, as in Paddle
         if mode == ParallelMode.DATA_PARALLEL:
             return DataParallel(
                 model,

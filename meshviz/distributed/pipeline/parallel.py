@@ -8,6 +8,7 @@ from torch import nn
 from ... import compat, trace
 from ...core.schedule import fthenb_order, one_f_one_b_order
 from ...trace import Event, PipelineStep
+from ..devices import device, place_module
 from .layers import PipelineLayer
 
 __all__ = ["PipelineParallel", "SCHEDULE_MODES", "resolve_schedule", "check_pipeline_config", "ActivationMeter"]
@@ -137,6 +138,16 @@ def _batch_of(x, what: str):
     raise ValueError(f"{what} must be a tensor or a tuple of tensors, got {type(x).__name__}")
 
 
+def _to_device(x):
+    """A batch (a tensor, or a tuple of them) on this rank's device; None stays None."""
+    if x is None:
+        return None
+    dev = device()
+    if isinstance(x, torch.Tensor):
+        return x if x.device == dev else x.to(dev)
+    return type(x)(t if t.device == dev else t.to(dev) for t in x)
+
+
 def _split(x, m: int):
     if isinstance(x, torch.Tensor):
         return list(x.tensor_split(m))
@@ -149,7 +160,8 @@ class PipelineParallel(nn.Module):
     Stage i runs on the ranks of pipe position i of the hybrid group. A batch ``(inputs, labels)`` of
     ``micro_batch_size * accumulate_steps`` rows is split into ``accumulate_steps`` micro-batches (rows
     ``[k*mbs, (k+1)*mbs)``); each micro loss is divided by accumulate_steps before its backward; the returned loss
-    is their sum (the mean micro loss), broadcast from the last stage to every stage. The schedule is torch's:
+    is their sum (the mean micro loss), broadcast from the last stage to every stage. Layers and batches left on the
+    CPU of a GPU rank move to its GPU (``dist.device()``), as Paddle places them. The schedule is torch's:
     ``schedule_mode`` 'FThenB' (ScheduleGPipe; ScheduleLoopedBFS with virtual stages), '1F1B' (Schedule1F1B;
     ScheduleInterleaved1F1B with virtual stages), 'VPP' (ScheduleInterleaved1F1B), 'ZBH1'
     (ScheduleInterleavedZeroBubble: backward split into input-grad B and weight-grad W blocks).
@@ -212,6 +224,7 @@ class PipelineParallel(nn.Module):
         self._opt_wrappers: dict = {}
         from ..parallel import sync_params_buffers
 
+        place_module(layers, "PipelineParallel")  # a CPU model on a GPU rank moves to the GPU, as in Paddle
         if hcg.get_model_parallel_world_size() > 1:
             sync_params_buffers(layers, hcg.get_model_parallel_group(), is_model_parallel=True)
         if hcg.get_sharding_parallel_world_size() > 1:
@@ -224,7 +237,6 @@ class PipelineParallel(nn.Module):
         key = (kind, compute_loss, shapes)
         if key in self._cache:
             return self._cache[key]
-        from ..env import device
         from .stage import TracedStage
 
         p, v, m = self.num_stages, self.num_virtual_stages, self.accumulate_steps
@@ -288,6 +300,7 @@ class PipelineParallel(nn.Module):
 
     def _run(self, sched, loss, inputs, labels, eval_mode: bool):
         m = self.accumulate_steps
+        inputs, labels = _to_device(inputs), _to_device(labels)  # where the stage computes (its GPU), as in Paddle
         if loss is not None:
             loss.values = {}
             loss.labels = _split(labels, m) if self.is_last_stage else None
@@ -311,7 +324,7 @@ class PipelineParallel(nn.Module):
             total = torch.stack([loss.values[k] for k in sorted(loss.values)]).sum()
         else:
             total = torch.zeros(())
-        buf = total.detach().clone().reshape(1)
+        buf = total.detach().to(device(), copy=True).reshape(1)  # broadcast from this rank's device
         task = broadcast(buf, src=self._ranks[-1], group=self._group, sync_op=False)
         return buf.reshape(()), task
 

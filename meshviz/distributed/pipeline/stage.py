@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import time
 
+import torch.distributed as tdist
 from torch.distributed.pipelining import PipelineStage
 
 from ... import trace
 from ...trace import Compute, Event, Transfer
+from ..devices import needs_host_p2p, staged_recv, staged_send
 
 __all__ = ["TracedStage"]
 
@@ -29,6 +31,7 @@ class TracedStage(PipelineStage):
         self._p = len(self._ranks)
         self._step_ref = step_ref  # callable -> current step number
         self._pending: dict = {}
+        self._copy_back: dict = {}  # (phase, micro-batch) -> copies of CPU-staged receives into their buffers
         self._meter = meter
         if meter is not None:
             meter.watch(submodule)
@@ -68,17 +71,38 @@ class TracedStage(PipelineStage):
                              payload=self._transfer(phase, mb, self.stage_index, dst)))
         return ops
 
+    def _host_staged(self, ops, key=None):
+        """gloo's send/recv read host memory: CUDA activations and gradients go through CPU copies; a received
+        one is copied into its CUDA buffer just before the block that needs it (the schedule has waited by then)."""
+        if not ops or not needs_host_p2p(ops[0].tensor, self.group):
+            return ops
+        out = []
+        for op in ops:
+            if getattr(op.op, "__name__", "") == "irecv":
+                buf, fin = staged_recv(op.tensor, self.group)
+                self._copy_back.setdefault(key, []).append(fin)
+            else:
+                buf = staged_send(op.tensor, self.group)
+            out.append(tdist.P2POp(op.op, buf, op.peer, op.group, op.tag))
+        return out
+
+    def _received(self, key) -> None:
+        for fin in self._copy_back.pop(key, ()):
+            fin()
+
     def get_fwd_recv_ops(self, fwd_chunk_id):
-        return self._posted_recv("F", fwd_chunk_id, super().get_fwd_recv_ops(fwd_chunk_id))
+        ops = self._host_staged(super().get_fwd_recv_ops(fwd_chunk_id), ("F", fwd_chunk_id))
+        return self._posted_recv("F", fwd_chunk_id, ops)
 
     def get_bwd_recv_ops(self, bwd_chunk_id):
-        return self._posted_recv("B", bwd_chunk_id, super().get_bwd_recv_ops(bwd_chunk_id))
+        ops = self._host_staged(super().get_bwd_recv_ops(bwd_chunk_id), ("B", bwd_chunk_id))
+        return self._posted_recv("B", bwd_chunk_id, ops)
 
     def get_fwd_send_ops(self, fwd_chunk_id):
-        return self._emit_send("F", fwd_chunk_id, super().get_fwd_send_ops(fwd_chunk_id))
+        return self._emit_send("F", fwd_chunk_id, self._host_staged(super().get_fwd_send_ops(fwd_chunk_id)))
 
     def get_bwd_send_ops(self, bwd_chunk_id):
-        return self._emit_send("B", bwd_chunk_id, super().get_bwd_send_ops(bwd_chunk_id))
+        return self._emit_send("B", bwd_chunk_id, self._host_staged(super().get_bwd_send_ops(bwd_chunk_id)))
 
     # -- compute -------------------------------------------------------------------------------------
     def _emit_compute(self, phase, mb, t0):
@@ -87,6 +111,8 @@ class TracedStage(PipelineStage):
         trace.emit(Event(kind="compute", start=t0, end=time.time(), op=phase, name=f"{phase}{mb}", payload=block))
 
     def forward_one_chunk(self, fwd_chunk_id, args, kwargs=None, save_forward_output=True):
+        if self._copy_back:
+            self._received(("F", fwd_chunk_id))
         if not trace.active():
             return super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
         self._emit_recv("F", fwd_chunk_id)
@@ -102,6 +128,8 @@ class TracedStage(PipelineStage):
         return out
 
     def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
+        if self._copy_back:
+            self._received(("B", bwd_chunk_id))
         if not (self.has_backward and trace.active()):
             return super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
         self._emit_recv("B", bwd_chunk_id)

@@ -7,6 +7,7 @@ import torch.nn as nn
 from ... import trace
 from ...core.sharding import LEVELS, SHARDED, plan_pieces
 from ...nn import ClipGradByGlobalNorm
+from ..devices import place_module
 from ..env import device, init_parallel_env
 from .fsdp import apply_fsdp
 from .group import ShardingGroup, broadcast_module, resolve_group
@@ -80,11 +81,13 @@ def group_sharded_parallel(
     """Shard optimizer states ('os'), also gradients ('os_g'), also parameters ('p_g_os') over ``group``.
 
     Returns ``(model, optimizer, scaler)``. Every rank of the group calls it. Parameters start from the group's
-    first rank. ``segment_size``: parameters with fewer elements stay whole (os/os_g: owned by one rank,
-    chosen greedily by size; p_g_os: replicated). 'os' averages whole gradients once per step; 'os_g' reduces
+    first rank; a model on the CPU moves to this rank's GPU first when the ranks compute on GPUs (as Paddle creates
+    layers on the current device). ``segment_size``: parameters with fewer elements stay whole (os/os_g: owned by
+    one rank, chosen greedily by size; p_g_os: replicated). 'os' averages whole gradients once per step; 'os_g' reduces
     each gradient to its owners as soon as backward produces it and frees it; 'p_g_os' is torch FSDP2
-    (``fully_shard``) on each child module and the root. ``offload`` keeps optimizer shards (and, for p_g_os,
-    parameters) on the CPU when the ranks compute on GPUs. ``grad_clip`` (or ``optimizer._grad_clip``): a
+    (``fully_shard``) on each child module and the root. ``offload`` keeps every optimizer state (and, for p_g_os,
+    the sharded parameters) on the CPU when the ranks compute on GPUs, small parameters included: the optimizer
+    steps CPU copies of them (on CPU ranks everything already is there). ``grad_clip`` (or ``optimizer._grad_clip``): a
     ``meshviz.nn.ClipGradByGlobalNorm`` applied to the sharded gradients with the true global norm.
     ``buffer_max_size`` bounds the fused all-reduce of 'os' (elements); ``sync_comm`` is accepted for
     compatibility (torch orders its own communication).
@@ -93,6 +96,7 @@ def group_sharded_parallel(
     init_parallel_env()
     grp = resolve_group(group)
     dev = device()
+    place_module(model, "group_sharded_parallel")  # a CPU model on a GPU rank moves to the GPU, as in Paddle
     broadcast_module(model, grp)
 
     order = [p for g in optimizer.param_groups for p in g["params"]]
@@ -110,7 +114,7 @@ def group_sharded_parallel(
     slots = [Slot(pc.name, p, pc, grp.rank, gi) for p, pc, gi in zip(order, pieces, gidx)]
     slot_of = {id(s.param): s for s in slots}
     optimizer.state.clear()
-    offload = bool(offload) and dev.type != "cpu"
+    offload = bool(offload) and dev.type != "cpu"  # on a CPU rank every state already lives on the CPU
     if level in ("os", "os_g"):
         for g in optimizer.param_groups:
             shards = []
@@ -125,8 +129,16 @@ def group_sharded_parallel(
                 shards.append(s.shard)
             g["params"] = shards
     else:
+        # FSDP2's CPUOffloadPolicy keeps the sharded parameters (and their states) on the CPU; the small, whole
+        # ones it ignores are offloaded here: the optimizer steps a CPU copy, copied back after each step
         for s in slots:
-            s.shard = s.param
+            whole = s.piece.mode == "replicated"
+            s.shard = nn.Parameter(s.param.detach().reshape(-1).to("cpu", copy=True)) if offload and whole \
+                else s.param
+        if offload:
+            swap = {id(s.param): s.shard for s in slots}
+            for g in optimizer.param_groups:
+                g["params"] = [swap.get(id(p), p) for p in g["params"]]
 
     opt = GroupShardedOptimizer(optimizer, model, level, grp, slots, offload, grad_clip, buffer_max_size)
     for s in slots:

@@ -7,6 +7,7 @@ import torch.distributed as tdist
 
 from ... import trace
 from ..comm import all_reduce_mean_
+from ..devices import device
 from .group import ShardingGroup
 from .slot import Slot, local_tensor
 from .state import full_optimizer_state
@@ -105,7 +106,7 @@ class GroupShardedOptimizer:
         grp = self._group
         slots = [s for s in self._slots if s.piece.mode in ("slice", "whole", "replicated")]
         if grp.size > 1:
-            has = torch.tensor([s.param.grad is not None for s in slots], dtype=torch.uint8)
+            has = torch.tensor([s.param.grad is not None for s in slots], dtype=torch.uint8, device=device())
             grp.all_reduce(has, op=tdist.ReduceOp.MAX)
             live = [s for s, h in zip(slots, has.tolist()) if h]
             for s in live:
@@ -133,7 +134,7 @@ class GroupShardedOptimizer:
                 if g is not None:
                     sharded.append(local_tensor(g))
             elif s.piece.mode == "replicated":
-                replicated.append(s.param.grad)
+                replicated.append(s.shard.grad if s.shard is not s.param else s.param.grad)
             elif s.owned and s.shard is not None:
                 sharded.append(s.shard.grad)
         return clip.clip_pieces(sharded, replicated, group=self._group.pg)
@@ -150,7 +151,16 @@ class GroupShardedOptimizer:
             self._inner_opt.step()
         if self.level in ("os", "os_g"):
             self._gather_params()
+        elif self._offload:
+            self._restore_whole()
         return loss
+
+    @torch.no_grad()
+    def _restore_whole(self):
+        """p_g_os with offload: the small parameters were stepped as CPU copies; copy them back."""
+        for s in self._slots:
+            if s.shard is not None and s.shard is not s.param:
+                s.param.detach().view(-1).copy_(s.shard.detach())
 
     @torch.no_grad()
     def _gather_params(self):

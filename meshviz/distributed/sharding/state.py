@@ -26,9 +26,9 @@ def full_optimizer_state(inner, slots, grp: ShardingGroup) -> dict:
                 full[k] = v.full_tensor() if hasattr(v, "full_tensor") else v
             if grp.rank == 0:
                 local[i] = ("full", _cpu(full))
-        elif s.piece.mode == "replicated":
+        elif s.piece.mode == "replicated":  # stepped as a flat CPU copy (s.shard) under offload
             if grp.rank == 0:
-                local[i] = ("full", _cpu(inner.state.get(s.param, {})))
+                local[i] = ("full", _cpu(inner.state.get(s.shard if s.shard is not None else s.param, {})))
         elif s.owned:
             local[i] = ((s.lo, s.hi), _cpu(inner.state.get(s.shard, {})))
     parts = gather_object(local, grp)

@@ -1,0 +1,127 @@
+"""Fixed per-call cost of shard_tensor and reshard against DTensor's distribute_tensor / redistribute, on CUDA.
+
+Tiny tensors, so what is measured is the cost of a call, not of moving data: a 1-rank mesh (NCCL) and, with
+``--ranks 2``, two ranks sharing the GPU (gloo). Also a traced reshard, and the price of tracing switched off.
+Run: .venv/bin/python bench/bench_gpu.py [--ranks 1 2] [--calls 2000] [--rounds 7]
+Without CUDA it says so and exits; ``--device cpu`` measures the same calls on the CPU (gloo).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+
+
+def _rounds(fns: dict, calls: int, rounds: int, sync) -> dict:
+    """Median microseconds per call of each ``fns`` entry, the entries run alternately round by round."""
+    import torch.distributed as tdist
+
+    times = {k: [] for k in fns}
+    for f in fns.values():
+        for _ in range(20):  # warm-up: groups, DeviceMeshes, caches
+            f()
+    sync()
+    for _ in range(rounds):
+        for k, f in fns.items():
+            if tdist.get_world_size() > 1:
+                tdist.barrier()
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                f()
+            sync()
+            times[k].append((time.perf_counter() - t0) / calls * 1e6)
+    return {k: (statistics.median(v), min(v), max(v)) for k, v in times.items()}
+
+
+def measure(calls: int, rounds: int):
+    """Run on every rank of the world; returns rank 0's table {name: (median us, min, max)}."""
+    import torch.distributed as tdist
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import Partial as TPartial
+    from torch.distributed.tensor import Replicate as TReplicate
+    from torch.distributed.tensor import Shard as TShard
+    from torch.distributed.tensor import distribute_tensor
+
+    import meshviz.distributed as dist
+    from meshviz import trace
+    from meshviz.distributed.groups import device_mesh
+
+    dist.init_parallel_env()
+    dev = dist.device()
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    n = tdist.get_world_size()
+    mesh = dist.ProcessMesh(list(range(n)), dim_names=["x"])
+    dm = device_mesh(mesh, dev.type)
+    x = torch.arange(16.0, device=dev).reshape(4, 4)
+    S0, S1, R, P = dist.Shard(0), dist.Shard(1), dist.Replicate(), dist.Partial()
+    T = {"S(0)": [TShard(0)], "S(1)": [TShard(1)], "R": [TReplicate()], "P": [TPartial()]}
+    M = {"S(0)": [S0], "S(1)": [S1], "R": [R], "P": [P]}
+    fns = {"shard_tensor": lambda: dist.shard_tensor(x, mesh, [S0]),
+           "DTensor distribute_tensor": lambda: distribute_tensor(x, dm, [TShard(0)])}
+    for src, dst in [("S(0)", "R"), ("P", "R"), ("R", "S(1)"), ("S(0)", "S(1)")]:
+        d = dist.shard_tensor(x, mesh, M[src])
+        t = DTensor.from_local(d._local_value().detach(), dm, T[src], run_check=False) if src == "P" else \
+            distribute_tensor(x, dm, T[src])
+        fns[f"reshard {src}->{dst}"] = (lambda d=d, dst=M[dst]: dist.reshard(d, mesh, dst))
+        fns[f"DTensor redistribute {src}->{dst}"] = (lambda t=t, dst=T[dst]: t.redistribute(dm, dst))
+    table = _rounds(fns, calls, rounds, sync)
+    # traced: every step emits events into a memory sink (cleared between rounds so it stays small)
+    d = dist.shard_tensor(x, mesh, [S0])
+    sink = trace.add_sink(trace.MemorySink())
+    traced = {"reshard S(0)->R, traced": lambda: (dist.reshard(d, mesh, [R]), sink.events.clear())}
+    table.update(_rounds(traced, calls, rounds, sync))
+    trace.remove_sink(sink)
+    table.update(_rounds({"reshard S(0)->R, tracing off again": lambda: dist.reshard(d, mesh, [R])}, calls, rounds,
+                         sync))
+    return {"table": table, "device": str(dev), "backend": tdist.get_backend(), "ranks": n,
+            "torch": torch.__version__}
+
+
+def _print(res: dict) -> None:
+    t = res["table"]
+    print(f"\n{res['ranks']} rank(s) on {res['device']} ({res['backend']}), torch {res['torch']}: us per call "
+          f"(median, min-max over rounds)")
+    print("| call | meshviz us | DTensor us | ratio |\n|---|---|---|---|")
+    pairs = [("shard_tensor", "DTensor distribute_tensor")]
+    pairs += [(k, k.replace("reshard", "DTensor redistribute")) for k in t
+              if k.startswith("reshard ") and "traced" not in k and "again" not in k]
+    for a, b in pairs:
+        ma, mb = t[a][0], t[b][0]
+        print(f"| {a} | {ma:.1f} ({t[a][1]:.1f}-{t[a][2]:.1f}) | {mb:.1f} ({t[b][1]:.1f}-{t[b][2]:.1f}) | "
+              f"{ma / mb:.2f} |")
+    for k in ("reshard S(0)->R, traced", "reshard S(0)->R, tracing off again"):
+        print(f"| {k} | {t[k][0]:.1f} ({t[k][1]:.1f}-{t[k][2]:.1f}) | | |")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--calls", type=int, default=2000)
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    args = ap.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("bench_gpu: no CUDA GPU here; nothing measured (--device cpu measures the same calls on the CPU)")
+        return 0
+    from meshviz.testing import run_ranks
+
+    for n in args.ranks:
+        if args.device == "cpu":
+            kw = dict(devices="cpu", backend="gloo")
+        elif n == 1:
+            kw = dict(devices="cuda", backend=None)  # NCCL
+        else:
+            kw = dict(devices="cuda", backend="gloo")  # the ranks share the GPU
+        res = run_ranks(measure, n, args.calls, args.rounds, timeout=1800, collective_timeout=600,
+                        env={"MESHVIZ_STRICT_DEVICES": "0"}, **kw)
+        _print(res[0])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
