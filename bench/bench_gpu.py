@@ -41,11 +41,10 @@ def _rounds(fns: dict, calls: int, rounds: int, sync) -> dict:
 def measure(calls: int, rounds: int):
     """Run on every rank of the world; returns rank 0's table {name: (median us, min, max)}."""
     import torch.distributed as tdist
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor, distribute_tensor
     from torch.distributed.tensor import Partial as TPartial
     from torch.distributed.tensor import Replicate as TReplicate
     from torch.distributed.tensor import Shard as TShard
-    from torch.distributed.tensor import distribute_tensor
 
     import meshviz.distributed as dist
     from meshviz import trace

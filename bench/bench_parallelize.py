@@ -145,10 +145,11 @@ def _batch(batch, seq, rank_slice=None):
 
 
 def _rank(dp, mp, batch, seq, sp, level, rounds, steps):
-    import meshviz.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import parallelize_module
+
+    import meshviz.distributed as dist
 
     dist.init_parallel_env()
     rank = dist.get_rank()

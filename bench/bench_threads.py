@@ -136,8 +136,9 @@ def candidate(kind: str, n: int, steps: int) -> dict:
 
         res = run(fn, n)
     else:  # torch's, as its own tests start it
-        from meshviz import compat
         import importlib
+
+        from meshviz import compat
 
         importlib.import_module("torch.testing._internal.distributed.multi_threaded_pg")  # registers "threaded"
 

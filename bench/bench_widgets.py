@@ -68,7 +68,7 @@ def bench_live(n_events: int, interval: float, rate: float):
     for label, pace in (("burst", None), (f"paced {rate:,.0f}/s", rate)):
         src = _Source()
         view = PipelineView(source=src, interval=interval)
-        view.widget  # redraws go to the widget's image, as in a notebook
+        _ = view.widget  # redraws go to the widget's image, as in a notebook
         t0 = time.perf_counter()
 
         def push():

@@ -71,7 +71,7 @@ def train():
     # the PyLayer case: no_sync, then average the gradients by hand before the optimizer
     model = dist.DataParallel(SimpleNet())
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    for step in range(10):
+    for _ in range(10):
         x = torch.randn(2, 2, requires_grad=True)
         with model.no_sync():
             loss = model(x).mean()

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as tdist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 __all__ = [
     "TORCH_VERSION", "SUPPORTED_TORCH", "missing",
@@ -18,6 +18,7 @@ __all__ = [
     "reset_group_count", "resolve_process_group", "device_mesh_without_backend", "dtensor_local", "dtensor_from_local",
     # tensor subclasses and dispatch
     "disabled_torch_function_impl", "make_wrapper_subclass", "TorchDispatchMode", "tree_map", "tree_flatten",
+    "tree_unflatten",
     "flatten_dense_tensors", "unflatten_dense_tensors", "fake_tensor_type", "amp_unscale_",
     "queue_backward_callback",
     # pipelining
@@ -315,7 +316,8 @@ def _ar_fields():
 def _dtensor_spec():
     from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
-    for cls, names in ((DTensorSpec, ("mesh", "placements", "tensor_meta")), (TensorMeta, ("shape", "stride", "dtype"))):
+    wanted = ((DTensorSpec, ("mesh", "placements", "tensor_meta")), (TensorMeta, ("shape", "stride", "dtype")))
+    for cls, names in wanted:
         params = inspect.signature(cls).parameters
         if any(n not in params for n in names):
             raise AttributeError(f"{cls.__name__}({', '.join(names)})")

@@ -75,8 +75,8 @@ class RankError(RuntimeError):
             if o is None:
                 continue
             if o.arrived is False and o.status != "error":
-                how = {"ok": "it returned without joining", "stopped": "the others gave up waiting; it was stopped"}.get(
-                    o.status, f"{o.status}: {o.error}")
+                how = {"ok": "it returned without joining",
+                       "stopped": "the others gave up waiting; it was stopped"}.get(o.status, f"{o.status}: {o.error}")
                 parts.append(f"rank {r} never joined the process group ({how})")
             elif o.status == "died":
                 parts.append(f"rank {r} died ({o.error})")

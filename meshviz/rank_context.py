@@ -6,7 +6,8 @@ import contextlib
 import itertools
 import os
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 __all__ = ["RankContext", "PerRank", "current", "bound", "per_rank", "getenv", "in_rank_thread"]
 

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Set up (with test tools and a headless browser), then run every test: unit, multi-process, notebooks, browser;
+# Set up (with test tools and a headless browser), lint and check the layer contract, then run every test: unit,
+# multi-process, notebooks, browser;
 # then the notebooks and the multi-rank tests again with ranks as threads (MESHVIZ_RANKS=threads, as on Binder),
 # and the Binder check (a fresh environment from binder/, 01 and 06 under a 2 GiB memory limit).
 # MESHVIZ_TEST_THREADS=0 / MESHVIZ_BINDER_CHECK=0 leave those out.
@@ -11,6 +12,8 @@ if [ -f scripts/install_browser.sh ]; then
 fi
 export IPP_NONINTERACTIVE=1 PYTHONWARNINGS=ignore::FutureWarning
 export MESHVIZ_STRICT_DEVICES="${MESHVIZ_STRICT_DEVICES:-1}"  # every tensor into a collective on its rank's device
+.venv/bin/ruff check meshviz tests bench scripts examples  # lint (pyproject's [tool.ruff])
+.venv/bin/lint-imports  # the layer contract (pyproject's [tool.importlinter])
 .venv/bin/python -m pytest tests notebooks --nbval -p no:cacheprovider "$@"
 if [ "${MESHVIZ_TEST_THREADS:-1}" != "0" ]; then
   MESHVIZ_RANKS=threads .venv/bin/python -m pytest notebooks --nbval -p no:cacheprovider \

@@ -32,7 +32,8 @@ CELLS = [
     "rv = ReshardView(source='trace.jsonl')\nrv",
     "player = Replayer(synthetic_schedule(4, 8, '1F1B'), speed=40)\nlive = PipelineView(source=player)\nlive",
     "player.start().join()\nlive.flush()\nprint('LIVE', live)",
-    "import time\nt0 = time.perf_counter()\nex._inputs['mesh_shape'].value = '32,32'\nex._inputs['ids'].value = 'reversed'\n"
+    "import time\nt0 = time.perf_counter()\nex._inputs['mesh_shape'].value = '32,32'\n"
+    "ex._inputs['ids'].value = 'reversed'\n"
     "print('BIG', ex, ex.error, f'{time.perf_counter() - t0:.2f}s')",
 ]
 
@@ -138,11 +139,12 @@ KERNEL_IDLE = """() => { const w = window.jupyterapp && window.jupyterapp.shell.
   const k = w && w.sessionContext && w.sessionContext.session && w.sessionContext.session.kernel;
   return !!k && k.status === 'idle'; }"""
 RUN_DONE = """() => { if (!window.__mv_done) return false;
-  const busy = [...document.querySelectorAll('.jp-CodeCell .jp-InputArea-prompt')].some(p => p.textContent.includes('*'));
+  const busy = [...document.querySelectorAll('.jp-CodeCell .jp-InputArea-prompt')]
+    .some(p => p.textContent.includes('*'));
   const w = window.jupyterapp.shell.currentWidget; const k = w.sessionContext.session.kernel;
   return !busy && k.status === 'idle'; }"""
-MODEL_OUTPUTS = """() => { const cells = window.jupyterapp.shell.currentWidget.content.widgets; let views = 0, errors = [],
-  text = [];
+MODEL_OUTPUTS = """() => { const cells = window.jupyterapp.shell.currentWidget.content.widgets;
+  let views = 0, errors = [], text = [];
   for (const c of cells) { if (!c.model.outputs) continue;
     for (const o of c.model.outputs.toJSON()) {
       if (o.output_type === 'error') errors.push(o.ename + ': ' + o.evalue);

@@ -13,9 +13,10 @@ def _full():
 
 
 def _save4(path):
-    import meshviz.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
+
+    import meshviz.distributed as dist
 
     dist.init_parallel_env()
     mesh = init_device_mesh("cpu", (4,))
@@ -29,9 +30,10 @@ def _save4(path):
 
 
 def _load2(path):
-    import meshviz.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    import meshviz.distributed as dist
 
     dist.init_parallel_env()
     mesh = init_device_mesh("cpu", (2,))

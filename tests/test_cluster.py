@@ -248,7 +248,8 @@ def test_px_magic_names_the_rank(cluster):
 
     shell = InteractiveShell.instance()
     cluster.activate()
-    res = shell.run_cell("%%px\nimport torch.distributed as tdist\nif tdist.get_rank() == 2:\n    raise KeyError('two')\n")
+    res = shell.run_cell("%%px\nimport torch.distributed as tdist\n"
+                         "if tdist.get_rank() == 2:\n    raise KeyError('two')\n")
     assert isinstance(res.error_in_exec, RankError)
     assert res.error_in_exec.ranks == [2]
     res = shell.run_cell("%%px\nz = tdist.get_rank() * 10\n")

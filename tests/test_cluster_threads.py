@@ -231,13 +231,59 @@ def test_a_deadlock_is_named_at_once(cluster):
     assert ar.stdout == [f"{float(N)}\n"] * N
 
 
+def test_a_rank_that_skips_a_collective_is_named_at_once_as_on_engines(cluster, capsys):
+    cluster.execute("import torch\nimport meshviz.distributed as dist")
+    t0 = time.monotonic()
+    with pytest.raises(RankError) as info:
+        cluster.execute("t = torch.ones(4)\nif dist.get_rank() == 0:\n    dist.all_reduce(t)\n")
+    assert time.monotonic() - t0 < 10  # the collective timeout is 30 s
+    err = info.value
+    assert err.ranks == [1, 2] and err.lead
+    assert err.diagnosis[0] == "rank 1 never entered all_reduce #1 on group [0, 1, 2] (idle: its cell finished)"
+    assert err.diagnosis[1] == "rank 2 never entered all_reduce #1 on group [0, 1, 2] (idle: its cell finished)"
+    capsys.readouterr()
+    ar = cluster.execute("t = torch.full((2,), float(dist.get_rank() + 1))\ndist.all_reduce(t)\nprint(t.tolist())")
+    assert ar.stdout == ["[6.0, 6.0]\n"] * N
+    assert "re-created it on ranks 0-2" in capsys.readouterr().err  # the half-done meetings were dropped
+
+
+def test_a_non_blocking_cell_waits_for_a_later_cell_to_join_it(cluster):
+    cluster.execute("import torch\nimport meshviz.distributed as dist")
+    first = cluster.view.execute("t = torch.full((1,), 5.0)\nif dist.get_rank() == 0:\n    dist.all_reduce(t)\n",
+                                 block=False)
+    deadline = time.monotonic() + 10
+    while (cluster.status()[0].waiting_s or 0) < 0.5:  # not a deadlock: the notebook may still run a cell
+        assert time.monotonic() < deadline and not first.ready()
+        time.sleep(0.05)
+    status = cluster.status()
+    assert [s.state for s in status] == ["in_collective", "idle", "idle"] and status.culprits() == [1, 2]
+    assert status[0].where == "line 3 of the cell"
+    second = cluster.view.execute("dist.all_reduce(t)", targets=[1, 2], block=False)
+    first.get(timeout=10)
+    second.get(timeout=10)
+    assert cluster.view.pull("t.item()", block=True) == [15.0] * N
+
+
+def test_mismatched_shapes_are_named_before_any_data_moves(cluster):
+    cluster.execute("import torch\nimport meshviz.distributed as dist")
+    with pytest.raises(RankError) as info:
+        cluster.execute("t = torch.ones(4 if dist.get_rank() == 0 else 8)\ndist.all_reduce(t)")
+    err = info.value
+    assert err.ranks == [0] and err.lead
+    assert err.diagnosis[0].endswith("rank 0 entered all_reduce with float32[4]; rank 1 entered all_reduce with "
+                                     "float32[8]; rank 2 entered all_reduce with float32[8]")
+    ar = cluster.execute("t = torch.ones(2)\ndist.all_reduce(t)\nprint(t.tolist())")
+    assert ar.stdout == ["[3.0, 3.0]\n"] * N
+
+
 def test_px_magic_names_the_rank(cluster):
     pytest.importorskip("IPython")
     from IPython.core.interactiveshell import InteractiveShell
 
     shell = InteractiveShell.instance()
     cluster.activate()
-    res = shell.run_cell("%%px\nimport torch.distributed as tdist\nif tdist.get_rank() == 2:\n    raise KeyError('two')\n")
+    res = shell.run_cell("%%px\nimport torch.distributed as tdist\n"
+                         "if tdist.get_rank() == 2:\n    raise KeyError('two')\n")
     assert isinstance(res.error_in_exec, RankError)
     assert res.error_in_exec.ranks == [2]
     res = shell.run_cell("%%px\nz = tdist.get_rank() * 10\n")

@@ -8,8 +8,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from meshviz.core import (Partial, Placement, ProcessMesh, ReduceType, Replicate, Shard, chunk, layout,
-                          parse_placement)
+from meshviz.core import Partial, Placement, ProcessMesh, ReduceType, Replicate, Shard, chunk, layout, parse_placement
 from meshviz.core.layout import local_block
 from meshviz.core.partial import commutes, nesting, partial_fill
 from meshviz.core.planner import apply_step, assemble, initial_locals, plan_reshard, simulate
@@ -98,6 +97,14 @@ def test_mesh_paddle_surface(monkeypatch):
     same = ProcessMesh([[2, 0], [3, 1]], ["a", "b"])
     assert same.unique_id == m.unique_id and isinstance(m.unique_id, int) and m.unique_id >= 1
     assert len({m.unique_id, ProcessMesh([2, 0, 3, 1]).unique_id, ProcessMesh([[0, 2], [3, 1]]).unique_id}) == 3
+    # ... process-wide: with ranks as threads a mesh one rank made is used by the others (its id keys their caches)
+    from meshviz.rank_context import RankContext, bound
+
+    with bound(RankContext(0)):
+        a = ProcessMesh([[5, 6, 7, 8]])
+    with bound(RankContext(1)):
+        b = ProcessMesh([[5, 6], [7, 8]])
+    assert a.unique_id != b.unique_id and ProcessMesh([[5, 6], [7, 8]], ["p", "q"]).unique_id == b.unique_id
     assert m.dim_size("y") == 2 and not m.empty()
     with pytest.raises(ValueError, match="name the mesh dim"):
         m.get_group()

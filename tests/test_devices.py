@@ -370,7 +370,7 @@ def _strict_world():
 def test_strict_cpu_world_names_the_bad_tensor():
     from meshviz.testing import run_ranks
 
-    for r, o in enumerate(run_ranks(_strict_world, 2, env={"MESHVIZ_STRICT_DEVICES": "1"}, timeout=90)):
+    for _r, o in enumerate(run_ranks(_strict_world, 2, env={"MESHVIZ_STRICT_DEVICES": "1"}, timeout=90)):
         assert o["strict"] and o["device"] == "cpu" and o["backend"] == "gloo" and o["visible"] == ""
         assert o["sum"] == [3.0, 3.0] and o["full"] == [0.0, 1.0, 2.0, 3.0]
         assert "all_reduce: a tensor on meta but this rank's device is cpu" in o["meta"]

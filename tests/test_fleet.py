@@ -236,7 +236,7 @@ def _seed004(steps=6):
     dp_layer = fleet.distributed_model(layer)
     g = torch.Generator().manual_seed(fleet.worker_index())
     losses = []
-    for step in range(steps):
+    for _step in range(steps):
         inputs = torch.randn(10, 10, generator=g)
         labels = torch.randn(10, 1, generator=g)
         loss = F.mse_loss(dp_layer(inputs), labels)

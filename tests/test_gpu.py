@@ -1,8 +1,9 @@
 """On a GPU: one NCCL rank, and several gloo ranks sharing one GPU over CUDA tensors, in strict device mode.
 
-``gpu``-marked tests are skipped without CUDA (the reshard world also runs on the CPU). gloo carries CUDA tensors for all-reduce, reduce, broadcast,
-all-gather, gather, scatter, all-to-all and reduce-scatter (as an all-reduce); its send/recv read host memory, so
-meshviz stages point-to-point transfers (dist.send/recv, cross-mesh reshards, pipeline stages) through the CPU.
+``gpu``-marked tests are skipped without CUDA (the reshard world also runs on the CPU). gloo carries CUDA tensors
+for all-reduce, reduce, broadcast, all-gather, gather, scatter, all-to-all and reduce-scatter (as an all-reduce);
+its send/recv read host memory, so meshviz stages point-to-point transfers (dist.send/recv, cross-mesh reshards,
+pipeline stages) through the CPU.
 """
 
 import pytest
@@ -202,7 +203,7 @@ def _shared_pipeline():
 
     from meshviz.distributed import fleet
     from meshviz.distributed.fleet.meta_parallel import PipelineLayer, PipelineParallel
-    from tests.test_pipeline import M, MBS, _descs, _train
+    from tests.test_pipeline import MBS, M, _descs, _train
 
     strategy = fleet.DistributedStrategy()
     strategy.hybrid_configs = {"dp_degree": 1, "pp_degree": 2}
@@ -228,7 +229,7 @@ def test_two_ranks_share_one_gpu_pipeline():
     x, y = _data()
     losses, _, state = _reference(_descs(4), nn.MSELoss(), [(x, y), (x, y)], M)
     res = run_ranks(_shared_pipeline, 2, timeout=280, **SHARED)
-    for stage, o in enumerate(res):
+    for _stage, o in enumerate(res):
         assert o["backend"] == "gloo" and o["device"] == "cuda:0" and o["strict"]
         for mode in ("1F1B", "FThenB"):
             assert o[mode]["devices"] == ["cuda:0"]

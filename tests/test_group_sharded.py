@@ -98,7 +98,7 @@ def test_levels_match_data_parallel(world):
     # ownership: every rank emitted one event per parameter and level; the ranges tile each parameter
     own = results[0]["ownership"]
     assert len(own) == 4 * len(LEVELS)
-    for name, level, ranges in own:
+    for _name, level, ranges in own:
         if level != "p_g_os":
             covered = sorted(tuple(r) for r in ranges if r[1] > r[0])
             n = max(r[1] for r in ranges)
@@ -240,7 +240,7 @@ def _amp_reference(world):
 def test_scaler_with_bf16_autocast(level):
     res = run_ranks(_amp, 2, level, timeout=100)
     ref = _amp_reference(2)
-    for params, kind, losses in res:
+    for params, kind, _losses in res:
         assert kind == "GroupShardedScaler"
         for k, v in ref.items():
             torch.testing.assert_close(params[k], v, rtol=1e-4, atol=1e-5)

@@ -367,9 +367,8 @@ def test_parallelize_llama_on_2_ranks_mp_sp_and_two_stages():
 
 
 def test_plan_keys_are_paddle_regexes_matching_whole_names():
-    from meshviz.distributed.auto_parallel.intermediate.tensor_parallel import match_layer
-
     import meshviz.distributed as dist
+    from meshviz.distributed.auto_parallel.intermediate.tensor_parallel import match_layer
 
     model = LlamaForCausalLM(num_layers=2)
     col = dist.ColWiseParallel()

@@ -106,7 +106,8 @@ def _train(model, layer, steps=2):
     ev = [e.to_dict() for e in mem.events]
     eval_loss = float(model.eval_batch((x, y), compute_loss=True))
     outs = model.eval_batch((x, y), compute_loss=False)
-    return {"losses": losses, "grads": opt.seen, "state": {k: v.detach().clone() for k, v in layer.state_dict().items()},
+    state = {k: v.detach().clone() for k, v in layer.state_dict().items()}
+    return {"losses": losses, "grads": opt.seen, "state": state,
             "events": ev, "order": model.schedule_order(), "eval_loss": eval_loss,
             "eval_out": torch.cat(outs).detach() if len(outs) else None}
 

@@ -198,7 +198,7 @@ def test_shard_layer_seed_003_demonet():
     out = ref(x)
     out.sum().backward()
     res = run_ranks(layer_shard, 2, timeout=120)
-    for pls, got, grads, opl in res:
+    for pls, got, grads, _opl in res:
         assert pls == {"linear_0.weight": "[S(0)]", "linear_0.bias": "[S(0)]", "linear_1.weight": "[S(1)]",
                        "linear_1.bias": "[R]"}
         torch.testing.assert_close(got, out.detach())

@@ -59,7 +59,7 @@ def test_events_from_threads_keep_per_thread_order(link):
         t.join()
     sink.flush()
     assert rx.log.wait_for({r: 200 for r in range(4)}, timeout=10)
-    for r, evs in rx.log.by_rank().items():
+    for _r, evs in rx.log.by_rank().items():
         assert [e.step for e in evs] == list(range(200))
 
 

@@ -13,7 +13,14 @@ import pytest
 from meshviz.core import Partial, ProcessMesh, Replicate, Shard, layout, plan_reshard, simulate
 from meshviz.trace import Event, ReshardPlan, to_json
 from meshviz.widgets import (
-    Explorer, MeshView, PipelineView, ReshardView, TensorView, bubble_formula, show, synthetic_schedule,
+    Explorer,
+    MeshView,
+    PipelineView,
+    ReshardView,
+    TensorView,
+    bubble_formula,
+    show,
+    synthetic_schedule,
 )
 from meshviz.widgets.draw import block_image, mesh_panels
 
@@ -199,7 +206,7 @@ class FakeSource:
 def test_live_view_follows_a_source_thread_and_throttles():
     src = FakeSource()
     pv = PipelineView(source=src, interval=0.1)
-    pv.widget  # a live view redraws its widget's picture
+    _ = pv.widget  # a live view redraws its widget's picture
     evs = synthetic_schedule(4, 16, "1F1B")
     t0 = time.monotonic()
     src.push(evs).join()

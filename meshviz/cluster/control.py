@@ -6,8 +6,8 @@ import dataclasses
 import itertools
 import threading
 import time
+from collections.abc import Callable
 from enum import Enum
-from typing import Callable
 
 from ..errors import RankError, RankOutcome
 from ..trace.status import RankStatus, RollCall

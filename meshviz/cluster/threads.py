@@ -8,7 +8,6 @@ import builtins
 import collections
 import contextlib
 import itertools
-import json
 import linecache
 import sys
 import threading
@@ -513,6 +512,9 @@ class Threads:
         self.client = self.view.client
         self.control.attach(self._on_message)
         self.set_tracing(True)
+        from ..distributed import match
+
+        match.set_checking(cfg.check_collectives)  # process-wide: every rank thread checks, or none
 
     def shutdown(self) -> None:
         self.sync_events(self.ranks, 2.0)
@@ -553,6 +555,8 @@ class Threads:
     def run_code(self, code: str, ranks=None, single: bool = False) -> RankResult:
         """Start ``code`` on ``ranks`` (all by default), each in its own namespace; returns the RankResult."""
         ranks = list(self.ranks) if ranks is None else ranks
+        from .. import trace
+
         body, last, _ = _compile(code)  # a syntax error is raised here, once
         outs = {r: _Output() for r in ranks}
 
@@ -560,6 +564,7 @@ class Threads:
             self._counts[r] += 1
             out = outs[r]
             out.count = self._counts[r]
+            trace.set_cell(out.count)  # events say which cell emitted them, as on an engine
             ns = self.namespaces[r]
             _capture[0] = out
             try:
@@ -617,17 +622,28 @@ class Threads:
         return RankResult(job, ranks, outs, single, kind)
 
     def _report(self, rank: int, e: BaseException, since: float) -> None:
+        """Tell the control this rank failed, as an engine does: the error, the collective it came out of (its
+        roll-call record), a mismatch, and whether the group's meetings were left torn (re-made before the next
+        cell). A rank stopped for a peer says nothing: the peer's report names the cause."""
         import traceback
 
+        from ..distributed.match import CollectiveMismatch
         from ..distributed.thread_world import RankStopped
 
-        if isinstance(e, RankStopped):  # stopped for a peer: the peer's report names the cause
+        own_wait = isinstance(e, RankStopped) and e.own  # its own collective timed out, or a deadlock
+        if isinstance(e, RankStopped) and not own_wait:
             return
         text = f"{type(e).__name__}: {e}"
-        self.control.on_control({
-            "type": "failed", "rank": rank, "time": time.time(), "error": text[:500],
-            "traceback": "".join(traceback.format_exception(e))[-8000:],
-        })
+        msg = {"type": "failed", "rank": rank, "time": time.time(), "error": text[:500],
+               "traceback": "".join(traceback.format_exception(e))[-8000:], "aborted": own_wait}
+        rec = self._records.get(rank)
+        if rec is not None:
+            failed, rec.failed = rec.failed, None
+            if failed is not None and failed.get("cell") == rec.cell:
+                msg["collective"] = failed
+        if isinstance(e, CollectiveMismatch):
+            msg["mismatch"] = {"line": str(e), "ranks": list(e.ranks)}
+        self.control.on_control(msg)
 
     def _on_message(self, msg: dict) -> None:
         """The cluster's messages to the ranks: an abort stops every waiting rank now; a status request is
@@ -654,9 +670,16 @@ class Threads:
     def outcomes(self, ar: RankResult) -> list[RankOutcome]:
         return ar._job.outcomes()
 
-    def interrupt(self) -> None:
-        if self.world is not None:
-            self.world.interrupt()
+    def interrupt(self, ranks=None) -> None:
+        """KeyboardInterrupt on every rank with work (all of them: one baton). A rank waiting in a collective
+        leaves its meeting half done, as an abort leaves a rank process's group: the cluster re-makes the
+        meetings before the next cell, and says so."""
+        if self.world is None:
+            return
+        waiting = self.world.waiting()
+        self.world.interrupt()
+        if waiting:
+            self.control.abort(None)
 
     def busy(self) -> bool:
         return self.world is not None and self.world.busy()
@@ -686,7 +709,7 @@ class Threads:
 
     def _dispatch(self) -> None:
         """Hand the ranks' events to the log as an engine's stream would: JSON-plain copies, in batches."""
-        from ..trace.events import Event, _default
+        from ..trace.events import from_json, to_json
 
         while True:
             self._wake.wait(0.1)
@@ -696,7 +719,7 @@ class Threads:
                 ev = self._queue.popleft()
                 taken += 1
                 try:
-                    good.append(Event.from_dict(json.loads(json.dumps(ev.__dict__, default=_default))))
+                    good.append(from_json(to_json(ev)))
                 except Exception:  # an unencodable event is dropped, as on the stream
                     pass
             if good:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+import threading
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -12,7 +13,10 @@ __all__ = ["ProcessMesh", "set_rank_getter", "current_rank", "set_group_getter"]
 
 _rank_getter = per_rank(lambda: [None])  # [Callable[[], int | None] | None]
 _group_getter: Callable | None = None
-_unique_ids = per_rank(dict)  # (shape, process ids) -> unique id, in order of first creation
+# Process-wide, not per rank: with ranks as threads a mesh made by one rank is used by the others, and its id keys
+# their group caches.
+_unique_ids: dict = {}  # (shape, process ids) -> unique id, in order of first creation
+_unique_lock = threading.Lock()
 
 
 def set_rank_getter(fn: Callable[[], int | None] | None) -> None:
@@ -86,7 +90,8 @@ class ProcessMesh:
         self._index = None
         self._hash = None
         key = (arr.shape, tuple(flat.tolist()))
-        self._unique_id = _unique_ids.setdefault(key, len(_unique_ids) + 1)
+        with _unique_lock:
+            self._unique_id = _unique_ids.setdefault(key, len(_unique_ids) + 1)
 
     # -- Paddle's surface -------------------------------------------------------------------------
     @property

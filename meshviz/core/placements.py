@@ -121,7 +121,8 @@ class Partial(Placement):
         return f"P({self.reduce_type.short})"
 
 
-_PAT = re.compile(r"^\s*(?:S\((-?\d+)\)|Shard\((?:dim=)?(-?\d+)\)|(R|Replicate\(\))|P\((\w+)\)|Partial\((?:reduce_type=)?([\w.]*)\))\s*$")
+_PAT = re.compile(r"^\s*(?:S\((-?\d+)\)|Shard\((?:dim=)?(-?\d+)\)|(R|Replicate\(\))"
+                  r"|P\((\w+)\)|Partial\((?:reduce_type=)?([\w.]*)\))\s*$")
 
 
 def parse_placement(text) -> Placement:

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import numpy as np
 
 from .layout import chunk, local_block, normalize_placements, shard_axes
-from .partial import commutes, nesting, partial_axes, partial_fill
 from .mesh import ProcessMesh
+from .partial import commutes, nesting, partial_axes, partial_fill
 from .placements import Partial, ReduceType, Replicate, Shard
 
 __all__ = ["OPS", "Step", "Plan", "plan_reshard", "simulate", "apply_step", "initial_locals", "assemble"]
@@ -240,9 +240,9 @@ def _a2a_ok(cur, dst, axis, b_dim) -> bool:
 
 def plan_reshard(shape: Sequence[int], src_mesh: ProcessMesh, src_placements, dst_mesh: ProcessMesh | None = None,
                  dst_placements=None, itemsize: int = 4) -> Plan:
-    """Plan a reshard. Same mesh: per-axis collectives in DESIGN.md's order. Other mesh of the same shape: reshard on
-    the source, then send/recv between ranks at the same coordinate. Other shape: replicate on the source, send each
-    target rank its block, then fill Partial axes on the target.
+    """Plan a reshard. Same mesh: per-axis collectives in the order README.md's "How a reshard is planned" gives.
+    Other mesh of the same shape: reshard on the source, then send/recv between ranks at the same coordinate. Other
+    shape: replicate on the source, send each target rank its block, then fill Partial axes on the target.
     """
     shape = tuple(int(s) for s in shape)
     if dst_mesh is None:

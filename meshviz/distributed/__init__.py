@@ -14,7 +14,16 @@ from .api import (
     shard_tensor,
     unshard_dtensor,
 )
+from .devices import device, strict_devices
 from .dtensor import DistTensor
+from .env import (
+    ParallelEnv,
+    get_rank,
+    get_world_size,
+    init_parallel_env,
+    is_initialized,
+    spawn,
+)
 from .shard_api import (
     ShardDataloader,
     ShardingStage1,
@@ -25,21 +34,13 @@ from .shard_api import (
     shard_optimizer,
     shard_scaler,
 )
-from .env import (
-    ParallelEnv,
-    get_rank,
-    get_world_size,
-    init_parallel_env,
-    is_initialized,
-    spawn,
-)
-from .devices import device, strict_devices
 
 __all__ = [
     "ProcessMesh", "Placement", "Shard", "Replicate", "Partial", "ReduceType",
     "init_parallel_env", "get_rank", "get_world_size", "is_initialized", "spawn",
     "ParallelEnv", "destroy_process_group", "device", "strict_devices",
-    "DistTensor", "shard_tensor", "reshard", "dtensor_from_fn", "dtensor_from_local", "dtensor_to_local", "unshard_dtensor",
+    "DistTensor", "shard_tensor", "reshard", "dtensor_from_fn", "dtensor_from_local", "dtensor_to_local",
+    "unshard_dtensor",
     "local_map", "is_dist_tensor", "plan_of",
     "shard_layer", "shard_optimizer", "shard_scaler", "shard_dataloader", "ShardDataloader",
     "ShardingStage1", "ShardingStage2", "ShardingStage3",

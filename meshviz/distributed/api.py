@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
 import torch.distributed as tdist
 
-from .. import trace
+from .. import compat, trace
 from ..core.layout import local_block, normalize_placements
-from ..core.partial import partial_fill
 from ..core.mesh import ProcessMesh
+from ..core.partial import partial_fill
 from ..core.placements import Partial, Replicate, Shard
 from ..core.planner import plan_reshard
 from . import groups
@@ -57,9 +57,9 @@ def _as_tensor(data, dtype=None) -> torch.Tensor:
 def _emit_placed(t: DistTensor, how: str) -> None:
     if not trace.active():
         return
-    local = t._dtensor._local_tensor
+    local = compat.dtensor_local(t._dtensor)
     trace.emit(trace.Event(
-        kind="placed", name=t._mv_name, tensor_id=t._mv_id, op=how, mesh=t.process_mesh.to_dict(),
+        kind="placed", name=t.name, tensor_id=t.tensor_id, op=how, mesh=t.process_mesh.to_dict(),
         placements_after=[repr(p) for p in t.placements], shape_after=list(t.shape),
         local_shape=list(local.shape), values=trace.small_values(local),
         payload=trace.Placed(dtype=str(t.dtype).replace("torch.", "")),
@@ -91,7 +91,7 @@ class _Shard(torch.autograd.Function):
         if grad is None:
             return None, None, None
         full = _reshard_fn(grad, ctx.mesh, [Replicate()] * ctx.mesh.ndim)
-        local = full._dtensor._local_tensor
+        local = compat.dtensor_local(full._dtensor)
         if not ctx.mesh.contains(_rank()):
             local = torch.zeros(ctx.shape, dtype=grad.dtype, device=grad.device)
         return local, None, None
@@ -117,11 +117,11 @@ def shard_tensor(data, mesh: ProcessMesh, placements: Sequence, dtype=None, plac
                             requires_grad=requires_grad and not is_param)
         if is_param:
             out = torch.nn.Parameter(out, requires_grad=requires_grad)
-        out._mv_name = name or getattr(data, "_mv_name", None)
+        out.name = name or getattr(data, "name", None)
         _emit_placed(out, "shard_tensor")
         return out
     if name:
-        out._mv_name = name
+        out.name = name
     return out
 
 
@@ -146,14 +146,14 @@ class _FromLocal(torch.autograd.Function):
         want = [Replicate() if p.is_partial() else p for p in ctx.placements]
         if list(grad.placements) != want or grad.process_mesh != ctx.mesh:
             grad = _reshard_fn(grad, ctx.mesh, want)
-        return grad._dtensor._local_tensor, None, None, None
+        return compat.dtensor_local(grad._dtensor), None, None, None
 
 
 class _ToLocal(torch.autograd.Function):
     @staticmethod
     def forward(ctx, t):
         ctx.mesh, ctx.placements, ctx.shape = t.process_mesh, t.placements, t.shape
-        local = t._dtensor._local_tensor
+        local = compat.dtensor_local(t._dtensor)
         return local.view_as(local)
 
     @staticmethod
@@ -255,20 +255,20 @@ class _Reshard(torch.autograd.Function):
 
 def _run_reshard(t: DistTensor, mesh: ProcessMesh, placements, name=None) -> DistTensor:
     plan = plan_of(t, mesh, placements)
-    local = t._dtensor._local_tensor
+    local = compat.dtensor_local(t._dtensor)
     rank = _rank()
     src_has = t.process_mesh.contains(rank)
     new = run_plan(plan, local if src_has else None, rank, dtype=t.dtype, device=local.device,
-                   name=name, tensor_id=t._mv_id)
+                   name=name, tensor_id=t.tensor_id)
     if new is None or not mesh.contains(rank):
         new = local.new_empty(0)
     out = make_dist(new, mesh, plan.dst_placements, t.shape)
-    out._mv_name = name
+    out.name = name
     return out
 
 
 def _reshard_fn(t, mesh, placements):
-    return _Reshard.apply(t, mesh, list(placements), getattr(t, "_mv_name", None))
+    return _Reshard.apply(t, mesh, list(placements), getattr(t, "name", None))
 
 
 def reshard(dist_tensor, mesh: ProcessMesh, placements: Sequence):
@@ -283,8 +283,8 @@ def reshard(dist_tensor, mesh: ProcessMesh, placements: Sequence):
     if dist_tensor.requires_grad and torch.is_grad_enabled():
         out = _reshard_fn(dist_tensor, mesh, pl)
     else:
-        out = _run_reshard(dist_tensor, mesh, pl, dist_tensor._mv_name)
-    out._mv_name = dist_tensor._mv_name
+        out = _run_reshard(dist_tensor, mesh, pl, dist_tensor.name)
+    out.name = dist_tensor.name
     return out
 
 

@@ -75,14 +75,14 @@ def _walk(obj, fn):
 
 def _write_back(target, original, loaded):
     for k in original:
-        o, l = original[k], loaded[k]
+        o, got = original[k], loaded[k]
         if isinstance(o, dict):
-            _write_back(target[k], o, l)
+            _write_back(target[k], o, got)
         elif isinstance(o, list):
-            for i, (oi, li) in enumerate(zip(o, l)):
-                target[k][i] = _from_dcp(oi, li)
+            for i, (oi, gi) in enumerate(zip(o, got)):
+                target[k][i] = _from_dcp(oi, gi)
         else:
-            target[k] = _from_dcp(o, l)
+            target[k] = _from_dcp(o, got)
 
 
 def _group(process_group):

@@ -170,12 +170,12 @@ def run(op: str, group, start, *, tensors=(), nbytes: int | None = None, peers: 
 
     ``tensors`` must be where the group's backend needs them (NCCL: on the GPU; strict device mode: on this
     rank's device), else ValueError before any communication. ``group``: whatever :func:`groups.resolve` reads.
-    ``peers``: ``{"src": rank, ...}``, global ranks that must be in the group (ValueError before any communication, on members and non-members alike). A non-member gets a
-    finished Task and ``start`` is not called. ``start(g)`` starts the torch call(s) on the resolved Group and
-    returns their work handle(s), or None when it blocked until done. ``then()`` runs once the works are done
-    (at once when ``sync_op``, else in ``Task.wait``). ``kind``: the trace event's kind ("collective", "send",
-    "recv"), or None when the caller traces the step itself; ``reduce_op``, ``src``, ``dst`` and ``bucket`` go
-    into the event's :class:`~meshviz.trace.Collective` payload.
+    ``peers``: ``{"src": rank, ...}``, global ranks that must be in the group (ValueError before any communication,
+    on members and non-members alike). A non-member gets a finished Task and ``start`` is not called. ``start(g)``
+    starts the torch call(s) on the resolved Group and returns their work handle(s), or None when it blocked until
+    done. ``then()`` runs once the works are done (at once when ``sync_op``, else in ``Task.wait``). ``kind``: the
+    trace event's kind ("collective", "send", "recv"), or None when the caller traces the step itself;
+    ``reduce_op``, ``src``, ``dst`` and ``bucket`` go into the event's :class:`~meshviz.trace.Collective` payload.
     """
     g = group if type(group) is Group else resolve(group)
     if peers:

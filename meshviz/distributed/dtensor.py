@@ -181,6 +181,11 @@ class DistTensor(torch.Tensor):
     def name(self, value):
         self._mv_name = value
 
+    @property
+    def tensor_id(self) -> int:
+        """This process's number for the tensor (its events carry it: a view follows one tensor by it)."""
+        return self._mv_id
+
     def full_tensor(self) -> torch.Tensor:
         from .api import unshard_dtensor
 

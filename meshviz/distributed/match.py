@@ -1,4 +1,4 @@
-"""Collective matching: before a collective on a gloo group, the members compare what they are about to run.
+"""Collective matching: before a collective on a gloo group (or ranks as threads), the members compare what they run.
 
 Gloo aborts the whole process when the members of a collective pass tensors of different sizes ("terminate
 called after throwing an instance of 'gloo::EnforceNotMet'"), and silently pairs two different collectives of
@@ -15,7 +15,6 @@ import os
 import zlib
 
 import torch
-import torch.distributed as tdist
 
 from ..trace.status import SHAPED_OPS, RankStatus, RollCall
 
@@ -48,7 +47,7 @@ _state = {"on": None}
 
 
 def checking() -> bool:
-    """Whether collectives on gloo groups are checked first (``MESHVIZ_CHECK_COLLECTIVES=1``, or
+    """Whether collectives on gloo (and thread) groups are checked first (``MESHVIZ_CHECK_COLLECTIVES=1``, or
     :func:`set_checking`)."""
     on = _state["on"]
     if on is None:
@@ -113,18 +112,14 @@ def _differs(op: str, a: list[int], b: list[int]) -> bool:
     return a[3] != b[3] and a[2] and b[2]  # dtypes, where shapes may differ per rank (all-to-all pieces)
 
 
+_CHECKED = frozenset({"gloo", "threads"})  # a mismatch kills a gloo process, and garbles ranks as threads
+
+
 def check_match(g, op: str, seq: int, tensors=(), root=None) -> None:
-    """All-gather this rank's fingerprint over group ``g`` (a gloo group; others are left alone) and raise
+    """All-gather this rank's fingerprint over group ``g`` (gloo or ranks as threads; others are left alone) and raise
     :class:`CollectiveMismatch` on every member when they differ."""
     pg = g.process_group
-    gloo = getattr(g, "_gloo", None)
-    if gloo is None:
-        try:
-            gloo = tdist.get_backend(pg) == "gloo"
-        except Exception:
-            gloo = False
-        g._gloo = gloo
-    if not gloo:
+    if g.backend not in _CHECKED:
         return
     mine = torch.tensor(fingerprint(op, seq, tensors, root), dtype=torch.int64)
     out = torch.empty(g.nranks * _SLOTS, dtype=torch.int64)

@@ -175,7 +175,7 @@ def issuer(rec: Record | None = None) -> tuple[str | None, bool]:
 _PKG = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # meshviz/
 _STDLIB = sysconfig.get_paths().get("stdlib", "") + os.sep
 _SITE = (sysconfig.get_paths().get("purelib", ""), sysconfig.get_paths().get("platlib", ""))
-_CELL = re.compile(r"(ipykernel_\d+[/\\]\d+\.py$|^<ipython-input-)")
+_CELL = re.compile(r"(ipykernel_\d+[/\\]\d+\.py$|^<ipython-input-|^<rank cell \d+>$)")  # a notebook cell's code
 _INTERNAL: set = set()
 
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as tdist
 
-from .. import trace
+from .. import compat, trace
 from ..core.mesh import ProcessMesh
 from ..core.placements import Replicate, Shard
 from .api import dtensor_from_local, reshard, shard_tensor
-from .dtensor import DistTensor
 from .comm import run
 from .devices import device
+from .dtensor import DistTensor
 from .env import init_parallel_env
 
 __all__ = [
@@ -211,7 +211,7 @@ class _ShardOptimizer:
             trace.emit(trace.Ownership(
                 p.name, level, SHARDED[level], tuple(p.shape), group=group, mesh=mesh.to_dict(),
                 placements=tuple(repr(q) for q in (self._stage.sharded(p) or p.placements)),
-                tensor_id=p._mv_id).to_event())
+                tensor_id=p.tensor_id).to_event())
 
     @property
     def param_groups(self):
@@ -355,7 +355,7 @@ class _ShardScaler:
         for p in self._params(optimizer):
             if p.grad is None:
                 continue
-            local = p.grad._dtensor._local_tensor if isinstance(p.grad, DistTensor) else p.grad
+            local = compat.dtensor_local(p.grad._dtensor) if isinstance(p.grad, DistTensor) else p.grad
             if local.numel() and not torch.isfinite(local).all():
                 bad.fill_(1.0)
             p.grad.mul_(1.0 / self._scale)

@@ -11,7 +11,8 @@ import threading
 import time
 import traceback
 import weakref
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -63,7 +64,12 @@ def world() -> "ThreadWorld | None":
 
 class RankStopped(RuntimeError):
     """A rank thread was stopped while it waited: a peer failed, the group was aborted or interrupted, the wait
-    timed out, or every rank was waiting for another (a deadlock, named at once)."""
+    timed out, or every rank was waiting for another (a deadlock, named at once). ``own``: the rank's own wait
+    failed (a timeout or a deadlock), as a collective that times out fails on a rank process."""
+
+    def __init__(self, message: str, own: bool = False):
+        super().__init__(message)
+        self.own = own
 
 
 # -- the process-wide generators, one state per rank -------------------------------------------------------------
@@ -561,12 +567,14 @@ class ThreadGroup(tdist.ProcessGroup):
 class _Job:
     """One function run on some ranks; ``outcomes`` as the ranks finish it."""
 
-    def __init__(self, fn: Callable[[int], Any], ranks: list[int]):
+    def __init__(self, fn: Callable[[int], Any], ranks: list[int], world: "ThreadWorld | None" = None):
         self.fn = fn
         self.ranks = list(ranks)
         self.results: dict[int, RankOutcome] = {}
         self.finished = threading.Event()
         self.lock = threading.Lock()
+        self.world = world
+        self.awaited = False  # someone waits for it: no other job can come to unblock its ranks
 
     def _finish(self, rank: int, outcome: RankOutcome) -> None:
         with self.lock:
@@ -578,6 +586,9 @@ class _Job:
         return self.finished.is_set()
 
     def wait(self, timeout: float | None = None) -> bool:
+        if not self.awaited and self.world is not None:
+            self.awaited = True
+            self.world._recheck()
         return self.finished.wait(timeout)
 
     def pending(self) -> list[int]:
@@ -659,6 +670,7 @@ class ThreadWorld:
         self._naps = [threading.Event() for _ in range(n)]
         self._verdict: dict[int, BaseException] = {}
         self._pending = [0] * n  # jobs given to each rank and not finished
+        self._jobs: set = set()  # jobs not finished on every rank
         self._meetings: dict = {}
         self._mail: dict = collections.defaultdict(collections.deque)
         self._posted: dict = collections.defaultdict(collections.deque)
@@ -731,10 +743,11 @@ class ThreadWorld:
         """Run ``fn(rank)`` on each of ``ranks`` (all by default), each on its own thread with the baton; returns
         the job (``wait``: after it finished)."""
         ranks = list(range(self.n)) if ranks is None else [int(r) for r in ranks]
-        job = _Job(fn, ranks)
+        job = _Job(fn, ranks, self)
         with self.lock:
             if not any(self._pending):
                 self._begin()
+            self._jobs.add(job)
             for r in ranks:
                 self._pending[r] += 1
         for r in ranks:
@@ -760,11 +773,16 @@ class ThreadWorld:
             self._reset_comms()
 
     def _reset_comms(self) -> None:
+        from . import rollcall
+
         self._meetings.clear()
         self._mail.clear()
         self._posted.clear()
         for g in list(self._groups):
             g.seq = 0
+        for ctx in self.contexts:  # the roll-call counts from 1 again too, as in a new world of rank processes
+            with bound(ctx):
+                rollcall.reset()
         self._aborted = None
         self.dirty = False
 
@@ -782,6 +800,9 @@ class ThreadWorld:
                     job = self._queues[rank].popleft()
                 outcome = self._run(job, rank)
                 job._finish(rank, outcome)
+                if job.done():
+                    with self.lock:
+                        self._jobs.discard(job)
 
     def _run(self, job: _Job, rank: int) -> RankOutcome:
         try:
@@ -847,7 +868,8 @@ class ThreadWorld:
             if rank in self._blocked:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    self._stop_rank(rank, RankStopped(f"rank {rank} timed out after {self.timeout:g} s in {what}"))
+                    self._stop_rank(rank, RankStopped(f"rank {rank} timed out after {self.timeout:g} s in {what}",
+                                                      own=True))
                     self.dirty = True
                     continue
                 self._turn[rank].wait(min(left, 1.0))
@@ -886,8 +908,16 @@ class ThreadWorld:
                 self._grant()
                 self._await_turn(rank)
 
+    def _recheck(self) -> None:
+        with self.lock:
+            self._check_deadlock()
+
     def _check_deadlock(self) -> None:
+        """Every rank with work waits for another, and no job that could still come is possible (every job in
+        flight is waited for: a notebook's non-blocking cell leaves room for a later cell to join its ranks)."""
         if self.holder is not None or self._runnable or self._away or not self._blocked:
+            return
+        if not all(j.awaited for j in self._jobs):
             return
         working = [r for r in range(self.n) if self._pending[r] > 0]
         if not all(r in self._blocked for r in working):
@@ -898,7 +928,7 @@ class ThreadWorld:
             lines += f"; rank{'s' if len(idle) > 1 else ''} {', '.join(map(str, idle))} finished"
         self.dirty = True
         for r in list(self._blocked):
-            self._stop_rank(r, RankStopped(f"deadlock: every rank waits for another: {lines}"))
+            self._stop_rank(r, RankStopped(f"deadlock: every rank waits for another: {lines}", own=True))
 
     # -- failures --------------------------------------------------------------------------------------------
     def _gone(self, ranks) -> str | None:

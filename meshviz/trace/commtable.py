@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import html
 from collections import defaultdict
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Iterator, Sequence
 
 from .payloads import Collective, ReshardStep
 

@@ -6,7 +6,7 @@ import contextlib
 import os
 import threading
 import time
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 from ..rank_context import getenv, per_rank
 from .events import Event, from_json, to_json

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
 
 __all__ = ["STATES", "RankStatus", "RollCall", "Situation", "describe", "SHAPED_OPS"]
 
@@ -156,7 +156,8 @@ class Situation:
 
     def _mismatch_line(self) -> str:
         at = f"#{self.seq} on group {list(self.group)}" if self.seq is not None else f"group {list(self.group)}"
-        return f"mismatch at {at}: " + "; ".join(f"rank {r} entered {what}" for r, what in sorted(self.mismatch.items()))
+        entered = "; ".join(f"rank {r} entered {what}" for r, what in sorted(self.mismatch.items()))
+        return f"mismatch at {at}: {entered}"
 
     def blame(self) -> list[str]:
         """The error's lines: each culprit ("rank 1 never entered all_reduce #1 on group [0, 1]", and where it is),

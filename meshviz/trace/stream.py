@@ -7,7 +7,7 @@ import json
 import os
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from .events import Event, _default
 

@@ -210,7 +210,8 @@ class View:
     def _repr_html_(self) -> str:
         data = base64.b64encode(self.png()).decode("ascii")
         text = html.escape(repr(self))
-        return f'<figure><img src="data:image/png;base64,{data}" alt="{text}"/><figcaption><code>{text}</code></figcaption></figure>'
+        img = f'<img src="data:image/png;base64,{data}" alt="{text}"/>'
+        return f"<figure>{img}<figcaption><code>{text}</code></figcaption></figure>"
 
     # -- widget -----------------------------------------------------------------------------------
     @property

@@ -1,4 +1,4 @@
-"""The explorer: mesh, tensor shape and placements as controls -> mesh view, blocks and the reshard plan (no cluster)."""
+"""The explorer: mesh, tensor shape and placements as controls -> mesh view, blocks, reshard plan (no cluster)."""
 
 from __future__ import annotations
 

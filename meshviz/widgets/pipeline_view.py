@@ -90,8 +90,8 @@ def synthetic_schedule(stages: int = 4, micro_batches: int = 8, schedule: str = 
 
 
 class PipelineView(View):
-    """A timeline from events (``compute`` with a Compute payload: stage/micro_batch/phase, ``send``/``recv``, cross-mesh
-    ``reshard_step`` send/recv, collectives): ``PipelineView(events)``, ``PipelineView(source=cluster)``, or
+    """A timeline from events (``compute`` with a Compute payload: stage/micro_batch/phase, ``send``/``recv``,
+    cross-mesh ``reshard_step`` send/recv, collectives): ``PipelineView(events)``, ``PipelineView(source=cluster)``, or
     ``PipelineView.synthetic(stages=4, micro_batches=8, schedule='1F1B')``.
     """
 

@@ -209,7 +209,7 @@ class TensorView(View):
         if shape is not None and hasattr(shape, "process_mesh") and hasattr(shape, "placements"):
             t = shape
             shape, mesh, placements = tuple(t.shape), t.process_mesh, list(t.placements)
-            name = name or getattr(t, "_mv_name", None)
+            name = name or getattr(t, "name", None)
         self.name = name
         self.tensor_id = tensor_id
         self.world = as_mesh(world) if world is not None else None

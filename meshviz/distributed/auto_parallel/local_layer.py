@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from ...compat import tree_flatten, tree_unflatten
 from ..api import dtensor_from_local, dtensor_to_local
 from ..dtensor import DistTensor
 

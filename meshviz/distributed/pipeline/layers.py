@@ -274,7 +274,7 @@ class PipelineLayer(nn.Module):
     def _synchronize_shared_weights(self) -> None:
         from ..collective import broadcast
 
-        for key, comm in self._shared_comm.items():
+        for _key, comm in self._shared_comm.items():
             broadcast(getattr(comm["layer"], comm["weight_attr"]).data, src=min(comm["ranks"]), group=comm["group"])
 
     @torch.no_grad()
@@ -282,7 +282,7 @@ class PipelineLayer(nn.Module):
         """Sum the shared weights' gradients over the stages that share them (Paddle's rule)."""
         from ..collective import all_reduce
 
-        for key, comm in self._shared_comm.items():
+        for _key, comm in self._shared_comm.items():
             p = getattr(comm["layer"], comm["weight_attr"])
             if p.grad is None:
                 p.grad = torch.zeros_like(p)

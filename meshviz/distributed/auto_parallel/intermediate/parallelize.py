@@ -7,6 +7,7 @@ import warnings
 import torch
 
 from ....core.mesh import ProcessMesh
+from ....rank_context import per_rank
 from ... import groups
 from ...env import init_parallel_env
 from ..interface import get_mesh, set_mesh
@@ -18,7 +19,6 @@ from .pipeline_parallel import (
     stage_indices,
     stage_mesh,
 )
-from ....rank_context import per_rank
 from .sharded_data_parallel import check_dp_config, shard_optimizer_with
 from .tensor_parallel import _SP_REGION, _matches, _ShardParams, check_plan
 

@@ -9,9 +9,9 @@ from enum import Enum
 
 import torch
 
+from ....core.placements import Replicate
 from ...api import reshard, shard_tensor
 from ...dtensor import DistTensor
-from ....core.placements import Replicate
 
 __all__ = [
     "SplitPoint", "resolve_split_spec", "stage_mesh", "stage_indices", "assign_stages", "register_pipeline_hooks",
@@ -112,8 +112,8 @@ def assign_stages(model: torch.nn.Module, stages: dict) -> None:
 
 def _to_mesh(t, mesh, label):
     if isinstance(t, DistTensor):
-        if label is not None and t._mv_name is None:
-            t._mv_name = label
+        if label is not None and t.name is None:
+            t.name = label
         return reshard(t, mesh, t.placements if t.process_mesh.ndim == mesh.ndim else [Replicate()] * mesh.ndim)
     if isinstance(t, torch.Tensor):
         return shard_tensor(t, mesh, [Replicate()] * mesh.ndim)

@@ -8,9 +8,9 @@ import re
 import torch
 from torch import nn
 
+from ....core.placements import Partial, Replicate, Shard
 from ...api import reshard, shard_tensor
 from ...dtensor import DistTensor
-from ....core.placements import Partial, Replicate, Shard
 
 __all__ = [
     "PlanBase",
@@ -67,8 +67,8 @@ def _as_dist(t, mesh):
 
 
 def _move(t, mesh, placements, label):
-    if label is not None and t._mv_name is None:
-        t._mv_name = label
+    if label is not None and t.name is None:
+        t.name = label
     if t.process_mesh == mesh and list(t.placements) == list(placements):
         return t
     return reshard(t, mesh, placements)
