@@ -19,14 +19,19 @@ pytestmark = pytest.mark.timeout(120)
 def test_stop_leaves_nothing_behind():
     import torch.distributed.distributed_c10d as c10d
 
+    from meshviz.distributed import match
+
     world_before, sleep_before, out_before = c10d._world, time.sleep, sys.stdout
+    checking_before = match.checking()
     c = meshviz.Cluster(n=2, ranks="threads")
+    assert match.checking()  # collectives are matched while it runs (check_collectives=True)
     assert time.sleep is not sleep_before
     c.execute("import torch, torch.distributed as tdist\nx = torch.ones(1)\ntdist.all_reduce(x)\n")
     c.stop()
     assert c.state == "stopped" and "stopped" in repr(c)
     assert not [t for t in threading.enumerate() if t.name.startswith("meshviz-rank")]
     assert c10d._world is world_before and time.sleep is sleep_before and sys.stdout is out_before
+    assert match.checking() == checking_before
     c.restart()
     assert c.execute("print(tdist.get_rank() if 'tdist' in dir() else 'fresh')").stdout == ["fresh\n"] * 2
     c.stop()

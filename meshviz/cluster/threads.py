@@ -488,6 +488,7 @@ class Threads:
         self._sinks: dict = {}
         self._display = None
         self._records: dict = {}  # rank -> its roll-call record
+        self._checking_was: bool | None = None
 
     # -- start and stop -----------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -514,7 +515,7 @@ class Threads:
         self.set_tracing(True)
         from ..distributed import match
 
-        match.set_checking(cfg.check_collectives)  # process-wide: every rank thread checks, or none
+        self._checking_was = match.set_checking(cfg.check_collectives)  # process-wide: every rank thread, or none
 
     def shutdown(self) -> None:
         self.sync_events(self.ranks, 2.0)
@@ -532,6 +533,11 @@ class Threads:
             self._dispatcher = None
         self.control.attach(None)
         self._sinks.clear()
+        if self._checking_was is not None:
+            from ..distributed import match
+
+            match.set_checking(self._checking_was)  # the kernel's own setting again
+            self._checking_was = None
         self.view = None
         _unroute_streams()
         shell = _shell()
