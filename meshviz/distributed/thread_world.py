@@ -913,8 +913,8 @@ class ThreadWorld:
             self._check_deadlock()
 
     def _check_deadlock(self) -> None:
-        """Every rank with work waits for another, and no job that could still come is possible (every job in
-        flight is waited for: a notebook's non-blocking cell leaves room for a later cell to join its ranks)."""
+        """A deadlock: every rank with work waits for another, and no other job can come to unblock them (every
+        job in flight is waited for; a notebook's non-blocking cell leaves room for a later cell to join it)."""
         if self.holder is not None or self._runnable or self._away or not self._blocked:
             return
         if not all(j.awaited for j in self._jobs):
