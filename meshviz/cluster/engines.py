@@ -228,7 +228,10 @@ class Engines:
                 if isinstance(res, BaseException):  # ipyparallel resolves a remote error as the result
                     exc = res
                 if exc is not None and getattr(exc, "ename", type(exc).__name__) == "EngineError":
-                    self.control.mark_dead(r, "engine died while running")  # the controller saw it die
+                    # the controller saw it die, maybe before the monitor did: name the process when it is gone
+                    gone = self.local and r in self.pids and not _pid_alive(self.pids[r])
+                    self.control.mark_dead(r, f"engine process {self.pids[r]} exited" if gone
+                                           else "engine died while running")
                     out.append(RankOutcome(r, eid, "died", dead[r]))
                 elif exc is None:
                     val = res if not hasattr(res, "execution_count") else None
