@@ -32,6 +32,21 @@ def _summary(value: BaseException) -> str:
     return text if len(text) <= 500 else text[:497] + "..."
 
 
+def failure_report(rank: int, value: BaseException, cell: int, rec=None, aborted: bool = False) -> dict:
+    """The ``failed`` message a rank sends the cluster (engines and thread ranks alike): the error and its
+    traceback, the collective it came out of (``rec``, the rank's roll-call record, when that failure is of this
+    ``cell``), a collective mismatch, and whether the rank's process group was torn down because of it."""
+    msg = {"type": "failed", "rank": rank, "cell": cell, "time": time.time(), "error": _summary(value),
+           "traceback": "".join(traceback.format_exception(value))[-8000:], "aborted": bool(aborted)}
+    if rec is not None:
+        failed, rec.failed = rec.failed, None
+        if failed is not None and failed.get("cell") == cell:
+            msg["collective"] = failed
+    if type(value).__name__ == "CollectiveMismatch":
+        msg["mismatch"] = {"line": str(value), "ranks": list(getattr(value, "ranks", []))}
+    return msg
+
+
 def _broke_process_group(value: BaseException) -> bool:
     """Did this error come out of a collective (peer gone, timeout)? Then this rank's process group is unusable."""
     try:
@@ -180,17 +195,7 @@ class _EngineState:
         roll-call's record of it), and whether this rank tears its process group down because of it."""
         _debug("failure", _summary(value))
         self.failed_cell = self.cell  # a rank busy reporting its own error is not stuck
-        self.last_failure = {
-            "type": "failed", "rank": self.rank, "cell": self.cell, "time": time.time(),
-            "error": _summary(value), "traceback": "".join(traceback.format_exception(value))[-8000:],
-            "aborted": bool(aborts),
-        }
-        rec = self._rollcall.current()
-        failed, rec.failed = rec.failed, None
-        if failed is not None and failed.get("cell") == self.cell:
-            self.last_failure["collective"] = failed
-        if type(value).__name__ == "CollectiveMismatch":
-            self.last_failure["mismatch"] = {"line": str(value), "ranks": list(getattr(value, "ranks", []))}
+        self.last_failure = failure_report(self.rank, value, self.cell, self._rollcall.current(), aborts)
         self.sink.send_control(self.last_failure)
 
     def answer_status(self, msg: dict) -> None:

@@ -606,10 +606,9 @@ class Threads:
         return self.run_call(_pull, names, _ranks=ranks, _single=single, _namespace=True)
 
     def _submit(self, fn, ranks, outs, single, kind) -> RankResult:
-        self._prepare_io()
-        since = time.time()
-
         from ..distributed import rollcall
+
+        self._prepare_io()
 
         def guarded(r):
             rec = rollcall.current()  # this rank's roll-call record: what status() reads while it waits
@@ -619,7 +618,7 @@ class Threads:
             try:
                 return fn(r)
             except BaseException as e:
-                self._report(r, e, since)
+                self._report(r, e)
                 raise
             finally:
                 rec.finish()
@@ -627,29 +626,18 @@ class Threads:
         job = self.world.submit(guarded, ranks)
         return RankResult(job, ranks, outs, single, kind)
 
-    def _report(self, rank: int, e: BaseException, since: float) -> None:
+    def _report(self, rank: int, e: BaseException) -> None:
         """Tell the control this rank failed, as an engine does: the error, the collective it came out of (its
         roll-call record), a mismatch, and whether the group's meetings were left torn (re-made before the next
         cell). A rank stopped for a peer says nothing: the peer's report names the cause."""
-        import traceback
-
-        from ..distributed.match import CollectiveMismatch
         from ..distributed.thread_world import RankStopped
+        from .engine import failure_report
 
         own_wait = isinstance(e, RankStopped) and e.own  # its own collective timed out, or a deadlock
         if isinstance(e, RankStopped) and not own_wait:
             return
-        text = f"{type(e).__name__}: {e}"
-        msg = {"type": "failed", "rank": rank, "time": time.time(), "error": text[:500],
-               "traceback": "".join(traceback.format_exception(e))[-8000:], "aborted": own_wait}
-        rec = self._records.get(rank)
-        if rec is not None:
-            failed, rec.failed = rec.failed, None
-            if failed is not None and failed.get("cell") == rec.cell:
-                msg["collective"] = failed
-        if isinstance(e, CollectiveMismatch):
-            msg["mismatch"] = {"line": str(e), "ranks": list(e.ranks)}
-        self.control.on_control(msg)
+        rec = self._records[rank]  # guarded() set it before the rank ran
+        self.control.on_control(failure_report(rank, e, rec.cell, rec, own_wait))
 
     def _on_message(self, msg: dict) -> None:
         """The cluster's messages to the ranks: an abort stops every waiting rank now; a status request is
