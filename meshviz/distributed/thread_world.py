@@ -336,7 +336,7 @@ class ThreadGroup(tdist.ProcessGroup):
         return _Work(result)
 
     # -- collectives -----------------------------------------------------------------------------------------
-    def allreduce(self, tensors, opts=None):
+    def _all_reduce(self, op: str, tensors, opts) -> _Work:
         rop = opts.reduceOp if opts is not None else tdist.ReduceOp.SUM
 
         def work(data):
@@ -345,18 +345,13 @@ class ThreadGroup(tdist.ProcessGroup):
                 for d in data:
                     _put(d[i], acc)
 
-        return self._meet("all_reduce", list(tensors), work, tensors)
+        return self._meet(op, list(tensors), work, tensors)
+
+    def allreduce(self, tensors, opts=None):
+        return self._all_reduce("all_reduce", tensors, opts)
 
     def allreduce_coalesced(self, tensors, opts=None):
-        rop = opts.reduceOp if opts is not None else tdist.ReduceOp.SUM
-
-        def work(data):
-            for i in range(len(data[0])):
-                acc = _reduce([d[i] for d in data], rop)
-                for d in data:
-                    _put(d[i], acc)
-
-        return self._meet("all_reduce_coalesced", list(tensors), work, tensors)
+        return self._all_reduce("all_reduce_coalesced", tensors, opts)
 
     def broadcast(self, tensors, opts=None):
         root = opts.rootRank if opts is not None else 0

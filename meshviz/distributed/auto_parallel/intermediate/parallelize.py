@@ -164,6 +164,21 @@ def _parallelize(model, optimizer, config, who):
     return model, optimizer
 
 
+def _begin(config, mesh, who: str, needs_a_part: bool = True) -> bool:
+    """What the three entry points check first: the config and the mesh. False, after Paddle's warning, when
+    there is nothing to do (no config; with ``needs_a_part``, none of dp_config, mp_config, pp_config)."""
+    if config is None:
+        warnings.warn(f"The `{who}` will do nothing since the config is `None`.", stacklevel=3)
+        return False
+    _check_config(config, who)
+    _use_mesh(mesh, who)
+    if needs_a_part and all(config.get(k) is None for k in _CONFIG_KEYS):
+        warnings.warn(f"{who} won't do anything: the config has no dp_config, mp_config or pp_config.",
+                      stacklevel=3)
+        return False
+    return True
+
+
 def parallelize(model, optimizer=None, mesh=None, config=None):
     """Parallelize ``model`` (and ``optimizer``) on ``mesh`` (default: the global mesh of ``set_mesh``).
 
@@ -177,28 +192,14 @@ def parallelize(model, optimizer=None, mesh=None, config=None):
     Returns ``(model, optimizer)``: the same module with dist parameters and forward hooks, and the optimizer
     wrapped by ``shard_optimizer``. Everything is checked on every rank before anything changes.
     """
-    if config is None:
-        warnings.warn("The `parallelize` will do nothing since the config is `None`.", stacklevel=2)
-        return model, optimizer
-    _check_config(config, "parallelize")
-    _use_mesh(mesh, "parallelize")
-    if all(config.get(k) is None for k in _CONFIG_KEYS):
-        warnings.warn("parallelize won't do anything: the config has no dp_config, mp_config or pp_config.",
-                      stacklevel=2)
+    if not _begin(config, mesh, "parallelize"):
         return model, optimizer
     return _parallelize(model, optimizer, config, "parallelize")
 
 
 def parallelize_model(model, mesh=None, config=None):
     """The model half of ``parallelize``; build the optimizer from its result, then ``parallelize_optimizer``."""
-    if config is None:
-        warnings.warn("The `parallelize_model` will do nothing since the config is `None`.", stacklevel=2)
-        return model
-    _check_config(config, "parallelize_model")
-    _use_mesh(mesh, "parallelize_model")
-    if all(config.get(k) is None for k in _CONFIG_KEYS):
-        warnings.warn("parallelize_model won't do anything: the config has no dp_config, mp_config or pp_config.",
-                      stacklevel=2)
+    if not _begin(config, mesh, "parallelize_model"):
         return model
     model, _ = _parallelize(model, None, config, "parallelize_model")
     _state["model_done"] = True
@@ -207,11 +208,8 @@ def parallelize_model(model, mesh=None, config=None):
 
 def parallelize_optimizer(optimizer, mesh=None, config=None):
     """The optimizer half: ``shard_optimizer`` with the sharding stage ``config['dp_config']`` names."""
-    if config is None:
-        warnings.warn("The `parallelize_optimizer` will do nothing since the config is `None`.", stacklevel=2)
+    if not _begin(config, mesh, "parallelize_optimizer", needs_a_part=False):
         return optimizer
-    _check_config(config, "parallelize_optimizer")
-    _use_mesh(mesh, "parallelize_optimizer")
     if not _state["model_done"]:
         raise ValueError("Please parallelize the model before parallelize optimizer.")
     if not isinstance(optimizer, torch.optim.Optimizer):

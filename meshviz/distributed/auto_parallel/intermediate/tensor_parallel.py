@@ -288,32 +288,41 @@ class RowWiseParallel(_ShardParams):
         return deferred
 
 
-class PrepareLayerInput(PlanBase):
+class _PrepareLayer(PlanBase):
+    """``fn(process_mesh=mesh)`` returns the hook registered on the layer (``_hook``: which one)."""
+
+    _hook = ""
+
+    def __init__(self, fn=None) -> None:
+        super().__init__()
+        if not callable(fn):
+            raise ValueError(f"{type(self).__name__} needs a callable fn(process_mesh) that returns the "
+                             f"{self._hook}, got {fn!r}")
+        self.fn = fn
+
+    def _register(self, layer, hook) -> None:
+        raise NotImplementedError
+
+    def apply(self, layer, process_mesh, shard_param_list):
+        self._register(layer, self.fn(process_mesh=process_mesh))
+
+
+class PrepareLayerInput(_PrepareLayer):
     """``fn(process_mesh=mesh)`` returns a forward pre-hook ``hook(layer, input)`` for the layer."""
 
-    def __init__(self, fn=None) -> None:
-        super().__init__()
-        if not callable(fn):
-            raise ValueError(f"PrepareLayerInput needs a callable fn(process_mesh) that returns the pre-hook, "
-                             f"got {fn!r}")
-        self.fn = fn
+    _hook = "pre-hook"
 
-    def apply(self, layer, process_mesh, shard_param_list):
-        layer.register_forward_pre_hook(self.fn(process_mesh=process_mesh))
+    def _register(self, layer, hook) -> None:
+        layer.register_forward_pre_hook(hook)
 
 
-class PrepareLayerOutput(PlanBase):
+class PrepareLayerOutput(_PrepareLayer):
     """``fn(process_mesh=mesh)`` returns a forward hook ``hook(layer, input, output)`` for the layer."""
 
-    def __init__(self, fn=None) -> None:
-        super().__init__()
-        if not callable(fn):
-            raise ValueError(f"PrepareLayerOutput needs a callable fn(process_mesh) that returns the post-hook, "
-                             f"got {fn!r}")
-        self.fn = fn
+    _hook = "post-hook"
 
-    def apply(self, layer, process_mesh, shard_param_list):
-        layer.register_forward_hook(self.fn(process_mesh=process_mesh))
+    def _register(self, layer, hook) -> None:
+        layer.register_forward_hook(hook)
 
 
 class SequenceParallelBegin(PlanBase):
