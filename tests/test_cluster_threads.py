@@ -11,6 +11,8 @@ import meshviz
 from meshviz import trace
 from meshviz.cluster import RankError
 
+from . import cluster_checks as checks
+
 N = 3
 pytestmark = pytest.mark.timeout(120)
 
@@ -100,81 +102,12 @@ def test_display_outputs_as_ipyparallel_prints_them(cluster, capsys):
     assert single.stdout == "only\n"
 
 
-CELL_WAITS = """
-import os, time, torch
-import torch.distributed as tdist
-from meshviz import trace
-from meshviz.trace import Event
-r = tdist.get_rank()
-for i in range(3):
-    trace.emit(Event(kind="mark", name=f"early{i}", values=[r, i]))
-x = torch.tensor([float(r)])
-with trace.span("collective", op="all_reduce", group=list(range(tdist.get_world_size())), bytes=4) as ev:
-    tdist.all_reduce(x)
-    ev.values = x.tolist()
-deadline = time.time() + 20
-while not os.path.exists(FLAG) and time.time() < deadline:
-    time.sleep(0.02)
-trace.emit(Event(kind="mark", name="late"))
-"""
-
-
 def test_events_arrive_while_the_cell_runs(cluster, tmp_path):
-    flag = str(tmp_path / "go")
-    cluster.events.clear()
-    seen = []
-    cb = cluster.subscribe(seen.append)
-    try:
-        ar = cluster.view.execute(CELL_WAITS.replace("FLAG", repr(flag)), block=False)
-        t0 = time.time()
-        while len([e for e in cluster.events if e.kind == "collective"]) < N and time.time() - t0 < 20:
-            time.sleep(0.01)
-        assert not ar.done(), "the cell should still be running"
-        early = list(cluster.events)
-        assert len(early) == 4 * N
-        open(flag, "w").close()
-        ar.get(timeout=30)
-        cluster._sync_events(list(range(N)))
-    finally:
-        cluster.unsubscribe(cb)
-    events = list(cluster.events)
-    assert len(events) == 5 * N and seen[: len(events)] == events
-    total = float(sum(range(N)))
-    for r, evs in cluster.events.by_rank().items():
-        assert [e.name for e in evs] == ["early0", "early1", "early2", None, "late"]
-        assert [e.seq for e in evs] == sorted(e.seq for e in evs)
-        assert [e.values for e in evs[:3]] == [[r, i] for i in range(3)]
-        coll = evs[3]
-        assert coll.op == "all_reduce" and coll.values == [total] and coll.group == list(range(N))
-
-
-RESHARD_CELL = """
-import torch
-import meshviz.distributed as dist
-mesh = dist.ProcessMesh([2, 0, 1], dim_names=["x"])
-a = torch.arange(12.0).reshape(6, 2)
-s0 = dist.shard_tensor(a, mesh, [dist.Shard(0)])
-plan = [(st.op, st.axis, st.bytes) for st in dist.plan_of(s0, mesh, [dist.Replicate()]).steps]
-r = dist.reshard(s0, mesh, [dist.Replicate()])
-print(s0._local_value().tolist(), r._local_value().tolist() == a.tolist())
-"""
+    checks.events_arrive_while_the_cell_runs(cluster, N, tmp_path)
 
 
 def test_reshard_events_carry_the_planners_steps_and_replay(cluster, tmp_path):
-    cluster.events.clear()
-    ar = cluster.execute(RESHARD_CELL)
-    blocks = {2: [[0.0, 1.0], [2.0, 3.0]], 0: [[4.0, 5.0], [6.0, 7.0]], 1: [[8.0, 9.0], [10.0, 11.0]]}
-    assert ar.stdout == [f"{blocks[r]} True\n" for r in range(N)]
-    plans = cluster.view.pull("plan", block=True)
-    assert plans[0] == plans[1] == plans[2] and [p[0] for p in plans[0]] == ["all_gather"]
-    by = cluster.events.by_rank()
-    assert sorted(by) == list(range(N))
-    for r, evs in by.items():
-        placed = [e for e in evs if e.kind == "placed"]
-        assert placed and placed[0].values == [v for row in blocks[r] for v in row]
-        steps = [e for e in evs if e.kind == "reshard_step"]
-        assert [(e.op, e.axis, e.bytes) for e in steps] == [tuple(p) for p in plans[r]]
-        assert steps[0].values == [float(v) for v in range(12)]
+    checks.reshard_events_carry_the_planners_steps(cluster, N)
     assert len({e.plan_id for e in cluster.events.of_kind("reshard_step")}) == 1  # one plan id on every rank
     path = str(tmp_path / "run.jsonl")
     assert cluster.record(path) == len(cluster.events)
@@ -184,33 +117,12 @@ def test_reshard_events_carry_the_planners_steps_and_replay(cluster, tmp_path):
 
 
 def test_rank_raising_mid_collective_stops_every_rank(cluster):
-    cell = ("import torch, torch.distributed as tdist\n"
-            "if tdist.get_rank() == 1:\n"
-            "    raise ValueError('rank one broke')\n"
-            "x = torch.ones(2)\n"
-            "tdist.all_reduce(x)\n")
-    with pytest.raises(RankError) as info:
-        cluster.execute(cell, timeout=25)
-    err = info.value
-    assert err.ranks == [1]
-    assert "rank 1 raised ValueError: rank one broke" in str(err)
-    assert "rank one broke" in "\n".join(err.render_traceback())
+    err = checks.rank_raising_mid_collective_stops_every_rank(cluster, N)
     assert "thread_world.py" not in err.outcomes[1].traceback  # the traceback starts in the cell
-    by = {o.rank: o for o in err.outcomes}
-    assert all(by[r].status == "error" for r in range(N))
-    ar = cluster.execute("x = torch.ones(1); tdist.all_reduce(x); print(x.item())")
-    assert ar.stdout == [f"{float(N)}\n"] * N
-    assert cluster.state == "ready"
 
 
 def test_same_error_on_every_rank_keeps_the_process_group(cluster):
-    cluster.execute("import torch, torch.distributed as tdist\ny = torch.ones(1); tdist.all_reduce(y)")
-    with pytest.raises(RankError) as info:
-        cluster.execute("undefined_name_xyz")
-    assert "NameError" in str(info.value)
-    assert cluster.state == "ready"
-    ar = cluster.execute("print(y.item())")
-    assert ar.stdout == [f"{float(N)}\n"] * N
+    checks.same_error_on_every_rank_keeps_the_process_group(cluster, N)
 
 
 def test_interrupt_reaches_sleeping_and_busy_ranks(cluster):
@@ -282,18 +194,7 @@ def test_mismatched_shapes_are_named_before_any_data_moves(cluster):
 
 
 def test_px_magic_names_the_rank(cluster):
-    pytest.importorskip("IPython")
-    from IPython.core.interactiveshell import InteractiveShell
-
-    shell = InteractiveShell.instance()
-    cluster.activate()
-    res = shell.run_cell("%%px\nimport torch.distributed as tdist\n"
-                         "if tdist.get_rank() == 2:\n    raise KeyError('two')\n")
-    assert isinstance(res.error_in_exec, RankError)
-    assert res.error_in_exec.ranks == [2]
-    res = shell.run_cell("%%px\nz = tdist.get_rank() * 10\n")
-    assert res.error_in_exec is None
-    assert cluster.view.pull("z", block=True) == [0, 10, 20]
+    shell = checks.px_magic_names_the_rank(cluster)
     res = shell.run_cell("%%px --targets 1\nonly_one = 1\n")
     assert res.error_in_exec is None
     assert cluster.view.pull("only_one", targets=1) == 1
