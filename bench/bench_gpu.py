@@ -60,14 +60,24 @@ def measure(calls: int, rounds: int):
     S0, S1, R, P = dist.Shard(0), dist.Shard(1), dist.Replicate(), dist.Partial()
     T = {"S(0)": [TShard(0)], "S(1)": [TShard(1)], "R": [TReplicate()], "P": [TPartial()]}
     M = {"S(0)": [S0], "S(1)": [S1], "R": [R], "P": [P]}
-    fns = {"shard_tensor": lambda: dist.shard_tensor(x, mesh, [S0]),
-           "DTensor distribute_tensor": lambda: distribute_tensor(x, dm, [TShard(0)])}
+    # DTensor's functional collectives crash (SIGSEGV) on gloo with CUDA tensors (torch 2.11): there the baseline is
+    # the c10d collective a reshard issues, on the same tensors
+    raw = dev.type == "cuda" and tdist.get_backend() == "gloo"
+    fns = {"shard_tensor": lambda: dist.shard_tensor(x, mesh, [S0])}
+    if not raw:
+        fns["DTensor distribute_tensor"] = lambda: distribute_tensor(x, dm, [TShard(0)])
     for src, dst in [("S(0)", "R"), ("P", "R"), ("R", "S(1)"), ("S(0)", "S(1)")]:
         d = dist.shard_tensor(x, mesh, M[src])
-        t = DTensor.from_local(d._local_value().detach(), dm, T[src], run_check=False) if src == "P" else \
-            distribute_tensor(x, dm, T[src])
         fns[f"reshard {src}->{dst}"] = (lambda d=d, dst=M[dst]: dist.reshard(d, mesh, dst))
-        fns[f"DTensor redistribute {src}->{dst}"] = (lambda t=t, dst=T[dst]: t.redistribute(dm, dst))
+        if not raw:
+            t = DTensor.from_local(d._local_value().detach(), dm, T[src], run_check=False) if src == "P" else \
+                distribute_tensor(x, dm, T[src])
+            fns[f"DTensor redistribute {src}->{dst}"] = (lambda t=t, dst=T[dst]: t.redistribute(dm, dst))
+    if raw:
+        blk = dist.shard_tensor(x, mesh, [S0])._local_value()
+        out = torch.empty(16, device=dev)
+        fns["c10d all_gather_into_tensor S(0)->R"] = lambda: tdist.all_gather_into_tensor(out, blk.reshape(-1))
+        fns["c10d all_reduce P->R"] = lambda: tdist.all_reduce(x.clone())
     table = _rounds(fns, calls, rounds, sync)
     # traced: every step emits events into a memory sink (cleared between rounds so it stays small)
     d = dist.shard_tensor(x, mesh, [S0])
@@ -85,11 +95,16 @@ def _print(res: dict) -> None:
     t = res["table"]
     print(f"\n{res['ranks']} rank(s) on {res['device']} ({res['backend']}), torch {res['torch']}: us per call "
           f"(median, min-max over rounds)")
-    print("| call | meshviz us | DTensor us | ratio |\n|---|---|---|---|")
+    print("| call | meshviz us | baseline us (DTensor, or the c10d collective) | ratio |\n|---|---|---|---|")
     pairs = [("shard_tensor", "DTensor distribute_tensor")]
     pairs += [(k, k.replace("reshard", "DTensor redistribute")) for k in t
               if k.startswith("reshard ") and "traced" not in k and "again" not in k]
+    pairs += [("reshard S(0)->R", "c10d all_gather_into_tensor S(0)->R"), ("reshard P->R", "c10d all_reduce P->R")]
     for a, b in pairs:
+        if b not in t:
+            if a in t and not any(a == x for x, y in pairs if y in t):
+                print(f"| {a} | {t[a][0]:.1f} ({t[a][1]:.1f}-{t[a][2]:.1f}) | | |")
+            continue
         ma, mb = t[a][0], t[b][0]
         print(f"| {a} | {ma:.1f} ({t[a][1]:.1f}-{t[a][2]:.1f}) | {mb:.1f} ({t[b][1]:.1f}-{t[b][2]:.1f}) | "
               f"{ma / mb:.2f} |")

@@ -78,9 +78,11 @@ class ClipGradByGlobalNorm:
             run("all_reduce", group, lambda g: tdist.all_reduce(sq, group=g.process_group, async_op=True),
                 tensors=(sq,), kind=None)
         sq = sq + _sq_sum([g for g in replicated if not _is_dtensor(g)], dev)
+        from .distributed.devices import full_tensor
+
         for g in dts:
             n = torch.linalg.vector_norm(g.detach().float(), 2.0)
-            sq = sq + n.full_tensor().double().to(dev) ** 2
+            sq = sq + full_tensor(n).double().to(dev) ** 2
         norm = float(sq.sqrt())
         coef = self.coefficient(norm)
         if coef < 1.0:

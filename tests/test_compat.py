@@ -78,15 +78,15 @@ def test_thread_worlds_give_each_thread_its_own_c10d_world():
     try:
         seen = {}
 
-        def look(name):
-            seen[name] = (tdist.is_initialized(), id(c10d._world._get_world()))
+        def look(name):  # the world object itself is kept: an id alone can be reused once a thread's world is freed
+            seen[name] = (tdist.is_initialized(), c10d._world._get_world())
 
         ts = [threading.Thread(target=look, args=(f"t{i}",)) for i in range(2)]
         for t in ts:
             t.start()
         for t in ts:
             t.join()
-        assert seen["t0"][0] is False and seen["t0"][1] != seen["t1"][1]  # one world per thread
+        assert seen["t0"][0] is False and seen["t0"][1] is not seen["t1"][1]  # one world per thread
         assert "THREADS" in compat.backend_plugins() or "THREADED" in compat.backend_plugins()
     finally:
         compat.uninstall_thread_worlds()
@@ -106,3 +106,33 @@ def test_no_dispatch_modes_hides_ops_from_the_active_mode():
         with compat.no_dispatch_modes():
             torch.ones(2).mul(3)
     assert any("add" in s for s in seen) and not any("mul" in s for s in seen)
+
+
+def _through_host():
+    import torch.distributed as tdist
+
+    import meshviz.distributed as dist
+
+    dist.init_parallel_env()
+    r = dist.get_rank()
+    before = (tdist.send, tdist.recv, tdist.send_object_list, tdist.recv_object_list)
+    with compat.p2p_through_host():
+        patched = tdist.send is not before[0]
+        t = torch.full((3,), float(r + 1))
+        objs = [{"shape": (2, 5), "rank": r}] if r == 0 else [None]
+        if r == 0:
+            tdist.send(t, dst=1)
+            tdist.send_object_list(objs, dst=1, device=torch.device("cpu"))
+        else:
+            tdist.recv(t, src=0)
+            tdist.recv_object_list(objs, src=0, device=torch.device("cpu"))
+    restored = (tdist.send, tdist.recv, tdist.send_object_list, tdist.recv_object_list) == before
+    return {"patched": patched, "restored": restored, "t": t.tolist(), "objs": objs}
+
+
+def test_p2p_through_host_carries_tensors_and_objects_and_restores_torch():
+    """The stage set-up path for gloo between CUDA tensors (tests/test_gpu.py runs it on a GPU); here on the CPU."""
+    res = run_ranks(_through_host, 2)
+    assert all(o["patched"] and o["restored"] for o in res)
+    assert res[1]["t"] == [1.0, 1.0, 1.0] and res[0]["t"] == [1.0, 1.0, 1.0]
+    assert res[1]["objs"] == [{"shape": (2, 5), "rank": 0}]

@@ -9,6 +9,7 @@ import torch.distributed as tdist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from meshviz.distributed.devices import full_tensor
 from meshviz.nn import ClipGradByGlobalNorm
 from meshviz.testing import run_ranks
 
@@ -47,7 +48,7 @@ def reference(world, steps=STEPS, clip=CLIP):
 def full_params(model):
     out = {}
     for k, v in model.state_dict().items():
-        out[k] = (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+        out[k] = full_tensor(v).detach().clone()  # gloo-safe on CUDA
     return out
 
 
@@ -73,7 +74,8 @@ def _train(levels, segment_size, save_dir=None):
             if s == STEPS - 1:
                 mem = memory_stats(model, opt)
             opt.clear_grad()
-        res = {"params": full_params(model), "mem": mem, "pieces": opt.ownership}
+        res = {"params": full_params(model), "mem": mem, "pieces": opt.ownership,
+               "foreach": [g.get("foreach") for g in opt._inner_opt.param_groups]}
         if save_dir is not None:
             d = os.path.join(save_dir, level)
             save_group_sharded_model(model, d, opt)
@@ -95,6 +97,9 @@ def test_levels_match_data_parallel(world):
             for k, v in ref.items():
                 torch.testing.assert_close(res[level]["params"][k], v, rtol=1e-5, atol=1e-6,
                                            msg=lambda m: f"{level} rank {rank} {k}: {m}")
+    # p_g_os mixes FSDP's DTensors with the whole small parameters: stepped one tensor at a time, as one foreach
+    # call over both kinds raises (CUDA parameters default to foreach)
+    assert results[0]["p_g_os"]["foreach"] == [False] and results[0]["os"]["foreach"] == [None]
     # ownership: every rank emitted one event per parameter and level; the ranges tile each parameter
     own = results[0]["ownership"]
     assert len(own) == 4 * len(LEVELS)

@@ -13,8 +13,8 @@ from ..core.devices import DeviceNotice, RankDevices, plan_devices
 
 __all__ = [
     "device", "initial_device", "strict", "set_strict", "strict_devices", "check", "place_module",
-    "staged_send", "staged_recv", "needs_host_p2p", "visible_gpu_count", "visible_gpu_labels", "rank_env",
-    "DeviceNotice", "STRICT_ENV", "DEVICE_ENV",
+    "staged_send", "staged_recv", "needs_host_p2p", "full_tensor", "visible_gpu_count", "visible_gpu_labels",
+    "rank_env", "DeviceNotice", "STRICT_ENV", "DEVICE_ENV",
 ]
 
 STRICT_ENV = "MESHVIZ_STRICT_DEVICES"
@@ -194,7 +194,32 @@ def staged_recv(t: torch.Tensor, pg=None):
     if not needs_host_p2p(t, pg):
         return t, None
     buf = torch.empty(t.shape, dtype=t.dtype, device="cpu")
-    return buf, (lambda: t.copy_(buf))
+
+    def finish():
+        with torch.no_grad():  # a pipeline stage receives into leaves that require grad
+            t.copy_(buf)
+
+    return buf, finish
+
+
+def full_tensor(t):
+    """``DTensor.full_tensor()``, also for CUDA DTensors on a gloo mesh: torch's functional collectives crash there
+    (SIGSEGV, torch 2.11), so those are gathered as CPU DTensors over the same groups and moved back."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(t, DTensor):
+        return t
+    mesh = t.device_mesh
+    if t.device.type == "cpu" or tdist.get_backend(mesh.get_group(0)) != "gloo":
+        return t.full_tensor()
+    from torch.distributed.device_mesh import DeviceMesh
+
+    groups = [mesh.get_group(i) for i in range(mesh.ndim)]
+    cpu_mesh = DeviceMesh.from_group(groups if mesh.ndim > 1 else groups[0], "cpu", mesh=mesh.mesh if mesh.ndim > 1
+                                     else None, mesh_dim_names=mesh.mesh_dim_names)
+    local = t.to_local().detach().to("cpu")
+    cpu = DTensor.from_local(local, cpu_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride())
+    return cpu.full_tensor().to(t.device)
 
 
 # -- layers on the rank's device ----------------------------------------------------------------------------------

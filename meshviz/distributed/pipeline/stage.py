@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import time
 
+import torch
 import torch.distributed as tdist
 from torch.distributed.pipelining import PipelineStage
 
 from ... import trace
+from ...compat import PIPELINE_STAGE_SETUP, p2p_through_host
 from ...trace import Compute, Event, Transfer
 from ..devices import needs_host_p2p, staged_recv, staged_send
 
@@ -35,6 +37,14 @@ class TracedStage(PipelineStage):
         self._meter = meter
         if meter is not None:
             meter.watch(submodule)
+        self._via_host = needs_host_p2p(torch.empty(0, device=device), group)  # gloo between CUDA tensors
+
+    # -- set-up: torch's stage sends a dummy tensor to each neighbour and exchanges shapes on its device -------
+    def _get_init_p2p_neighbors_ops(self):
+        ops = super()._get_init_p2p_neighbors_ops()
+        if not self._via_host:
+            return ops
+        return [tdist.P2POp(op.op, op.tensor.detach().to("cpu"), op.peer, op.group, op.tag) for op in ops]
 
     # -- transfers -----------------------------------------------------------------------------------
     def _peer(self, stage_index: int) -> int:
@@ -147,3 +157,20 @@ class TracedStage(PipelineStage):
         if self._meter is not None:
             self._meter.release((self.stage_index, bwd_chunk_id))
         self._emit_compute("W", bwd_chunk_id, t0)
+
+
+def _set_up_through_host(name):
+    def method(self, *args, **kwargs):
+        run = getattr(super(TracedStage, self), name)
+        if not self._via_host:
+            return run(*args, **kwargs)
+        with p2p_through_host():
+            return run(*args, **kwargs)
+
+    method.__name__ = method.__qualname__ = name
+    return method
+
+
+for _name in PIPELINE_STAGE_SETUP[1:]:
+    if hasattr(PipelineStage, _name):
+        setattr(TracedStage, _name, _set_up_through_host(_name))

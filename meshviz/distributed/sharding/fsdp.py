@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from .group import ShardingGroup
 
-__all__ = ["apply_fsdp"]
+__all__ = ["apply_fsdp", "unmix_foreach"]
 
 
 def apply_fsdp(model, piece_of: dict, grp: ShardingGroup, dev, offload) -> None:
@@ -23,3 +23,18 @@ def apply_fsdp(model, piece_of: dict, grp: ShardingGroup, dev, offload) -> None:
         if any(p not in ignored for p in child.parameters()):
             fully_shard(child, mesh=mesh, offload_policy=policy, ignored_params=ignored)
     fully_shard(model, mesh=mesh, offload_policy=policy, ignored_params=ignored)
+
+
+def unmix_foreach(optimizer) -> None:
+    """Step a param group that holds FSDP's DTensors beside whole plain tensors one tensor at a time.
+
+    torch's optimizers default to their ``foreach`` kernels for CUDA parameters, and one foreach call over a list
+    that mixes DTensors with plain tensors raises ("got mixed torch.Tensor and DTensor"); p_g_os leaves parameters
+    under ``segment_size`` whole, so its groups can mix. A group whose ``foreach`` the user set is left alone.
+    """
+    from torch.distributed.tensor import DTensor
+
+    for group in optimizer.param_groups:
+        kinds = {isinstance(p, DTensor) for p in group["params"]}
+        if len(kinds) == 2 and group.get("foreach") is None and not group.get("fused"):
+            group["foreach"] = False

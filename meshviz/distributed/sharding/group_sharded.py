@@ -9,7 +9,7 @@ from ...core.sharding import LEVELS, SHARDED, plan_pieces
 from ...nn import ClipGradByGlobalNorm
 from ..devices import place_module
 from ..env import device, init_parallel_env
-from .fsdp import apply_fsdp
+from .fsdp import apply_fsdp, unmix_foreach
 from .group import ShardingGroup, broadcast_module, resolve_group
 from .optimizer import GroupShardedOptimizer
 from .scaler import make_scaler
@@ -109,6 +109,7 @@ def group_sharded_parallel(
         for g in optimizer.param_groups:
             g["params"] = [new_params[names[id(p)]] for p in g["params"]]
         order = [p for g in optimizer.param_groups for p in g["params"]]
+        unmix_foreach(optimizer)
 
     gidx = [gi for gi, g in enumerate(optimizer.param_groups) for _ in g["params"]]
     slots = [Slot(pc.name, p, pc, grp.rank, gi) for p, pc, gi in zip(order, pieces, gidx)]

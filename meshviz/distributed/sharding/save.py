@@ -6,6 +6,7 @@ import os
 
 import torch
 
+from ..devices import full_tensor
 from .group import resolve_group
 from .optimizer import GroupShardedOptimizer
 
@@ -29,8 +30,7 @@ def save_group_sharded_model(model, output, optimizer=None):
     grp = optimizer._group if optimizer is not None else resolve_group(None)
     sd = {}
     for k, v in model.state_dict().items():
-        if hasattr(v, "full_tensor"):
-            v = v.full_tensor()
+        v = full_tensor(v)
         sd[k] = v.detach().cpu().clone()
     osd = optimizer.full_state_dict() if optimizer is not None else None
     if grp.rank == 0:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ..devices import full_tensor
 from .group import ShardingGroup, gather_object
 
 __all__ = ["full_optimizer_state"]
@@ -23,7 +24,7 @@ def full_optimizer_state(inner, slots, grp: ShardingGroup) -> dict:
             full = {}
             for k in sorted(st):
                 v = st[k]
-                full[k] = v.full_tensor() if hasattr(v, "full_tensor") else v
+                full[k] = full_tensor(v)
             if grp.rank == 0:
                 local[i] = ("full", _cpu(full))
         elif s.piece.mode == "replicated":  # stepped as a flat CPU copy (s.shard) under offload
