@@ -2,7 +2,7 @@
 
 Tiny tensors, so what is measured is the cost of a call, not of moving data: a 1-rank mesh (NCCL) and, with
 ``--ranks 2``, two ranks sharing the GPU (gloo). Also a traced reshard, and the price of tracing switched off.
-Run: .venv/bin/python bench/bench_gpu.py [--ranks 1 2] [--calls 2000] [--rounds 7]
+Run: .venv/bin/python bench/bench_gpu.py [--ranks 1 2] [--calls 2000] [--rounds 7] [--c10d]
 Without CUDA it says so and exits; ``--device cpu`` measures the same calls on the CPU (gloo).
 """
 
@@ -38,7 +38,7 @@ def _rounds(fns: dict, calls: int, rounds: int, sync) -> dict:
     return {k: (statistics.median(v), min(v), max(v)) for k, v in times.items()}
 
 
-def measure(calls: int, rounds: int):
+def measure(calls: int, rounds: int, c10d: bool = False):
     """Run on every rank of the world; returns rank 0's table {name: (median us, min, max)}."""
     import torch.distributed as tdist
     from torch.distributed.tensor import DTensor, distribute_tensor
@@ -48,6 +48,7 @@ def measure(calls: int, rounds: int):
 
     import meshviz.distributed as dist
     from meshviz import trace
+    from meshviz.compat import all_gather_single
     from meshviz.distributed.groups import device_mesh
 
     dist.init_parallel_env()
@@ -63,6 +64,7 @@ def measure(calls: int, rounds: int):
     # DTensor's functional collectives crash (SIGSEGV) on gloo with CUDA tensors (torch 2.11): there the baseline is
     # the c10d collective a reshard issues, on the same tensors
     raw = dev.type == "cuda" and tdist.get_backend() == "gloo"
+    with_c10d = raw or (c10d and n > 1)
     fns = {"shard_tensor": lambda: dist.shard_tensor(x, mesh, [S0])}
     if not raw:
         fns["DTensor distribute_tensor"] = lambda: distribute_tensor(x, dm, [TShard(0)])
@@ -73,10 +75,10 @@ def measure(calls: int, rounds: int):
             t = DTensor.from_local(d._local_value().detach(), dm, T[src], run_check=False) if src == "P" else \
                 distribute_tensor(x, dm, T[src])
             fns[f"DTensor redistribute {src}->{dst}"] = (lambda t=t, dst=T[dst]: t.redistribute(dm, dst))
-    if raw:
+    if with_c10d:
         blk = dist.shard_tensor(x, mesh, [S0])._local_value()
         out = torch.empty(16, device=dev)
-        fns["c10d all_gather_into_tensor S(0)->R"] = lambda: tdist.all_gather_into_tensor(out, blk.reshape(-1))
+        fns["c10d all_gather_into_tensor S(0)->R"] = lambda: all_gather_single(out, blk.reshape(-1))
         fns["c10d all_reduce P->R"] = lambda: tdist.all_reduce(x.clone())
     table = _rounds(fns, calls, rounds, sync)
     # traced: every step emits events into a memory sink (cleared between rounds so it stays small)
@@ -118,6 +120,7 @@ def main(argv=None) -> int:
     ap.add_argument("--calls", type=int, default=2000)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    ap.add_argument("--c10d", action="store_true", help="also time the bare c10d collectives (always on gloo+CUDA)")
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("bench_gpu: no CUDA GPU here; nothing measured (--device cpu measures the same calls on the CPU)")
@@ -131,7 +134,7 @@ def main(argv=None) -> int:
             kw = dict(devices="cuda", backend=None)  # NCCL
         else:
             kw = dict(devices="cuda", backend="gloo")  # the ranks share the GPU
-        res = run_ranks(measure, n, args.calls, args.rounds, timeout=1800, collective_timeout=600,
+        res = run_ranks(measure, n, args.calls, args.rounds, args.c10d, timeout=1800, collective_timeout=600,
                         env={"MESHVIZ_STRICT_DEVICES": "0"}, **kw)
         _print(res[0])
     return 0
