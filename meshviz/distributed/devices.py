@@ -214,9 +214,12 @@ def full_tensor(t):
         return t.full_tensor()
     from torch.distributed.device_mesh import DeviceMesh
 
-    groups = [mesh.get_group(i) for i in range(mesh.ndim)]
-    cpu_mesh = DeviceMesh.from_group(groups if mesh.ndim > 1 else groups[0], "cpu", mesh=mesh.mesh if mesh.ndim > 1
-                                     else None, mesh_dim_names=mesh.mesh_dim_names)
+    names = mesh.mesh_dim_names
+    if mesh.ndim == 1:
+        cpu_mesh = DeviceMesh.from_group(mesh.get_group(0), "cpu", mesh_dim_names=names)
+    else:
+        groups = [mesh.get_group(i) for i in range(mesh.ndim)]
+        cpu_mesh = DeviceMesh.from_group(groups, "cpu", mesh=mesh.mesh, mesh_dim_names=names)
     local = t.to_local().detach().to("cpu")
     cpu = DTensor.from_local(local, cpu_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride())
     return cpu.full_tensor().to(t.device)
