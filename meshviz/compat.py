@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import re
 
@@ -23,7 +22,7 @@ __all__ = [
     "flatten_dense_tensors", "unflatten_dense_tensors", "fake_tensor_type", "amp_unscale_",
     "queue_backward_callback",
     # pipelining
-    "PIPELINE_STAGE_METHODS", "PIPELINE_STAGE_SETUP", "p2p_through_host", "pipeline_order", "action_fields",
+    "PIPELINE_STAGE_METHODS", "PIPELINE_STAGE_SETUP", "pipeline_order", "action_fields",
     # ranks as threads
     "install_thread_worlds", "uninstall_thread_worlds", "backend_plugins", "no_dispatch_modes",
     # ipyparallel
@@ -155,42 +154,6 @@ PIPELINE_STAGE_METHODS = ("get_fwd_recv_ops", "get_bwd_recv_ops", "get_fwd_send_
 # tensor over point-to-point ops on the stage's device (the last two are torch 2.13's warm-up votes)
 PIPELINE_STAGE_SETUP = ("_get_init_p2p_neighbors_ops", "_prepare_forward_infra", "_prepare_backward_infra",
                         "_warmup_forward_vote", "_warmup_backward_result")
-
-
-@contextlib.contextmanager
-def p2p_through_host():
-    """Inside, torch.distributed's blocking send/recv and object-list send/recv take CUDA tensors through CPU copies.
-
-    gloo's point-to-point ops read raw host memory (a CUDA pointer fails with "writev ... Bad address"), and torch's
-    pipeline stages set up with such calls on their own device. Process-wide: used only by a process that is one
-    rank (gloo with CUDA tensors never runs with ranks as threads).
-    """
-    orig = {n: getattr(tdist, n) for n in ("send", "recv", "send_object_list", "recv_object_list")}
-    cpu = torch.device("cpu")
-
-    def send(tensor, *args, **kwargs):
-        return orig["send"](tensor.detach().to(cpu), *args, **kwargs)
-
-    def recv(tensor, *args, **kwargs):
-        buf = torch.empty(tensor.shape, dtype=tensor.dtype, device=cpu)
-        src = orig["recv"](buf, *args, **kwargs)
-        tensor.copy_(buf)
-        return src
-
-    def send_object_list(objects, *args, device=None, **kwargs):
-        return orig["send_object_list"](objects, *args, device=cpu, **kwargs)
-
-    def recv_object_list(objects, *args, device=None, **kwargs):
-        return orig["recv_object_list"](objects, *args, device=cpu, **kwargs)
-
-    for name, fn in (("send", send), ("recv", recv), ("send_object_list", send_object_list),
-                     ("recv_object_list", recv_object_list)):
-        setattr(tdist, name, fn)
-    try:
-        yield
-    finally:
-        for name, fn in orig.items():
-            setattr(tdist, name, fn)
 
 
 def pipeline_order(schedule) -> dict:

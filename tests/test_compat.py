@@ -116,7 +116,7 @@ def _through_host():
     dist.init_parallel_env()
     r = dist.get_rank()
     before = (tdist.send, tdist.recv, tdist.send_object_list, tdist.recv_object_list)
-    with compat.p2p_through_host():
+    with dist.devices.p2p_through_host():
         patched = tdist.send is not before[0]
         t = torch.full((3,), float(r + 1))
         objs = [{"shape": (2, 5), "rank": r}] if r == 0 else [None]

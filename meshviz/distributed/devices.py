@@ -13,8 +13,8 @@ from ..core.devices import DeviceNotice, RankDevices, plan_devices
 
 __all__ = [
     "device", "initial_device", "strict", "set_strict", "strict_devices", "check", "place_module",
-    "staged_send", "staged_recv", "needs_host_p2p", "full_tensor", "visible_gpu_count", "visible_gpu_labels",
-    "rank_env", "DeviceNotice", "STRICT_ENV", "DEVICE_ENV",
+    "staged_send", "staged_recv", "p2p_through_host", "needs_host_p2p", "full_tensor", "visible_gpu_count",
+    "visible_gpu_labels", "rank_env", "DeviceNotice", "STRICT_ENV", "DEVICE_ENV",
 ]
 
 STRICT_ENV = "MESHVIZ_STRICT_DEVICES"
@@ -183,16 +183,12 @@ def needs_host_p2p(t: torch.Tensor, pg=None) -> bool:
         return False
 
 
-def staged_send(t: torch.Tensor, pg=None) -> torch.Tensor:
-    """What to hand to ``isend``: ``t`` itself, or its CPU copy where gloo cannot read the device."""
-    return t.detach().to("cpu") if needs_host_p2p(t, pg) else t
+def _host_copy(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to("cpu")
 
 
-def staged_recv(t: torch.Tensor, pg=None):
-    """(buffer to hand to ``irecv``, finish): ``finish()`` copies a CPU staging buffer into ``t`` once the
-    receive is done (a no-op when ``t`` is received into directly)."""
-    if not needs_host_p2p(t, pg):
-        return t, None
+def _host_buffer(t: torch.Tensor):
+    """(CPU buffer shaped like ``t``, finish): ``finish()`` copies the buffer into ``t``."""
     buf = torch.empty(t.shape, dtype=t.dtype, device="cpu")
 
     def finish():
@@ -200,6 +196,55 @@ def staged_recv(t: torch.Tensor, pg=None):
             t.copy_(buf)
 
     return buf, finish
+
+
+def staged_send(t: torch.Tensor, pg=None) -> torch.Tensor:
+    """What to hand to ``isend``: ``t`` itself, or its CPU copy where gloo cannot read the device."""
+    return _host_copy(t) if needs_host_p2p(t, pg) else t
+
+
+def staged_recv(t: torch.Tensor, pg=None):
+    """(buffer to hand to ``irecv``, finish): ``finish()`` copies a CPU staging buffer into ``t`` once the
+    receive is done (a no-op when ``t`` is received into directly)."""
+    if not needs_host_p2p(t, pg):
+        return t, None
+    return _host_buffer(t)
+
+
+@contextlib.contextmanager
+def p2p_through_host():
+    """Inside, torch.distributed's blocking send/recv and object-list send/recv take CUDA tensors through CPU copies.
+
+    torch's pipeline stages set themselves up with such calls on their own device, which gloo cannot read. The
+    functions are swapped process-wide while inside: for a process that is one rank (gloo with CUDA tensors never
+    runs with ranks as threads).
+    """
+    orig = {n: getattr(tdist, n) for n in ("send", "recv", "send_object_list", "recv_object_list")}
+    cpu = torch.device("cpu")
+
+    def send(tensor, *args, **kwargs):
+        return orig["send"](_host_copy(tensor), *args, **kwargs)
+
+    def recv(tensor, *args, **kwargs):
+        buf, finish = _host_buffer(tensor)
+        src = orig["recv"](buf, *args, **kwargs)
+        finish()
+        return src
+
+    def send_object_list(objects, *args, device=None, **kwargs):
+        return orig["send_object_list"](objects, *args, device=cpu, **kwargs)
+
+    def recv_object_list(objects, *args, device=None, **kwargs):
+        return orig["recv_object_list"](objects, *args, device=cpu, **kwargs)
+
+    swapped = {"send": send, "recv": recv, "send_object_list": send_object_list, "recv_object_list": recv_object_list}
+    for name, fn in swapped.items():
+        setattr(tdist, name, fn)
+    try:
+        yield
+    finally:
+        for name, fn in orig.items():
+            setattr(tdist, name, fn)
 
 
 def full_tensor(t):

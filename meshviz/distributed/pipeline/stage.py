@@ -9,9 +9,9 @@ import torch.distributed as tdist
 from torch.distributed.pipelining import PipelineStage
 
 from ... import trace
-from ...compat import PIPELINE_STAGE_SETUP, p2p_through_host
+from ...compat import PIPELINE_STAGE_SETUP
 from ...trace import Compute, Event, Transfer
-from ..devices import needs_host_p2p, staged_recv, staged_send
+from ..devices import needs_host_p2p, p2p_through_host, staged_recv, staged_send
 
 __all__ = ["TracedStage"]
 
@@ -41,10 +41,7 @@ class TracedStage(PipelineStage):
 
     # -- set-up: torch's stage sends a dummy tensor to each neighbour and exchanges shapes on its device -------
     def _get_init_p2p_neighbors_ops(self):
-        ops = super()._get_init_p2p_neighbors_ops()
-        if not self._via_host:
-            return ops
-        return [tdist.P2POp(op.op, op.tensor.detach().to("cpu"), op.peer, op.group, op.tag) for op in ops]
+        return self._host_staged(super()._get_init_p2p_neighbors_ops())  # the dummy received is not kept
 
     # -- transfers -----------------------------------------------------------------------------------
     def _peer(self, stage_index: int) -> int:
@@ -83,14 +80,16 @@ class TracedStage(PipelineStage):
 
     def _host_staged(self, ops, key=None):
         """gloo's send/recv read host memory: CUDA activations and gradients go through CPU copies; a received
-        one is copied into its CUDA buffer just before the block that needs it (the schedule has waited by then)."""
-        if not ops or not needs_host_p2p(ops[0].tensor, self.group):
+        one is copied into its CUDA buffer just before the block that needs it (the schedule has waited by then).
+        Without a ``key`` nothing received is copied back (the set-up's dummy tensor)."""
+        if not ops or not self._via_host:
             return ops
         out = []
         for op in ops:
             if getattr(op.op, "__name__", "") == "irecv":
                 buf, fin = staged_recv(op.tensor, self.group)
-                self._copy_back.setdefault(key, []).append(fin)
+                if key is not None:
+                    self._copy_back.setdefault(key, []).append(fin)
             else:
                 buf = staged_send(op.tensor, self.group)
             out.append(tdist.P2POp(op.op, buf, op.peer, op.group, op.tag))
