@@ -126,7 +126,7 @@ def candidate(kind: str, n: int, steps: int) -> dict:
 
     torch.set_num_threads(1)
     if kind == "meshviz":
-        from meshviz.distributed.thread_world import run
+        from meshviz.ranks.threads import run
 
         def fn():
             import meshviz.distributed as dist

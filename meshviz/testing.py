@@ -61,11 +61,11 @@ def run_ranks(func, nprocs: int, *args, timeout: float = 120.0, collective_timeo
     ``timeout`` seconds (those are killed). ``func`` must be importable (defined at module level).
 
     ``ranks="threads"`` (or ``MESHVIZ_RANKS=threads``) runs the ranks as threads of this process instead
-    (:mod:`meshviz.distributed.thread_world`); ``env`` then holds per-rank variables.
+    (:mod:`meshviz.ranks.threads`); ``env`` then holds per-rank variables.
     """
     ranks = ranks or os.environ.get("MESHVIZ_RANKS") or "processes"
     if ranks == "threads":
-        from .distributed.thread_world import run
+        from .ranks.threads import run
 
         if devices not in ("cpu", "auto"):
             raise ValueError(f"run_ranks: ranks='threads' run on the CPU; devices={devices!r} needs processes")
@@ -75,14 +75,14 @@ def run_ranks(func, nprocs: int, *args, timeout: float = 120.0, collective_timeo
         raise ValueError(f"run_ranks: ranks must be 'processes' or 'threads', got {ranks!r}")
     from .core.devices import plan_devices
     from .distributed.devices import rank_env, visible_gpu_count
-    from .distributed.rank_processes import RankProcesses
+    from .distributed.rank_processes import DEFAULT_START_METHOD, RankProcesses
 
     plan = plan_devices(nprocs, devices, visible_gpu_count(), backend, who="run_ranks")
     rank_envs = [rank_env(plan, r) for r in range(nprocs)]
     outdir = tempfile.mkdtemp(prefix="meshviz-ranks-")
     envd = {"MESHVIZ_TIMEOUT": str(collective_timeout), **(env or {})}
     procs = RankProcesses(_entry, (func, args, nprocs, outdir, envd, rank_envs), nprocs, collective_timeout,
-                          "spawn")
+                          DEFAULT_START_METHOD)
     deadline = time.monotonic() + timeout
     try:
         while not procs.done() and time.monotonic() < deadline:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Install what tests/test_browser.py needs: Debian's chromium (apt) and the playwright Python package (pip).
+# Install what tests/transport/test_browser.py needs: Debian's chromium (apt) and the playwright Python package (pip).
 # Idempotent. Never runs `playwright install`: the tests drive /usr/bin/chromium through executable_path.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -74,7 +74,7 @@ class Cluster:
     this kernel: the same ``%%px`` cells, outputs, events, views and errors, in a fraction of the memory (one
     Python with torch instead of one per rank); CPU only. One rank runs at a time, handing over only while it
     waits (a collective, a receive, ``time.sleep``), so the ranks' code and RNGs behave as in processes
-    (:mod:`meshviz.distributed.thread_world`). Otherwise engines:
+    (:mod:`meshviz.ranks.threads`). Otherwise engines:
 
     Ranks: rank r is the engine with the r-th smallest engine id. A Cluster always starts its own controller,
     so engine ids are 0..n-1 and rank == engine id (the ``[stdout:r]`` labels of ``%%px`` are ranks); after

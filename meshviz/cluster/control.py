@@ -11,6 +11,7 @@ from enum import Enum
 
 from ..errors import RankError, RankOutcome
 from ..trace.status import RankStatus, RollCall
+from .messages import FROM_RANKS, Abort, Failure, Message, PeerFailed, StatusReply, StatusRequest, Stuck, decode
 
 __all__ = ["ClusterState", "Control", "blame_rollcall"]
 
@@ -129,31 +130,32 @@ class Control:
         """Set (or with None, remove) how a message reaches every rank."""
         self._publish = publish
 
-    def publish(self, msg: dict) -> None:
+    def publish(self, msg: Message) -> None:
+        """Send ``msg`` to every rank (as its wire dict)."""
         send = self._publish
         if send is not None:
-            send(msg)
+            send(msg.to_dict())
 
-    def on_control(self, msg: dict) -> None:
-        """A message from a rank: ``failed`` (it raised; the others are told; ``aborted``: it tore its own
-        process group down, so the group is re-created before the next execution), ``stuck`` (it is still
-        running after a peer failed: abort) or ``status`` (its roll-call answer)."""
-        kind = msg.get("type")
-        if kind == "failed":
-            msg["received"] = time.time()
-            if msg.get("aborted"):
+    def on_control(self, raw: dict) -> None:
+        """A message from a rank, as its wire dict: ``failed`` (it raised; the others are told; ``aborted``: it
+        tore its own process group down, so the group is re-created before the next execution), ``stuck`` (it is
+        still running after a peer failed: abort) or ``status`` (its roll-call answer)."""
+        msg = decode(FROM_RANKS, raw)
+        if isinstance(msg, Failure):
+            msg = dataclasses.replace(msg, received=time.time())
+            if msg.aborted:
                 with self._lock:
                     self.needs_reset = True
                     self._move(S.ABORTED)
-            self.failures.append(msg)
-            self.publish({"type": "failed", "rank": msg.get("rank")})
-        elif kind == "stuck":
-            self.abort(msg.get("failed"))
-        elif kind == "status":
+            self.failures.append(msg.to_dict())
+            self.publish(PeerFailed(msg.rank))
+        elif isinstance(msg, Stuck):
+            self.abort(msg.failed)
+        elif isinstance(msg, StatusReply):
             with self._replied:
-                box = self._replies.get(msg.get("id"))
-                if box is not None and isinstance(msg.get("status"), dict):
-                    box[msg.get("rank")] = msg["status"]
+                box = self._replies.get(msg.id) if msg.id is not None else None
+                if box is not None and msg.rank is not None and isinstance(msg.status, dict):
+                    box[msg.rank] = msg.status
                     self._replied.notify_all()
 
     # -- the roll-call ------------------------------------------------------------------------------------------
@@ -162,7 +164,7 @@ class Control:
         rid = next(self._ids)
         with self._replied:
             self._replies[rid] = {}
-        self.publish({"type": "status", "id": rid, "stacks": bool(stacks)})
+        self.publish(StatusRequest(rid, bool(stacks)))
         return rid
 
     def replies(self, rid: int) -> dict[int, dict]:
@@ -206,15 +208,15 @@ class Control:
             self.abort_sent = True
             self.needs_reset = True
             self._move(S.ABORTED)  # a broken cluster stays broken
-        self.publish({"type": "abort", "origin": origin})
+        self.publish(Abort(origin))
 
     def report_dead(self, rank: int, why: str) -> None:
         """The monitor found a rank's process gone: record it as that rank's failure and stop the others."""
         if not self.mark_dead(rank, why):
             return
         now = time.time()
-        self.failures.append({"type": "failed", "rank": rank, "error": why, "time": now, "received": now})
-        self.publish({"type": "failed", "rank": rank})
+        self.failures.append(Failure(rank, error=why, time=now, received=now).to_dict())
+        self.publish(PeerFailed(rank))
         self.abort(rank)
 
     # -- the monitor --------------------------------------------------------------------------------------------

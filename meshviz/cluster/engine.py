@@ -9,6 +9,8 @@ import threading
 import time
 import traceback
 
+from .messages import TO_RANKS, Abort, Failure, PeerFailed, StatusReply, StatusRequest, Stuck, decode
+
 __all__ = ["probe", "setup", "reinit", "stream_count", "set_tracing", "guarded_call", "shutdown", "state"]
 
 GRACE = 0.25  # seconds a rank may still be running after a peer failed before it counts as stuck
@@ -36,15 +38,15 @@ def failure_report(rank: int, value: BaseException, cell: int, rec=None, aborted
     """The ``failed`` message a rank sends the cluster (engines and thread ranks alike): the error and its
     traceback, the collective it came out of (``rec``, the rank's roll-call record, when that failure is of this
     ``cell``), a collective mismatch, and whether the rank's process group was torn down because of it."""
-    msg = {"type": "failed", "rank": rank, "cell": cell, "time": time.time(), "error": _summary(value),
-           "traceback": "".join(traceback.format_exception(value))[-8000:], "aborted": bool(aborted)}
+    collective = mismatch = None
     if rec is not None:
         failed, rec.failed = rec.failed, None
         if failed is not None and failed.get("cell") == cell:
-            msg["collective"] = failed
+            collective = failed
     if type(value).__name__ == "CollectiveMismatch":
-        msg["mismatch"] = {"line": str(value), "ranks": list(getattr(value, "ranks", []))}
-    return msg
+        mismatch = {"line": str(value), "ranks": list(getattr(value, "ranks", []))}
+    return Failure(rank, cell, time.time(), _summary(value), "".join(traceback.format_exception(value))[-8000:],
+                   bool(aborted), collective, mismatch).to_dict()
 
 
 def _broke_process_group(value: BaseException) -> bool:
@@ -198,13 +200,13 @@ class _EngineState:
         self.last_failure = failure_report(self.rank, value, self.cell, self._rollcall.current(), aborts)
         self.sink.send_control(self.last_failure)
 
-    def answer_status(self, msg: dict) -> None:
+    def answer_status(self, msg: StatusRequest) -> None:
         """The roll-call: this rank's record as it is now, taken on the listening thread (the rank may be blocked)."""
         try:
-            status = self._rollcall.snapshot(stacks=bool(msg.get("stacks"))).to_dict()
+            status = self._rollcall.snapshot(stacks=bool(msg.stacks)).to_dict()
         except Exception as e:  # never leave the client waiting for a broken snapshot
             status = {"rank": self.rank, "state": "unknown", "note": f"roll-call failed: {_summary(e)}"}
-        self.sink.send_control({"type": "status", "id": msg.get("id"), "rank": self.rank, "status": status})
+        self.sink.send_control(StatusReply(msg.id, self.rank, status).to_dict())
 
     # -- commands from the client -------------------------------------------------------------------------------
     def _listen(self) -> None:
@@ -218,17 +220,16 @@ class _EngineState:
             try:
                 if not poller.poll(100):
                     continue
-                msg = json.loads(self._sub.recv(zmq.NOBLOCK))
+                msg = decode(TO_RANKS, json.loads(self._sub.recv(zmq.NOBLOCK)))
             except Exception:
                 continue
-            kind = msg.get("type")
             _debug("got", msg, "running", self.running, "cell", self.cell)
-            if kind == "status":
+            if isinstance(msg, StatusRequest):
                 self.answer_status(msg)
-            elif kind == "failed" and msg.get("rank") != self.rank and self.running:
+            elif isinstance(msg, PeerFailed) and msg.rank != self.rank and self.running:
                 cell = self.cell
-                threading.Timer(GRACE, self._check_stuck, args=(cell, msg.get("rank"))).start()
-            elif kind == "abort":
+                threading.Timer(GRACE, self._check_stuck, args=(cell, msg.rank)).start()
+            elif isinstance(msg, Abort):
                 self.abort_pending = True
                 if not self.running:
                     self._abort()
@@ -240,7 +241,7 @@ class _EngineState:
     def _check_stuck(self, cell: int, failed_rank) -> None:
         _debug("check stuck", cell, self.running, self.cell, self.failed_cell)
         if self.running and self.cell == cell and self.failed_cell != cell:
-            self.sink.send_control({"type": "stuck", "rank": self.rank, "cell": cell, "failed": failed_rank})
+            self.sink.send_control(Stuck(self.rank, cell, failed_rank).to_dict())
 
     def _abort(self) -> None:
         """Tear down every process group of this rank: peers blocked on it in a collective fail at once."""

@@ -6,112 +6,33 @@ from __future__ import annotations
 import ast
 import builtins
 import collections
-import contextlib
 import itertools
 import linecache
-import sys
 import threading
 import time
 import types
 
-from ..errors import RankError, RankOutcome
-from ..rank_context import bound, per_rank
+from ..errors import RankOutcome
+from ..rank_context import bound
 from ..trace.status import RankStatus
 from ..trace.stream import EventLog
 from .config import ClusterConfig
 from .control import Control
+from .thread_view import (
+    RankResult,
+    ThreadView,
+    _capture,
+    _Output,
+    _pull,
+    _RankDisplay,
+    _route_streams,
+    _shell,
+    _unroute_streams,
+)
 
 __all__ = ["Threads", "ThreadView", "RankResult"]
 
-_capture = per_rank(lambda: [None])  # [the _Output this rank writes to now]
 _cells = itertools.count(1)
-
-
-class _Output:
-    """What one rank printed and displayed during one execution."""
-
-    __slots__ = ("stdout", "stderr", "outputs", "execute_result", "count")
-
-    def __init__(self):
-        self.stdout: list[str] = []
-        self.stderr: list[str] = []
-        self.outputs: list[dict] = []  # display_data contents, as ipyparallel keeps them
-        self.execute_result: dict | None = None
-        self.count: int | None = None
-
-
-class _Router:
-    """Stands in for ``sys.stdout`` / ``sys.stderr``: a rank thread's writes go to its execution's output, all
-    others to the stream it replaced."""
-
-    def __init__(self, name: str, fallback):
-        self._name = name
-        self._fallback = fallback
-
-    def write(self, text) -> int:
-        out = _capture[0]
-        if out is None:
-            return self._fallback.write(text)
-        getattr(out, self._name).append(str(text))
-        return len(text)
-
-    def writelines(self, lines) -> None:
-        for line in lines:
-            self.write(line)
-
-    def flush(self) -> None:
-        if _capture[0] is None:
-            self._fallback.flush()
-
-    def isatty(self) -> bool:
-        return False
-
-    def __getattr__(self, name):
-        return getattr(self._fallback, name)
-
-
-def _route_streams() -> None:
-    """Make sure ``sys.stdout`` and ``sys.stderr`` route rank threads' writes (whatever replaced them since)."""
-    for name in ("stdout", "stderr"):
-        stream = getattr(sys, name)
-        if not isinstance(stream, _Router):
-            setattr(sys, name, _Router(name, stream))
-
-
-def _unroute_streams() -> None:
-    for name in ("stdout", "stderr"):
-        stream = getattr(sys, name)
-        if isinstance(stream, _Router):
-            setattr(sys, name, stream._fallback)
-
-
-class _RankDisplay:
-    """Stands in for the shell's display publisher: a rank thread's displays are kept with its output (shown as
-    ``[output:r]``, as with engines), everyone else's are published."""
-
-    def __init__(self, pub):
-        self._pub = pub
-
-    def publish(self, data, metadata=None, *args, **kwargs):
-        out = _capture[0]
-        if out is None:
-            return self._pub.publish(data, metadata, *args, **kwargs)
-        out.outputs.append({"data": data, "metadata": metadata or {}})
-
-    def clear_output(self, *args, **kwargs):
-        if _capture[0] is None:
-            return self._pub.clear_output(*args, **kwargs)
-
-    def __getattr__(self, name):
-        return getattr(self._pub, name)
-
-
-def _shell():
-    try:
-        from IPython import get_ipython
-    except ImportError:
-        return None
-    return get_ipython()
 
 
 # -- running a cell on a rank -----------------------------------------------------------------------------------
@@ -155,307 +76,13 @@ def _interactive(func, ns: dict):
     return func
 
 
-def _pull(ns: dict, names):
-    if isinstance(names, str):
-        return eval(names, ns)
-    return [eval(n, ns) for n in names]
-
-
-def _push(ns: dict, values: dict) -> None:
-    ns.update(values)
-
-
-class _RankOut:
-    """A rank's cell result, shown as ``Out[rank:count]: ...`` (ipyparallel's form)."""
-
-    def __init__(self, rank: int, result: dict):
-        self.rank = rank
-        self.count = result.get("count")
-        self.data = result["data"]
-        self.metadata = result.get("metadata") or {}
-
-    def _plaintext(self) -> str:
-        text = self.data.get("text/plain", "")
-        if "\n" in text and not text.startswith("\n"):
-            text = "\n" + text
-        return f"Out[{self.rank}:{self.count}]: {text}"
-
-    def _repr_mimebundle_(self, *args, **kwargs):
-        data = dict(self.data)
-        data["text/plain"] = self._plaintext()
-        return data, self.metadata
-
-    def _repr_pretty_(self, p, cycle):
-        p.text(self._plaintext())
-
-    def __repr__(self) -> str:
-        return self._plaintext()
-
-
-class RankResult:
-    """What a thread cluster's ``execute`` / ``apply`` returns, with ipyparallel AsyncResult's surface: ``get``,
-    ``wait``, ``ready``, ``done``, ``stdout``/``stderr`` (in rank order), ``display_outputs``, ``stream_output``."""
-
-    def __init__(self, job, ranks: list[int], outputs: dict, single: bool, kind: str):
-        self._job = job
-        self.ranks = ranks
-        self._outs = outputs
-        self._single = single
-        self.kind = kind
-        self._fname = kind
-        self._streaming = False
-        self._shown: dict = {}
-        self._last_prefix = ""
-        self._trailing_newline = True
-
-    # -- waiting ---------------------------------------------------------------------------------------------
-    def wait(self, timeout: float | None = None) -> bool:
-        done = self._job.wait(timeout)
-        if self._streaming:
-            self._stream()
-        return done
-
-    def ready(self) -> bool:
-        return self._job.done()
-
-    done = ready
-
-    def wait_for_output(self, timeout=None) -> bool:
-        return True
-
-    def wait_interactive(self, *args, **kwargs) -> None:
-        self.wait()
-
-    def successful(self) -> bool:
-        return self.ready() and all(o.status == "ok" for o in self._job.outcomes())
-
-    def get(self, timeout: float | None = None):
-        if not self._job.wait(timeout):
-            from ipyparallel import error
-
-            raise error.TimeoutError("Result not ready.")
-        outcomes = self._job.outcomes()
-        bad = [o.rank for o in outcomes if o.status != "ok"]
-        if bad:
-            raise RankError(outcomes, bad[:1])
-        values = [o.value for o in outcomes]
-        return values[0] if self._single else values
-
-    # -- output ----------------------------------------------------------------------------------------------
-    def _per_rank(self, field: str):
-        vals = ["".join(getattr(self._outs[r], field)) for r in self.ranks]
-        return vals[0] if self._single else vals
-
-    @property
-    def stdout(self):
-        return self._per_rank("stdout")
-
-    @property
-    def stderr(self):
-        return self._per_rank("stderr")
-
-    @property
-    def outputs(self):
-        vals = [list(self._outs[r].outputs) for r in self.ranks]
-        return vals[0] if self._single else vals
-
-    @property
-    def execute_result(self):
-        vals = [self._outs[r].execute_result for r in self.ranks]
-        return vals[0] if self._single else vals
-
-    def _display_stream(self, text: str, prefix: str = "", file=None) -> None:
-        """Print a stream as ipyparallel does: a prefix line each time the rank changes."""
-        if not text:
-            return
-        file = file or sys.stdout
-        if prefix:
-            if prefix == self._last_prefix:
-                prefix = ""
-            else:
-                self._last_prefix = prefix
-        pre = "\n" if prefix and not self._trailing_newline else ""
-        sep = "\n" if prefix else ""
-        self._trailing_newline = text.endswith("\n")
-        print(f"{pre}{prefix}{sep}{text}", file=file, end="")
-
-    def display_outputs(self, groupby: str = "type", result_only: bool = False) -> None:
-        """Show what the ranks printed and displayed, and their results, as ipyparallel does for engines."""
-        from IPython.display import display, display_pretty
-
-        shell = _shell()
-        if self._single:
-            r = self.ranks[0]
-            if not result_only:
-                self._display_stream("".join(self._outs[r].stdout))
-                self._display_stream("".join(self._outs[r].stderr), file=sys.stderr)
-                if shell is not None:
-                    for o in self._outs[r].outputs:
-                        shell.display_pub.publish(data=o["data"], metadata=o["metadata"])
-            if shell is not None and self._outs[r].execute_result is not None:
-                display(_RankOut(r, self._outs[r].execute_result))
-            return
-        if groupby not in ("type", "order", "engine"):
-            raise ValueError(f"groupby must be one of 'type', 'engine', 'order', not {groupby!r}")
-        if groupby == "engine":
-            for r in self.ranks:
-                out = self._outs[r]
-                if not result_only:
-                    self._display_stream("".join(out.stdout), f"[stdout:{r}] ")
-                    self._display_stream("".join(out.stderr), f"[stderr:{r}] ", file=sys.stderr)
-                if shell is None:
-                    continue
-                if (out.outputs and not result_only) or out.execute_result is not None:
-                    display_pretty(f"[output:{r}]", raw=True)
-                if not result_only:
-                    for o in out.outputs:
-                        shell.display_pub.publish(data=o["data"], metadata=o["metadata"])
-                if out.execute_result is not None:
-                    display(_RankOut(r, out.execute_result))
-            return
-        if not result_only:
-            for r in self.ranks:
-                self._display_stream("".join(self._outs[r].stdout), f"[stdout:{r}] ")
-            for r in self.ranks:
-                self._display_stream("".join(self._outs[r].stderr), f"[stderr:{r}] ", file=sys.stderr)
-        if shell is None:
-            return
-        if not result_only:
-            for r in self.ranks:
-                outs = self._outs[r].outputs
-                if outs:
-                    display_pretty(f"[output:{r}]", raw=True)
-                for o in outs:
-                    shell.display_pub.publish(data=o["data"], metadata=o["metadata"])
-        for r in self.ranks:
-            if self._outs[r].execute_result is not None:
-                display(_RankOut(r, self._outs[r].execute_result))
-
-    @contextlib.contextmanager
-    def stream_output(self):
-        """Show each rank's output while the cell runs (on the waiting thread), as ipyparallel streams it."""
-        self._streaming = True
-        try:
-            yield
-        finally:
-            self._stream()
-            self._streaming = False
-
-    def _stream(self) -> None:
-        shell = _shell()
-        in_kernel = shell is not None and getattr(shell, "kernel", None) is not None
-        for r in self.ranks:
-            out = self._outs[r]
-            for name in ("stdout", "stderr"):
-                chunks = getattr(out, name)
-                seen = self._shown.get((r, name), 0)
-                if len(chunks) == seen:
-                    continue
-                self._shown[(r, name)] = len(chunks)
-                if in_kernel:
-                    from IPython.display import publish_display_data
-
-                    publish_display_data({"text/plain": f"[{name}:{r}] " + "".join(chunks)},
-                                         transient={"display_id": f"{id(self)}-{name}-{r}"}, update=seen > 0)
-                else:
-                    self._display_stream("".join(chunks[seen:]), f"[{name}:{r}] ",
-                                         file=sys.stderr if name == "stderr" else None)
-
-    def __repr__(self) -> str:
-        state = "pending" if not self.ready() else ("finished" if self.successful() else "failed")
-        return f"<RankResult({self._fname}): {state}>"
-
-
-# -- the view --------------------------------------------------------------------------------------------------
-
-class _Client:
-    """The little of ipyparallel's Client that ``%px`` reaches for."""
-
-    def __init__(self, backend: "Threads"):
-        self._backend = backend
-
-    @property
-    def ids(self) -> list[int]:
-        return list(self._backend.ranks)
-
-    def send_signal(self, sig=None, targets=None, block=None) -> None:
-        self._backend.interrupt()
-
-    @property
-    def outstanding(self) -> set:
-        return {0} if self._backend.busy() else set()
-
-
-class ThreadView:
-    """The ranks as ipyparallel's DirectView shows engines: ``execute``, ``apply_sync``/``apply_async``, ``pull``,
-    ``push``, ``targets``, ``block`` (what ``%px`` and notebooks use)."""
-
-    def __init__(self, backend: "Threads", targets=None):
-        self._backend = backend
-        self.targets = list(backend.ranks) if targets is None else targets
-        self.block = True
-        self.client = _Client(backend)
-
-    def _ranks(self, targets=None) -> tuple[list[int], bool]:
-        t = self.targets if targets is None else targets
-        if t == "all" or t is None:
-            return list(self._backend.ranks), False
-        if isinstance(t, int):
-            return [t], True
-        return [int(r) for r in t], False
-
-    def execute(self, code: str, silent: bool = False, targets=None, block=None):
-        ranks, single = self._ranks(targets)
-        ar = self._backend.run_code(code, ranks, single)
-        if self.block if block is None else block:
-            ar.get()
-        return ar
-
-    def apply_async(self, f, *args, **kwargs):
-        ranks, single = self._ranks()
-        return self._backend.run_call(f, *args, _ranks=ranks, _single=single, **kwargs)
-
-    def apply_sync(self, f, *args, **kwargs):
-        return self.apply_async(f, *args, **kwargs).get()
-
-    def apply(self, f, *args, **kwargs):
-        ar = self.apply_async(f, *args, **kwargs)
-        return ar.get() if self.block else ar
-
-    def pull(self, names, targets=None, block=None):
-        """Each rank's value of ``names`` (a name or expression, or a sequence of them), evaluated on the rank as
-        ipyparallel evaluates them on an engine (an expression may communicate: every rank evaluates it)."""
-        ranks, single = self._ranks(targets)
-        ar = self._backend.run_eval(names, ranks, single)
-        return ar.get() if (self.block if block is None else block) else ar
-
-    def push(self, ns: dict, targets=None, block=None):
-        ranks, single = self._ranks(targets)
-        ar = self._backend.run_call(_push, dict(ns), _ranks=ranks, _single=single, _namespace=True)
-        return ar.get() if (self.block if block is None else block) else ar
-
-    def __getitem__(self, key):
-        if isinstance(key, str):
-            return self.pull(key)
-        return ThreadView(self._backend, targets=key)
-
-    def __setitem__(self, key: str, value) -> None:
-        self.push({key: value})
-
-    def __len__(self) -> int:
-        return len(self._ranks()[0])
-
-    def __repr__(self) -> str:
-        return f"<ThreadView {self.targets}>"
-
-
 # -- the backend -----------------------------------------------------------------------------------------------
 
 class Threads:
     """The Cluster's rank backend with every rank a thread of this process (``Cluster(ranks="threads")``).
 
     Each rank has its own namespace (as an engine has), its own process group (backend ``"threads"``, see
-    :mod:`meshviz.distributed.thread_world`) and its own trace sinks; its events reach ``cluster.events`` on a
+    :mod:`meshviz.ranks.threads`) and its own trace sinks; its events reach ``cluster.events`` on a
     background thread (JSON round trip, as from an engine), its failures the cluster's control.
     """
 
@@ -492,7 +119,7 @@ class Threads:
 
     # -- start and stop -----------------------------------------------------------------------------------------
     def start(self) -> None:
-        from ..distributed.thread_world import BACKEND, ThreadWorld, internal_frames
+        from ..ranks.threads import BACKEND, ThreadWorld, internal_frames
 
         internal_frames(__file__)
 
@@ -630,7 +257,7 @@ class Threads:
         """Tell the control this rank failed, as an engine does: the error, the collective it came out of (its
         roll-call record), a mismatch, and whether the group's meetings were left torn (re-made before the next
         cell). A rank stopped for a peer says nothing: the peer's report names the cause."""
-        from ..distributed.thread_world import RankStopped
+        from ..ranks.threads import RankStopped
         from .engine import failure_report
 
         own_wait = isinstance(e, RankStopped) and e.own  # its own collective timed out, or a deadlock

@@ -47,6 +47,11 @@ class ProcessMesh:
     """
 
     __slots__ = ("_ids", "_dim_names", "_index", "_hash", "_unique_id")
+    _ids: np.ndarray
+    _dim_names: tuple[str, ...]
+    _index: dict[int, tuple[int, ...]] | None
+    _hash: int | None
+    _unique_id: int
 
     def __init__(self, mesh=None, dim_names: Sequence[str] | None = None, shape=None, process_ids=None):
         if mesh is None:
@@ -193,7 +198,7 @@ class ProcessMesh:
         coord = self.coordinate(rank)
         if coord is None:
             return None
-        idx = list(coord)
+        idx: list[int | slice] = list(coord)
         idx[ax] = slice(None)
         return ProcessMesh(self._ids[tuple(idx)], [self._dim_names[ax]])
 
@@ -222,12 +227,12 @@ class ProcessMesh:
         if coord is None:
             return None
         ax = self.axis(axis)
-        idx = list(coord)
+        idx: list[int | slice] = list(coord)
         idx[ax] = slice(None)
         return tuple(self._ids[tuple(idx)].tolist())
 
     # -- indexing, equality -----------------------------------------------------------------------
-    def __getitem__(self, index) -> "ProcessMesh":
+    def __getitem__(self, index) -> "ProcessMesh | None":
         if isinstance(index, str):  # Paddle: mesh["x"] is the calling rank's 1-D sub-mesh along x
             return self.get_submesh_with_dim(index)
         if not isinstance(index, tuple):

@@ -52,7 +52,7 @@ def partial_fill(placements: Sequence[Placement], coord, axis: int | None = None
         if coord[axis] == 0 or p.reduce_type not in _FILLED:
             return "value"
         axes = [axis] + [j for j in partial_axes(placements) if j > axis]
-    fills = {_FILLED.get(placements[j].reduce_type) for j in axes if coord[j] != 0}
+    fills = {_FILLED.get(p.reduce_type) for j in axes if coord[j] != 0 and isinstance(p := placements[j], Partial)}
     if "zero" in fills:
         return "zero"
     return "one" if "one" in fills else "value"

@@ -10,7 +10,7 @@ import torch.distributed as tdist
 from .. import trace
 from ..core.placements import ReduceType
 from . import comm, groups
-from .comm import Task, check_peer, local, reduction, run, tensor_bytes
+from .comm import Call, CollectiveOp, Task, check_peer, local, reduction, run, tensor_bytes
 from .devices import staged_recv, staged_send
 from .env import init_parallel_env
 from .groups import Group
@@ -108,8 +108,9 @@ def all_reduce(tensor, op=ReduceOp.SUM, group=None, sync_op=True):
     t = local(tensor)
     g = groups.resolve(group)
     top, finish = reduction(rt, g)
-    return run("all_reduce", g, lambda g: tdist.all_reduce(t, op=top, group=g.process_group, async_op=True),
-               tensors=(t,), sync_op=sync_op, then=finish and (lambda: finish(t)), reduce_op=rt.short)
+    return run(Call(CollectiveOp.ALL_REDUCE, g,
+                    lambda g: tdist.all_reduce(t, op=top, group=g.process_group, async_op=True),
+                    tensors=(t,), sync_op=sync_op, then=finish and (lambda: finish(t)), reduce_op=rt.short))
 
 
 def reduce(tensor, dst=0, op=ReduceOp.SUM, group=None, sync_op=True):
@@ -124,15 +125,16 @@ def reduce(tensor, dst=0, op=ReduceOp.SUM, group=None, sync_op=True):
         buf = t if mine else t.clone()  # gloo's reduce scribbles on non-destination inputs
         return tdist.reduce(buf, dst, op=top, group=g.process_group, async_op=True)
 
-    return run("reduce", g, start, tensors=(t,), peers={"dst": dst}, sync_op=sync_op,
-               then=(lambda: finish(t)) if finish and mine else None, reduce_op=rt.short, dst=dst)
+    return run(Call(CollectiveOp.REDUCE, g, start, tensors=(t,), peers={"dst": dst}, sync_op=sync_op,
+                    then=(lambda: finish(t)) if finish and mine else None, reduce_op=rt.short, dst=dst))
 
 
 def broadcast(tensor, src, group=None, sync_op=True):
     """Copy global rank ``src``'s ``tensor`` into every member's ``tensor``."""
     t = local(tensor)
-    return run("broadcast", group, lambda g: tdist.broadcast(t, src, group=g.process_group, async_op=True),
-               tensors=(t,), peers={"src": src}, sync_op=sync_op, src=src)
+    return run(Call(CollectiveOp.BROADCAST, group,
+                    lambda g: tdist.broadcast(t, src, group=g.process_group, async_op=True),
+                    tensors=(t,), peers={"src": src}, sync_op=sync_op, src=src))
 
 
 def all_gather(tensor_list, tensor, group=None, sync_op=True):
@@ -150,7 +152,8 @@ def all_gather(tensor_list, tensor, group=None, sync_op=True):
         return tdist.all_gather([local(o) for o in tensor_list], t.contiguous(), group=g.process_group,
                                 async_op=True)
 
-    return run("all_gather", g, start, tensors=(t,), nbytes=tensor_bytes(t) * g.nranks, sync_op=sync_op)
+    return run(Call(CollectiveOp.ALL_GATHER, g, start, tensors=(t,), nbytes=tensor_bytes(t) * g.nranks,
+                    sync_op=sync_op))
 
 
 def all_gather_object(object_list, obj, group=None):
@@ -159,7 +162,8 @@ def all_gather_object(object_list, obj, group=None):
     if not isinstance(object_list, list):
         raise TypeError("all_gather_object: object_list must be a list")
     out = [None] * g.nranks
-    run("all_gather_object", g, lambda g: tdist.all_gather_object(out, obj, group=g.process_group), nbytes=0)
+    run(Call(CollectiveOp.ALL_GATHER_OBJECT, g, lambda g: tdist.all_gather_object(out, obj, group=g.process_group),
+             nbytes=0))
     if g.is_member():
         object_list.extend(out)
     return None
@@ -167,9 +171,9 @@ def all_gather_object(object_list, obj, group=None):
 
 def broadcast_object_list(object_list, src=0, group=None):
     """Replace ``object_list``'s items with global rank ``src``'s."""
-    run("broadcast_object_list", group,
-        lambda g: tdist.broadcast_object_list(object_list, src=src, group=g.process_group),
-        nbytes=0, peers={"src": src}, src=src)
+    run(Call(CollectiveOp.BROADCAST_OBJECT_LIST, group,
+             lambda g: tdist.broadcast_object_list(object_list, src=src, group=g.process_group),
+             nbytes=0, peers={"src": src}, src=src))
     return None
 
 
@@ -184,9 +188,10 @@ def scatter(tensor, tensor_list=None, src=0, group=None, sync_op=True):
             n = None if tensor_list is None else len(tensor_list)
             raise ValueError(f"scatter: src rank needs a tensor_list of {g.nranks} tensors, got {n}")
         lst = [local(x).contiguous() for x in tensor_list]
-    return run("scatter", g, lambda g: tdist.scatter(t, lst, src=src, group=g.process_group, async_op=True),
-               tensors=(t,), nbytes=tensor_bytes(t) * (g.nranks if mine else 1), peers={"src": src},
-               sync_op=sync_op, src=src)
+    return run(Call(CollectiveOp.SCATTER, g,
+                    lambda g: tdist.scatter(t, lst, src=src, group=g.process_group, async_op=True),
+                    tensors=(t,), nbytes=tensor_bytes(t) * (g.nranks if mine else 1), peers={"src": src},
+                    sync_op=sync_op, src=src))
 
 
 def scatter_object_list(out_object_list, in_object_list=None, src=0, group=None):
@@ -204,7 +209,7 @@ def scatter_object_list(out_object_list, in_object_list=None, src=0, group=None)
         ins = list(in_object_list) if tdist.get_rank() == src else None
         tdist.scatter_object_list(out, ins, src=src, group=g.process_group)
 
-    run("scatter_object_list", g, start, nbytes=0, peers={"src": src}, src=src)
+    run(Call(CollectiveOp.SCATTER_OBJECT_LIST, g, start, nbytes=0, peers={"src": src}, src=src))
     if g.is_member():
         out_object_list.clear()
         out_object_list.append(out[0])
@@ -224,9 +229,9 @@ def gather(tensor, gather_list=None, dst=0, group=None, sync_op=True):
         if len(gather_list) != g.nranks:
             raise ValueError(f"gather: gather_list has {len(gather_list)} tensors for a group of {g.nranks}")
         lst = [local(x) for x in gather_list]
-    return run("gather", g,
-               lambda g: tdist.gather(t.contiguous(), lst, dst=dst, group=g.process_group, async_op=True),
-               tensors=(t,), peers={"dst": dst}, sync_op=sync_op, dst=dst)
+    return run(Call(CollectiveOp.GATHER, g,
+                    lambda g: tdist.gather(t.contiguous(), lst, dst=dst, group=g.process_group, async_op=True),
+                    tensors=(t,), peers={"dst": dst}, sync_op=sync_op, dst=dst))
 
 
 def reduce_scatter(tensor, tensor_list, op=ReduceOp.SUM, group=None, sync_op=True):
@@ -239,9 +244,9 @@ def reduce_scatter(tensor, tensor_list, op=ReduceOp.SUM, group=None, sync_op=Tru
         raise ValueError(f"reduce_scatter: tensor_list needs {g.nranks} tensors, got {n}")
     ins = [local(x).contiguous() for x in tensor_list]
     top, finish = reduction(rt, g)
-    return run("reduce_scatter", g,
-               lambda g: tdist.reduce_scatter(t, ins, op=top, group=g.process_group, async_op=True),
-               tensors=ins, sync_op=sync_op, then=finish and (lambda: finish(t)), reduce_op=rt.short)
+    return run(Call(CollectiveOp.REDUCE_SCATTER, g,
+                    lambda g: tdist.reduce_scatter(t, ins, op=top, group=g.process_group, async_op=True),
+                    tensors=ins, sync_op=sync_op, then=finish and (lambda: finish(t)), reduce_op=rt.short))
 
 
 def alltoall(in_tensor_list, out_tensor_list, group=None, sync_op=True):
@@ -264,7 +269,7 @@ def alltoall(in_tensor_list, out_tensor_list, group=None, sync_op=True):
         done.append(unpack)
         return work
 
-    return run("alltoall", g, start, tensors=ins, sync_op=sync_op, then=lambda: done[0]())
+    return run(Call(CollectiveOp.ALLTOALL, g, start, tensors=ins, sync_op=sync_op, then=lambda: done[0]()))
 
 
 def alltoall_single(in_tensor, out_tensor, in_split_sizes=None, out_split_sizes=None, group=None,
@@ -281,10 +286,10 @@ def alltoall_single(in_tensor, out_tensor, in_split_sizes=None, out_split_sizes=
         elif t.shape[0] % g.nranks:
             raise ValueError(f"alltoall_single: dim 0 ({t.shape[0]}) is not divisible by the group size "
                              f"{g.nranks}; pass {name}")
-    return run("alltoall_single", g, lambda g: tdist.all_to_all_single(
+    return run(Call(CollectiveOp.ALLTOALL_SINGLE, g, lambda g: tdist.all_to_all_single(
         t_out, t_in.contiguous(), None if out_split_sizes is None else list(out_split_sizes),
         None if in_split_sizes is None else list(in_split_sizes), group=g.process_group, async_op=True),
-        tensors=(t_in,), sync_op=sync_op)
+        tensors=(t_in,), sync_op=sync_op))
 
 
 # -- point to point -----------------------------------------------------------------------------
@@ -292,9 +297,9 @@ def alltoall_single(in_tensor, out_tensor, in_split_sizes=None, out_split_sizes=
 def send(tensor, dst=0, group=None, sync_op=True):
     """Send ``tensor`` to global rank ``dst`` (a CUDA tensor over gloo goes through a CPU copy)."""
     t = local(tensor)
-    return run("send", group, lambda g: tdist.isend(staged_send(t.contiguous(), g.process_group), dst,
+    return run(Call(CollectiveOp.SEND, group, lambda g: tdist.isend(staged_send(t.contiguous(), g.process_group), dst,
                                                     group=g.process_group),
-               tensors=(t,), peers={"dst": dst}, sync_op=sync_op, kind="send", peer=dst)
+                    tensors=(t,), peers={"dst": dst}, sync_op=sync_op, peer=dst))
 
 
 def recv(tensor, src=0, group=None, sync_op=True):
@@ -308,8 +313,8 @@ def recv(tensor, src=0, group=None, sync_op=True):
             copy_back.append(fin)
         return tdist.irecv(buf, src, group=g.process_group)
 
-    return run("recv", group, start, tensors=(t,), peers={"src": src}, sync_op=sync_op, kind="recv", peer=src,
-               then=lambda: [fin() for fin in copy_back])
+    return run(Call(CollectiveOp.RECV, group, start, tensors=(t,), peers={"src": src}, sync_op=sync_op, peer=src,
+                    then=lambda: [fin() for fin in copy_back]))
 
 
 def isend(tensor, dst, group=None):
@@ -353,7 +358,7 @@ def batch_isend_irecv(p2p_op_list):
         for p, t, g in ops:
             kind = "send" if p.is_send else "recv"
             trace.emit(trace.Event(kind=kind, op=kind, group=list(g.ranks), peer=p.peer, bytes=tensor_bytes(t),
-                                   payload=trace.Collective(batched=True)))
+                                   payload=(trace.Send if kind == "send" else trace.Recv)(batched=True)))
     works, staged = [], []
     for p, t, g in ops:  # over gloo, CUDA tensors go through CPU copies
         if p.is_send:
@@ -361,15 +366,15 @@ def batch_isend_irecv(p2p_op_list):
         else:
             buf, fin = staged_recv(t, g.process_group)
             staged.append((tdist.irecv, buf, fin))
-    run("batch_isend_irecv", groups.world_group(), lambda _: works.extend(tdist.batch_isend_irecv(
-        [tdist.P2POp(fn, buf, p.peer, group=g.process_group) for (fn, buf, _), (p, _, g) in zip(staged, ops)])),
-        tensors=[t for _, t, _ in ops], kind=None)
+    run(Call(CollectiveOp.BATCH_ISEND_IRECV, groups.world_group(), lambda _: works.extend(tdist.batch_isend_irecv(
+             [tdist.P2POp(fn, buf, p.peer, group=g.process_group) for (fn, buf, _), (p, _, g) in zip(staged, ops)])),
+             tensors=[t for _, t, _ in ops], traced=False))
     return [Task([w], then=fin) for w, (_, _, fin) in zip(works, staged)]
 
 
 def barrier(group=None):
     """Block until every member of ``group`` (default: the world) gets here; a non-member returns at once."""
-    run("barrier", group, lambda g: tdist.barrier(group=g.process_group), nbytes=0)
+    run(Call(CollectiveOp.BARRIER, group, lambda g: tdist.barrier(group=g.process_group), nbytes=0))
     return None
 
 

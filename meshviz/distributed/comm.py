@@ -3,6 +3,11 @@ through."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
 import torch
 import torch.distributed as tdist
 
@@ -13,7 +18,8 @@ from .groups import Group, resolve
 from .match import CollectiveMismatch, check_match, checking
 
 __all__ = ["torch_reduce_op", "dtensor_reduce_op", "from_dtensor_reduce_op", "reduction", "divide_", "Task",
-           "run", "check_peer", "local", "tensor_bytes", "all_to_all_flat", "all_reduce_mean_", "FUSE_BYTES"]
+           "CollectiveOp", "Call", "Check", "membership", "on_devices", "matching", "CHECKS", "INSIDE", "run",
+           "check_peer", "local", "tensor_bytes", "all_to_all_flat", "all_reduce_mean_", "FUSE_BYTES"]
 
 # -- reduce ops ------------------------------------------------------------------------------------------------
 
@@ -156,56 +162,150 @@ def check_peer(what: str, rank, ranks) -> int:
     return rank
 
 
-def run(op: str, group, start, *, tensors=(), nbytes: int | None = None, peers: dict | None = None,
-        sync_op: bool = True, then=None, kind: str | None = "collective", peer: int | None = None,
-        name: str | None = None, reduce_op: str | None = None, src: int | None = None, dst: int | None = None,
-        bucket: int | None = None) -> Task:
-    """Issue one collective: resolve ``group``, check ``peers``, skip non-members, trace, start, finish.
+class CollectiveOp(str, Enum):
+    """A collective (or point-to-point) operation ``run`` issues; equal to (and printed as) its name, e.g.
+    ``"all_reduce"``."""
+
+    ALL_REDUCE = "all_reduce"
+    REDUCE = "reduce"
+    BROADCAST = "broadcast"
+    ALL_GATHER = "all_gather"
+    ALL_GATHER_OBJECT = "all_gather_object"
+    BROADCAST_OBJECT_LIST = "broadcast_object_list"
+    SCATTER = "scatter"
+    SCATTER_OBJECT_LIST = "scatter_object_list"
+    GATHER = "gather"
+    REDUCE_SCATTER = "reduce_scatter"
+    ALLTOALL = "alltoall"
+    ALLTOALL_SINGLE = "alltoall_single"
+    ALL_TO_ALL = "all_to_all"
+    BARRIER = "barrier"
+    SEND = "send"
+    RECV = "recv"
+    SEND_RECV = "send_recv"
+    BATCH_ISEND_IRECV = "batch_isend_irecv"
+
+    __str__ = str.__str__
+    __format__ = str.__format__
+
+
+_P2P = frozenset({CollectiveOp.SEND, CollectiveOp.RECV, CollectiveOp.SEND_RECV, CollectiveOp.BATCH_ISEND_IRECV})
+_KIND = {CollectiveOp.SEND: "send", CollectiveOp.RECV: "recv"}  # the trace event's kind; "collective" for the rest
+
+
+@dataclass(frozen=True)
+class Call:
+    """One collective to issue: ``op`` on ``group`` (whatever :func:`groups.resolve` reads) with ``tensors``
+    (``nbytes`` in all, their sum by default). ``start(g)`` starts the torch call(s) on the resolved Group and
+    returns their work handle(s), or None when it blocked until done; ``then()`` runs once the works are done (at
+    once when ``sync_op``, else in ``Task.wait``). ``peers``: ``{"src": rank, ...}``, global ranks that must be in
+    the group. ``traced``: False when the caller traces the step itself; else the event (kind "send"/"recv" for
+    those ops, "collective" for the rest) has ``peer`` and ``name``, and ``reduce_op``, ``src``, ``dst`` and
+    ``bucket`` go into its payload."""
+
+    op: CollectiveOp
+    group: Any
+    start: Callable[[Group], Any]
+    tensors: Sequence = ()
+    nbytes: int | None = None
+    peers: Mapping[str, int] | None = None
+    sync_op: bool = True
+    then: Callable[[], Any] | None = None
+    traced: bool = True
+    peer: int | None = None
+    name: str | None = None
+    reduce_op: str | None = None
+    src: int | None = None
+    dst: int | None = None
+    bucket: int | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "op", CollectiveOp(self.op))  # a name ("all_reduce") reads as its op
+
+    @property
+    def kind(self) -> str:
+        return _KIND.get(self.op, "collective")
+
+    def payload(self, seq: int | None, where: str | None, module: str | None, backward: bool) -> trace.Payload:
+        issued = dict(seq=seq, where=where, module=module, backward=backward)
+        if self.op is CollectiveOp.SEND:
+            return trace.Send(src=self.src, dst=self.dst, **issued)
+        if self.op is CollectiveOp.RECV:
+            return trace.Recv(src=self.src, dst=self.dst, **issued)
+        return trace.Collective(reduce_op=self.reduce_op, src=self.src, dst=self.dst, bucket=self.bucket, **issued)
+
+
+# -- the checks: each ``check(call, g, seq) -> bool`` raises on a bad call, or returns False when this rank takes
+# no part; ``seq`` is the rank's number of this collective on the group once it shows as inside it, else None.
+
+Check = Callable[[Call, Group, "int | None"], bool]
+
+
+def membership(call: Call, g: Group, seq: int | None) -> bool:
+    """Every peer is a global rank of the group (ValueError on members and non-members alike, before any
+    communication); a non-member takes no part."""
+    for what, r in (call.peers or {}).items():
+        check_peer(what, r, g.ranks)
+    return g.rank >= 0
+
+
+def on_devices(call: Call, g: Group, seq: int | None) -> bool:
+    """The tensors are where the group's backend needs them (ValueError naming the fix, before any communication)."""
+    if call.tensors:
+        devices.check(call.op.value, g, call.tensors)
+    return True
+
+
+def matching(call: Call, g: Group, seq: int | None) -> bool:
+    """With :func:`match.checking` on, the members compare what they are about to run (CollectiveMismatch on every
+    member when they differ)."""
+    if checking() and call.op not in _P2P and g.nranks > 1:
+        check_match(g, call.op.value, seq, call.tensors, call.src if call.src is not None else call.dst)
+    return True
+
+
+CHECKS: tuple[Check, ...] = (membership, on_devices, matching)
+INSIDE = frozenset({matching})  # from the first of these on, the rank shows as inside the collective (they may block)
+
+
+def run(call: Call, checks: Sequence[Check] = CHECKS) -> Task:
+    """Issue one collective: resolve its group, apply ``checks`` in order, trace, start, finish.
 
     Every collective meshviz issues passes through here (the wrappers of ``dist.*``, reshard steps,
-    DataParallel, the gradient mean, clipping), so what a rank is doing — ``op`` on the group's ranks, with
-    ``tensors`` (``nbytes`` in all, their sum by default) — is known in one place: the rank's roll-call record
-    (:mod:`~meshviz.distributed.rollcall`) says so while the call runs, and with :func:`match.checking` on,
-    the members first compare what they are about to run (:func:`match.check_match`).
-
-    ``tensors`` must be where the group's backend needs them (NCCL: on the GPU; strict device mode: on this
-    rank's device), else ValueError before any communication. ``group``: whatever :func:`groups.resolve` reads.
-    ``peers``: ``{"src": rank, ...}``, global ranks that must be in the group (ValueError before any communication,
-    on members and non-members alike). A non-member gets a finished Task and ``start`` is not called. ``start(g)``
-    starts the torch call(s) on the resolved Group and returns their work handle(s), or None when it blocked until
-    done. ``then()`` runs once the works are done (at once when ``sync_op``, else in ``Task.wait``). ``kind``: the
-    trace event's kind ("collective", "send", "recv"), or None when the caller traces the step itself;
-    ``reduce_op``, ``src``, ``dst`` and ``bucket`` go into the event's :class:`~meshviz.trace.Collective` payload.
+    DataParallel, the gradient mean, clipping), so what a rank is doing — ``call.op`` on the group's ranks, with
+    its tensors — is known in one place: the rank's roll-call record (:mod:`~meshviz.distributed.rollcall`) says
+    so while the call runs (and while the checks of ``INSIDE`` run). A rank a check leaves out (a non-member) gets
+    a finished Task and ``call.start`` is not called.
     """
-    g = group if type(group) is Group else resolve(group)
-    if peers:
-        for what, r in peers.items():
-            check_peer(what, r, g.ranks)
-    if g.rank < 0:
-        return Task(done=True)
-    if tensors:
-        devices.check(op, g, tensors)  # ValueError naming the fix, before any communication
+    g = call.group if type(call.group) is Group else resolve(call.group)
+    op = call.op.value
+    first_inside = next((i for i, c in enumerate(checks) if c in INSIDE), len(checks))
+    for check in checks[:first_inside]:
+        if not check(call, g, None):
+            return Task(done=True)
     rec = rollcall.current()
-    prev = rec.enter(op, g.key, tensors, nbytes)
+    prev = rec.enter(op, g.key, call.tensors, call.nbytes)
     task = None
     try:
-        if checking() and op not in _P2P and g.nranks > 1:
-            check_match(g, op, rec.seq, tensors, src if src is not None else dst)
-        call = (op, g.key, rec.seq, tensors)
-        if kind is None or not trace.active():
-            task = _finish(start(g), sync_op, then, call)
+        for check in checks[first_inside:]:
+            if not check(call, g, rec.seq):
+                task = Task(done=True)
+                return task
+        key = (op, g.key, rec.seq, call.tensors)
+        if not call.traced or not trace.active():
+            task = _finish(call.start(g), call.sync_op, call.then, key)
             return task
-        fields = {"op": op, "group": list(g.ranks),
-                  "bytes": int(tensor_bytes(*tensors) if nbytes is None else nbytes)}
-        if peer is not None:
-            fields["peer"] = peer
-        if name is not None:
-            fields["name"] = name
+        fields: dict[str, Any] = {
+            "op": op, "group": list(g.ranks),
+            "bytes": int(tensor_bytes(*call.tensors) if call.nbytes is None else call.nbytes)}
+        if call.peer is not None:
+            fields["peer"] = call.peer
+        if call.name is not None:
+            fields["name"] = call.name
         mod, bwd = rollcall.issuer(rec)
-        fields["payload"] = trace.Collective(reduce_op=reduce_op, src=src, dst=dst, bucket=bucket, seq=rec.seq,
-                                             where=rollcall.where(), module=mod, backward=bwd)
-        with trace.span(kind, **fields):
-            task = _finish(start(g), sync_op, then, call)
+        fields["payload"] = call.payload(rec.seq, rollcall.where(), mod, bwd)
+        with trace.span(call.kind, **fields):
+            task = _finish(call.start(g), call.sync_op, call.then, key)
         return task
     except CollectiveMismatch:
         raise  # raised on every member before any data moved: no collective failed
@@ -214,9 +314,6 @@ def run(op: str, group, start, *, tensors=(), nbytes: int | None = None, peers: 
         raise
     finally:
         rec.leave(prev, task._works if task is not None else None)
-
-
-_P2P = frozenset({"send", "recv", "send_recv", "batch_isend_irecv"})  # not every rank of the group takes part
 
 
 # -- packed forms -----------------------------------------------------------------------------------------------
@@ -267,8 +364,8 @@ def all_reduce_mean_(tensors, group=None, *, bucket_bytes: int = FUSE_BYTES, nam
                 size += t.numel() * t.element_size()
             if bucket and (t is None or size >= bucket_bytes):
                 flat = compat.flatten_dense_tensors([b.detach() for b in bucket])
-                run("all_reduce", g, lambda g: tdist.all_reduce(flat, group=pg, async_op=True), tensors=(flat,),
-                    name=name, reduce_op="sum")
+                run(Call(CollectiveOp.ALL_REDUCE, g, lambda g: tdist.all_reduce(flat, group=pg, async_op=True),
+                         tensors=(flat,), name=name, reduce_op="sum"))
                 divide_(flat, g.nranks)
                 with torch.no_grad():
                     for b, v in zip(bucket, compat.unflatten_dense_tensors(flat, bucket)):

@@ -11,7 +11,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .. import compat, trace
 from . import groups, rollcall
-from .comm import FUSE_BYTES, all_reduce_mean_, run
+from .comm import FUSE_BYTES, Call, CollectiveOp, all_reduce_mean_, run
 from .devices import place_module
 from .env import init_parallel_env
 
@@ -56,14 +56,14 @@ class DataParallel(nn.Module):
             nbytes = sum(t.numel() * t.element_size() for t in layers.state_dict().values())
             devs = {p.device for p in layers.parameters()}
             gpu = next(iter(devs)) if len(devs) == 1 and next(iter(devs)).type == "cuda" else None
-            run("broadcast", g, lambda g: made.append(DDP(
+            run(Call(CollectiveOp.BROADCAST, g, lambda g: made.append(DDP(
                 layers,
                 device_ids=None if gpu is None else [gpu.index],  # on a GPU, DDP moves the inputs there too
                 process_group=pg,
                 bucket_cap_mb=comm_buffer_size,
                 bucket_cap_mb_list=[last_comm_buffer_size, comm_buffer_size],
                 find_unused_parameters=find_unused_parameters,
-            )), nbytes=nbytes, name="DataParallel.sync_params", src=ranks[0])
+            )), nbytes=nbytes, name="DataParallel.sync_params", src=ranks[0]))
             ddp = made[0]
             if trace.active():
                 # a Python hook per bucket costs 5-10% of a small step on gloo (bench/README): only when traced
@@ -141,8 +141,9 @@ def _allreduce_hook(group, bucket):
     buf = bucket.buffer()
     buf.div_(group.nranks)
     works = []
-    run("all_reduce", group, lambda g: works.append(tdist.all_reduce(buf, group=g.process_group, async_op=True)),
-        tensors=(buf,), sync_op=False, name="DataParallel.bucket", reduce_op="avg", bucket=bucket.index())
+    run(Call(CollectiveOp.ALL_REDUCE, group,
+             lambda g: works.append(tdist.all_reduce(buf, group=g.process_group, async_op=True)),
+             tensors=(buf,), sync_op=False, name="DataParallel.bucket", reduce_op="avg", bucket=bucket.index()))
     return works[0].get_future().then(lambda f: f.value()[0])
 
 

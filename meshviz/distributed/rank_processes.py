@@ -12,7 +12,33 @@ from dataclasses import replace
 from ..errors import RankError, RankOutcome
 from . import rendezvous
 
-__all__ = ["spawn", "SpawnContext", "RankProcesses"]
+__all__ = ["spawn", "SpawnContext", "RankProcesses", "DEFAULT_START_METHOD"]
+
+DEFAULT_START_METHOD = "forkserver"  # ranks forked from one server that imported torch once (not re-imported per rank)
+# what the fork server imports before forking any rank: torch and what meshviz's ranks import from it (most of a
+# rank's start-up time); nothing of meshviz, so an edited meshviz is read afresh by every new rank
+FORKSERVER_PRELOAD = ("torch", "torch.distributed", "torch.distributed.tensor")
+
+
+def _start_method(method: str) -> str:
+    """``method``, with the fork server told (before it first starts) to preload torch when it is ``forkserver``.
+
+    The server is a fresh interpreter started by multiprocessing (not a fork of this process), so it holds no
+    process group or CUDA state of this process whenever it starts; one server serves the whole session."""
+    if method == "forkserver":
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload(list(FORKSERVER_PRELOAD))  # no effect once the server runs
+    return method
+
+
+def _with_environ(index, environ, entry, *args):
+    """A forked rank's start: this process's environment as it is now (the fork server's is the one it had when
+    the server started), then ``entry(index, *args)`` as a spawned rank would run it."""
+    os.environ.clear()
+    os.environ.update(environ)
+    entry(index, *args)
 
 
 class RankProcesses:
@@ -33,8 +59,11 @@ class RankProcesses:
         self.host = None
         reservation = rendezvous.reserve_port().listen(nprocs)
         self.port = reservation.port
+        args = (self.port, *args)
+        if _start_method(start_method) == "forkserver":
+            entry, args = _with_environ, (dict(os.environ), entry, *args)
         try:
-            self._ctx = mp.start_processes(entry, args=(self.port, *args), nprocs=nprocs, join=False, daemon=daemon,
+            self._ctx = mp.start_processes(entry, args=args, nprocs=nprocs, join=False, daemon=daemon,
                                            start_method=start_method)
             self.store = rendezvous.serve_store(reservation, nprocs, timeout)
         except BaseException:
@@ -288,10 +317,11 @@ def spawn(func, args=(), nprocs: int = -1, join: bool = True, daemon: bool = Fal
     stopped and a :class:`RankError` names that rank (and any rank that never reached the rendezvous) with its
     traceback. ``options``: ``backend``, ``devices`` (``"auto"``, ``"cpu"``, ``"cuda"`` or GPU ids; Paddle's
     ``gpus="0,1"`` too), ``timeout`` (seconds), ``trace`` (a JSONL path, ``{rank}`` filled in), ``threads``
-    (torch threads per rank, default 1), ``start_method``, ``hang_after`` (seconds a rank may wait in one
-    collective before the roll-call is printed to stderr, default 5; None: no watchdog), ``check_collectives``
-    (compare op, shapes and dtypes before each collective on gloo, default off). When a collective times out, the
-    error names the ranks that never entered it.
+    (torch threads per rank, default 1), ``start_method`` (default ``"forkserver"``: ranks forked from a server
+    that imported torch once; ``"fork"`` for a function a new process cannot import by name), ``hang_after``
+    (seconds a rank may wait in one collective before the roll-call is printed to stderr, default 5; None: no
+    watchdog), ``check_collectives`` (compare op, shapes and dtypes before each collective on gloo, default off).
+    When a collective times out, the error names the ranks that never entered it.
 
     Ranks and GPUs are counted before any process starts (:func:`meshviz.core.devices.plan_devices`): one GPU per
     rank with NCCL when there are enough; otherwise, unless ``devices``/``backend`` insist on GPUs, every rank runs
@@ -330,7 +360,7 @@ def spawn(func, args=(), nprocs: int = -1, join: bool = True, daemon: bool = Fal
         env["MESHVIZ_CHECK_COLLECTIVES"] = "1"
     method = options.get("start_method")
     if method is None:
-        method = "spawn" if _importable(func) else "fork"
+        method = DEFAULT_START_METHOD if _importable(func) else "fork"
     timeout = float(env.get("MESHVIZ_TIMEOUT", os.environ.get("MESHVIZ_TIMEOUT", DEFAULT_TIMEOUT_S)))
     rank_envs = [rank_env(plan, r) for r in range(nprocs)]
     procs = RankProcesses(_spawn_entry, (func, tuple(args), nprocs, env, rank_envs), nprocs, timeout, method,

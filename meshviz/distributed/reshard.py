@@ -15,7 +15,7 @@ from ..core.placements import ReduceType
 from ..core.planner import Plan, Step
 from ..rank_context import per_rank
 from . import groups, rollcall
-from .comm import all_to_all_flat, divide_, reduction, run
+from .comm import Call, CollectiveOp, all_to_all_flat, divide_, reduction, run
 from .devices import staged_recv, staged_send
 
 __all__ = ["run_plan", "run_step"]
@@ -46,8 +46,8 @@ def _all_gather(step: Step, local: torch.Tensor, group, coords) -> torch.Tensor:
     if len(set(sizes)) == 1 and d == 0:
         out = local.new_empty(out_shape)
         src = local.contiguous()
-        run("all_gather", group, lambda g: compat.all_gather_single(out, src, group=g.process_group),
-            tensors=(src,), nbytes=src.numel() * src.element_size() * k, kind=None)
+        run(Call(CollectiveOp.ALL_GATHER, group, lambda g: compat.all_gather_single(out, src, group=g.process_group),
+                 tensors=(src,), nbytes=src.numel() * src.element_size() * k, traced=False))
         return out
     m = max(sizes)
     moved = local.movedim(d, 0)
@@ -56,8 +56,8 @@ def _all_gather(step: Step, local: torch.Tensor, group, coords) -> torch.Tensor:
         moved = torch.cat([moved, pad])
     buf = moved.new_empty((k * m,) + tuple(moved.shape[1:]))
     src = moved.contiguous()
-    run("all_gather", group, lambda g: compat.all_gather_single(buf, src, group=g.process_group),
-        tensors=(src,), nbytes=src.numel() * src.element_size() * k, kind=None)
+    run(Call(CollectiveOp.ALL_GATHER, group, lambda g: compat.all_gather_single(buf, src, group=g.process_group),
+             tensors=(src,), nbytes=src.numel() * src.element_size() * k, traced=False))
     pieces = [buf[i * m : i * m + s] for i, s in enumerate(sizes)]
     return torch.cat(pieces).movedim(0, d).contiguous()
 
@@ -84,7 +84,7 @@ def _all_reduce(step: Step, local: torch.Tensor, group) -> torch.Tensor:
             works.append(tdist.all_reduce(flat_out, op=op, group=g.process_group, async_op=True))
         return works
 
-    run("all_reduce", group, start, tensors=(src,), kind=None)
+    run(Call(CollectiveOp.ALL_REDUCE, group, start, tensors=(src,), traced=False))
     if finish is not None:
         finish(out)
     return out
@@ -99,9 +99,9 @@ def _reduce_scatter(step: Step, local: torch.Tensor, group, coords, my_index) ->
         op, finish = reduction(step.reduce, group)
         out = local.new_empty((lens[0],) + tuple(local.shape[1:]))
         src = local.contiguous()
-        run("reduce_scatter", group,
-            lambda g: compat.reduce_scatter_single(out, src, op=op, group=g.process_group), tensors=(src,),
-            kind=None)
+        run(Call(CollectiveOp.REDUCE_SCATTER, group,
+                 lambda g: compat.reduce_scatter_single(out, src, op=op, group=g.process_group), tensors=(src,),
+                 traced=False))
         if finish is not None:
             finish(out)
         return out
@@ -134,7 +134,7 @@ def _all_to_all(recv: list, send: list, group) -> None:
         unpack.append(fn)
         return work
 
-    run("all_to_all", group, start, tensors=send, kind=None, then=lambda: unpack[0]())
+    run(Call(CollectiveOp.ALL_TO_ALL, group, start, tensors=send, traced=False, then=lambda: unpack[0]()))
 
 
 def _all_to_all_dims(step: Step, local: torch.Tensor, group, coords, my_index) -> torch.Tensor:
@@ -148,8 +148,8 @@ def _all_to_all_dims(step: Step, local: torch.Tensor, group, coords, my_index) -
         # one copy to pack (partner j's columns become the j-th contiguous piece), none to unpack when a == 0
         packed = local.unflatten(b, (k, my_b)).movedim(b, 0).contiguous().reshape(-1)
         out = torch.empty_like(packed)
-        run("all_to_all", group, lambda g: tdist.all_to_all_single(out, packed, group=g.process_group),
-            tensors=(packed,), kind=None)
+        run(Call(CollectiveOp.ALL_TO_ALL, group, lambda g: tdist.all_to_all_single(out, packed, group=g.process_group),
+                 tensors=(packed,), traced=False))
         piece = list(local.shape)
         piece[b] = my_b
         stacked = out.view([k] + piece)  # [k, ..., a_j, ..., my_b, ...]
@@ -196,8 +196,8 @@ def _send_recv(step: Step, local: torch.Tensor | None, rank: int, dtype, device)
             if fin is not None:
                 copy_back.append(fin)
     if ops:
-        run("send_recv", groups.world_group(), lambda g: tdist.batch_isend_irecv(ops), tensors=tensors, kind=None,
-            then=lambda: [fin() for fin in copy_back])
+        run(Call(CollectiveOp.SEND_RECV, groups.world_group(), lambda g: tdist.batch_isend_irecv(ops),
+                 tensors=tensors, traced=False, then=lambda: [fin() for fin in copy_back]))
     if pending:
         result = pending[0]
     return result

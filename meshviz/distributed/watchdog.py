@@ -19,11 +19,12 @@ import os
 import sys
 import threading
 import time
+from dataclasses import dataclass
 
 from ..trace.status import RankStatus, RollCall
 from . import rollcall
 
-__all__ = ["RollCallHost", "start_rank_watch", "HANG_AFTER_ENV", "HOST_ENV", "PREFIX", "DEFAULT_HANG_AFTER"]
+__all__ = ["Ask", "RollCallHost", "start_rank_watch", "HANG_AFTER_ENV", "HOST_ENV", "PREFIX", "DEFAULT_HANG_AFTER"]
 
 DEFAULT_HANG_AFTER = 5.0  # seconds, as a Cluster's
 HANG_AFTER_ENV = "MESHVIZ_HANG_AFTER"  # seconds; unset: no watchdog
@@ -41,6 +42,32 @@ def _client(host: str, port: int, timeout: float = 30.0):
     from .rendezvous import connect_store
 
     return connect_store(host, port, None, timeout)
+
+
+@dataclass(frozen=True)
+class Ask:
+    """What ``ask/<n>`` holds: a roll-call asked by ``rank`` (-1: the host itself) that waited in collective ``op``
+    #``seq``, or (``stop``) no roll-call: the rank is closing and its answerer ends."""
+
+    rank: int
+    op: str | None = None
+    seq: int | None = None
+    stop: bool = False
+
+    def to_json(self) -> str:
+        if self.stop:
+            return json.dumps({"stop": self.rank})
+        d: dict = {"rank": self.rank}
+        if self.op is not None:
+            d.update(op=self.op, seq=self.seq)
+        return json.dumps(d)
+
+    @classmethod
+    def from_json(cls, text) -> "Ask":
+        d = json.loads(text)
+        if "stop" in d:
+            return cls(d["stop"], stop=True)
+        return cls(d.get("rank", -1), d.get("op"), d.get("seq"))
 
 
 class _RankWatch:
@@ -71,7 +98,7 @@ class _RankWatch:
         try:
             with self._lock:
                 n = int(self._writer.add(_key("gen"), 1))
-                self._writer.set(_key("ask", n), json.dumps({"stop": self.rank}))
+                self._writer.set(_key("ask", n), Ask(self.rank, stop=True).to_json())
         except Exception:
             return
         self._answerer.join(2.0)
@@ -93,7 +120,7 @@ class _RankWatch:
             try:
                 with self._lock:
                     n = int(self._writer.add(_key("gen"), 1))
-                    self._writer.set(_key("ask", n), json.dumps({"rank": self.rank, "op": op, "seq": rec.seq}))
+                    self._writer.set(_key("ask", n), Ask(self.rank, op, rec.seq).to_json())
             except Exception:
                 return
 
@@ -212,11 +239,11 @@ class RollCallHost:
                 if not poller.check([_key("ask", n)]):
                     time.sleep(self.POLL)
                     continue
-                ask = json.loads(poller.get(_key("ask", n)))
+                ask = Ask.from_json(poller.get(_key("ask", n)))
             except Exception:
                 return
             n += 1
-            if "stop" in ask or self._stopped:
+            if ask.stop or self._stopped:
                 continue
             try:
                 rc = self.collect(n - 1)
@@ -266,7 +293,7 @@ class RollCallHost:
         try:
             store = self._connect()
             n = int(store.add(_key("gen"), 1))
-            store.set(_key("ask", n), json.dumps({"rank": -1}))
+            store.set(_key("ask", n), Ask(-1).to_json())
             return self.collect(n, timeout)
         except Exception:
             return None

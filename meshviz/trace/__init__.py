@@ -6,14 +6,16 @@ from .ownership import Ownership
 from .payloads import (
     Collective,
     Compute,
-    Note,
+    Issued,
+    Mark,
+    OpRule,
     Payload,
-    PipelineStep,
     Placed,
+    Recv,
     ReshardPlan,
     ReshardStep,
+    Send,
     Share,
-    Transfer,
 )
 from .recorder import (
     JSONLSink,
@@ -36,8 +38,8 @@ from .status import RankStatus, RollCall, Situation
 
 __all__ = [
     "Event", "KINDS", "MAX_VALUES", "small_values", "to_json", "from_json", "Ownership",
-    "Payload", "Placed", "ReshardPlan", "ReshardStep", "Collective", "Transfer", "Compute", "PipelineStep", "Share",
-    "Note", "RankStatus", "RollCall", "Situation", "CommRow", "CommTable", "comm_table",
+    "Payload", "Placed", "ReshardPlan", "ReshardStep", "Issued", "Collective", "Send", "Recv", "Compute", "Mark",
+    "Share", "OpRule", "RankStatus", "RollCall", "Situation", "CommRow", "CommTable", "comm_table",
     "active", "on_active", "emit", "span", "add_sink", "remove_sink", "clear_sinks", "sinks", "set_rank", "set_cell",
     "MemorySink", "JSONLSink", "record", "replay", "load_events",
 ]

@@ -7,7 +7,7 @@ from collections import defaultdict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from .payloads import Collective, ReshardStep
+from .payloads import Issued
 
 __all__ = ["CommRow", "CommTable", "comm_table", "TOP"]
 
@@ -50,8 +50,8 @@ def _axis(e) -> str:
 
 
 def _issuer(e) -> tuple[str, bool]:
-    p = e.payload
-    if isinstance(p, (Collective, ReshardStep)) and p.module:
+    p = e.payload_as(Issued)
+    if p.module:
         return p.module, p.backward
     return TOP, False
 

@@ -7,12 +7,14 @@ import itertools
 import json
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from ..rank_context import per_rank
-from .payloads import Payload, from_legacy, payload_from_dict
+from .payloads import PAYLOAD_OF, Payload, payload_from_dict
 
 __all__ = ["Event", "KINDS", "MAX_VALUES", "small_values", "to_json", "from_json", "now"]
+
+P = TypeVar("P", bound=Payload)
 
 # kind of event -> what it describes
 KINDS = {
@@ -25,19 +27,7 @@ KINDS = {
     "compute": "a block of compute (pipeline forward/backward of a micro-batch, a training step)",
     "ownership": "which rank owns which parameter/gradient/optimizer-state shard",
     "mark": "a free-form marker (cell start, step boundary)",
-}
-
-# kind of event -> the payload type it carries (``mark``: a PipelineStep at a pipeline step, else none or a Note)
-PAYLOAD_OF = {
-    "placed": "Placed",
-    "reshard": "ReshardPlan",
-    "reshard_step": "ReshardStep",
-    "collective": "Collective",
-    "send": "Transfer (a pipeline stage) or Collective (the collective API)",
-    "recv": "Transfer (a pipeline stage) or Collective (the collective API)",
-    "compute": "Compute (a pipeline block)",
-    "ownership": "Share",
-    "mark": "PipelineStep (op 'pipeline_step') or Note",
+    "op": "an op whose placements meshviz decided itself (Paddle's default rule, a corrected or a Paddle rule)",
 }
 
 MAX_VALUES = 64  # tensor elements an event may carry
@@ -48,7 +38,10 @@ now = time.time
 
 @dataclass
 class Event:
-    kind: str
+    """One event. Its kind is its payload's (``Event(payload=Placed(...))`` is a ``placed`` event); ``kind`` alone
+    makes the kind's payload with its defaults; a ``kind`` that is not the payload's raises ValueError."""
+
+    kind: str = ""
     rank: int = -1
     seq: int = field(default_factory=lambda: next(_seq))
     start: float = field(default_factory=time.time)
@@ -72,6 +65,25 @@ class Event:
     cell: int | None = None  # the notebook cell (a Cluster's execution on this rank) that emitted it
     payload: Payload | None = None  # what this kind of event carries beyond these fields (meshviz.trace.payloads)
 
+    def __post_init__(self) -> None:
+        p = self.payload
+        if p is None:
+            self.payload = _default_payload(self.kind)
+        elif not isinstance(p, Payload) or not p.KIND:
+            raise ValueError(f"Event: payload must be a typed payload of meshviz.trace.payloads, got {p!r}")
+        elif not self.kind:
+            self.kind = p.KIND
+        elif self.kind != p.KIND:
+            raise ValueError(f"Event: kind {self.kind!r} does not match its payload {type(p).__name__}, "
+                             f"which is a {p.KIND!r} event's")
+
+    def payload_as(self, cls: type[P]) -> P:
+        """The payload, which must be a ``cls`` (TypeError naming both otherwise: no silent empty payload)."""
+        p = self.payload
+        if not isinstance(p, cls):
+            raise TypeError(f"a {self.kind!r} event carries a {type(p).__name__}, not a {cls.__name__}")
+        return p
+
     @property
     def duration(self) -> float:
         return 0.0 if self.end is None else self.end - self.start
@@ -84,14 +96,31 @@ class Event:
 
     @classmethod
     def from_dict(cls, d: dict) -> "Event":
-        """The event a dict from :meth:`to_dict` (or JSON) describes; a file recorded before the typed payloads
-        (an ``extra`` dict) loads with the matching payload."""
+        """The event a dict from :meth:`to_dict` (or JSON) describes."""
+        if "extra" in d:
+            raise ValueError("Event.from_dict: a record with an untyped 'extra' dict comes from before meshviz 0.1, "
+                             "which reads only the typed payloads it writes")
         kw = {k: v for k, v in d.items() if k in _NAMES}
-        if "payload" in kw:
-            kw["payload"] = payload_from_dict(kw["payload"])
-        elif "extra" in d:
-            kw["payload"] = from_legacy(d.get("kind", ""), d.get("op"), d.get("extra"))
+        p = kw.get("payload")
+        if isinstance(p, dict):
+            kw["payload"] = payload_from_dict(p, kw.get("kind") or "")
         return cls(**kw)
+
+
+_defaults: dict[str, Payload] = {}  # payloads are frozen: one default instance per kind serves every event
+
+
+def _default_payload(kind: str) -> Payload:
+    p = _defaults.get(kind)
+    if p is None:
+        cls = PAYLOAD_OF.get(kind)
+        if cls is None:
+            raise ValueError(f"Event: unknown kind {kind!r} (known: {', '.join(PAYLOAD_OF)})")
+        try:
+            p = _defaults[kind] = cls()
+        except TypeError:
+            raise ValueError(f"Event: a {kind!r} event needs its {cls.__name__} payload") from None
+    return p
 
 
 def small_values(tensor, limit: int = MAX_VALUES) -> list | None:

@@ -23,8 +23,8 @@ class Ownership:
     (``shard_optimizer``) ``mesh`` and ``placements`` say which block this rank holds.
     """
 
-    name: str
-    level: str  # "os", "os_g" or "p_g_os" (Paddle's sharding stages 1, 2, 3)
+    name: str | None
+    level: str | None  # "os", "os_g" or "p_g_os" (Paddle's sharding stages 1, 2, 3)
     sharded: tuple
     shape: tuple  # global shape
     group: tuple | None = None  # the ranks that share the parameter, in group order
@@ -75,7 +75,7 @@ class Ownership:
         """The record an ``ownership`` event carries (the inverse of ``to_event``)."""
         if e.kind != "ownership":
             raise ValueError(f"Ownership.from_event: not an ownership event (kind {e.kind!r})")
-        x = e.payload if isinstance(e.payload, Share) else Share()
+        x = e.payload_as(Share)
         held = None
         sharded = tuple(x.sharded)
         if sharded and x.holds and sharded[0] in x.holds:

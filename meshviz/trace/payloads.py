@@ -1,26 +1,31 @@
-"""Typed payloads: what one kind of event carries beyond the common fields, as small frozen records."""
+"""Typed payloads: what one kind of event carries beyond the common fields, one small frozen record per kind."""
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar, TypeVar
 
 __all__ = [
-    "Payload", "Placed", "ReshardPlan", "ReshardStep", "Collective", "Transfer", "Compute", "PipelineStep", "Share",
-    "Note", "PAYLOADS", "payload_from_dict", "from_legacy",
+    "Payload", "Placed", "ReshardPlan", "ReshardStep", "Issued", "Collective", "Send", "Recv", "Compute", "Mark",
+    "Share", "OpRule", "PAYLOAD_OF", "PAYLOADS", "payload_from_dict",
 ]
+
+P = TypeVar("P", bound="Payload")
 
 
 @dataclass(frozen=True)
 class Payload:
-    """Base of every payload. ``TYPE`` names it in JSON (``{"type": TYPE, ...fields}``); fields left at None are
-    not written."""
+    """Base of every payload. ``KIND`` is the kind of event it goes with (an event's kind is its payload's);
+    ``TYPE`` names it in JSON (``{"type": TYPE, ...fields}``), ``LOADS`` the other types a file of this version
+    wrote for this kind; fields left at None (or False) are not written."""
 
+    KIND: ClassVar[str] = ""
     TYPE: ClassVar[str] = ""
+    LOADS: ClassVar[tuple[str, ...]] = ()
 
-    def to_dict(self) -> dict:
-        d = {"type": self.TYPE}
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"type": self.TYPE}
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
             if v is not None and v is not False:
@@ -28,7 +33,7 @@ class Payload:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Payload":
+    def from_dict(cls: type[P], d: dict[str, Any]) -> P:
         kw = {}
         for f in dataclasses.fields(cls):
             if f.name in d:
@@ -48,6 +53,7 @@ class Payload:
 class Placed(Payload):
     """``placed``: the tensor's dtype ("float32")."""
 
+    KIND: ClassVar[str] = "placed"
     TYPE: ClassVar[str] = "placed"
     dtype: str | None = None
 
@@ -56,13 +62,14 @@ class Placed(Payload):
 class ReshardPlan(Payload):
     """``reshard``: the target mesh (``ProcessMesh.to_dict()``) and the plan's step ops in order."""
 
+    KIND: ClassVar[str] = "reshard"
     TYPE: ClassVar[str] = "reshard"
     target_mesh: dict | None = None
     ops: tuple | None = None
 
 
 @dataclass(frozen=True, repr=False)
-class _Issued(Payload):
+class Issued(Payload):
     """Who issued a communication: the group's sequence number of it (1, 2, ... per group and rank), the user's
     ``file:line``, and the ``nn.Module`` whose forward (or backward) was running."""
 
@@ -73,10 +80,11 @@ class _Issued(Payload):
 
 
 @dataclass(frozen=True, repr=False)
-class ReshardStep(_Issued):
+class ReshardStep(Issued):
     """``reshard_step``: the tensor dims the step moves (``dim``, and ``dst_dim`` for an all-to-all) and its
     reduction ("sum", ...)."""
 
+    KIND: ClassVar[str] = "reshard_step"
     TYPE: ClassVar[str] = "reshard_step"
     dim: int | None = None
     dst_dim: int | None = None
@@ -84,11 +92,11 @@ class ReshardStep(_Issued):
 
 
 @dataclass(frozen=True, repr=False)
-class Collective(_Issued):
-    """``collective`` (and a ``send``/``recv`` of the collective API): the reduction, the root (``src``/``dst``,
-    global ranks), DataParallel's ``bucket`` index, whether it was one of a ``batched`` send/recv, and for a
-    collective DTensor issued inside an op (``implicit``) the context it ran in (``inside``)."""
+class Collective(Issued):
+    """``collective``: the reduction, the root (``src``/``dst``, global ranks), DataParallel's ``bucket`` index,
+    and for a collective DTensor issued inside an op (``implicit``) the context it ran in (``inside``)."""
 
+    KIND: ClassVar[str] = "collective"
     TYPE: ClassVar[str] = "collective"
     reduce_op: str | None = None
     src: int | None = None
@@ -100,11 +108,15 @@ class Collective(_Issued):
 
 
 @dataclass(frozen=True, repr=False)
-class Transfer(Payload):
-    """A pipeline ``send``/``recv``: micro-batch, phase ("F" activations, "B" gradients), the stage that logged it,
-    the stages it goes between, the step, and ``transfer``, a key both ends share."""
+class _PointToPoint(Issued):
+    """A ``send``/``recv``. Of the collective API: the root (``src``/``dst``, global ranks) and whether it was one
+    of a ``batched`` send/recv. Of a pipeline stage: micro-batch, phase ("F" activations, "B" gradients), the
+    stage that logged it, the stages it goes between, the step, and ``transfer``, a key both ends share."""
 
-    TYPE: ClassVar[str] = "transfer"
+    LOADS: ClassVar[tuple[str, ...]] = ("transfer", "collective")
+    src: int | None = None
+    dst: int | None = None
+    batched: bool = False
     micro_batch: int | None = None
     phase: str | None = None
     stage: int | None = None
@@ -115,10 +127,27 @@ class Transfer(Payload):
 
 
 @dataclass(frozen=True, repr=False)
-class Compute(Payload):
-    """A pipeline ``compute`` block: virtual stage, micro-batch, phase ("F", "B" or "W"), this rank's chunk, the
-    step, and the activation bytes still held after it."""
+class Send(_PointToPoint):
+    """``send``: see the fields of a point-to-point transfer above."""
 
+    KIND: ClassVar[str] = "send"
+    TYPE: ClassVar[str] = "send"
+
+
+@dataclass(frozen=True, repr=False)
+class Recv(_PointToPoint):
+    """``recv``: see the fields of a point-to-point transfer above."""
+
+    KIND: ClassVar[str] = "recv"
+    TYPE: ClassVar[str] = "recv"
+
+
+@dataclass(frozen=True, repr=False)
+class Compute(Payload):
+    """``compute``: for a pipeline block, the virtual stage, micro-batch, phase ("F", "B" or "W"), this rank's
+    chunk, the step, and the activation bytes still held after it."""
+
+    KIND: ClassVar[str] = "compute"
     TYPE: ClassVar[str] = "compute"
     stage: int | None = None
     micro_batch: int | None = None
@@ -129,11 +158,15 @@ class Compute(Payload):
 
 
 @dataclass(frozen=True, repr=False)
-class PipelineStep(Payload):
-    """A ``mark`` at each pipeline step: schedule, stages ``p``, micro-batches ``m``, virtual stages ``v``, the
-    step number, this rank's stage, and whether it is an evaluation."""
+class Mark(Payload):
+    """``mark``: a user's own free-form ``fields``; at each pipeline step (op ``pipeline_step``) the schedule,
+    stages ``p``, micro-batches ``m``, virtual stages ``v``, the step number, this rank's stage, and whether it is
+    an evaluation."""
 
-    TYPE: ClassVar[str] = "pipeline_step"
+    KIND: ClassVar[str] = "mark"
+    TYPE: ClassVar[str] = "mark"
+    LOADS: ClassVar[tuple[str, ...]] = ("note", "pipeline_step")
+    fields: dict | None = None
     schedule: str | None = None
     p: int | None = None
     m: int | None = None
@@ -148,6 +181,7 @@ class Share(Payload):
     """``ownership``: the parts a sharding level splits, the parameter's element count, how a flat plan splits it,
     every group rank's [lo, hi) range, and part -> [lo, hi) this rank holds (see :class:`Ownership`)."""
 
+    KIND: ClassVar[str] = "ownership"
     TYPE: ClassVar[str] = "ownership"
     sharded: tuple = ()
     numel: int | None = None
@@ -157,57 +191,32 @@ class Share(Payload):
 
 
 @dataclass(frozen=True, repr=False)
-class Note(Payload):
-    """Free-form fields for a user's own marks (and what a recorded file from before the typed payloads carried
-    that no payload above takes)."""
+class OpRule(Payload):
+    """``op``: an op whose placements meshviz decided itself: ``rule`` is "default" (Paddle's default rule: inputs
+    made Replicate, output Replicate), "corrected" (torch's rule gives a wrong value; run as its decomposition) or
+    "paddle" (Paddle's SPMD rule where torch's differs); ``why`` says why."""
 
-    TYPE: ClassVar[str] = "note"
-    fields: dict | None = None
-
-
-PAYLOADS: dict[str, type[Payload]] = {
-    c.TYPE: c for c in (Placed, ReshardPlan, ReshardStep, Collective, Transfer, Compute, PipelineStep, Share, Note)
-}
+    KIND: ClassVar[str] = "op"
+    TYPE: ClassVar[str] = "op"
+    rule: str | None = None
+    why: str | None = None
 
 
-def payload_from_dict(d) -> Payload | None:
-    """The payload a JSON object names by its ``type`` (an unknown type is kept as a :class:`Note`)."""
-    if d is None or isinstance(d, Payload):
-        return d
-    cls = PAYLOADS.get(d.get("type"))
+_CLASSES: tuple[type[Payload], ...] = (Placed, ReshardPlan, ReshardStep, Collective, Send, Recv, Compute, Mark, Share,
+                                       OpRule)
+PAYLOAD_OF: dict[str, type[Payload]] = {c.KIND: c for c in _CLASSES}  # kind of event -> its payload class
+PAYLOADS: dict[str, type[Payload]] = {c.TYPE: c for c in _CLASSES}  # JSON type -> payload class
+
+
+def payload_from_dict(d: dict[str, Any], kind: str) -> Payload:
+    """The payload of a ``kind`` event from its JSON object. The object's ``type`` must be the kind's payload or
+    one it loads (``LOADS``); a ``mark`` keeps an unknown type's fields as free-form ``fields``, never executed."""
+    cls = PAYLOAD_OF.get(kind)
     if cls is None:
-        return Note({k: v for k, v in d.items() if k != "type"})
-    return cls.from_dict(d)
-
-
-_PARTS = ("param", "grad", "state")
-
-
-def from_legacy(kind: str, op, extra: dict | None) -> Payload | None:
-    """The payload for an event recorded with the untyped ``extra`` dict of earlier versions."""
-    if not extra:
-        return None
-    x = dict(extra)
-    if kind == "placed":
-        cls = Placed
-    elif kind == "reshard":
-        cls = ReshardPlan
-    elif kind == "reshard_step":
-        cls = ReshardStep
-    elif kind == "collective" or (kind in ("send", "recv") and "transfer" not in x and "phase" not in x):
-        cls = Collective
-    elif kind in ("send", "recv"):
-        cls = Transfer
-    elif kind == "compute" and "phase" in x:
-        cls = Compute
-    elif kind == "mark" and op == "pipeline_step":
-        cls = PipelineStep
-    elif kind == "ownership":
-        holds = {p: x.pop(p) for p in _PARTS if p in x}
-        x["holds"] = holds or None
-        cls = Share
-    else:
-        return Note(x)
-    names = {f.name for f in dataclasses.fields(cls)}
-    known = {k: v for k, v in x.items() if k in names}
-    return cls.from_dict(known)
+        raise ValueError(f"unknown event kind {kind!r} (known: {', '.join(PAYLOAD_OF)})")
+    t = d.get("type")
+    if t == cls.TYPE or t in cls.LOADS:
+        return cls.from_dict(d)
+    if cls is Mark and t not in PAYLOADS:
+        return Mark({k: v for k, v in d.items() if k != "type"})
+    raise ValueError(f"a {kind!r} event carries a {cls.__name__} payload, not one of type {t!r}")

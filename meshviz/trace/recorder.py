@@ -7,6 +7,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable
+from typing import TextIO
 
 from ..rank_context import getenv, per_rank
 from .events import Event, from_json, to_json
@@ -171,17 +172,18 @@ class JSONLSink:
 
     def __init__(self, path: str):
         self.path = path
-        self._fh = None
+        self._fh: TextIO | None = None
 
     def __call__(self, event: Event) -> None:
-        if self._fh is None:
+        fh = self._fh
+        if fh is None:
             path = self.path.replace("{rank}", str(event.rank))
             d = os.path.dirname(path)
             if d:
                 os.makedirs(d, exist_ok=True)
-            self._fh = open(path, "a", encoding="utf-8")
-        self._fh.write(to_json(event) + "\n")
-        self._fh.flush()
+            fh = self._fh = open(path, "a", encoding="utf-8")
+        fh.write(to_json(event) + "\n")
+        fh.flush()
 
     def close(self) -> None:
         if self._fh is not None:

@@ -155,7 +155,8 @@ class Situation:
         return "; ".join(parts)
 
     def _mismatch_line(self) -> str:
-        at = f"#{self.seq} on group {list(self.group)}" if self.seq is not None else f"group {list(self.group)}"
+        group = list(self.group or ())
+        at = f"#{self.seq} on group {group}" if self.seq is not None else f"group {group}"
         entered = "; ".join(f"rank {r} entered {what}" for r, what in sorted(self.mismatch.items()))
         return f"mismatch at {at}: {entered}"
 
@@ -319,7 +320,7 @@ def _absent(s: RankStatus | None, group, seq):
     if s.state == "dead":
         return ("dead", s.note)
     if s.state == "in_collective":
-        return ("elsewhere", s.collective + (f" at {s.where}" if s.where else ""))
+        return ("elsewhere", describe(s.op, s.group, s.seq) + (f" at {s.where}" if s.where else ""))
     if seq is not None and s.entered_on(group) >= seq:
         return None
     if s.state == "idle":

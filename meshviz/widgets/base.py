@@ -54,15 +54,15 @@ def target_mesh(e) -> dict | None:
     """The mesh a ``reshard`` event moves its tensor to (None when the event does not say)."""
     from ..trace import ReshardPlan
 
-    return e.payload.target_mesh if isinstance(e.payload, ReshardPlan) else None
+    return e.payload_as(ReshardPlan).target_mesh
 
 
 def plan_ops(e) -> list | None:
     """The step ops of a ``reshard`` event's plan (None when the event does not say)."""
     from ..trace import ReshardPlan
 
-    p = e.payload
-    return list(p.ops) if isinstance(p, ReshardPlan) and p.ops is not None else None
+    p = e.payload_as(ReshardPlan)
+    return list(p.ops) if p.ops is not None else None
 
 
 class Live:

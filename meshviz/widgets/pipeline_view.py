@@ -10,7 +10,7 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
 from ..core.schedule import bubble_formula, schedule_orders
-from ..trace import Compute, Event, Transfer
+from ..trace import Compute, Event, Recv, Send
 from .base import View
 
 __all__ = ["PipelineView", "synthetic_schedule"]
@@ -75,10 +75,10 @@ def synthetic_schedule(stages: int = 4, micro_batches: int = 8, schedule: str = 
                     dst = nxt % p
                     events.append(Event(kind="send", rank=ranks[d], seq=seq, start=end, end=end, op="send",
                                         peer=ranks[dst], bytes=bytes_per_transfer,
-                                        payload=Transfer(micro_batch=mb, phase=ph)))
+                                        payload=Send(micro_batch=mb, phase=ph)))
                     events.append(Event(kind="recv", rank=ranks[dst], seq=seq + 1, start=end, end=end + comm,
                                         op="recv", peer=ranks[d], bytes=bytes_per_transfer,
-                                        payload=Transfer(micro_batch=mb, phase=ph)))
+                                        payload=Recv(micro_batch=mb, phase=ph)))
                     seq += 2
                 pos[d] += 1
                 remaining -= 1
@@ -116,7 +116,7 @@ class PipelineView(View):
         super()._ingest(events)
         for e in events:
             if e.kind == "compute":
-                x = e.payload if isinstance(e.payload, Compute) else Compute()
+                x = e.payload_as(Compute)
                 ph = str(x.phase if x.phase is not None else (e.op if e.op in PHASE_COLOUR else "F"))
                 self.blocks.append({"rank": e.rank, "stage": x.stage, "micro_batch": x.micro_batch,
                                     "phase": ph, "chunk": x.chunk or 0, "start": e.start,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ... import compat
-from .. import thread_world
+from ...backends import threads as thread_backend
 from .program import shape_str
 
 __all__ = ["DispatchRecorder", "graph_from_records"]
@@ -23,11 +23,11 @@ class DispatchRecorder(compat.TorchDispatchMode):
 
     # a thread group's calls (ranks as threads) do not pass the dispatcher: they are shown to this recorder
     def __enter__(self):
-        thread_world.observers().append(self._observe)
+        thread_backend.observers().append(self._observe)
         return super().__enter__()
 
     def __exit__(self, *exc):
-        obs = thread_world.observers()
+        obs = thread_backend.observers()
         if self._observe in obs:
             obs.remove(self._observe)
         return super().__exit__(*exc)

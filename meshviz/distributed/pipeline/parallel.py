@@ -7,7 +7,7 @@ from torch import nn
 
 from ... import compat, trace
 from ...core.schedule import fthenb_order, one_f_one_b_order
-from ...trace import Event, PipelineStep
+from ...trace import Event, Mark
 from ..devices import device, place_module
 from .layers import PipelineLayer
 
@@ -174,10 +174,10 @@ class PipelineParallel(nn.Module):
       number) and, while tracing, ``live_activation_bytes`` (bytes saved for backward still held after the
       block). ``start``/``end`` measured.
     - ``send`` / ``recv``: ``peer`` (the other global rank), ``bytes``, ``group`` [src, dst], a
-      :class:`~meshviz.trace.Transfer` payload (micro_batch, phase ('F' activations, 'B' gradients), stage,
-      src_stage, dst_stage, step, transfer); the ``transfer`` string is the same on both sides and pairs them.
-      A recv runs from posting to the wait's end.
-    - ``mark`` with ``op='pipeline_step'`` at each step: a :class:`~meshviz.trace.PipelineStep` payload (schedule,
+      :class:`~meshviz.trace.Send` / :class:`~meshviz.trace.Recv` payload (micro_batch, phase ('F' activations,
+      'B' gradients), stage, src_stage, dst_stage, step, transfer); the ``transfer`` string is the same on both
+      sides and pairs them. A recv runs from posting to the wait's end.
+    - ``mark`` with ``op='pipeline_step'`` at each step: a :class:`~meshviz.trace.Mark` payload (schedule,
       p, m, v, step, stage, eval).
     - The final loss broadcast and dp / shared-weight gradient all-reduces are ``collective`` events.
 
@@ -309,9 +309,9 @@ class PipelineParallel(nn.Module):
         if trace.active():
             trace.emit(Event(kind="mark", op="pipeline_step", name=f"{self.schedule_mode} step {self._step}",
                              group=list(self._ranks),
-                             payload=PipelineStep(schedule="FThenB" if eval_mode else self.schedule_mode,
-                                                  p=self.num_stages, m=m, v=self.num_virtual_stages, step=self._step,
-                                                  stage=self.stage_id, eval=eval_mode)))
+                             payload=Mark(schedule="FThenB" if eval_mode else self.schedule_mode,
+                                          p=self.num_stages, m=m, v=self.num_virtual_stages, step=self._step,
+                                          stage=self.stage_id, eval=eval_mode)))
         self.meter.reset()
         run = sched.eval if (eval_mode and loss is not None) else sched.step
         return run(*args, target=target)

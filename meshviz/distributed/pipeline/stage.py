@@ -10,7 +10,7 @@ from torch.distributed.pipelining import PipelineStage
 
 from ... import trace
 from ...compat import PIPELINE_STAGE_SETUP
-from ...trace import Compute, Event, Transfer
+from ...trace import Compute, Event, Recv, Send
 from ..devices import needs_host_p2p, p2p_through_host, staged_recv, staged_send
 
 __all__ = ["TracedStage"]
@@ -47,9 +47,9 @@ class TracedStage(PipelineStage):
     def _peer(self, stage_index: int) -> int:
         return self._ranks[stage_index % self._p]
 
-    def _transfer(self, phase, mb, src, dst) -> Transfer:
+    def _transfer(self, cls: type[Send] | type[Recv], phase, mb, src, dst) -> Send | Recv:
         step = self._step_ref()
-        return Transfer(micro_batch=mb, phase=phase, stage=self.stage_index, src_stage=src, dst_stage=dst, step=step,
+        return cls(micro_batch=mb, phase=phase, stage=self.stage_index, src_stage=src, dst_stage=dst, step=step,
                         transfer=f"{step}:{phase}{mb}:s{src}->s{dst}")
 
     def _posted_recv(self, phase, mb, ops):
@@ -66,7 +66,7 @@ class TracedStage(PipelineStage):
         trace.emit(Event(kind="recv", start=t0, end=time.time(), op="recv", peer=self._peer(src), bytes=nbytes,
                          group=[self._peer(src), self._peer(self.stage_index)],
                          name=f"{'act' if phase == 'F' else 'grad'} mb{mb} s{src}->s{self.stage_index}",
-                         payload=self._transfer(phase, mb, src, self.stage_index)))
+                         payload=self._transfer(Recv, phase, mb, src, self.stage_index)))
 
     def _emit_send(self, phase, mb, ops):
         if ops and trace.active():
@@ -75,7 +75,7 @@ class TracedStage(PipelineStage):
             trace.emit(Event(kind="send", start=t, end=t, op="send", peer=self._peer(dst), bytes=_nbytes(ops),
                              group=[self._peer(self.stage_index), self._peer(dst)],
                              name=f"{'act' if phase == 'F' else 'grad'} mb{mb} s{self.stage_index}->s{dst}",
-                             payload=self._transfer(phase, mb, self.stage_index, dst)))
+                             payload=self._transfer(Send, phase, mb, self.stage_index, dst)))
         return ops
 
     def _host_staged(self, ops, key=None):

@@ -4,16 +4,17 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from ...trace import Compute, Transfer
+from ...trace import Compute, Recv, Send
 
 __all__ = ["measured_bubble", "compute_order", "peak_activation_bytes", "transfers"]
 
 
 def _block(e) -> Compute | None:
     """The Compute payload of a pipeline block event (None for any other event)."""
-    if e.kind == "compute" and isinstance(e.payload, Compute) and e.payload.phase is not None:
-        return e.payload
-    return None
+    if e.kind != "compute":
+        return None
+    p = e.payload_as(Compute)
+    return p if p.phase is not None else None
 
 
 def _steps(events):
@@ -52,27 +53,26 @@ def measured_bubble(events, step=None) -> float:
 
 def compute_order(events, rank: int, step=None) -> list[tuple[str, int, int]]:
     """The (phase, stage, micro-batch) blocks a rank ran, in time order."""
-    blocks = [e for e in events if e.rank == rank and _block(e) is not None
-              and (step is None or e.payload.step == step)]
-    blocks.sort(key=lambda e: (e.start, e.seq))
-    return [(e.payload.phase, e.payload.stage, e.payload.micro_batch) for e in blocks]
+    blocks = [(e, b) for e in events if e.rank == rank and (b := _block(e)) is not None
+              and (step is None or b.step == step)]
+    blocks.sort(key=lambda eb: (eb[0].start, eb[0].seq))
+    return [(b.phase, b.stage, b.micro_batch) for _, b in blocks]
 
 
 def peak_activation_bytes(events, rank: int | None = None, step=None) -> int:
     """Largest ``live_activation_bytes`` a compute block reported (per rank, or the max over ranks)."""
-    vals = [e.payload.live_activation_bytes or 0 for e in events
-            if e.kind == "compute" and isinstance(e.payload, Compute)
-            and (rank is None or e.rank == rank) and (step is None or e.payload.step == step)]
+    blocks = [(e, e.payload_as(Compute)) for e in events if e.kind == "compute"]
+    vals = [c.live_activation_bytes or 0 for e, c in blocks
+            if (rank is None or e.rank == rank) and (step is None or c.step == step)]
     return max(vals, default=0)
 
 
 def transfers(events) -> list[tuple]:
     """Stage transfers matched across ranks: (transfer key, src rank, dst rank, bytes, sent at, received at)."""
-    def keyed(kind):
-        return {e.payload.transfer: e for e in events
-                if e.kind == kind and isinstance(e.payload, Transfer) and e.payload.transfer}
+    def keyed(cls):
+        return {key: e for e in events if e.kind == cls.KIND and (key := e.payload_as(cls).transfer)}
 
-    sends, recvs = keyed("send"), keyed("recv")
+    sends, recvs = keyed(Send), keyed(Recv)
     out = []
     for k in sorted(set(sends) & set(recvs)):
         s, r = sends[k], recvs[k]

@@ -24,7 +24,7 @@ class ShardingGroup:
 
     def run(self, op, start, *tensors, peer=None):
         """Issue one collective over the group (``start(pg)`` starts it) through the comm layer."""
-        return comm.run(op, self.group, lambda g: start(self.pg), tensors=tensors, peer=peer)
+        return comm.run(comm.Call(op, self.group, lambda g: start(self.pg), tensors=tensors, peer=peer))
 
     def all_reduce(self, t, op=tdist.ReduceOp.SUM):
         self.run("all_reduce", lambda pg: tdist.all_reduce(t, op=op, group=pg, async_op=True), t)

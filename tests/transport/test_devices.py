@@ -291,15 +291,15 @@ def test_cpu_tensor_into_nccl_collective_is_one_clear_error():
 
     started = []
     with pytest.raises(ValueError) as e:
-        comm.run("all_reduce", _FakeGroup("nccl"), lambda g: started.append(1), tensors=(torch.ones(2),))
+        comm.run(comm.Call("all_reduce", _FakeGroup("nccl"), lambda g: started.append(1), tensors=(torch.ones(2),)))
     assert not started  # before any communication
     text = str(e.value)
     assert "all_reduce: a tensor on cpu cannot go into an NCCL collective" in text and "t.to(dist.device())" in text
     assert "No backend type" not in text
     # gloo carries any device: nothing checked (outside strict mode)
     with devices.strict_devices(False):
-        comm.run("all_reduce", _FakeGroup("gloo"), lambda g: started.append(1),
-                 tensors=(torch.ones(2, device="meta"),))
+        comm.run(comm.Call("all_reduce", _FakeGroup("gloo"), lambda g: started.append(1),
+                           tensors=(torch.ones(2, device="meta"),)))
     assert started == [1]
 
 
@@ -311,9 +311,10 @@ def test_strict_mode_raises_on_any_other_device(monkeypatch):
     g = _FakeGroup("gloo")
     with devices.strict_devices():
         assert devices.strict()
-        comm.run("broadcast", g, lambda g: started.append(1), tensors=(torch.ones(2),))  # the rank's device: fine
+        comm.run(comm.Call("broadcast", g, lambda g: started.append(1), tensors=(torch.ones(2),)))  # its device: fine
         with pytest.raises(ValueError, match=r"broadcast: a tensor on meta but this rank's device is cpu \(strict"):
-            comm.run("broadcast", g, lambda g: started.append(2), tensors=(torch.ones(2), torch.ones(2, device="meta")))
+            comm.run(comm.Call("broadcast", g, lambda g: started.append(2),
+                               tensors=(torch.ones(2), torch.ones(2, device="meta"))))
     assert not devices.strict() and started == [1]
     monkeypatch.setenv(devices.STRICT_ENV, "1")
     assert devices.strict()
@@ -380,7 +381,7 @@ def _offload_pgos(seg):
     import meshviz.distributed as dist
     import meshviz.distributed.sharding.group_sharded as gs
     from meshviz.nn import ClipGradByGlobalNorm
-    from tests.test_group_sharded import CLIP, LR, STEPS, WD, batch, full_params, make_model
+    from tests.ranks.test_group_sharded import CLIP, LR, STEPS, WD, batch, full_params, make_model
 
     dist.init_parallel_env()
     # the ranks compute "elsewhere" than the CPU: offload is then real, and its bookkeeping runs here on the CPU
@@ -407,7 +408,7 @@ def test_p_g_os_offload_steps_every_small_parameter_as_a_cpu_copy():
     """No parameter reaches segment_size: offload used to leave everything where it was; now the optimizer steps
     CPU copies of the whole parameters and copies them back, training exactly like data parallel."""
     from meshviz.testing import run_ranks
-    from tests.test_group_sharded import reference
+    from tests.ranks.test_group_sharded import reference
 
     ref, ref_opt, _ = reference(2)
     ref_state = ref_opt.state_dict()["state"]

@@ -32,7 +32,7 @@ def _where():
 def _nccl_rank():
     import meshviz.distributed as dist
     from meshviz.distributed.sharding import group_sharded_parallel
-    from tests.test_group_sharded import LR, WD, batch, make_model
+    from tests.ranks.test_group_sharded import LR, WD, batch, make_model
 
     dist.init_parallel_env()
     out = _where()
@@ -154,7 +154,7 @@ def _shared_training():
     import meshviz.distributed as dist
     from meshviz.distributed.sharding import group_sharded_parallel
     from meshviz.nn import ClipGradByGlobalNorm
-    from tests.test_group_sharded import CLIP, LEVELS, LR, STEPS, WD, batch, full_params, make_model
+    from tests.ranks.test_group_sharded import CLIP, LEVELS, LR, STEPS, WD, batch, full_params, make_model
 
     dist.init_parallel_env()
     rank, dev = dist.get_rank(), dist.device()
@@ -188,7 +188,7 @@ def _shared_training():
 @pytest.mark.gpu
 @pytest.mark.timeout(300)
 def test_two_ranks_share_one_gpu_data_parallel_group_sharding_and_clipping():
-    from tests.test_group_sharded import LEVELS, reference
+    from tests.ranks.test_group_sharded import LEVELS, reference
 
     ref, _, _ = reference(2)
     for o in run_ranks(_shared_training, 2, timeout=280, **SHARED):
@@ -203,7 +203,7 @@ def _shared_pipeline():
 
     from meshviz.distributed import fleet
     from meshviz.distributed.fleet.meta_parallel import PipelineLayer, PipelineParallel
-    from tests.test_pipeline import MBS, M, _descs, _train
+    from tests.ranks.test_pipeline import MBS, M, _descs, _train
 
     strategy = fleet.DistributedStrategy()
     strategy.hybrid_configs = {"dp_degree": 1, "pp_degree": 2}
@@ -224,7 +224,7 @@ def _shared_pipeline():
 @pytest.mark.gpu
 @pytest.mark.timeout(300)
 def test_two_ranks_share_one_gpu_pipeline():
-    from tests.test_pipeline import M, _data, _descs, _reference
+    from tests.ranks.test_pipeline import M, _data, _descs, _reference
 
     x, y = _data()
     losses, _, state = _reference(_descs(4), nn.MSELoss(), [(x, y), (x, y)], M)

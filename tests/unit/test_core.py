@@ -13,7 +13,7 @@ from meshviz.core.layout import local_block
 from meshviz.core.partial import commutes, nesting, partial_fill
 from meshviz.core.planner import apply_step, assemble, initial_locals, plan_reshard, simulate
 
-from .partials import AVG, MAX, MIN, PROD, SUM, dense_of, random_locals
+from ..partials import AVG, MAX, MIN, PROD, SUM, dense_of, random_locals
 
 SEED_MESH = [[2, 4, 5], [0, 1, 3]]
 

@@ -10,7 +10,7 @@ import pytest
 
 from meshviz.distributed.rendezvous import free_port
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _launch(args, cwd, timeout=90, wait=True, **env_extra):
@@ -31,7 +31,7 @@ def _losses(path):
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_seed004_under_launch_matches_single_process(tmp_path):
-    from tests.test_fleet import _seed004_single_on
+    from tests.ranks.test_fleet import _seed004_single_on
 
     rc, out, err = _launch(["--devices", "cpu", "--nproc_per_node", "2", "--log_dir", str(tmp_path / "log"),
                             "--max_restart", "0", os.path.join(ROOT, "examples", "seed004_fleet.py")],

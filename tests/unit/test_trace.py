@@ -161,14 +161,14 @@ PAYLOADS = [
                                         ops=("all_reduce", "all_gather"))),
     ("reshard_step", "all_to_all", trace.ReshardStep(dim=0, dst_dim=1, seq=3, where="cell.py:4", module="fc1")),
     ("collective", "all_reduce", trace.Collective(reduce_op="avg", bucket=2, seq=7, module="net.fc2", backward=True)),
-    ("send", "send", trace.Collective(batched=True)),
-    ("recv", "recv", trace.Transfer(micro_batch=1, phase="B", stage=2, src_stage=3, dst_stage=2, step=0,
-                                    transfer="0:B1:s3->s2")),
+    ("send", "send", trace.Send(batched=True)),
+    ("recv", "recv", trace.Recv(micro_batch=1, phase="B", stage=2, src_stage=3, dst_stage=2, step=0,
+                                transfer="0:B1:s3->s2")),
     ("compute", "F", trace.Compute(stage=1, micro_batch=0, phase="F", chunk=0, step=4, live_activation_bytes=96)),
-    ("mark", "pipeline_step", trace.PipelineStep(schedule="1F1B", p=2, m=4, v=1, step=0, stage=1, eval=True)),
+    ("mark", "pipeline_step", trace.Mark(schedule="1F1B", p=2, m=4, v=1, step=0, stage=1, eval=True)),
     ("ownership", "os_g", trace.Share(sharded=("grad", "state"), numel=12, mode="slice", ranges=((0, 6), (6, 12)),
                                       holds={"param": [0, 12], "grad": [6, 12], "state": [6, 12]})),
-    ("mark", None, trace.Note({"anything": [1, 2], "said": "hi"})),
+    ("mark", None, trace.Mark({"anything": [1, 2], "said": "hi"})),
 ]
 
 
@@ -190,44 +190,57 @@ def test_typed_payloads_round_trip_through_json_and_the_stream(kind, op, payload
     assert type(payload).__name__ in repr(payload) and "None" not in repr(payload)
 
 
-def test_files_recorded_with_the_untyped_extra_still_load(tmp_path):
-    old = [
-        {"kind": "placed", "rank": 0, "seq": 1, "start": 1.0, "op": "shard_tensor", "extra": {"dtype": "int64"}},
-        {"kind": "reshard", "rank": 0, "seq": 2, "start": 2.0,
-         "extra": {"target_mesh": {"shape": [2]}, "ops": ["all_gather"]}},
-        {"kind": "reshard_step", "rank": 0, "seq": 3, "start": 3.0, "op": "all_gather",
-         "extra": {"dim": 0, "dst_dim": None, "reduce": None}},
-        {"kind": "collective", "rank": 0, "seq": 4, "start": 4.0, "op": "all_reduce", "extra": {"reduce_op": "sum"}},
-        {"kind": "collective", "rank": 0, "seq": 5, "start": 5.0, "op": "all_reduce", "extra": {}},
-        {"kind": "send", "rank": 0, "seq": 6, "start": 6.0, "extra": {"micro_batch": 0, "phase": "F", "stage": 0,
-                                                                       "transfer": "0:F0:s0->s1", "step": 0}},
-        {"kind": "recv", "rank": 0, "seq": 7, "start": 7.0, "extra": {"batched": True}},
-        {"kind": "compute", "rank": 0, "seq": 8, "start": 8.0, "op": "B",
-         "extra": {"stage": 1, "micro_batch": 2, "phase": "B", "chunk": 0, "step": 1}},
-        {"kind": "mark", "rank": 0, "seq": 9, "start": 9.0, "op": "pipeline_step",
-         "extra": {"schedule": "FThenB", "p": 2, "m": 2, "v": 1, "step": 0, "stage": 0, "eval": False}},
-        {"kind": "ownership", "rank": 0, "seq": 10, "start": 10.0, "op": "os",
-         "extra": {"sharded": ["state"], "numel": 4, "ranges": [[0, 2], [2, 4]], "param": [0, 4], "state": [0, 2]}},
-        {"kind": "mark", "rank": 0, "seq": 11, "start": 11.0, "extra": {"mine": 1}},
+def test_files_of_this_version_load_with_the_payload_of_their_kind(tmp_path):
+    lines = [  # as 0.1 wrote them: a null payload, and the types send/recv/mark payloads had before they split
+        {"kind": "collective", "rank": 0, "seq": 1, "start": 1.0, "op": "all_reduce", "payload": None},
+        {"kind": "send", "rank": 0, "seq": 2, "start": 2.0, "payload": {
+            "type": "transfer", "micro_batch": 0, "phase": "F", "stage": 0, "step": 0, "transfer": "0:F0:s0->s1"}},
+        {"kind": "recv", "rank": 0, "seq": 3, "start": 3.0, "payload": {"type": "collective", "batched": True}},
+        {"kind": "mark", "rank": 0, "seq": 4, "start": 4.0, "op": "pipeline_step", "payload": {
+            "type": "pipeline_step", "schedule": "FThenB", "p": 2, "m": 2, "v": 1, "step": 0, "stage": 0}},
+        {"kind": "mark", "rank": 0, "seq": 5, "start": 5.0, "payload": {"type": "note", "fields": {"mine": 1}}},
+        {"kind": "ownership", "rank": 0, "seq": 6, "start": 6.0, "op": "os", "payload": {
+            "type": "ownership", "sharded": ["state"], "numel": 4, "ranges": [[0, 2], [2, 4]],
+            "holds": {"param": [0, 4], "state": [0, 2]}}},
     ]
-    path = tmp_path / "old.jsonl"
-    path.write_text("".join(json.dumps(d) + "\n" for d in old))
+    path = tmp_path / "v01.jsonl"
+    path.write_text("".join(json.dumps(d) + "\n" for d in lines))
     got = [e.payload for e in trace.load_events(str(path))]
     assert got == [
-        trace.Placed(dtype="int64"),
-        trace.ReshardPlan(target_mesh={"shape": [2]}, ops=("all_gather",)),
-        trace.ReshardStep(dim=0),
-        trace.Collective(reduce_op="sum"),
-        None,
-        trace.Transfer(micro_batch=0, phase="F", stage=0, step=0, transfer="0:F0:s0->s1"),
-        trace.Collective(batched=True),
-        trace.Compute(stage=1, micro_batch=2, phase="B", chunk=0, step=1),
-        trace.PipelineStep(schedule="FThenB", p=2, m=2, v=1, step=0, stage=0),
+        trace.Collective(),
+        trace.Send(micro_batch=0, phase="F", stage=0, step=0, transfer="0:F0:s0->s1"),
+        trace.Recv(batched=True),
+        trace.Mark(schedule="FThenB", p=2, m=2, v=1, step=0, stage=0),
+        trace.Mark({"mine": 1}),
         trace.Share(sharded=("state",), numel=4, ranges=((0, 2), (2, 4)), holds={"param": [0, 4], "state": [0, 2]}),
-        trace.Note({"mine": 1}),
     ]
-    own = trace.Ownership.from_event(trace.load_events(str(path))[9])
+    own = trace.Ownership.from_event(trace.load_events(str(path))[5])
     assert own.held == (0, 2) and own.ranges == ((0, 2), (2, 4))
-    # an unknown payload type from a newer writer is kept as a Note, never executed
+    # an unknown payload type from a newer writer is kept as a mark's free-form fields, never executed
     e = Event.from_dict({"kind": "mark", "payload": {"type": "from_the_future", "x": 1}})
-    assert e.payload == trace.Note({"x": 1})
+    assert e.payload == trace.Mark({"x": 1})
+
+
+def test_a_record_from_before_0_1_is_refused_clearly():
+    old = {"kind": "placed", "rank": 0, "seq": 1, "start": 1.0, "op": "shard_tensor", "extra": {"dtype": "int64"}}
+    with pytest.raises(ValueError, match="untyped 'extra' dict comes from before meshviz 0.1"):
+        Event.from_dict(old)
+    with pytest.raises(ValueError, match="carries a Collective payload, not one of type 'placed'"):
+        Event.from_dict({"kind": "collective", "payload": {"type": "placed", "dtype": "int64"}})
+
+
+def test_an_events_kind_is_its_payloads():
+    assert Event(payload=trace.Placed(dtype="float32")).kind == "placed"
+    assert Event(kind="op", payload=trace.OpRule(rule="default")).kind == "op"
+    assert Event(kind="collective").payload == trace.Collective()  # kind alone: the kind's payload, all defaults
+    assert Event(kind="send", payload=trace.Send()).kind == "send" and Event(payload=trace.Recv()).kind == "recv"
+    with pytest.raises(ValueError, match="kind 'send' does not match its payload Collective"):
+        Event(kind="send", payload=trace.Collective())
+    with pytest.raises(ValueError, match="unknown kind 'nonsense'"):
+        Event(kind="nonsense")
+    with pytest.raises(ValueError, match="needs a kind or a payload|unknown kind ''"):
+        Event()
+    e = Event(kind="compute", payload=trace.Compute(phase="F"))
+    assert e.payload_as(trace.Compute).phase == "F"
+    with pytest.raises(TypeError, match="a 'compute' event carries a Compute, not a Share"):
+        e.payload_as(trace.Share)

@@ -8,7 +8,7 @@ from torch import nn
 
 from meshviz.testing import run_ranks
 
-from .models import LinearNet, SimpleNet
+from ..models import LinearNet, SimpleNet
 
 W = 2
 

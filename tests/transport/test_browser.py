@@ -18,7 +18,7 @@ import pytest
 
 pytestmark = [pytest.mark.browser, pytest.mark.timeout(300)]
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CHROMIUM = os.environ.get("MESHVIZ_CHROMIUM", "/usr/bin/chromium")
 ARTIFACTS = os.path.join(ROOT, "artifacts")
 ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -52,7 +52,7 @@ def _write_notebook(folder):
 
     from meshviz import ProcessMesh
     from meshviz.trace import to_json
-    from tests.test_widgets import _reshard_events
+    from tests.unit.test_widgets import _reshard_events
 
     mesh = ProcessMesh([[2, 4, 5], [0, 1, 3]], ["x", "y"])
     events = _reshard_events(mesh, (4, 6), ["S(0)", "S(1)"], ["R", "R"])

@@ -7,7 +7,7 @@ from torch import nn
 
 from meshviz.testing import run_ranks
 
-from .models import LinearNet
+from ..models import LinearNet
 
 V, D, H = 8, 4, 8
 

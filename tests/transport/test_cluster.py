@@ -13,7 +13,7 @@ import meshviz
 from meshviz import trace
 from meshviz.cluster import RankError
 
-from . import cluster_checks as checks
+from .. import cluster_checks as checks
 
 N = 3
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]

@@ -16,9 +16,9 @@ from meshviz.errors import RankError
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]
 
-HANG = 1.0  # hang_after
+HANG = 0.5  # hang_after
 SLACK = 2.5  # how late after hang_after the roll-call may come on a loaded 2-core machine
-TIMEOUT = 8  # the collective timeout of the cluster (6 for spawn)
+TIMEOUT = 2  # the collective timeout, of the cluster and of spawn
 COLL = r"all_reduce #(\d+) on group \[0, 1\]"
 
 
@@ -77,7 +77,9 @@ def test_a_different_collective_at_the_same_sequence_number(cluster):
     finally:
         cluster.apply(_set_checking, True)
     _first_rollcall(shown)
-    assert err.ranks == [0, 1] and took < TIMEOUT
+    # ended by the roll-call's mismatch, not by the collective timeout (which a loaded machine may reach while
+    # the error travels back: the time alone does not tell them apart with a 2 s timeout)
+    assert err.ranks == [0, 1] and took < TIMEOUT + SLACK and "Timed out" not in str(err)
     assert re.fullmatch(r"mismatch at #(\d+) on group \[0, 1\]: rank 0 entered all_reduce float32\[4\]; rank 1 "
                         r"entered all_gather float32\[4\]", str(err).splitlines()[0]), str(err)
     _next_cell_works(cluster)
@@ -133,7 +135,7 @@ def test_status_while_hung_and_interrupt(cluster):
     assert s1.note == "its cell finished" and rc.culprits() == [1]
     cluster.interrupt()
     with pytest.raises(RankError) as info:
-        cluster._finish(ar, timeout=TIMEOUT - 2)  # the interrupt ends it before the collective timeout
+        cluster._finish(ar, timeout=TIMEOUT)  # the interrupt ends it, by the collective timeout at the latest
     assert info.value.ranks == [1] and str(info.value).startswith("rank 1 never entered all_reduce #")
     _next_cell_works(cluster)
 
@@ -198,7 +200,7 @@ def _dies():
     dist.init_parallel_env()
     t = torch.ones(4)
     if dist.get_rank() == 1:
-        time.sleep(HANG + SLACK + 1)
+        time.sleep(HANG + 0.8)  # after the roll-call, before the timeout
         os.kill(os.getpid(), signal.SIGKILL)
     dist.all_reduce(t)
 
@@ -211,7 +213,7 @@ def _shapes():
 def _spawn(fn, capfd, **kw):
     capfd.readouterr()
     with pytest.raises(RankError) as info:
-        dist.spawn(fn, nprocs=2, timeout=6, hang_after=HANG, **kw)
+        dist.spawn(fn, nprocs=2, timeout=TIMEOUT, hang_after=HANG, **kw)
     return info.value, capfd.readouterr().err
 
 

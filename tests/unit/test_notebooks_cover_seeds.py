@@ -5,7 +5,8 @@ import os
 
 import pytest
 
-NOTEBOOKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "notebooks")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+NOTEBOOKS = os.path.join(ROOT, "notebooks")
 
 # (seed, example, notebook, marker that must appear in one of the notebook's code cells)
 COVERAGE = [

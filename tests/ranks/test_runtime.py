@@ -426,7 +426,7 @@ def reshards_against_the_tensor(mesh_ids, shape, cases):
     reshard, unshard_dtensor: the tensor comes back."""
     import meshviz.distributed as dist
 
-    from .partials import random_locals
+    from ..partials import random_locals
 
     dist.init_parallel_env()
     r = dist.get_rank()
