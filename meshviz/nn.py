@@ -39,16 +39,61 @@ def _is_dtensor(t) -> bool:
     return isinstance(t, DTensor)
 
 
+def _is_dist(t) -> bool:
+    """A meshviz dist tensor (``DistTensor``: a torch.Tensor wrapping a torch DTensor, which torch's clipping does
+    not know)."""
+    return callable(getattr(t, "is_dist", None)) and t.is_dist()
+
+
+@torch.no_grad()
+def _dist_sq_share(grads, dev) -> torch.Tensor:
+    """This rank's share of the squared 2-norm of dist ``grads``: summed over the world it is the exact total.
+
+    A Partial gradient is first reduced on its mesh (its norm needs the value, not the summands); then every rank
+    of the mesh adds its block's squared sum divided by how many ranks hold the same block (the product of the
+    Replicate axes), so a Replicate gradient counts once and a Shard one adds its disjoint blocks.
+    """
+    from .core.placements import Partial, Replicate
+    from .distributed.api import reshard
+
+    total = torch.zeros((), dtype=torch.float64, device=dev)
+    for g in grads:
+        mesh, pl = g.process_mesh, list(g.placements)
+        if any(isinstance(p, Partial) for p in pl):
+            pl = [Replicate() if isinstance(p, Partial) else p for p in pl]
+            g = reshard(g.detach(), mesh, pl)
+        local = g._local_value().detach()
+        if not local.numel():
+            continue
+        copies = 1
+        for axis, p in enumerate(pl):
+            if isinstance(p, Replicate):
+                copies *= mesh.shape[axis]
+        total += local.double().pow(2).sum().to(dev) / copies
+    return total
+
+
+def _scale_(g, coef: float) -> None:
+    if _is_dist(g):
+        from . import compat
+
+        compat.dtensor_local(g._dtensor).mul_(coef)  # every placement scales blockwise (Partial summands too)
+    else:
+        g.mul_(coef)
+
+
 class ClipGradByGlobalNorm:
     """Scale all gradients by ``clip_norm / max(global_norm, clip_norm)`` (Paddle's formula, no epsilon).
 
     ``global_norm`` is the 2-norm of all gradients together. Call it on parameters (in place; returns the
     global norm as a 0-d tensor) or on Paddle-style ``[(param, grad), ...]`` pairs (returns clipped pairs).
-    Gradients that are torch DTensors are measured through their placements, so sharded gradients count once.
+    Gradients that are torch DTensors are measured through their placements, so sharded gradients count once;
+    meshviz dist tensors (Shard, Replicate or Partial, on one mesh or several) too: a Replicate block counts once,
+    a Partial one is reduced first. With dist gradients every rank of the world must call it (one all-reduce).
     ``group``: the local gradients are disjoint pieces spread over this process group (as in ZeRO); their
     squared sums are added over the group. Parameters with ``need_clip = False`` are left alone, like Paddle.
     Attach it to a sharded optimizer with ``group_sharded_parallel(..., grad_clip=clip)`` or
-    ``optimizer._grad_clip = clip``.
+    ``optimizer._grad_clip = clip`` (also read by ``dist.shard_optimizer``: Paddle's ``AdamW(..., grad_clip=clip)``).
     """
 
     def __init__(self, clip_norm: float, group_name: str = "default_group", auto_skip_clip: bool = False):
@@ -69,14 +114,27 @@ class ClipGradByGlobalNorm:
         """Clip in place: ``sharded`` grads are disjoint pieces over ``group``, ``replicated`` are whole here."""
         sharded = [g for g in sharded if g is not None]
         replicated = [g for g in replicated if g is not None]
+        dists = [g for g in sharded + replicated if _is_dist(g)]
         dts = [g for g in sharded + replicated if _is_dtensor(g)]
-        dev = _norm_device(sharded + replicated)
+        plain = [g for g in sharded + replicated if not _is_dist(g) and not _is_dtensor(g)]
+        sharded = [g for g in sharded if not _is_dist(g)]
+        replicated = [g for g in replicated if not _is_dist(g)]
+        dev = _norm_device(plain + dts + dists)
         sq = _sq_sum([g for g in sharded if not _is_dtensor(g)], dev)
         if group is not None and tdist.is_initialized() and tdist.get_world_size(group) > 1:
-            from .distributed.comm import run
+            from .distributed.comm import Call, CollectiveOp, run
 
-            run("all_reduce", group, lambda g: tdist.all_reduce(sq, group=g.process_group, async_op=True),
-                tensors=(sq,), kind=None)
+            run(Call(CollectiveOp.ALL_REDUCE, group,
+                     lambda g: tdist.all_reduce(sq, group=g.process_group, async_op=True), tensors=(sq,), traced=False))
+        if dists:  # every rank of the world steps every dist parameter (empty off its mesh), as in Paddle
+            share = _dist_sq_share(dists, dev)
+            if tdist.is_initialized() and tdist.get_world_size() > 1:
+                from .distributed.comm import Call, CollectiveOp, run
+
+                run(Call(CollectiveOp.ALL_REDUCE, None,
+                         lambda g: tdist.all_reduce(share, group=g.process_group, async_op=True), tensors=(share,),
+                         traced=False))
+            sq = sq + share
         sq = sq + _sq_sum([g for g in replicated if not _is_dtensor(g)], dev)
         from .distributed.devices import full_tensor
 
@@ -86,8 +144,8 @@ class ClipGradByGlobalNorm:
         norm = float(sq.sqrt())
         coef = self.coefficient(norm)
         if coef < 1.0:
-            for g in sharded + replicated:
-                g.mul_(coef)
+            for g in sharded + replicated + dists:
+                _scale_(g, coef)
         return torch.tensor(norm)
 
     def __call__(self, parameters, group=None):

@@ -147,3 +147,30 @@ def llama_batches(steps=3, batch=4, seq=4, vocab=16, seed=5):
     g = torch.Generator().manual_seed(seed)
     return [(torch.randint(0, vocab, (batch, seq), generator=g), torch.randint(0, vocab, (batch, seq), generator=g))
             for _ in range(steps)]
+
+
+IGNORE_INDEX = -100
+
+
+class LlamaPretrainingCriterion(nn.Module):
+    """Paddle's Llama loss (test/auto_parallel's semi-auto Llama, PaddleNLP's criterion): per-token cross entropy,
+    then ``masked_select`` of the positive losses (an ignored label's loss is 0) and their float32 mean."""
+
+    def __init__(self, ignore_index=IGNORE_INDEX):
+        super().__init__()
+        self.ignore_index = ignore_index
+
+    def forward(self, prediction_scores, masked_lm_labels):
+        # Paddle's cross entropy runs over the last axis, torch's over dim 1: one row per token, the loss [b, s]
+        masked_lm_loss = torch.nn.functional.cross_entropy(
+            prediction_scores.float().flatten(0, 1), masked_lm_labels.flatten(), reduction="none",
+            ignore_index=self.ignore_index).reshape(masked_lm_labels.shape)
+        masked_lm_loss = torch.masked_select(masked_lm_loss, masked_lm_loss > 0).float()
+        return masked_lm_loss.mean()
+
+
+def llama_batches_with_ignored(steps=3, batch=4, seq=4, vocab=16, seed=5, ignored=0.25):
+    """``llama_batches`` with about ``ignored`` of the labels set to ``IGNORE_INDEX`` (padding)."""
+    g = torch.Generator().manual_seed(seed + 1)
+    return [(ids, labels.masked_fill(torch.rand(labels.shape, generator=g) < ignored, IGNORE_INDEX))
+            for ids, labels in llama_batches(steps, batch, seq, vocab, seed)]

@@ -9,13 +9,15 @@ import numpy as np
 
 from .mesh import ProcessMesh
 from .partial import partial_fill
-from .placements import Partial, Placement, Shard, parse_placement
+from .placements import Partial, Placement, Replicate, Shard, parse_placement
 
 __all__ = [
     "Block",
     "Layout",
     "chunk",
     "normalize_placements",
+    "pad_placements",
+    "with_nesting",
     "local_block",
     "local_shape",
     "layout",
@@ -34,19 +36,27 @@ def chunk(n: int, k: int, i: int) -> tuple[int, int]:
     return start, min(start + size, n)
 
 
-def normalize_placements(shape: Sequence[int], mesh: ProcessMesh, placements) -> tuple[Placement, ...]:
-    """Validate ``placements`` against ``shape`` and ``mesh``; negative Shard dims become positive."""
+def pad_placements(placements, mesh: ProcessMesh) -> list:
+    """``placements`` as a list of one per mesh axis: a short list is padded with Replicate (as Paddle does), a long
+    one raises ``ValueError``."""
     if placements is None:
-        raise ValueError("placements must be a list with one placement per mesh axis")
+        raise ValueError("placements must be a list with at most one placement per mesh axis")
     try:
         placements = list(placements)
     except TypeError:
         raise ValueError(f"placements must be a list, got {placements!r}") from None
-    if len(placements) != mesh.ndim:
+    if len(placements) > mesh.ndim:
         raise ValueError(
             f"got {len(placements)} placements {placements} for a {mesh.ndim}-D mesh {mesh.shape}; "
-            f"give exactly one per mesh axis"
+            f"give at most one per mesh axis (missing ones are Replicate)"
         )
+    return placements + [Replicate()] * (mesh.ndim - len(placements))
+
+
+def normalize_placements(shape: Sequence[int], mesh: ProcessMesh, placements) -> tuple[Placement, ...]:
+    """Validate ``placements`` against ``shape`` and ``mesh``: short lists are padded with Replicate, negative Shard
+    dims become positive, and co-shard orders are rewritten so one nesting has one spelling (``with_nesting``)."""
+    placements = pad_placements(placements, mesh)
     ndim = len(shape)
     out = []
     for p in placements:
@@ -60,24 +70,39 @@ def normalize_placements(shape: Sequence[int], mesh: ProcessMesh, placements) ->
                     f"Shard({p.dim}) is out of range for a {ndim}-D tensor of shape {list(shape)}; "
                     f"valid dims are {list(range(-ndim, ndim)) if ndim else 'none'}"
                 )
-            p = Shard(p.dim % ndim)
+            p = Shard(p.dim % ndim, p.co_shard_order)
         out.append(p)
+    for d in {p.dim for p in out if isinstance(p, Shard)}:
+        out = with_nesting(out, d, shard_axes(out, d))
     return tuple(out)
 
 
 def shard_axes(placements: Sequence[Placement], dim: int) -> list[int]:
-    """Mesh axes that shard tensor dim ``dim``, outer first (mesh axis order is nesting order)."""
-    return [i for i, p in enumerate(placements) if isinstance(p, Shard) and p.dim == dim]
+    """Mesh axes that shard tensor dim ``dim``, outer first: by ``co_shard_order``, ties by mesh axis (Paddle's
+    order; all orders 0 nests mesh axis 0 outermost)."""
+    shards = [(p.co_shard_order, i) for i, p in enumerate(placements) if isinstance(p, Shard) and p.dim == dim]
+    return [i for _, i in sorted(shards)]
+
+
+def with_nesting(placements: Sequence[Placement], dim: int, axes: Sequence[int]) -> list[Placement]:
+    """``placements`` with tensor dim ``dim`` sharded by mesh ``axes`` (outer first) and no other axis: orders all 0
+    when the nesting is mesh order (the default spelling), else each axis's position in ``axes``."""
+    out = [Replicate() if isinstance(p, Shard) and p.dim == dim and i not in axes else p
+           for i, p in enumerate(placements)]
+    default = list(axes) == sorted(axes)
+    for pos, i in enumerate(axes):
+        out[i] = Shard(dim, 0 if default else pos)
+    return out
 
 
 def local_block(shape, mesh: ProcessMesh, placements, coord) -> Block:
-    """The (start, stop) per tensor dim held at mesh coordinate ``coord`` (nested ceil chunks)."""
+    """The (start, stop) per tensor dim held at mesh coordinate ``coord`` (nested ceil chunks, outer first)."""
     bounds = [[0, int(n)] for n in shape]
-    for axis, p in enumerate(placements):
-        if isinstance(p, Shard):
-            lo, hi = bounds[p.dim]
+    for d in {p.dim for p in placements if isinstance(p, Shard)}:
+        for axis in shard_axes(placements, d):
+            lo, hi = bounds[d]
             a, b = chunk(hi - lo, mesh.shape[axis], coord[axis])
-            bounds[p.dim] = [lo + a, lo + b]
+            bounds[d] = [lo + a, lo + b]
     return tuple((a, b) for a, b in bounds)
 
 

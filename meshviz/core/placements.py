@@ -70,15 +70,28 @@ class Placement:
         return self.__repr__()
 
 
-@dataclass(frozen=True, repr=False)
+@dataclass(frozen=True, repr=False, init=False)
 class Shard(Placement):
-    """Split tensor dim ``dim`` in ceil-sized chunks along the mesh axis."""
+    """Split tensor dim ``dim`` in ceil-sized chunks along the mesh axis.
+
+    ``co_shard_order`` (Paddle 3.3.1 spells the keyword ``shard_order``; both are accepted) orders the mesh axes that
+    shard the same tensor dim: the lowest order is the outermost chunk, ties go by mesh axis. All 0 (the default)
+    nests mesh axis 0 outermost. ``Shard(0, co_shard_order=0) == Shard(0)``, as in Paddle.
+    """
 
     dim: int
+    co_shard_order: int
 
-    def __post_init__(self):
-        if not isinstance(self.dim, int) or isinstance(self.dim, bool):
-            raise ValueError(f"Shard dim must be an int, got {self.dim!r}")
+    def __init__(self, dim: int, co_shard_order: int | None = None, *, shard_order: int | None = None):
+        if co_shard_order is not None and shard_order is not None and co_shard_order != shard_order:
+            raise ValueError(f"Shard: give co_shard_order or shard_order, not both ({co_shard_order}, {shard_order})")
+        order = co_shard_order if co_shard_order is not None else (shard_order if shard_order is not None else 0)
+        if not isinstance(dim, int) or isinstance(dim, bool):
+            raise ValueError(f"Shard dim must be an int, got {dim!r}")
+        if not isinstance(order, int) or isinstance(order, bool) or order < 0:
+            raise ValueError(f"Shard co_shard_order must be a non-negative int, got {order!r}")
+        object.__setattr__(self, "dim", int(dim))
+        object.__setattr__(self, "co_shard_order", int(order))
 
     def is_shard(self, dim: int | None = None) -> bool:
         return dim is None or dim == self.dim
@@ -86,8 +99,11 @@ class Shard(Placement):
     def get_dim(self) -> int:
         return self.dim
 
+    def get_co_shard_order(self) -> int:
+        return self.co_shard_order
+
     def __repr__(self) -> str:
-        return f"S({self.dim})"
+        return f"S({self.dim})" if not self.co_shard_order else f"S({self.dim},o={self.co_shard_order})"
 
 
 @dataclass(frozen=True, repr=False)
@@ -121,20 +137,22 @@ class Partial(Placement):
         return f"P({self.reduce_type.short})"
 
 
-_PAT = re.compile(r"^\s*(?:S\((-?\d+)\)|Shard\((?:dim=)?(-?\d+)\)|(R|Replicate\(\))"
+_ORDER = r"(?:\s*,\s*(?:o|co_shard_order|shard_order)\s*=\s*(\d+))?"
+_PAT = re.compile(r"^\s*(?:S\((-?\d+)" + _ORDER + r"\)|Shard\((?:dim=)?(-?\d+)" + _ORDER + r"\)|(R|Replicate\(\))"
                   r"|P\((\w+)\)|Partial\((?:reduce_type=)?([\w.]*)\))\s*$")
 
 
 def parse_placement(text) -> Placement:
-    """Parse ``S(0)``, ``R``, ``P(sum)`` (or the long spellings) into a placement."""
+    """Parse ``S(0)``, ``S(0,o=1)``, ``R``, ``P(sum)`` (or the long spellings) into a placement."""
     if isinstance(text, Placement):
         return text
     m = _PAT.match(str(text))
     if not m:
         raise ValueError(f"cannot read placement {text!r}; write S(0), R or P(sum)")
-    s1, s2, r, p1, p2 = m.groups()
+    s1, o1, s2, o2, r, p1, p2 = m.groups()
     if s1 is not None or s2 is not None:
-        return Shard(int(s1 if s1 is not None else s2))
+        order = o1 if s1 is not None else o2
+        return Shard(int(s1 if s1 is not None else s2), int(order) if order is not None else 0)
     if r:
         return Replicate()
     red = p1 or (p2.split(".")[-1] if p2 else "sum")

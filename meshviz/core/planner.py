@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .layout import chunk, local_block, normalize_placements, shard_axes
+from .layout import chunk, local_block, normalize_placements, shard_axes, with_nesting
 from .mesh import ProcessMesh
 from .partial import commutes, nesting, partial_axes, partial_fill
 from .placements import Partial, ReduceType, Replicate, Shard
@@ -72,7 +72,7 @@ class Step:
         return self.mesh.axis_group_of(rank, self.axis) if self.mesh.contains(rank) else None
 
 
-def _fmt_bytes(n: int) -> str:
+def _fmt_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
@@ -158,7 +158,12 @@ class _Builder:
 
     def add(self, op, axis, new, **kw):
         before = tuple(self.cur)
-        self.cur[axis] = new
+        old = self.cur[axis]
+        self.cur[axis] = Replicate() if isinstance(new, Shard) else new
+        if isinstance(old, Shard):  # this axis leaves its dim's nesting (it was the innermost there)
+            self.cur = with_nesting(self.cur, old.dim, [a for a in shard_axes(before, old.dim) if a != axis])
+        if isinstance(new, Shard):  # a new shard is the innermost chunk of its dim
+            self.cur = with_nesting(self.cur, new.dim, shard_axes(self.cur, new.dim) + [axis])
         k = self.mesh.shape[axis]
         blk = _numel(_max_block_shape(self.shape, self.mesh, before))
         if op == "all_gather":
@@ -211,31 +216,43 @@ def _plan_same_mesh(shape, mesh, src, dst, itemsize) -> list[Step]:
             else:
                 b.add("all_gather", i, Replicate(), dim=d)
 
-    # 3. Target shards and partials, outer mesh axis first (a reduction here may settle an inner axis, which this
-    #    loop then brings to its target when it gets there).
-    for i in range(n):
-        c, t = b.cur[i], dst[i]
-        if c == t:
-            continue
-        if isinstance(t, Shard):
-            if isinstance(c, Partial):
-                _settle_and_reduce(b, i, "reduce_scatter", t, dim=t.dim, reduce=c.reduce_type)
+    # 3. Target shards and partials, outer mesh axis first, except that the axes sharding one tensor dim take their
+    #    places in that dim's target nesting (each new shard is the innermost chunk). A reduction here may settle an
+    #    axis already passed; the next round brings it to its target.
+    order = list(range(n))
+    for d in range(ndim):
+        nest = shard_axes(dst, d)
+        for pos, i in zip(sorted(nest), nest):
+            order[pos] = i
+    for _ in range(n + 1):
+        if tuple(b.cur) == tuple(dst):
+            break
+        for i in order:
+            c, t = b.cur[i], dst[i]
+            if isinstance(t, Shard):
+                if i in shard_axes(b.cur, t.dim):
+                    continue
+                if isinstance(c, Partial):
+                    _settle_and_reduce(b, i, "reduce_scatter", t, dim=t.dim, reduce=c.reduce_type)
+                else:
+                    b.add("slice", i, t, dim=t.dim)
+            elif c == t:
+                continue
+            elif isinstance(t, Partial):
+                if isinstance(c, Partial):  # a different reduction: settle the old one first
+                    _settle_and_reduce(b, i, "all_reduce", Replicate(), reduce=c.reduce_type)
+                b.add("zero_fill", i, t, reduce=t.reduce_type)
             else:
-                b.add("slice", i, t, dim=t.dim)
-        elif isinstance(t, Partial):
-            if isinstance(c, Partial):  # a different reduction: settle the old one first
-                _settle_and_reduce(b, i, "all_reduce", Replicate(), reduce=c.reduce_type)
-            b.add("zero_fill", i, t, reduce=t.reduce_type)
-        else:
-            raise AssertionError(f"planner left axis {i} as {c}, target {t}")  # pragma: no cover
+                raise AssertionError(f"planner left axis {i} as {c}, target {t}")  # pragma: no cover
+    if tuple(b.cur) != tuple(dst):  # pragma: no cover
+        raise ValueError(f"cannot plan {list(src)} -> {list(dst)} on mesh {mesh.shape}: reached {b.cur}")
     return b.steps
 
 
 def _a2a_ok(cur, dst, axis, b_dim) -> bool:
     """Can axis ``axis`` (innermost shard of its dim) switch to Shard(b_dim) by an all-to-all?"""
-    cur_b = shard_axes(cur, b_dim)
-    want = [j for j in shard_axes(dst, b_dim) if j < axis]
-    return cur_b == want
+    tgt_b = shard_axes(dst, b_dim)
+    return axis in tgt_b and shard_axes(cur, b_dim) == tgt_b[:tgt_b.index(axis)]
 
 
 def plan_reshard(shape: Sequence[int], src_mesh: ProcessMesh, src_placements, dst_mesh: ProcessMesh | None = None,
@@ -264,14 +281,15 @@ def plan_reshard(shape: Sequence[int], src_mesh: ProcessMesh, src_placements, ds
         steps = _plan_same_mesh(shape, src_mesh, src, rep, itemsize)
         dense_dst = tuple(Replicate() if isinstance(p, Partial) else p for p in dst)
         src_ids = src_mesh.process_ids
-        pairs, blocks = [], []
+        moves: list[tuple[int, int]] = []
+        blocks = []
         for j, coord in enumerate(np.ndindex(*dst_mesh.shape)):
             t = dst_mesh.rank_at(coord)
             s = t if src_mesh.contains(t) else src_ids[j % len(src_ids)]
-            pairs.append((s, t))
+            moves.append((s, t))
             blocks.append(local_block(shape, dst_mesh, dense_dst, coord))
         blk = _numel(_max_block_shape(shape, dst_mesh, dense_dst))
-        steps.append(Step("send_recv", src_mesh, None, rep, dense_dst, shape, groups=tuple(pairs),
+        steps.append(Step("send_recv", src_mesh, None, rep, dense_dst, shape, groups=tuple(moves),
                           bytes=blk * itemsize, target_mesh=dst_mesh, blocks=tuple(blocks)))
         b = _Builder(shape, dst_mesh, dense_dst, itemsize)
         for i, p in enumerate(dst):
@@ -305,6 +323,12 @@ def _reduce(arrs, rt: ReduceType):
     return stack.prod(0)
 
 
+def _reduction(step: Step) -> ReduceType:
+    if step.reduce is None:
+        raise ValueError(f"apply_step: a {step.op} step needs its reduction")
+    return step.reduce
+
+
 def _take(arr, dim, k, i):
     a, b = chunk(arr.shape[dim], k, i)
     idx = [slice(None)] * arr.ndim
@@ -324,10 +348,16 @@ def apply_step(step: Step, locals_: dict) -> dict:
                 v = v[tuple(slice(a, b) for a, b in step.blocks[j])]
             new[t] = v.copy()
         return new
-    k = mesh.shape[step.axis]
+    axis = step.axis
+    if axis is None:
+        raise ValueError(f"apply_step: a {step.op} step needs a mesh axis")
+    k = mesh.shape[axis]
     if step.op == "slice":
         for r in locals_:
-            out[r] = _take(locals_[r], step.dim, k, mesh.coordinate(r)[step.axis])
+            coord = mesh.coordinate(r)
+            if coord is None:
+                raise ValueError(f"apply_step: rank {r} is not in the step's mesh")
+            out[r] = _take(locals_[r], step.dim, k, coord[axis])
         return out
     if step.op == "zero_fill":
         for r in locals_:
@@ -344,11 +374,11 @@ def apply_step(step: Step, locals_: dict) -> dict:
             for r in line:
                 out[r] = full
         elif step.op == "all_reduce":
-            red = _reduce(vals, step.reduce)
+            red = _reduce(vals, _reduction(step))
             for r in line:
                 out[r] = red
         elif step.op == "reduce_scatter":
-            red = _reduce(vals, step.reduce)
+            red = _reduce(vals, _reduction(step))
             for i, r in enumerate(line):
                 out[r] = _take(red, step.dim, k, i)
         elif step.op == "all_to_all":
@@ -382,6 +412,8 @@ def assemble(locals_: dict, shape, mesh: ProcessMesh, placements) -> np.ndarray:
             out = np.zeros(shape, dtype=value.dtype)
         blk = local_block(shape, mesh, dense, c)
         out[tuple(slice(a, b) for a, b in blk)] = value
+    if out is None:  # unreachable: the mesh's origin always takes part
+        raise ValueError("assemble: an empty mesh")
     return out
 
 

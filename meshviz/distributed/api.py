@@ -9,12 +9,12 @@ import torch
 import torch.distributed as tdist
 
 from .. import compat, trace
-from ..core.layout import local_block, normalize_placements
+from ..core.layout import local_block, normalize_placements, pad_placements
 from ..core.mesh import ProcessMesh
 from ..core.partial import partial_fill
 from ..core.placements import Partial, Replicate, Shard
 from ..core.planner import plan_reshard
-from . import groups
+from . import groups, ops  # noqa: F401  (ops: every op on a dist tensor goes through it)
 from .dtensor import DistTensor, make_dist
 from .env import init_parallel_env
 from .reshard import run_plan
@@ -153,15 +153,15 @@ class _ToLocal(torch.autograd.Function):
     @staticmethod
     def forward(ctx, t):
         ctx.mesh, ctx.placements, ctx.shape = t.process_mesh, t.placements, t.shape
-        local = compat.dtensor_local(t._dtensor)
+        local = compat.dtensor_local(t._resolved()._dtensor)
         return local.view_as(local)
 
     @staticmethod
     def backward(ctx, grad):
         if grad is None:
             return None
-        want = [Replicate() if p.is_partial() else p for p in ctx.placements]
-        return make_dist(grad, ctx.mesh, want, ctx.shape)
+        # the gradient of a block lies as the block did: a Partial input's gradient stays Partial (Paddle 3.3.1)
+        return make_dist(grad, ctx.mesh, ctx.placements, ctx.shape)
 
 
 def _global_shape(local: torch.Tensor, mesh: ProcessMesh, placements) -> list[int]:
@@ -179,10 +179,9 @@ def dtensor_from_local(local_tensor, mesh: ProcessMesh, placements, shape=None):
     local = _as_tensor(local_tensor)
     if not isinstance(mesh, ProcessMesh):
         raise ValueError(f"expected a ProcessMesh, got {mesh!r}")
+    placements = pad_placements(placements, mesh)
     if shape is None:
-        if len(placements) != mesh.ndim:
-            raise ValueError(f"got {len(placements)} placements for a {mesh.ndim}-D mesh")
-        shape = _global_shape(local, mesh, [p for p in placements])
+        shape = _global_shape(local, mesh, placements)
     pl = _check(mesh, placements, tuple(shape))
     if not mesh.contains(_rank()):
         local = local.new_empty(0)
@@ -225,16 +224,8 @@ def plan_of(t: DistTensor, mesh: ProcessMesh, placements):
 
 
 def _grad_layout(placements):
-    """A reshard's gradient goes back with Replicate and Partial trading places."""
-    out = []
-    for p in placements:
-        if isinstance(p, Partial):
-            out.append(Replicate())
-        elif isinstance(p, Replicate):
-            out.append(Partial())
-        else:
-            out.append(p)
-    return out
+    """A reshard's gradient goes back to the source layout, a Partial source's as Replicate (Paddle 3.3.1)."""
+    return [Replicate() if isinstance(p, Partial) else p for p in placements]
 
 
 class _Reshard(torch.autograd.Function):
@@ -254,6 +245,7 @@ class _Reshard(torch.autograd.Function):
 
 
 def _run_reshard(t: DistTensor, mesh: ProcessMesh, placements, name=None) -> DistTensor:
+    t = t._resolved()
     plan = plan_of(t, mesh, placements)
     local = compat.dtensor_local(t._dtensor)
     rank = _rank()
@@ -324,10 +316,10 @@ def local_map(func, out_placements, in_placements=None, process_mesh=None, resha
         out = func(*locals_, **kwargs)
         single = not isinstance(out, (tuple, list))
         outs = [out] if single else list(out)
-        ops = [out_placements] if single and out_placements and not isinstance(out_placements[0], (list, tuple)) \
+        out_pls = [out_placements] if single and out_placements and not isinstance(out_placements[0], (list, tuple)) \
             else list(out_placements)
         res = [dtensor_from_local(o, mesh, p) if p is not None and isinstance(o, torch.Tensor) else o
-               for o, p in zip(outs, ops)]
+               for o, p in zip(outs, out_pls)]
         return res[0] if single else type(out)(res)
 
     return wrapped

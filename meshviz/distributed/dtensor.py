@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import time
 import weakref
 
 import torch
@@ -13,16 +12,17 @@ from torch.distributed.tensor import Partial as TPartial
 from torch.distributed.tensor import Replicate as TReplicate
 from torch.distributed.tensor import Shard as TShard
 
-from .. import compat, trace
-from ..compat import TorchDispatchMode, tree_map
+from .. import compat
+from ..core.layout import local_block
 from ..core.mesh import ProcessMesh
 from ..core.placements import Partial, Placement, Replicate, Shard
 from ..rank_context import per_rank
-from . import groups, rollcall
+from . import groups
 from .comm import dtensor_reduce_op, from_dtensor_reduce_op
 from .devices import device
 
-__all__ = ["DistTensor", "to_torch_placements", "from_torch_placements", "make_dtensor", "make_dist"]
+__all__ = ["DistTensor", "to_torch_placements", "from_torch_placements", "paddle_placement", "make_dtensor",
+           "make_dist", "set_op_layer", "torch_only_axes"]
 
 _pmesh_of: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # DeviceMesh -> ProcessMesh
 _ids = per_rank(lambda: itertools.count(1))  # tensor ids in events, numbered per rank
@@ -40,6 +40,12 @@ def to_torch_placements(placements) -> tuple:
     out = []
     for p in placements:
         if isinstance(p, Shard):
+            if p.co_shard_order and not _mesh_order_nesting(placements, p.dim):
+                raise ValueError(
+                    f"placements {list(placements)} nest the co-shards of tensor dim {p.dim} in an order other than "
+                    f"mesh order (co_shard_order); torch DTensor cannot hold that layout, so a dist tensor cannot "
+                    f"have it (meshviz.core lays it out and plans reshards to and from it; at runtime use the "
+                    f"default order)")
             out.append(TShard(p.dim))
         elif isinstance(p, Replicate):
             out.append(TReplicate())
@@ -52,24 +58,40 @@ def to_torch_placements(placements) -> tuple:
     return tuple(out)
 
 
+def _mesh_order_nesting(placements, dim) -> bool:
+    axes = [i for i, p in enumerate(placements) if isinstance(p, Shard) and p.dim == dim]
+    return sorted(axes, key=lambda i: (placements[i].co_shard_order, i)) == axes
+
+
+def paddle_placement(p) -> Placement | None:
+    """The meshviz placement a torch one stands for; None for one Paddle has no name for (``_StridedShard``)."""
+    kind = type(p)
+    if kind is TShard:
+        return Shard(p.dim)
+    if kind is TReplicate:
+        return Replicate()
+    if p.is_partial():
+        return Partial(from_dtensor_reduce_op(getattr(p, "reduce_op", "sum")))
+    return None
+
+
 def from_torch_placements(placements) -> list[Placement]:
+    """meshviz's placements for torch's; a placement Paddle has no name for (``_StridedShard``, a view merging a
+    sharded dim into one before it) reads as Replicate, which is what Paddle's rule for that view gives: the
+    block becomes that once it is used (:meth:`DistTensor._resolved`)."""
     key = tuple(placements)
     hit = _from_torch.get(key)
     if hit is not None:
         return list(hit)
-    out: list[Placement] = []
-    for p in placements:
-        if p.is_shard():
-            out.append(Shard(p.dim))
-        elif p.is_replicate():
-            out.append(Replicate())
-        elif p.is_partial():
-            out.append(Partial(from_dtensor_reduce_op(getattr(p, "reduce_op", "sum"))))
-        else:
-            raise ValueError(f"unsupported torch placement {p!r}")
+    out = [paddle_placement(p) or Replicate() for p in placements]
     if len(_from_torch) < 4096:
         _from_torch[key] = tuple(out)
     return out
+
+
+def torch_only_axes(dt: DTensor) -> list[int]:
+    """Mesh axes on which ``dt`` lies in a way only torch can name (``_StridedShard``)."""
+    return [i for i, p in enumerate(dt.placements) if paddle_placement(p) is None]
 
 
 def device_mesh_for(mesh: ProcessMesh, device_type: str | None = None):
@@ -144,6 +166,7 @@ class DistTensor(torch.Tensor):
         r._mv_id = next(_ids)
         r._mv_name = None
         r._pl = placements  # set only when torch DTensor cannot hold them (mixed Partial reductions)
+        r._mv_grad_hook = None  # the op layer's hook giving the gradient Paddle's placements
         return r
 
     # -- Paddle's dist attributes -----------------------------------------------------------------
@@ -171,7 +194,29 @@ class DistTensor(torch.Tensor):
 
     @property
     def local_shape(self) -> list[int]:
+        if torch_only_axes(self._dtensor):
+            coord = self._pmesh.coordinate(tdist.get_rank() if tdist.is_initialized() else 0)
+            if coord is None:
+                return [0]
+            return [b - a for a, b in local_block(tuple(self.shape), self._pmesh, self.placements, coord)]
         return list(compat.dtensor_local(self._dtensor).shape)
+
+    @property
+    def _local_shape(self) -> list[int]:
+        """Paddle's name for :attr:`local_shape`."""
+        return self.local_shape
+
+    def _resolved(self) -> "DistTensor":
+        """This tensor with a block that its :attr:`placements` describe: an axis only torch can name is
+        all-gathered by torch (its collective is seen, as every one inside an op is). No autograd."""
+        odd = torch_only_axes(self._dtensor)
+        if not odd:
+            return self
+        dt = self._dtensor
+        dt = dt.redistribute(dt.device_mesh, [TReplicate() if i in odd else p for i, p in enumerate(dt.placements)])
+        out = DistTensor(dt, self._pmesh)
+        out._mv_id, out._mv_name = self._mv_id, self._mv_name
+        return out
 
     @property
     def name(self) -> str | None:
@@ -210,131 +255,17 @@ class DistTensor(torch.Tensor):
     # -- dispatch ---------------------------------------------------------------------------------
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        first: list[DistTensor] = []
-
-        def find(x):
-            if isinstance(x, DistTensor) and not first:
-                first.append(x)
-            return x
-
-        tree_map(find, (args, kwargs))
-        ref = first[0]
-        if func is torch.ops.aten._local_scalar_dense.default and not all(
-                isinstance(p, Replicate) for p in ref.placements):
-            raise ValueError(
-                f"item()/float() of a {ref.placements} dist tensor would give this rank's block or summand, not "
-                f"the value; use dist.unshard_dtensor(t).item() on every rank (a collective)")
-        meshes = set()
-        by_id = {}
-
-        def unwrap(x):
-            if isinstance(x, DistTensor):
-                if x._pl is not None and func not in _METADATA_OPS:
-                    raise ValueError(
-                        f"{func}: a tensor with mixed Partial reductions {x._pl} cannot enter an op; "
-                        f"dist.reshard it first")
-                meshes.add(x._pmesh)
-                by_id[id(x._dtensor)] = x
-                return x._dtensor
-            if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) and x.dim() > 0 and x.numel() > 1:
-                # a dense tensor meeting a dist one is replicated on its mesh, as in Paddle
-                return make_dtensor(_local_for_replicate(x, ref._pmesh), ref._pmesh,
-                                    [Replicate()] * ref._pmesh.ndim, x.shape, ref._dtensor.device_mesh.device_type)
-            return x
-
-        uargs, ukwargs = tree_map(unwrap, (args, kwargs))
-        if len(meshes) > 1:
-            raise ValueError(
-                f"{func}: inputs live on different meshes {sorted(map(repr, meshes))}; "
-                f"dist.reshard one of them onto the other's mesh first"
-            )
-        if trace.active():
-            with _CommObserver(str(func.__name__ if hasattr(func, "__name__") else func)):
-                out = _call(func, uargs, ukwargs)
-        else:
-            out = _call(func, uargs, ukwargs)
-
-        def wrap_out(x):
-            if isinstance(x, DTensor):
-                hit = by_id.get(id(x))
-                if hit is not None:
-                    return hit
-                keep = ref._pl if func in _METADATA_OPS else None
-                return DistTensor(x, ref._pmesh if x.device_mesh is ref._dtensor.device_mesh else None,
-                                  placements=keep)
-            return x
-
-        return tree_map(wrap_out, out)
+        return _op_layer(func, args, kwargs or {})
 
 
-def _call(func, args, kwargs):
-    try:
-        return func(*args, **kwargs)
-    except AssertionError as e:
-        # torch 2.11's DTensor cannot turn one Partial reduction into another inside an op (P(avg) + P(sum));
-        # 2.13 can. Reduce the Partial inputs first, then run the op again.
-        if "from one partial type" not in str(e):
-            raise
-        args, kwargs = tree_map(_reduce_partials, (args, kwargs))
-        return func(*args, **kwargs)
+def _no_op_layer(func, args, kwargs):
+    raise RuntimeError("meshviz.distributed.ops is not imported")
 
 
-def _reduce_partials(x):
-    if isinstance(x, DTensor) and any(p.is_partial() for p in x.placements):
-        return x.redistribute(x.device_mesh, [TReplicate() if p.is_partial() else p for p in x.placements])
-    return x
+_op_layer = _no_op_layer
 
 
-_METADATA_OPS = {torch.ops.aten.detach.default, torch.ops.aten.alias.default}
-
-
-def _local_for_replicate(x: torch.Tensor, mesh: ProcessMesh) -> torch.Tensor:
-    rank = tdist.get_rank() if tdist.is_initialized() else 0
-    return x.detach() if mesh.contains(rank) else x.detach().new_empty(0)
-
-
-_COLLECTIVES = {
-    "all_reduce": "all_reduce",
-    "all_reduce_": "all_reduce",
-    "all_gather_into_tensor": "all_gather",
-    "all_gather_into_tensor_out": "all_gather",
-    "reduce_scatter_tensor": "reduce_scatter",
-    "all_to_all_single": "all_to_all",
-    "broadcast": "broadcast",
-    "broadcast_": "broadcast",
-}
-
-
-class _CommObserver(TorchDispatchMode):
-    """Sees the collectives DTensor issues inside an op, so nothing moves unseen."""
-
-    def __init__(self, context: str):
-        super().__init__()
-        self.context = context
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if any(issubclass(t, (DTensor, DistTensor)) for t in types):
-            return NotImplemented  # let DTensor desugar the op into collectives first, then see those
-        ns = getattr(func, "namespace", "")
-        name = getattr(func, "_opname", "")
-        if ns in ("_c10d_functional", "c10d_functional") and name in _COLLECTIVES:
-            t0 = time.time()
-            out = func(*args, **kwargs)
-            inp = args[0] if args else None
-            nbytes = inp.numel() * inp.element_size() if isinstance(inp, torch.Tensor) else 0
-            group = None
-            gname = args[-1] if args and isinstance(args[-1], str) else kwargs.get("group_name")
-            if gname:
-                try:
-                    group = tdist.get_process_group_ranks(compat.resolve_process_group(gname))
-                except Exception:
-                    group = None
-            module, backward = rollcall.issuer()
-            trace.emit(trace.Event(
-                kind="collective", op=_COLLECTIVES[name], start=t0, group=group, bytes=int(nbytes),
-                payload=trace.Collective(implicit=True, inside=self.context, module=module, backward=backward),
-            ))
-            return out
-        return func(*args, **kwargs)
+def set_op_layer(fn) -> None:
+    """Install the function every op on a dist tensor goes through (``meshviz.distributed.ops.dispatch``)."""
+    global _op_layer
+    _op_layer = fn

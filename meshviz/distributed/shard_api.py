@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import MutableMapping
+
 import torch
 import torch.distributed as tdist
 
@@ -9,7 +11,7 @@ from .. import compat, trace
 from ..core.mesh import ProcessMesh
 from ..core.placements import Replicate, Shard
 from .api import dtensor_from_local, reshard, shard_tensor
-from .comm import run
+from .comm import Call, CollectiveOp, run
 from .devices import device
 from .dtensor import DistTensor
 from .env import init_parallel_env
@@ -158,6 +160,41 @@ def _place_plain(optimizer) -> None:
                         st[k] = v.to(want)
 
 
+class _StateView(MutableMapping):
+    """An optimizer's ``state`` read through the user's parameters: a shadow's entry shows under its parameter."""
+
+    def __init__(self, state, shadow: dict, of_shadow: dict):
+        self._state, self._shadow, self._of_shadow = state, shadow, of_shadow
+
+    def _key(self, p):
+        return self._shadow.get(p, p)
+
+    def __getitem__(self, p):
+        return self._state[self._key(p)]
+
+    def __setitem__(self, p, value) -> None:
+        self._state[self._key(p)] = value
+
+    def __delitem__(self, p) -> None:
+        del self._state[self._key(p)]
+
+    def __contains__(self, p) -> bool:
+        return self._key(p) in self._state
+
+    def __iter__(self):
+        return (self._of_shadow.get(k, k) for k in list(self._state))
+
+    def __len__(self) -> int:
+        return len(self._state)
+
+    def get(self, p, default=None):
+        k = self._key(p)
+        return self._state[k] if k in self._state else default
+
+    def __repr__(self) -> str:
+        return repr(dict(self.items()))
+
+
 class _ShardOptimizer:
     """Wraps a torch optimizer whose parameters are dist tensors (Paddle's shard_optimizer result)."""
 
@@ -173,16 +210,21 @@ class _ShardOptimizer:
         # as in Paddle, only recorded: every step() updates; the training loop decides how often to call it
         self.gradient_accumulation_steps = gradient_accumulation_steps
         self._shadow: dict = {}  # param -> sharded leaf the inner optimizer updates (stages 1 and 2)
+        self._of_shadow: dict = {}  # that leaf -> the user's param
         _place_plain(optimizer)
         if shard_fn is not None:
             self._setup_sharding()
 
-    def _setup_sharding(self) -> None:
+    def _setup_sharding(self, only=None) -> None:
+        """Shard the states (stage 1/2: through a sharded shadow leaf; stage 3: the parameter itself) of every dist
+        parameter, or of those in ``only`` (parameters that became dist at a step)."""
         stage = self._stage
+        skip = {id(s) for s in self._shadow.values()}
+        wanted = None if only is None else {id(p) for p in only}
         for group in self._inner.param_groups:
             new_params = []
             for p in group["params"]:
-                if not isinstance(p, DistTensor):
+                if not isinstance(p, DistTensor) or id(p) in skip or (wanted is not None and id(p) not in wanted):
                     new_params.append(p)
                     continue
                 pl = stage.sharded(p)
@@ -198,9 +240,35 @@ class _ShardOptimizer:
                 else:
                     shadow = torch.nn.Parameter(sharded, requires_grad=True)
                     self._shadow[p] = shadow
+                    self._of_shadow[shadow] = p
                     new_params.append(shadow)
                     self._emit_ownership(p, "state" if stage.stage == 1 else "grad+state")
             group["params"] = new_params
+
+    @torch.no_grad()
+    def _make_dist(self) -> None:
+        """A dense parameter whose gradient is a dist tensor (a plain model fed dist batches) becomes a dist tensor,
+        in place, Replicate on the gradient's mesh, as Paddle's update makes it; its states follow."""
+        made = []
+        for group in self._inner.param_groups:
+            for p in group["params"]:
+                g = p.grad
+                if isinstance(p, DistTensor) or not isinstance(g, DistTensor):
+                    continue
+                mesh = g.process_mesh
+                rep = [Replicate()] * mesh.ndim
+                value = shard_tensor(p.detach().to(g.device), mesh, rep)
+                new = torch.nn.Parameter(value, requires_grad=p.requires_grad)
+                p.grad = None
+                torch.utils.swap_tensors(p, new)
+                p.grad = g
+                st = self._inner.state.get(p)
+                for k, v in (st or {}).items():
+                    if torch.is_tensor(v) and not isinstance(v, DistTensor) and v.dim() > 0:
+                        st[k] = shard_tensor(v, mesh, rep)
+                made.append(p)
+        if made and self._stage is not None:
+            self._setup_sharding(only=made)
 
     def _emit_ownership(self, p, what) -> None:
         if trace.active():
@@ -219,7 +287,12 @@ class _ShardOptimizer:
 
     @property
     def state(self):
-        return self._inner.state
+        """The inner optimizer's state, keyed by the user's parameters (a stage-1/2 state lives on a sharded shadow
+        of the parameter; ``opt.state[p]`` finds it)."""
+        return _StateView(self._inner.state, self._shadow, self._of_shadow)
+
+    def _grad_clip_of(self):
+        return self.__dict__.get("_grad_clip") or getattr(self._inner, "_grad_clip", None)
 
     def __getattr__(self, name):
         return getattr(self._inner, name)
@@ -246,7 +319,11 @@ class _ShardOptimizer:
 
     @torch.no_grad()
     def step(self, closure=None):
+        self._make_dist()
         self._sync_grads()
+        clip = self._grad_clip_of()
+        if clip is not None:
+            clip([q for group in self._inner.param_groups for q in group["params"]])
         out = self._inner.step(closure) if closure is not None else self._inner.step()
         for p, shadow in self._shadow.items():
             full = reshard(shadow.detach(), p.process_mesh, p.placements)
@@ -360,8 +437,9 @@ class _ShardScaler:
                 bad.fill_(1.0)
             p.grad.mul_(1.0 / self._scale)
         if tdist.is_initialized() and tdist.get_world_size() > 1:
-            run("all_reduce", None, lambda g: tdist.all_reduce(bad, op=tdist.ReduceOp.MAX, group=g.process_group,
-                                                               async_op=True), tensors=(bad,), kind=None)
+            run(Call(CollectiveOp.ALL_REDUCE, None,
+                     lambda g: tdist.all_reduce(bad, op=tdist.ReduceOp.MAX, group=g.process_group, async_op=True),
+                     tensors=(bad,), traced=False))
         self._found_inf = bool(bad.item())
         self._unscaled = True
 

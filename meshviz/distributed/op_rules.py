@@ -1,0 +1,163 @@
+"""The op layer's rules: which ops meshviz runs otherwise than by torch DTensor's rule, and how."""
+
+from __future__ import annotations
+
+import torch
+
+from .. import compat
+from ..core.layout import local_block
+from ..core.placements import Partial, Replicate, Shard
+from .dtensor import DistTensor, make_dtensor
+
+__all__ = ["CORRECTED", "PADDLE_RULES", "LOCAL_RULES", "RANDOM_RULES", "DEFAULT_RULE_OPS", "RULES"]
+
+aten = torch.ops.aten
+# torch DTensor's rule gives a wrong value for these (checked against the dense run): they run as torch's own
+# decomposition into ops whose rules are right. The why, per op, is in the README's op table.
+CORRECTED = {
+    aten.mse_loss.default: "reduction='mean' averages each rank's block mean (Partial(avg)): wrong on uneven shards",
+    aten.mse_loss_backward.default: "scales by the local element count, not the global one",
+    aten.smooth_l1_loss.default: "reduction='mean' averages each rank's block mean: wrong on uneven shards",
+    aten.smooth_l1_loss_backward.default: "reduction='mean' scales by the local element count, not the global one",
+    aten.huber_loss.default: "reduction='mean' averages each rank's block mean: wrong on uneven shards",
+    aten.huber_loss_backward.default: "reduction='mean' scales by the local element count, not the global one",
+    aten.binary_cross_entropy.default: "reduction='mean' averages each rank's block mean: wrong on uneven shards",
+    aten.binary_cross_entropy_backward.default: "reduction='mean' scales by the local element count",
+    aten.binary_cross_entropy_with_logits.default: "reduction='mean' averages block means: wrong on uneven shards",
+    aten.nll_loss_forward.default: "reduction='mean' averages block means (Partial(avg)): wrong where the ranks "
+                                   "hold different counts of ignore_index labels",
+    aten.linalg_vector_norm.default: "its norm-Partial output is read as Partial(sum): the blocks' norms get added",
+}
+
+
+def _merged(tensors, skip_dim=None) -> list:
+    """Paddle's ShardingMergeForTensors: along each mesh axis the first input that shards a dim decides, and every
+    input is made to shard that dim there (``skip_dim``, the dim an op joins along, is never kept sharded); an axis
+    where every input is the same Partial stays Partial, one where only some are goes Replicate."""
+    mesh_ndim = tensors[0]._pmesh.ndim
+    out, used = [], set()
+    for axis in range(mesh_ndim):
+        pls = [t.placements[axis] for t in tensors]
+        if any(isinstance(p, Partial) for p in pls):
+            out.append(pls[0] if all(p == pls[0] for p in pls) else Replicate())
+            continue
+        pick = Replicate()
+        for p in pls:
+            if isinstance(p, Shard) and p.dim != skip_dim and p.dim not in used:
+                pick = p
+                used.add(p.dim)
+                break
+        out.append(pick)
+    return out
+
+
+def _join_rule(joins_dim: bool):
+    """stack / cat: Paddle aligns every input to the merged placements (torch replicates inputs that disagree, and
+    cannot turn a Shard into a Partial); cat never keeps the dim it joins along sharded."""
+
+    def rule(args, kwargs):
+        dists = [t for t in args[0] if isinstance(t, DistTensor)]
+        if not dists or dists[0].dim() == 0:
+            return None
+        dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
+        want = _merged(dists, dim % dists[0].dim() if joins_dim else None)
+        if len(dists) < len(args[0]):  # a dense input joins as Replicate: a Partial axis would count it k times
+            want = [Replicate() if isinstance(p, Partial) else p for p in want]
+        return [want] * len(dists)
+
+    return rule
+
+
+def _scan_rule(args, kwargs):
+    """cumsum: Paddle's rule keeps the scanned dim whole (torch's scans each block on its own)."""
+    x = args[0]
+    dim = (args[1] if len(args) > 1 else kwargs["dim"]) % max(x.dim(), 1)
+    if not any(isinstance(p, Shard) and p.dim == dim for p in x.placements):
+        return None
+    return [[Replicate() if isinstance(p, Shard) and p.dim == dim else p for p in x.placements]]
+
+
+def _gather_local(args, kwargs):
+    """gather (take_along_axis), Paddle's rule: the gathered dim whole, the index laid out as the input on the other
+    dims, a Partial input giving a Partial output; then every rank gathers from its own block. (torch's rule may
+    shard the gathered dim for a masked Partial whose mask lives on a cached placement: built for the whole index,
+    shared by ranks that are threads.)"""
+    x, dim, index = args[0], args[1], args[2]
+    if not isinstance(x, DistTensor) or not isinstance(index, DistTensor) or kwargs.get("sparse_grad"):
+        return None
+    dim %= max(x.dim(), 1)
+    want_x, want_i = [], []
+    for p in x.placements:
+        if isinstance(p, Shard) and p.dim != dim and index.shape[p.dim] == x.shape[p.dim]:
+            want_x.append(p)
+            want_i.append(p)
+        else:
+            want_x.append(p if isinstance(p, Partial) else Replicate())
+            want_i.append(Replicate())
+    return [want_x, want_i], want_x
+
+
+# ops whose output placements follow Paddle's SPMD rule where torch's differ: op -> the rule's input placements
+PADDLE_RULES: dict = {
+    aten.stack.default: _join_rule(joins_dim=False),
+    aten.cat.default: _join_rule(joins_dim=True),
+    aten.cumsum.default: _scan_rule,
+}
+
+# ops Paddle's rule lets every rank run on its own blocks: op -> (the inputs' placements, the output's)
+LOCAL_RULES: dict = {
+    aten.gather.default: _gather_local,
+}
+
+def _block(t: DistTensor, full: torch.Tensor, placements) -> torch.Tensor:
+    coord = t._pmesh.coordinate(torch.distributed.get_rank() if torch.distributed.is_initialized() else 0)
+    if coord is None:
+        return full.new_empty(0)
+    return full[tuple(slice(a, b) for a, b in local_block(tuple(t.shape), t._pmesh, placements, coord))]
+
+
+def _dropout(func, args, kwargs):
+    """native_dropout: every rank draws the whole mask, as the dense op draws it, and keeps its block. Replicas get
+    one mask, the blocks of a sharded tensor are blocks of the dense run's mask, and the ranks' generators move
+    alike (a per-block draw would leave them apart after an uneven block)."""
+    x, p, train = args[0], args[1], args[2] if len(args) > 2 else kwargs.get("train")
+    x = x._resolved()
+    local = compat.dtensor_local(x._dtensor)
+    if train is False:
+        return None
+    p1m = 1.0 - p
+    mask = torch.empty(tuple(x.shape), dtype=x.dtype, device=local.device).bernoulli_(p1m)
+    blk = _block(x, mask, x.placements)
+    out = local * blk * (0.0 if p1m == 0 else 1.0 / p1m)
+    pl = x.placements
+    return (DistTensor(make_dtensor(out, x._pmesh, pl, tuple(x.shape)), x._pmesh),
+            DistTensor(make_dtensor(blk.bool(), x._pmesh, pl, tuple(x.shape)), x._pmesh))
+
+
+def _fill(func, args, kwargs):
+    """An in-place random fill (normal_, uniform_, bernoulli_): the whole tensor drawn on every rank as the dense
+    op draws it, each rank keeping its block; a Partial axis becomes Replicate (the fill replaces the value)."""
+    t = args[0]._resolved()
+    pl = [Replicate() if isinstance(p, Partial) else p for p in t.placements]
+    local = compat.dtensor_local(t._dtensor)
+    full = func(torch.empty(tuple(t.shape), dtype=t.dtype, device=local.device), *args[1:], **kwargs)
+    self = args[0]
+    self._dtensor = make_dtensor(_block(t, full, pl).contiguous(), t._pmesh, pl, tuple(t.shape))
+    self._pl = None
+    return self
+
+
+# random ops: the dense op's draw on every rank, each keeping its block
+RANDOM_RULES: dict = {
+    aten.native_dropout.default: _dropout,
+    aten.normal_.default: _fill,
+    aten.uniform_.default: _fill,
+    aten.bernoulli_.float: _fill,
+}
+
+# ops meshviz runs by Paddle's default rule (inputs made Replicate, output Replicate) on purpose
+DEFAULT_RULE_OPS: dict = {}
+
+RULES = {"corrected": CORRECTED, "paddle": PADDLE_RULES, "local": LOCAL_RULES, "random": RANDOM_RULES,
+         "default": DEFAULT_RULE_OPS}
+

@@ -1,0 +1,240 @@
+"""The op layer: values and gradients against the dense run, and the placements Paddle 3.3.1 gives (run on its CPU
+build with 2 ranks; each expected placement below is what it printed)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from meshviz.core.placements import parse_placement
+from meshviz.testing import run_ranks
+
+
+def _setup():
+    import meshviz.distributed as dist
+
+    dist.init_parallel_env()
+    return dist, dist.ProcessMesh([0, 1], dim_names=["x"])
+
+
+def mse_grad():
+    dist, mesh = _setup()
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(5, 3, generator=g), torch.randn(5, 3, generator=g)
+    dx = dist.shard_tensor(x, mesh, [dist.Shard(0)]).requires_grad_()
+    dy = dist.shard_tensor(y, mesh, [dist.Shard(0)])
+    loss = F.mse_loss(dx, dy)
+    loss.backward()
+    ref = x.clone().requires_grad_()
+    F.mse_loss(ref, y).backward()
+    torch.testing.assert_close(dist.unshard_dtensor(loss), F.mse_loss(x, y))
+    torch.testing.assert_close(dist.unshard_dtensor(dx.grad), ref.grad)
+    return repr(dx.grad.placements)
+
+
+def test_mse_loss_gradient_is_the_dense_gradient():
+    # torch DTensor's rule for aten.mse_loss_backward gives 2x on 2 ranks; the op layer runs its decomposition
+    assert run_ranks(mse_grad, 2) == ["[S(0)]"] * 2
+
+
+def masked_select_default_rule(placement):
+    import meshviz.trace as trace
+
+    dist, mesh = _setup()
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(4, 6, generator=g)
+    if placement == "P":
+        local = torch.randn(4, 6, generator=g)
+        local = local if dist.get_rank() == 0 else x - local
+        dx = dist.dtensor_from_local(local, mesh, [dist.Partial()], shape=[4, 6]).requires_grad_()
+    else:
+        dx = dist.shard_tensor(x, mesh, [parse_placement(placement)]).requires_grad_()
+    with trace.record() as events:
+        out = torch.masked_select(dx, dx > 0)
+    (out * torch.arange(out.shape[0], dtype=out.dtype)).sum().backward()
+    ref = x.clone().requires_grad_()
+    rout = torch.masked_select(ref, ref > 0)
+    (rout * torch.arange(rout.shape[0], dtype=rout.dtype)).sum().backward()
+    assert out.placements == [dist.Replicate()]
+    torch.testing.assert_close(out._local_value(), rout.detach())
+    torch.testing.assert_close(dist.unshard_dtensor(dx.grad), ref.grad)
+    rules = [(e.op, e.payload.rule) for e in events.of_kind("op")]
+    assert ("masked_select.default", "default") in rules, rules
+    assert bool(events.of_kind("reshard")) == (placement != "R")
+    try:
+        torch.masked_select(dist.shard_tensor(x, mesh, [dist.Shard(0)]), torch.ones(5, dtype=torch.bool))
+    except ValueError as e:
+        assert "masked_select" in str(e)
+    else:
+        raise AssertionError("a mask of the wrong shape was let through")
+    return True
+
+
+@pytest.mark.parametrize("placement", ["S(0)", "S(1)", "R", "P"])
+def test_masked_select_runs_by_paddles_default_rule(placement):
+    assert run_ranks(masked_select_default_rule, 2, placement) == [True, True]
+
+
+def strided_view():
+    dist, mesh = _setup()
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(2, 8, 4, 48, generator=g)
+    got = {}
+    for d in range(4):
+        t = dist.shard_tensor(x, mesh, [dist.Shard(d)])
+        got[d] = repr(t.reshape([64, 48]).placements)
+    xs = dist.shard_tensor(x, mesh, [dist.Shard(2)]).requires_grad_()
+    t = xs.reshape([64, 48])
+    assert t._local_shape == [64, 48] and t.local_shape == [64, 48]
+    torch.testing.assert_close(t._local_value(), x.reshape(64, 48))
+    torch.testing.assert_close(dist.unshard_dtensor(t), x.reshape(64, 48))
+    w = torch.randn(64, 48, generator=g)
+    (t * w).sum().backward()
+    assert xs.grad.placements == [dist.Shard(2)]
+    torch.testing.assert_close(dist.unshard_dtensor(xs.grad), w.reshape(2, 8, 4, 48))
+    h = torch.randn(4, 6, 8, generator=g)
+    lin = torch.nn.Linear(8, 3)
+    import meshviz.trace as trace
+
+    with trace.record() as events:
+        o = lin(dist.shard_tensor(h, mesh, [dist.Shard(1)]))
+    torch.testing.assert_close(dist.unshard_dtensor(o), lin(h))
+    moved = events.of_kind("collective", "reshard_step")
+    return got, repr(o.placements), len(moved)
+
+
+def test_strided_views_read_as_paddles_reshape_rule():
+    res = run_ranks(strided_view, 2)
+    got, linear, moved = res[0]
+    # Paddle 3.3.1: [2, 8, 4, 48] reshaped to [64, 48] keeps S(0), Replicate for S(1)/S(2), S(3) -> S(1)
+    assert got == {0: "[S(0)]", 1: "[R]", 2: "[R]", 3: "[S(1)]"}
+    # a Linear over a sequence-sharded activation keeps S(1) and moves nothing, as Paddle's matmul
+    assert linear == "[S(1)]" and moved == 0
+
+
+def grad_placements():
+    dist, mesh = _setup()
+    g = torch.Generator().manual_seed(3)
+    out = {}
+
+    def leaf(t, pl):
+        return dist.shard_tensor(t, mesh, [pl]).requires_grad_()
+
+    a, b = torch.randn(4, 6, generator=g), torch.randn(6, 5, generator=g)
+    da, db = leaf(a, dist.Shard(1)), leaf(b, dist.Replicate())
+    (da @ db).sum().backward()
+    ra, rb = a.clone().requires_grad_(), b.clone().requires_grad_()
+    (ra @ rb).sum().backward()
+    torch.testing.assert_close(dist.unshard_dtensor(da.grad), ra.grad)
+    torch.testing.assert_close(dist.unshard_dtensor(db.grad), rb.grad)
+    out["mm"] = (repr(da.grad.placements), repr(db.grad.placements))
+
+    x, w = torch.randn(4, 6, generator=g), torch.randn(6, 5, generator=g)
+    dx, dw = leaf(x, dist.Shard(0)), leaf(w, dist.Replicate())
+    (dx @ dw).mean().backward()
+    rw = w.clone().requires_grad_()
+    (x @ rw).mean().backward()
+    torch.testing.assert_close(dist.unshard_dtensor(dw.grad), rw.grad)
+    out["dp"] = (repr(dx.grad.placements), repr(dw.grad.placements))
+
+    p, q, bias = torch.randn(4, 6, generator=g), torch.randn(4, 6, generator=g), torch.randn(6, generator=g)
+    dp_, dq, dbias = leaf(p, dist.Shard(0)), leaf(q, dist.Replicate()), leaf(bias, dist.Replicate())
+    (dp_ * dq + dbias).relu().sum().backward()
+    rp, rq, rbias = (t.clone().requires_grad_() for t in (p, q, bias))
+    (rp * rq + rbias).relu().sum().backward()
+    for d, r in ((dp_, rp), (dq, rq), (dbias, rbias)):
+        torch.testing.assert_close(dist.unshard_dtensor(d.grad), r.grad)
+    out["mul"] = (repr(dp_.grad.placements), repr(dq.grad.placements), repr(dbias.grad.placements))
+
+    s0, s2 = torch.randn(4, 6, 2, generator=g), torch.randn(4, 6, 2, generator=g)
+    st = torch.stack([dist.shard_tensor(s0, mesh, [dist.Shard(0)]), dist.shard_tensor(s2, mesh, [dist.Shard(2)])])
+    torch.testing.assert_close(dist.unshard_dtensor(st), torch.stack([s0, s2]))
+    out["stack"] = repr(st.placements)
+
+    z = torch.randn(4, 6, generator=g)
+    local = z if dist.get_rank() == 0 else torch.zeros_like(z)
+    dz = dist.dtensor_from_local(local, mesh, [dist.Partial()], shape=[4, 6]).requires_grad_()
+    zl = dist.dtensor_to_local(dz)
+    (zl * (dist.get_rank() + 2.0)).sum().backward()
+    # each rank's block got its own gradient; as a Partial tensor they add up: (2 + 3) everywhere
+    torch.testing.assert_close(dist.unshard_dtensor(dz.grad), torch.full((4, 6), 5.0))
+    out["to_local"] = repr(dz.grad.placements)
+
+    e = torch.arange(8.0).reshape(2, 4)
+    wt = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    for src, dst in (("R", "S(0)"), ("P", "R"), ("S(0)", "R"), ("R", "P")):
+        pl = parse_placement(src) if src != "P" else dist.Partial()
+        de = dist.shard_tensor(e, mesh, [pl]).requires_grad_()
+        f = dist.reshard(de, mesh, [parse_placement(dst) if dst != "P" else dist.Partial()])
+        (f * wt).sum().backward()
+        torch.testing.assert_close(dist.unshard_dtensor(de.grad), wt.expand(2, 4))
+        out[f"reshard {src}->{dst}"] = repr(de.grad.placements)
+    return out
+
+
+def test_gradients_lie_as_paddle_lays_them():
+    res = run_ranks(grad_placements, 2)
+    assert res[0] == res[1]
+    assert res[0] == {
+        "mm": ("[S(1)]", "[R]"),
+        "dp": ("[S(0)]", "[P(sum)]"),
+        "mul": ("[S(0)]", "[R]", "[P(sum)]"),
+        "stack": "[S(1)]",
+        "to_local": "[P(sum)]",
+        "reshard R->S(0)": "[R]",
+        "reshard P->R": "[R]",
+        "reshard S(0)->R": "[S(0)]",
+        "reshard R->P": "[R]",
+    }
+
+
+def dropout_as_dense():
+    dist, _ = _setup()
+    mesh = dist.ProcessMesh([[0, 1], [2, 3]], ["a", "b"])
+    x = torch.randn(5, 3, generator=torch.Generator().manual_seed(4))
+    got = []
+    for pl in ([dist.Shard(0), dist.Replicate()], [dist.Replicate(), dist.Replicate()],
+               [dist.Shard(0), dist.Shard(1)], [dist.Partial(), dist.Shard(1)]):
+        torch.manual_seed(3)
+        dx = dist.shard_tensor(x, mesh, pl).requires_grad_()
+        y = F.dropout(dx, 0.4)  # on 5 rows the blocks are uneven: the ranks would draw different amounts
+        y2 = F.dropout(dist.shard_tensor(x, mesh, [dist.Replicate(), dist.Replicate()]), 0.3)
+        (y * torch.arange(15.0).reshape(5, 3)).sum().backward()
+        torch.manual_seed(3)
+        rx = x.clone().requires_grad_()
+        ry = F.dropout(rx, 0.4)
+        ry2 = F.dropout(x, 0.3)
+        (ry * torch.arange(15.0).reshape(5, 3)).sum().backward()
+        torch.testing.assert_close(dist.unshard_dtensor(y), ry)
+        torch.testing.assert_close(y2._local_value(), ry2)  # every replica holds the dense run's mask
+        torch.testing.assert_close(dist.unshard_dtensor(dx.grad), rx.grad)
+        got.append(repr(y.placements))
+    w = dist.shard_tensor(torch.zeros(6, 4), mesh, [dist.Shard(0), dist.Shard(1)])
+    torch.manual_seed(5)
+    torch.nn.init.normal_(w)
+    torch.manual_seed(5)
+    torch.testing.assert_close(dist.unshard_dtensor(w), torch.nn.init.normal_(torch.zeros(6, 4)))
+    return got
+
+
+def test_random_ops_draw_what_the_dense_run_draws():
+    res = run_ranks(dropout_as_dense, 4)
+    assert res[0] == ["[S(0), R]", "[R, R]", "[S(0), S(1)]", "[P(sum), S(1)]"]
+
+
+def inplace_and_uneven():
+    dist, _ = _setup()
+    mesh = dist.ProcessMesh([[0, 1], [2, 3]], ["a", "b"])
+    x = torch.rand(5, 3, generator=torch.Generator().manual_seed(6)) + 0.5
+    p = dist.shard_tensor(x, mesh, [dist.Shard(0), dist.Partial()])
+    y = (p * 1).log_()  # log of a sum, not a sum of logs
+    torch.testing.assert_close(dist.unshard_dtensor(y), x.log())
+    c = dist.shard_tensor(x, mesh, [dist.Shard(0), dist.Shard(0)])  # 5 rows nested over 2 x 2: uneven
+    torch.testing.assert_close(dist.unshard_dtensor(c.sum(0)), x.sum(0))
+    z = torch.logit(p * 0.5)
+    z.neg_()  # an in-place op on a tensor laid out anew for torch still writes into the caller's tensor
+    torch.testing.assert_close(dist.unshard_dtensor(z), -torch.logit(x * 0.5))
+    return repr(y.placements)
+
+
+def test_inplace_on_partial_and_uneven_co_shards_match_dense():
+    assert run_ranks(inplace_and_uneven, 4) == ["[S(0), R]"] * 4
