@@ -33,7 +33,7 @@ def _init_by_hand(rank, world, port):
 def bare_ready(n, **opts):
     import ipyparallel as ipp
 
-    from meshviz.distributed.rendezvous import free_port
+    from meshviz.runtime.rendezvous import free_port
 
     t0 = time.perf_counter()
     c = ipp.Cluster(n=n, log_level=40, **opts)

@@ -30,7 +30,7 @@ def _bench(calls, rounds):
     import meshviz.distributed as dist
 
     try:
-        from meshviz.distributed import comm
+        from meshviz.runtime import comm
     except ImportError:  # an older meshviz: per-call costs only
         comm = None
     dist.init_parallel_env()

@@ -49,7 +49,7 @@ def measure(calls: int, rounds: int, c10d: bool = False):
     import meshviz.distributed as dist
     from meshviz import trace
     from meshviz.compat import all_gather_single
-    from meshviz.distributed.groups import device_mesh
+    from meshviz.runtime.groups import device_mesh
 
     dist.init_parallel_env()
     dev = dist.device()

@@ -36,7 +36,7 @@ def run(mib: int, repeat: int):
     from torch.distributed.tensor import Shard as TShard
 
     import meshviz.distributed as dist
-    from meshviz.distributed.groups import device_mesh
+    from meshviz.runtime.groups import device_mesh
 
     dist.init_parallel_env()
     r = dist.get_rank()

@@ -43,7 +43,7 @@ def _per_call(fn, n=200_000):
 
 def micro():
     """Microseconds per roll-call operation, in this process."""
-    from meshviz.distributed import rollcall
+    from meshviz.runtime import rollcall
 
     rec = rollcall.Record(rank=0)
     key = (0, 1)
@@ -106,7 +106,7 @@ class _Off:
     """Stubs the roll-call out (Record.enter/leave/begin_region do nothing) while inside."""
 
     def __enter__(self):
-        from meshviz.distributed import rollcall
+        from meshviz.runtime import rollcall
 
         R = rollcall.Record
         self.saved = (R.enter, R.leave, R.begin_region)
@@ -115,7 +115,7 @@ class _Off:
         R.begin_region = lambda self, *a, **k: None
 
     def __exit__(self, *exc):
-        from meshviz.distributed import rollcall
+        from meshviz.runtime import rollcall
 
         R = rollcall.Record
         R.enter, R.leave, R.begin_region = self.saved
@@ -127,8 +127,8 @@ def _ranks(steps, width, depth, rounds, calls):
 
     import meshviz.distributed as dist
     from meshviz import trace
-    from meshviz.distributed import match, watchdog
     from meshviz.distributed.fleet.utils.hybrid_parallel_util import fused_allreduce_gradients
+    from meshviz.runtime import match, watchdog
 
     dist.init_parallel_env()
     assert not trace.active()

@@ -33,7 +33,7 @@ def single_event_latency(count: int, gap: float = 0.015) -> list[float]:
 
 def emit_without_receiver(count: int) -> float:
     """Seconds to emit ``count`` events into a sink whose receiver is not there (it must drop, never block)."""
-    from meshviz.distributed.env import free_port
+    from meshviz.runtime.world import free_port
 
     sink = StreamSink(f"tcp://127.0.0.1:{free_port()}", hwm=100)
     t0 = time.perf_counter()

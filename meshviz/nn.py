@@ -27,7 +27,7 @@ def _norm_device(grads) -> torch.device:
     """Where the squared sums meet: this rank's device when a process group exists (the all-reduce over the
     sharding group needs it there: a GPU under NCCL), else the first gradient's device."""
     if tdist.is_initialized():
-        from .distributed.devices import device
+        from .runtime.devices import device
 
         return device()
     return next((g.device for g in grads if g is not None), torch.device("cpu"))
@@ -122,21 +122,21 @@ class ClipGradByGlobalNorm:
         dev = _norm_device(plain + dts + dists)
         sq = _sq_sum([g for g in sharded if not _is_dtensor(g)], dev)
         if group is not None and tdist.is_initialized() and tdist.get_world_size(group) > 1:
-            from .distributed.comm import Call, CollectiveOp, run
+            from .runtime.comm import Call, CollectiveOp, run
 
             run(Call(CollectiveOp.ALL_REDUCE, group,
                      lambda g: tdist.all_reduce(sq, group=g.process_group, async_op=True), tensors=(sq,), traced=False))
         if dists:  # every rank of the world steps every dist parameter (empty off its mesh), as in Paddle
             share = _dist_sq_share(dists, dev)
             if tdist.is_initialized() and tdist.get_world_size() > 1:
-                from .distributed.comm import Call, CollectiveOp, run
+                from .runtime.comm import Call, CollectiveOp, run
 
                 run(Call(CollectiveOp.ALL_REDUCE, None,
                          lambda g: tdist.all_reduce(share, group=g.process_group, async_op=True), tensors=(share,),
                          traced=False))
             sq = sq + share
         sq = sq + _sq_sum([g for g in replicated if not _is_dtensor(g)], dev)
-        from .distributed.devices import full_tensor
+        from .runtime.devices import full_tensor
 
         for g in dts:
             n = torch.linalg.vector_norm(g.detach().float(), 2.0)

@@ -17,7 +17,7 @@ RankFailed = RankError  # the name tests have used for a failed run_ranks
 
 
 def _entry(index, port, func, args, world, outdir, env, rank_envs=None):
-    from .distributed import rendezvous
+    from .runtime import rendezvous
 
     os.environ.update(env)
     if rank_envs:
@@ -74,8 +74,8 @@ def run_ranks(func, nprocs: int, *args, timeout: float = 120.0, collective_timeo
     if ranks not in ("processes", "engines"):
         raise ValueError(f"run_ranks: ranks must be 'processes' or 'threads', got {ranks!r}")
     from .core.devices import plan_devices
-    from .distributed.devices import rank_env, visible_gpu_count
-    from .distributed.rank_processes import DEFAULT_START_METHOD, RankProcesses
+    from .ranks.processes import DEFAULT_START_METHOD, RankProcesses
+    from .runtime.devices import rank_env, visible_gpu_count
 
     plan = plan_devices(nprocs, devices, visible_gpu_count(), backend, who="run_ranks")
     rank_envs = [rank_env(plan, r) for r in range(nprocs)]

@@ -111,8 +111,8 @@ def rank_configs(probes: list[dict], mode: str, gpus, master: str, loopback: boo
     rank sees only GPU ``gpus[r]`` (a list was given) or GPU LOCAL_RANK, as its ``cuda:0`` (ids through this
     process's own CUDA_VISIBLE_DEVICES, when it is set).
     """
-    from ..distributed.devices import visible_gpu_labels
-    from ..distributed.rendezvous import loopback_ifname, rank_env
+    from ..runtime.devices import visible_gpu_labels
+    from ..runtime.rendezvous import loopback_ifname, rank_env
 
     labels = visible_gpu_labels()
     n = len(probes)

@@ -122,7 +122,7 @@ class _EngineState:
         self._sub.setsockopt(zmq.SUBSCRIBE, b"")
         self._sub.connect(cfg["control"])
         self._stop = False
-        from ..distributed import rollcall
+        from ..runtime import rollcall
 
         self._rollcall = rollcall
         rec = rollcall.current()
@@ -285,7 +285,7 @@ def _release_held() -> None:
 
 def probe(loopback: bool = True) -> dict:
     """Where this engine runs, and a port bound here and held open (rank 0's becomes the store's)."""
-    from ..distributed.rendezvous import LOOPBACK, PortReservation
+    from ..runtime.rendezvous import LOOPBACK, PortReservation
 
     _release_held()
     res = PortReservation(LOOPBACK if loopback else "")
@@ -294,7 +294,7 @@ def probe(loopback: bool = True) -> dict:
 
 
 def _clear_groups() -> None:
-    from ..distributed import groups
+    from ..runtime import groups
 
     groups.reset()
 
@@ -307,7 +307,7 @@ def _init_process_group(rank: int, world: int, backend: str, timeout: float, por
     import torch
     import torch.distributed as tdist
 
-    from ..distributed.rendezvous import connect_store, serve_store
+    from ..runtime.rendezvous import connect_store, serve_store
 
     master = os.environ["MASTER_ADDR"]
     to = datetime.timedelta(seconds=timeout)
@@ -348,7 +348,7 @@ def setup(cfg: dict) -> dict:
         torch.set_num_threads(int(cfg["threads"]))
     if _state is not None:
         _state.close()
-    from ..distributed import match
+    from ..runtime import match
 
     match.set_checking(bool(cfg.get("check", False)))
     _state = _EngineState(cfg)
@@ -380,7 +380,7 @@ def reinit(port: int, timeout: float, loopback: bool = True) -> bool:
     compat.reset_group_count()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     backend = _state.backend if _state is not None else "gloo"
-    from ..distributed import rollcall
+    from ..runtime import rollcall
 
     rollcall.reset()  # a new world: every rank counts its collectives from 1 again
     _init_process_group(rank, world, backend, timeout, port, loopback)

@@ -140,7 +140,7 @@ class Threads:
         self.client = self.view.client
         self.control.attach(self._on_message)
         self.set_tracing(True)
-        from ..distributed import match
+        from ..runtime import match
 
         self._checking_was = match.set_checking(cfg.check_collectives)  # process-wide: every rank thread, or none
 
@@ -161,7 +161,7 @@ class Threads:
         self.control.attach(None)
         self._sinks.clear()
         if self._checking_was is not None:
-            from ..distributed import match
+            from ..runtime import match
 
             match.set_checking(self._checking_was)  # the kernel's own setting again
             self._checking_was = None
@@ -233,7 +233,7 @@ class Threads:
         return self.run_call(_pull, names, _ranks=ranks, _single=single, _namespace=True)
 
     def _submit(self, fn, ranks, outs, single, kind) -> RankResult:
-        from ..distributed import rollcall
+        from ..runtime import rollcall
 
         self._prepare_io()
 
@@ -273,7 +273,7 @@ class Threads:
         if kind == "abort" and self.world is not None:
             self.world.abort(msg.get("origin"))
         elif kind == "status":
-            from ..distributed import rollcall
+            from ..runtime import rollcall
 
             for r in self.ranks:
                 rec = self._records.get(r)

@@ -1,6 +1,10 @@
 """Paddle's distributed API on torch: ``import meshviz.distributed as dist``."""
 
 from ..core import Partial, Placement, ProcessMesh, ReduceType, Replicate, Shard
+from ..ranks.processes import spawn
+from ..runtime.devices import device, strict_devices
+from ..runtime.dtensor import DistTensor
+from ..runtime.world import ParallelEnv, get_rank, get_world_size, init_parallel_env, is_initialized
 from . import modules as _modules  # noqa: F401  (module hooks while tracing: who issued a collective)
 from . import process_mesh as _process_mesh  # noqa: F401  (installs ProcessMesh.get_group)
 from .api import (
@@ -13,16 +17,6 @@ from .api import (
     reshard,
     shard_tensor,
     unshard_dtensor,
-)
-from .devices import device, strict_devices
-from .dtensor import DistTensor
-from .env import (
-    ParallelEnv,
-    get_rank,
-    get_world_size,
-    init_parallel_env,
-    is_initialized,
-    spawn,
 )
 from .shard_api import (
     ShardDataloader,

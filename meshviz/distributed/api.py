@@ -11,13 +11,13 @@ import torch.distributed as tdist
 from .. import compat, trace
 from ..core.layout import local_block, normalize_placements, pad_placements
 from ..core.mesh import ProcessMesh
-from ..core.partial import partial_fill
-from ..core.placements import Partial, Replicate, Shard
-from ..core.planner import plan_reshard
-from . import groups, ops  # noqa: F401  (ops: every op on a dist tensor goes through it)
-from .dtensor import DistTensor, make_dist
-from .env import init_parallel_env
-from .reshard import run_plan
+from ..core.placements import Replicate, Shard
+from ..runtime import groups, ops  # noqa: F401  (ops: every op on a dist tensor goes through it)
+from ..runtime.autograd import from_local, local_block_of, plan_of, run_reshard, to_local
+from ..runtime.autograd import place as place_dense
+from ..runtime.autograd import reshard as reshard_fn
+from ..runtime.dtensor import DistTensor, make_dist
+from ..runtime.world import init_parallel_env
 
 __all__ = [
     "shard_tensor",
@@ -66,37 +66,6 @@ def _emit_placed(t: DistTensor, how: str) -> None:
     ))
 
 
-def _local_block_of(dense: torch.Tensor, mesh: ProcessMesh, placements) -> torch.Tensor:
-    coord = mesh.coordinate(_rank())
-    if coord is None:
-        return dense.detach().new_empty(0)
-    blk = local_block(dense.shape, mesh, placements, coord)
-    local = dense.detach()[tuple(slice(a, b) for a, b in blk)]
-    fill = partial_fill(placements, coord)
-    if fill == "zero":
-        return torch.zeros_like(local).contiguous()
-    if fill == "one":
-        return torch.ones_like(local).contiguous()
-    return local.clone().contiguous()
-
-
-class _Shard(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, dense, mesh, placements):
-        ctx.mesh, ctx.placements, ctx.shape = mesh, placements, dense.shape
-        return make_dist(_local_block_of(dense, mesh, placements), mesh, placements, dense.shape)
-
-    @staticmethod
-    def backward(ctx, grad):
-        if grad is None:
-            return None, None, None
-        full = _reshard_fn(grad, ctx.mesh, [Replicate()] * ctx.mesh.ndim)
-        local = compat.dtensor_local(full._dtensor)
-        if not ctx.mesh.contains(_rank()):
-            local = torch.zeros(ctx.shape, dtype=grad.dtype, device=grad.device)
-        return local, None, None
-
-
 def shard_tensor(data, mesh: ProcessMesh, placements: Sequence, dtype=None, place=None, stop_gradient=None,
                  name: str | None = None):
     """Every rank passes the same full tensor; each keeps the block its mesh coordinate holds. No communication.
@@ -111,9 +80,9 @@ def shard_tensor(data, mesh: ProcessMesh, placements: Sequence, dtype=None, plac
         is_param = isinstance(data, torch.nn.Parameter)
         requires_grad = dense.requires_grad if stop_gradient is None else not stop_gradient
         if dense.requires_grad and not dense.is_leaf:
-            out = _Shard.apply(dense, mesh, pl)
+            out = place_dense(dense, mesh, pl)
         else:
-            out = make_dist(_local_block_of(dense, mesh, pl), mesh, pl, dense.shape,
+            out = make_dist(local_block_of(dense, mesh, pl), mesh, pl, dense.shape,
                             requires_grad=requires_grad and not is_param)
         if is_param:
             out = torch.nn.Parameter(out, requires_grad=requires_grad)
@@ -131,37 +100,6 @@ def dtensor_from_fn(fn, mesh: ProcessMesh, placements: Sequence, *args, **kwargs
     if not callable(fn):
         raise ValueError(f"dtensor_from_fn: fn must be callable (torch.ones, torch.zeros ...), got {fn!r}")
     return shard_tensor(fn(*args, **kwargs), mesh, placements)
-
-
-class _FromLocal(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, local, mesh, placements, shape):
-        ctx.mesh, ctx.placements = mesh, placements
-        return make_dist(local, mesh, placements, shape)
-
-    @staticmethod
-    def backward(ctx, grad):
-        if grad is None:
-            return None, None, None, None
-        want = [Replicate() if p.is_partial() else p for p in ctx.placements]
-        if list(grad.placements) != want or grad.process_mesh != ctx.mesh:
-            grad = _reshard_fn(grad, ctx.mesh, want)
-        return compat.dtensor_local(grad._dtensor), None, None, None
-
-
-class _ToLocal(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, t):
-        ctx.mesh, ctx.placements, ctx.shape = t.process_mesh, t.placements, t.shape
-        local = compat.dtensor_local(t._resolved()._dtensor)
-        return local.view_as(local)
-
-    @staticmethod
-    def backward(ctx, grad):
-        if grad is None:
-            return None
-        # the gradient of a block lies as the block did: a Partial input's gradient stays Partial (Paddle 3.3.1)
-        return make_dist(grad, ctx.mesh, ctx.placements, ctx.shape)
 
 
 def _global_shape(local: torch.Tensor, mesh: ProcessMesh, placements) -> list[int]:
@@ -190,7 +128,7 @@ def dtensor_from_local(local_tensor, mesh: ProcessMesh, placements, shape=None):
         if list(local.shape) != want:
             raise ValueError(f"local tensor of shape {list(local.shape)} on rank {_rank()} does not match the "
                              f"block {want} that {pl} on {mesh} gives a global shape {list(shape)}")
-    out = _FromLocal.apply(local, mesh, pl, tuple(shape))
+    out = from_local(local, mesh, pl, shape)
     _emit_placed(out, "dtensor_from_local")
     return out
 
@@ -199,68 +137,11 @@ def dtensor_to_local(dist_tensor, mesh=None, placements=None) -> torch.Tensor:
     """This rank's block of ``dist_tensor`` (differentiable)."""
     if not isinstance(dist_tensor, DistTensor):
         raise ValueError(f"dtensor_to_local expects a dist tensor, got {type(dist_tensor).__name__}")
-    return _ToLocal.apply(dist_tensor)
+    return to_local(dist_tensor)
 
 
 def is_dist_tensor(t) -> bool:
     return isinstance(t, DistTensor)
-
-
-_plans: dict = {}  # a plan is a pure, frozen function of its key: made once per layout pair
-
-
-def plan_of(t: DistTensor, mesh: ProcessMesh, placements):
-    """The plan ``reshard(t, mesh, placements)`` would run (no communication)."""
-    src = t.process_mesh
-    key = (tuple(t.shape), src.unique_id, tuple(src.dim_names), tuple(t.placements), mesh.unique_id,
-           tuple(mesh.dim_names), tuple(placements), t.element_size())
-    plan = _plans.get(key)
-    if plan is None:
-        plan = plan_reshard(key[0], src, key[3], mesh, placements, itemsize=key[7])
-        if len(_plans) >= 1024:
-            _plans.clear()
-        _plans[key] = plan
-    return plan
-
-
-def _grad_layout(placements):
-    """A reshard's gradient goes back to the source layout, a Partial source's as Replicate (Paddle 3.3.1)."""
-    return [Replicate() if isinstance(p, Partial) else p for p in placements]
-
-
-class _Reshard(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, t, mesh, placements, name):
-        ctx.src_mesh, ctx.src_placements, ctx.name = t.process_mesh, t.placements, name
-        return _run_reshard(t, mesh, placements, name)
-
-    @staticmethod
-    def backward(ctx, grad):
-        if grad is None:
-            return None, None, None, None
-        if not isinstance(grad, DistTensor):
-            raise RuntimeError("reshard backward expected a dist gradient")
-        back = _grad_layout(ctx.src_placements)
-        return _run_reshard(grad, ctx.src_mesh, back, ctx.name and ctx.name + ".grad"), None, None, None
-
-
-def _run_reshard(t: DistTensor, mesh: ProcessMesh, placements, name=None) -> DistTensor:
-    t = t._resolved()
-    plan = plan_of(t, mesh, placements)
-    local = compat.dtensor_local(t._dtensor)
-    rank = _rank()
-    src_has = t.process_mesh.contains(rank)
-    new = run_plan(plan, local if src_has else None, rank, dtype=t.dtype, device=local.device,
-                   name=name, tensor_id=t.tensor_id)
-    if new is None or not mesh.contains(rank):
-        new = local.new_empty(0)
-    out = make_dist(new, mesh, plan.dst_placements, t.shape)
-    out.name = name
-    return out
-
-
-def _reshard_fn(t, mesh, placements):
-    return _Reshard.apply(t, mesh, list(placements), getattr(t, "name", None))
 
 
 def reshard(dist_tensor, mesh: ProcessMesh, placements: Sequence):
@@ -273,9 +154,9 @@ def reshard(dist_tensor, mesh: ProcessMesh, placements: Sequence):
     groups.mesh_groups(dist_tensor.process_mesh)
     groups.mesh_groups(mesh)
     if dist_tensor.requires_grad and torch.is_grad_enabled():
-        out = _reshard_fn(dist_tensor, mesh, pl)
+        out = reshard_fn(dist_tensor, mesh, pl)
     else:
-        out = _run_reshard(dist_tensor, mesh, pl, dist_tensor.name)
+        out = run_reshard(dist_tensor, mesh, pl, dist_tensor.name)
     out.name = dist_tensor.name
     return out
 

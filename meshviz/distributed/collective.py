@@ -9,11 +9,11 @@ import torch.distributed as tdist
 
 from .. import trace
 from ..core.placements import ReduceType
-from . import comm, groups
-from .comm import Call, CollectiveOp, Task, check_peer, local, reduction, run, tensor_bytes
-from .devices import staged_recv, staged_send
-from .env import init_parallel_env
-from .groups import Group
+from ..runtime import comm, groups
+from ..runtime.comm import Call, CollectiveOp, Task, check_peer, local, reduction, run, tensor_bytes
+from ..runtime.devices import staged_recv, staged_send
+from ..runtime.groups import Group
+from ..runtime.world import init_parallel_env
 
 __all__ = [
     "ReduceOp", "Group", "new_group", "get_group", "get_backend", "is_available", "destroy_process_group",

@@ -10,10 +10,10 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .. import compat, trace
-from . import groups, rollcall
-from .comm import FUSE_BYTES, Call, CollectiveOp, all_reduce_mean_, run
-from .devices import place_module
-from .env import init_parallel_env
+from ..runtime import groups, rollcall
+from ..runtime.comm import FUSE_BYTES, Call, CollectiveOp, all_reduce_mean_, run
+from ..runtime.devices import place_module
+from ..runtime.world import init_parallel_env
 
 __all__ = ["DataParallel", "fused_allreduce_gradients", "sync_params_buffers"]
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from ..core.mesh import ProcessMesh, set_group_getter
 from ..rank_context import per_rank
+from ..runtime.world import get_rank, init_parallel_env
 from .collective import Group, new_group
-from .env import get_rank, init_parallel_env
 
 __all__ = ["axis_group"]
 

@@ -21,7 +21,7 @@ def main() -> None:
     sys.argv = [script] + args
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     runpy.run_path(script, run_name="__main__")
-    from meshviz.distributed.env import exit_quietly
+    from meshviz.runtime.world import exit_quietly
 
     exit_quietly(0, note="its script finished")
 

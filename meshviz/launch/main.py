@@ -64,7 +64,7 @@ def _spec(args):
 def _plan(args):
     """Every local worker's device and the one backend, decided before anything starts (ValueError otherwise)."""
     from ..core.devices import plan_devices
-    from ..distributed.devices import visible_gpu_count
+    from ..runtime.devices import visible_gpu_count
 
     spec, nproc = _spec(args), args.nproc_per_node
     if nproc is not None and nproc < 1:
@@ -82,7 +82,7 @@ def _plan(args):
 def _rank_envs(plan, listed: bool) -> list[dict]:
     """Each local worker's device variables: GPUs named in --devices are the only one a worker sees (as Paddle's
     FLAGS_selected_gpus); otherwise worker i sees every GPU and computes on its own; CPU workers see none."""
-    from ..distributed.devices import rank_env, visible_gpu_labels
+    from ..runtime.devices import rank_env, visible_gpu_labels
 
     labels = visible_gpu_labels()
     out = []
@@ -108,7 +108,7 @@ def _build(args: argparse.Namespace):
     """build_config, the port reservation for the agent's store when this process picked the port, and the plan."""
     from torch.distributed.launcher.api import LaunchConfig
 
-    from ..distributed import rendezvous
+    from ..runtime import rendezvous
 
     if args.run_mode != "collective":
         raise ValueError(f"--run_mode {args.run_mode!r}: only 'collective' is supported")
@@ -151,7 +151,7 @@ def _build(args: argparse.Namespace):
     if args.hang_after < 0:
         raise ValueError(f"--hang_after must be >= 0, got {args.hang_after}")
 
-    from ..distributed import watchdog
+    from ..runtime import watchdog
 
     env = {"MESHVIZ_LAUNCH_MERGE_STDERR": "1", "MESHVIZ_BACKEND": plan.backend,
            "MESHVIZ_LAUNCH_RANK_ENV": json.dumps(_rank_envs(plan, listed=isinstance(_spec(args), tuple)))}
@@ -182,7 +182,7 @@ def _agent_store(config, reservation):
     """On node 0 of a run on this machine (a loopback master), the TCPStore that torchrun's agent is about to
     create, served here first on loopback only: the agent's ``TCPStore(..., multi_tenant=True)`` on the same port
     then uses it instead of listening on every interface. None elsewhere (the agent serves, or node 0 does)."""
-    from ..distributed import rendezvous
+    from ..runtime import rendezvous
 
     host, _, port = config.rdzv_endpoint.rpartition(":")
     if config.rdzv_configs["rank"] != 0 or not rendezvous.is_loopback(host):
@@ -304,7 +304,7 @@ def _rollcall_host(args, config):
     collective (it reads the agent's store, which may come up a moment later). None elsewhere or when off."""
     if args.hang_after <= 0 or config.rdzv_configs["rank"] != 0:
         return None
-    from ..distributed.watchdog import RollCallHost
+    from ..runtime.watchdog import RollCallHost
 
     host, _, port = config.rdzv_endpoint.rpartition(":")
     world = config.min_nodes * config.nproc_per_node

@@ -108,7 +108,7 @@ class ThreadWorld(Baton):
             self._threads.append(t)
             t.start()
         if join:
-            from ..distributed.env import init_parallel_env
+            from ..runtime.world import init_parallel_env
 
             job = self.submit(lambda r: init_parallel_env() and tdist.get_rank())
             if not job.wait(self.timeout + 30) or any(o.status != "ok" for o in job.outcomes()):
@@ -177,7 +177,7 @@ class ThreadWorld(Baton):
             self._reset_comms()
 
     def _reset_comms(self) -> None:
-        from ..distributed import rollcall
+        from ..runtime import rollcall
 
         self.comms.reset()
         for ctx in self.contexts:  # the roll-call counts from 1 again too, as in a new world of rank processes
@@ -246,7 +246,7 @@ class ThreadWorld(Baton):
 def _leave_world() -> None:
     if tdist.is_initialized():
         tdist.destroy_process_group()
-    from ..distributed import groups
+    from ..runtime import groups
 
     groups.reset()
     set_here(None)

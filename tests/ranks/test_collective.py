@@ -241,7 +241,7 @@ def test_reduce_op_values_match_paddle():
 
 def _issue14_names():
     import meshviz.distributed as dist
-    from meshviz.distributed import groups
+    from meshviz.runtime import groups
 
     dist.init_parallel_env()
     r = dist.get_rank()
@@ -320,7 +320,7 @@ def _comm_layer():
 
     import meshviz.distributed as dist
     from meshviz import trace
-    from meshviz.distributed import comm, groups
+    from meshviz.runtime import comm, groups
 
     dist.init_parallel_env()
     r = dist.get_rank()

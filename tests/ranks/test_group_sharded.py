@@ -9,8 +9,8 @@ import torch.distributed as tdist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from meshviz.distributed.devices import full_tensor
 from meshviz.nn import ClipGradByGlobalNorm
+from meshviz.runtime.devices import full_tensor
 from meshviz.testing import run_ranks
 
 LEVELS = ("os", "os_g", "p_g_os")

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.timeout(120)
 def test_stop_leaves_nothing_behind():
     import torch.distributed.distributed_c10d as c10d
 
-    from meshviz.distributed import match
+    from meshviz.runtime import match
 
     world_before, sleep_before, out_before = c10d._world, time.sleep, sys.stdout
     checking_before = match.checking()
@@ -54,7 +54,7 @@ def _whoami():
 
     return {"rank": tdist.get_rank(), "world": tdist.get_world_size(), "backend": tdist.get_backend(),
             "dist": (dist.get_rank(), dist.get_world_size(), dist.ParallelEnv().local_rank), "thread":
-            threading.current_thread().name, "device": str(dist.env.device()), "threads": torch.get_num_threads()}
+            threading.current_thread().name, "device": str(dist.device()), "threads": torch.get_num_threads()}
 
 
 def test_ranks_devices_and_state(cluster):

@@ -12,7 +12,7 @@ def _ordered_groups():
     import torch.distributed as tdist
 
     import meshviz.distributed as dist
-    from meshviz.distributed import groups
+    from meshviz.runtime import groups
 
     dist.init_parallel_env()
     r = dist.get_rank()
@@ -42,11 +42,12 @@ def _through_host():
     import torch.distributed as tdist
 
     import meshviz.distributed as dist
+    from meshviz.runtime import devices
 
     dist.init_parallel_env()
     r = dist.get_rank()
     before = (tdist.send, tdist.recv, tdist.send_object_list, tdist.recv_object_list)
-    with dist.devices.p2p_through_host():
+    with devices.p2p_through_host():
         patched = tdist.send is not before[0]
         t = torch.full((3,), float(r + 1))
         objs = [{"shape": (2, 5), "rank": r}] if r == 0 else [None]

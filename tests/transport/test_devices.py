@@ -166,7 +166,7 @@ def test_rank_configs_translate_ids_through_visible_devices(monkeypatch):
 
 
 def test_launch_plans_workers_before_starting(monkeypatch):
-    import meshviz.distributed.devices as devs
+    import meshviz.runtime.devices as devs
     from meshviz.launch.main import _build, parse_args
 
     def plan(argv, gpus, backend=None):
@@ -220,7 +220,7 @@ def test_launch_refuses_bad_devices_at_once(tmp_path):
 
 def test_spawn_refuses_before_starting_processes(monkeypatch):
     import meshviz.distributed as dist
-    import meshviz.distributed.devices as devs
+    import meshviz.runtime.devices as devs
 
     monkeypatch.setattr(devs, "visible_gpu_count", lambda: 1)
     t0 = time.perf_counter()
@@ -234,7 +234,7 @@ def test_spawn_refuses_before_starting_processes(monkeypatch):
 
 
 def test_initial_device_follows_the_plan(monkeypatch):
-    import meshviz.distributed.devices as devs
+    import meshviz.runtime.devices as devs
 
     monkeypatch.setenv("MESHVIZ_DEVICE", "cpu")
     monkeypatch.delenv("MESHVIZ_BACKEND", raising=False)
@@ -263,7 +263,7 @@ def test_initial_device_follows_the_plan(monkeypatch):
 
 
 def test_rank_env():
-    from meshviz.distributed.devices import rank_env
+    from meshviz.runtime.devices import rank_env
 
     cpu = plan_devices(2, "cpu", 4)
     assert rank_env(cpu, 1) == {"MESHVIZ_BACKEND": "gloo", "CUDA_VISIBLE_DEVICES": "", "MESHVIZ_DEVICE": "cpu"}
@@ -279,7 +279,7 @@ class _FakeGroup:
     """A meshviz Group of this one rank whose backend is named (no process group needed for the check)."""
 
     def __new__(cls, backend):
-        from meshviz.distributed.groups import Group
+        from meshviz.runtime.groups import Group
 
         g = Group(0, 99, [0], None)
         g._backend = backend
@@ -287,7 +287,7 @@ class _FakeGroup:
 
 
 def test_cpu_tensor_into_nccl_collective_is_one_clear_error():
-    from meshviz.distributed import comm, devices
+    from meshviz.runtime import comm, devices
 
     started = []
     with pytest.raises(ValueError) as e:
@@ -304,7 +304,7 @@ def test_cpu_tensor_into_nccl_collective_is_one_clear_error():
 
 
 def test_strict_mode_raises_on_any_other_device(monkeypatch):
-    from meshviz.distributed import comm, devices
+    from meshviz.runtime import comm, devices
 
     monkeypatch.delenv(devices.STRICT_ENV, raising=False)
     started = []
@@ -327,7 +327,7 @@ def test_strict_mode_raises_on_any_other_device(monkeypatch):
 
 
 def test_staging_for_gloo_point_to_point_is_a_no_op_on_cpu():
-    from meshviz.distributed.devices import staged_recv, staged_send
+    from meshviz.runtime.devices import staged_recv, staged_send
 
     t = torch.arange(3.0)
     assert staged_send(t) is t
@@ -336,7 +336,7 @@ def test_staging_for_gloo_point_to_point_is_a_no_op_on_cpu():
 
 
 def test_place_module_leaves_cpu_ranks_alone():
-    from meshviz.distributed.devices import place_module
+    from meshviz.runtime.devices import place_module
 
     m = torch.nn.Linear(2, 2)
     w = m.weight
@@ -349,10 +349,11 @@ def _strict_world():
     import torch.distributed as tdist
 
     import meshviz.distributed as dist
+    from meshviz.runtime import devices
 
     dist.init_parallel_env()
     r = dist.get_rank()
-    out = {"strict": dist.devices.strict(), "device": str(dist.device()), "backend": tdist.get_backend()}
+    out = {"strict": devices.strict(), "device": str(dist.device()), "backend": tdist.get_backend()}
     t = torch.ones(2) * (r + 1)
     dist.all_reduce(t)
     out["sum"] = t.tolist()

@@ -23,8 +23,9 @@ def _where():
     import torch.distributed as tdist
 
     import meshviz.distributed as dist
+    from meshviz.runtime import devices
 
-    return {"backend": tdist.get_backend(), "device": str(dist.device()), "strict": dist.devices.strict()}
+    return {"backend": tdist.get_backend(), "device": str(dist.device()), "strict": devices.strict()}
 
 
 # -- one NCCL rank on the GPU -----------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ COLL = r"all_reduce #(\d+) on group \[0, 1\]"
 @pytest.fixture(scope="module")
 def cluster():
     c = meshviz.Cluster(n=2, timeout=TIMEOUT, hang_after=HANG)
-    c.execute("import time, torch, meshviz.distributed as dist\nfrom meshviz.distributed import match\n"
+    c.execute("import time, torch, meshviz.distributed as dist\nfrom meshviz.runtime import match\n"
               "r = dist.get_rank()\n")
     yield c
     c.stop()
@@ -92,7 +92,7 @@ def test_a_different_collective_at_the_same_sequence_number(cluster):
 
 
 def _set_checking(on):
-    from meshviz.distributed import match
+    from meshviz.runtime import match
 
     return match.set_checking(on)
 

@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 
-from meshviz.distributed.rendezvous import free_port
+from meshviz.runtime.rendezvous import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from meshviz.distributed import rendezvous
 from meshviz.errors import RankError, RankOutcome
+from meshviz.runtime import rendezvous
 
 
 def _listeners(port: int) -> list[str]:
@@ -74,11 +74,11 @@ def test_rank_env_and_arrival_on_a_hosted_store(monkeypatch):
 def test_rank_error_is_one_class_with_plain_text_and_coloured_rendering():
     import meshviz.cluster
     import meshviz.cluster.errors
-    import meshviz.distributed.env
+    import meshviz.runtime.world
     import meshviz.testing
 
     assert meshviz.cluster.RankError is meshviz.cluster.errors.RankError is RankError
-    assert meshviz.testing.RankFailed is meshviz.distributed.env.RankError is RankError
+    assert meshviz.testing.RankFailed is meshviz.runtime.world.RankError is RankError
     assert meshviz.cluster.RankOutcome is RankOutcome
     red_tb = "\x1b[0;31mTraceback (most recent call last)\x1b[0m\n\x1b[0;31mValueError\x1b[0m: boom"
     outcomes = [RankOutcome(0, 0, "error", "RuntimeError: peer gone"),

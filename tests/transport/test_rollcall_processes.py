@@ -53,8 +53,8 @@ def test_collectives_are_attributed_to_the_module_that_issued_them():
 
 def _mismatches():
     import meshviz.distributed as dist
-    from meshviz.distributed import rollcall
-    from meshviz.distributed.match import CollectiveMismatch, set_checking
+    from meshviz.runtime import rollcall
+    from meshviz.runtime.match import CollectiveMismatch, set_checking
 
     dist.init_parallel_env()
     set_checking(True)

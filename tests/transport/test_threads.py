@@ -208,8 +208,9 @@ def _per_rank_state():
     import meshviz.distributed as dist
     from meshviz import trace
     from meshviz.core.mesh import current_rank
-    from meshviz.distributed import fleet, groups
+    from meshviz.distributed import fleet
     from meshviz.distributed.fleet.meta_parallel import get_rng_state_tracker, model_parallel_random_seed
+    from meshviz.runtime import groups
 
     dist.init_parallel_env()
     r = dist.get_rank()

@@ -109,7 +109,7 @@ def test_reshard_between_co_shard_orders_is_one_plan_paddle_agrees_with():
 
 
 def test_torch_conversion_refuses_a_nesting_torch_cannot_hold():
-    from meshviz.distributed.dtensor import to_torch_placements
+    from meshviz.runtime.dtensor import to_torch_placements
 
     assert len(to_torch_placements((Shard(0), Shard(0, 1)))) == 2  # mesh order: plain torch shards
     with pytest.raises(ValueError, match="co_shard_order"):

@@ -95,7 +95,7 @@ def test_status_records_round_trip_and_check_their_state():
 # -- a rank's record, read from another thread ------------------------------------------------------------------
 
 def test_the_record_is_read_while_the_rank_blocks_in_a_collective():
-    from meshviz.distributed import rollcall
+    from meshviz.runtime import rollcall
 
     rec = rollcall.Record(rank=3)
     inside, release = threading.Event(), threading.Event()
@@ -131,8 +131,8 @@ def test_the_record_is_read_while_the_rank_blocks_in_a_collective():
 
 
 def test_async_waits_show_the_collective_again():
-    from meshviz.distributed import rollcall
-    from meshviz.distributed.comm import Task
+    from meshviz.runtime import rollcall
+    from meshviz.runtime.comm import Task
 
     rec = rollcall.current()
     seen = []
@@ -149,7 +149,7 @@ def test_async_waits_show_the_collective_again():
 
 
 def test_a_backward_under_dataparallel_counts_as_its_all_reduce():
-    from meshviz.distributed import rollcall
+    from meshviz.runtime import rollcall
 
     rec = rollcall.Record(rank=0)
     inside, release = threading.Event(), threading.Event()
@@ -174,7 +174,7 @@ def test_a_backward_under_dataparallel_counts_as_its_all_reduce():
 
 
 def test_where_is_the_users_code():
-    from meshviz.distributed import rollcall
+    from meshviz.runtime import rollcall
 
     def inner():
         return rollcall.where()

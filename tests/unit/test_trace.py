@@ -122,7 +122,7 @@ def test_garbage_messages_are_dropped():
 
 
 def test_sink_never_blocks_without_a_receiver():
-    from meshviz.distributed.rendezvous import free_port
+    from meshviz.runtime.rendezvous import free_port
 
     sink = StreamSink(f"tcp://127.0.0.1:{free_port()}", hwm=100)
     for i in range(20000):  # a blocking send would hang here until the module's timeout; the cost is in bench/

@@ -12,9 +12,9 @@ from torch.distributed.tensor import DTensor
 
 from ... import compat, trace
 from ...core.sharding import STAGES
+from ...runtime.comm import all_reduce_mean_
 from ..api import is_dist_tensor
 from ..collective import all_reduce, broadcast
-from ..comm import all_reduce_mean_
 from .program import Program, shape_str
 from .recorder import DispatchRecorder, graph_from_records
 from .strategy import Strategy
@@ -93,7 +93,7 @@ class DistModel:
 
         world = _world()
         if world > 1:
-            from ..devices import place_module
+            from ...runtime.devices import place_module
 
             place_module(layer, "DistModel")  # a CPU model on a GPU rank moves to the GPU, as in Paddle
             plain = [p for p in layer.parameters() if not _is_dist(p)]

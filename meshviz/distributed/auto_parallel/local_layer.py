@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from ...compat import tree_flatten, tree_unflatten
+from ...runtime.dtensor import DistTensor
 from ..api import dtensor_from_local, dtensor_to_local
-from ..dtensor import DistTensor
 
 __all__ = ["LocalLayer"]
 

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from torch import nn
 
-from ...rank_context import getenv, per_rank
-from ..env import barrier, get_rank, get_world_size, init_parallel_env
+from ...rank_context import getenv
+from ...runtime.world import get_rank, get_world_size, init_parallel_env
+from ..collective import barrier
 from . import topology  # noqa: F401  (fleet.topology, as in Paddle)
+from .optimizer import HybridParallelOptimizer
+from .state import FleetState, current, hybrid_group
 from .strategy import DistributedStrategy
 from .topology import AXIS_NAMES, CommunicateTopology, HybridCommunicateGroup, ParallelMode
 
@@ -18,84 +21,20 @@ __all__ = [
 ]
 
 
-class HybridParallelOptimizer:
-    """Wraps a torch optimizer: ``step()`` first averages what Paddle averages, then steps.
-
-    With mp, sharding or pp > 1 and dp > 1, the gradients are averaged over the data-parallel group (in pure
-    data parallel, ``DataParallel`` already did it during backward); with sharding > 1 over the sharding group.
-    """
-
-    def __init__(self, optimizer, hcg, strategy):
-        self._inner_opt = optimizer
-        self._hcg = hcg
-        self._strategy = strategy
-
-    def _params(self):
-        return [p for g in self._inner_opt.param_groups for p in g["params"]]
-
-    def _sync_grads(self):
-        from .utils.hybrid_parallel_util import _sharding_mean, fused_allreduce_gradients
-
-        hcg = self._hcg
-        if hcg is None:
-            return
-        mode = hcg.get_parallel_mode()
-        if hcg.get_sharding_parallel_world_size() > 1:
-            _sharding_mean(self._params(), hcg)
-        if mode != ParallelMode.DATA_PARALLEL and hcg.get_data_parallel_world_size() > 1:
-            fused_allreduce_gradients(self._params(), hcg)
-
-    def step(self, closure=None):
-        self._sync_grads()
-        return self._inner_opt.step(closure) if closure is not None else self._inner_opt.step()
-
-    def clear_grad(self, set_to_zero=True):
-        self._inner_opt.zero_grad(set_to_none=not set_to_zero)
-
-    def zero_grad(self, set_to_none=True):
-        self._inner_opt.zero_grad(set_to_none=set_to_none)
-
-    def state_dict(self):
-        return self._inner_opt.state_dict()
-
-    def set_state_dict(self, state_dict):
-        return self._inner_opt.load_state_dict(state_dict)
-
-    load_state_dict = set_state_dict
-
-    def __getattr__(self, name):
-        if name.startswith("__") or name == "_inner_opt":
-            raise AttributeError(name)
-        return getattr(self._inner_opt, name)
-
-    def __repr__(self) -> str:
-        return f"HybridParallelOptimizer({type(self._inner_opt).__name__})"
-
-
-class _FleetState:
-    __slots__ = ("_hcg", "_topology", "_strategy")
-
-    def __init__(self):
-        self._hcg = self._topology = self._strategy = None
-
-
 class Fleet:
     """The singleton behind the module functions (``fleet.init``, ``fleet.distributed_model`` ...); what it holds
     is per rank."""
 
-    _PER_RANK = frozenset(_FleetState.__slots__)
-
-    def __init__(self):
-        object.__setattr__(self, "_ranks", per_rank(_FleetState))
+    _PER_RANK = frozenset(FleetState.__slots__)
 
     def __getattr__(self, name):
         if name in Fleet._PER_RANK:
-            return getattr(self._ranks.here(), name)
+            return getattr(current(), name)
         raise AttributeError(name)
 
     def __setattr__(self, name, value):
         if name in Fleet._PER_RANK:
-            setattr(self._ranks.here(), name, value)
+            setattr(current(), name, value)
         else:
             object.__setattr__(self, name, value)
 
@@ -138,8 +77,7 @@ class Fleet:
         return None
 
     def _require_init(self):
-        if self._hcg is None:
-            raise RuntimeError("call fleet.init(is_collective=True, strategy=...) first")
+        hybrid_group()
 
     def get_hybrid_communicate_group(self) -> HybridCommunicateGroup:
         self._require_init()
@@ -153,7 +91,7 @@ class Fleet:
         """Data parallel only: ``DataParallel`` over the dp group. mp/sharding: parameters made consistent
         (non-split ones over the mp group, all over dp/sharding) and the model returned; gradients are averaged
         by ``distributed_optimizer``'s step. pp > 1: the pipeline runtime (``pipeline_hook._pipeline_model``)."""
-        from ..devices import place_module
+        from ...runtime.devices import place_module
         from ..parallel import DataParallel, sync_params_buffers
 
         self._require_init()

@@ -13,9 +13,9 @@ def distributed_scaler(scaler):
     all-reduced over every rank, so all ranks skip a step together (Paddle patches the scaler in place; a torch
     ``GradScaler`` cannot see dist tensors' blocks, so this returns ``shard_scaler(scaler)``)."""
     from ..shard_api import shard_scaler
-    from . import fleet
+    from .state import current
 
-    hcg = fleet._hcg
+    hcg = current()._hcg
     if hcg is None:
         raise RuntimeError("fleet.distributed_scaler: call fleet.init(is_collective=True, strategy=...) first")
     if hcg.get_parallel_mode() == ParallelMode.DATA_PARALLEL:

@@ -7,8 +7,8 @@ import math
 
 from ...core.mesh import ProcessMesh
 from ...rank_context import per_rank
+from ...runtime.world import get_rank, get_world_size
 from ..collective import new_group
-from ..env import get_rank, get_world_size
 
 __all__ = ["ParallelMode", "CommunicateTopology", "HybridCommunicateGroup", "hybrid_group"]
 

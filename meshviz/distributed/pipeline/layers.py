@@ -152,7 +152,7 @@ class PipelineLayer(nn.Module):
     def __init__(self, layers, num_stages=None, topology=None, loss_fn=None, seg_method="uniform",
                  recompute_interval=0, recompute_ctx=None, num_virtual_pipeline_stages=None):
         super().__init__()
-        from ..env import get_rank, get_world_size, is_initialized
+        from ...runtime.world import get_rank, get_world_size, is_initialized
 
         layers = list(layers)
         if not layers:
@@ -251,8 +251,8 @@ class PipelineLayer(nn.Module):
         out: dict = {}
         if self._num_stages == 1:
             return out
+        from ...runtime.world import get_rank
         from ..collective import new_group
-        from ..env import get_rank
 
         me = get_rank()
         keys = sorted({d.layer_name for d in self._layers_desc if isinstance(d, SharedLayerDesc)}, key=str)

@@ -7,8 +7,8 @@ from torch import nn
 
 from ... import compat, trace
 from ...core.schedule import fthenb_order, one_f_one_b_order
+from ...runtime.devices import device, place_module
 from ...trace import Event, Mark
-from ..devices import device, place_module
 from .layers import PipelineLayer
 
 __all__ = ["PipelineParallel", "SCHEDULE_MODES", "resolve_schedule", "check_pipeline_config", "ActivationMeter"]
@@ -193,10 +193,11 @@ class PipelineParallel(nn.Module):
         super().__init__()
         if not isinstance(layers, PipelineLayer):
             raise TypeError(f"PipelineParallel needs a PipelineLayer, got {type(layers).__name__}")
-        from ..fleet import DistributedStrategy, fleet
+        from ..fleet.state import current
+        from ..fleet.strategy import DistributedStrategy
 
-        hcg = hcg if hcg is not None else fleet._hcg
-        strategy = strategy if strategy is not None else (fleet._strategy or DistributedStrategy())
+        hcg = hcg if hcg is not None else current()._hcg
+        strategy = strategy if strategy is not None else (current()._strategy or DistributedStrategy())
         if hcg is None:
             raise ValueError("PipelineParallel: call fleet.init(is_collective=True, strategy=...) first")
         p = hcg.get_pipe_parallel_world_size()
@@ -335,7 +336,7 @@ class PipelineParallel(nn.Module):
         ``optimizer`` may be a torch optimizer; it is wrapped as ``fleet.distributed_optimizer`` would (Paddle
         requires the wrapped one), so gradients are averaged over the data-parallel group before the step.
         """
-        from ..fleet import HybridParallelOptimizer
+        from ..fleet.optimizer import HybridParallelOptimizer
 
         inputs, labels = self._check_data(data, need_labels=True)
         if self._layers._loss_fn is None:

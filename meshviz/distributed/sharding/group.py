@@ -6,8 +6,8 @@ import torch
 import torch.distributed as tdist
 
 from ... import compat
-from .. import comm
-from ..groups import resolve
+from ...runtime import comm
+from ...runtime.groups import resolve
 
 __all__ = ["ShardingGroup", "resolve_group", "broadcast_module", "gather_object"]
 

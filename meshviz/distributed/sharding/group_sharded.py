@@ -7,8 +7,8 @@ import torch.nn as nn
 from ... import trace
 from ...core.sharding import LEVELS, SHARDED, plan_pieces
 from ...nn import ClipGradByGlobalNorm
-from ..devices import place_module
-from ..env import device, init_parallel_env
+from ...runtime.devices import place_module
+from ...runtime.world import device, init_parallel_env
 from .fsdp import apply_fsdp, unmix_foreach
 from .group import ShardingGroup, broadcast_module, resolve_group
 from .optimizer import GroupShardedOptimizer

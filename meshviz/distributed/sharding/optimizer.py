@@ -6,8 +6,8 @@ import torch
 import torch.distributed as tdist
 
 from ... import trace
-from ..comm import all_reduce_mean_
-from ..devices import device
+from ...runtime.comm import all_reduce_mean_
+from ...runtime.devices import device
 from .group import ShardingGroup
 from .slot import Slot, local_tensor
 from .state import full_optimizer_state

@@ -6,7 +6,7 @@ import os
 
 import torch
 
-from ..devices import full_tensor
+from ...runtime.devices import full_tensor
 from .group import resolve_group
 from .optimizer import GroupShardedOptimizer
 

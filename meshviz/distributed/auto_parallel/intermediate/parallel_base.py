@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from ....core.placements import Replicate
+from ....runtime.dtensor import DistTensor
 from ...api import reshard, shard_tensor
-from ...dtensor import DistTensor
 from .pipeline_parallel import stage_mesh
 
 __all__ = ["param_holders", "shard_all_params", "remap_optimizer"]

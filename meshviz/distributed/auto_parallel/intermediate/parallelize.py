@@ -8,8 +8,8 @@ import torch
 
 from ....core.mesh import ProcessMesh
 from ....rank_context import per_rank
-from ... import groups
-from ...env import init_parallel_env
+from ....runtime import groups
+from ....runtime.world import init_parallel_env
 from ..interface import get_mesh, set_mesh
 from .parallel_base import param_holders, remap_optimizer, shard_all_params
 from .pipeline_parallel import (
@@ -214,7 +214,7 @@ def parallelize_optimizer(optimizer, mesh=None, config=None):
         raise ValueError("Please parallelize the model before parallelize optimizer.")
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ValueError(f"parallelize_optimizer expects a torch.optim.Optimizer, got {type(optimizer).__name__}")
-    from ...dtensor import DistTensor
+    from ....runtime.dtensor import DistTensor
 
     for group in optimizer.param_groups:
         for p in group["params"]:

@@ -10,8 +10,8 @@ from enum import Enum
 import torch
 
 from ....core.placements import Replicate
+from ....runtime.dtensor import DistTensor
 from ...api import reshard, shard_tensor
-from ...dtensor import DistTensor
 
 __all__ = [
     "SplitPoint", "resolve_split_spec", "stage_mesh", "stage_indices", "assign_stages", "register_pipeline_hooks",

@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from ....core.placements import Partial, Replicate, Shard
+from ....runtime.dtensor import DistTensor
 from ...api import reshard, shard_tensor
-from ...dtensor import DistTensor
 
 __all__ = [
     "PlanBase",

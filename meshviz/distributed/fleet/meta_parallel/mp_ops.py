@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as tdist
 
+from ....runtime.groups import resolve
 from ...collective import ReduceOp, all_gather, all_reduce
-from ...groups import resolve
 
 __all__ = ["mp_group_of", "group_index", "c_identity", "mp_allreduce", "c_split", "c_concat",
            "parallel_cross_entropy"]

@@ -96,9 +96,9 @@ def model_parallel_random_seed(seed: int | None = None) -> None:
     ``seed + 1 + mp_rank * pp_size + pp_rank`` (different on every tensor-parallel rank: dropout on a split
     activation draws different masks for different parts). Without a seed each rank draws one from numpy.
     """
-    from .. import get_hybrid_communicate_group
+    from ..state import hybrid_group
 
-    hcg = get_hybrid_communicate_group()
+    hcg = hybrid_group()
     mp_rank = hcg.get_model_parallel_rank()
     pp_rank, pp_size = hcg.get_stage_id(), hcg.get_pipe_parallel_world_size()
     global_seed = seed if seed else int(np.random.randint(0, 10000))

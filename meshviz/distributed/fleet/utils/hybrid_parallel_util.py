@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ...comm import all_reduce_mean_
+from ....runtime.comm import all_reduce_mean_
 from ...parallel import fused_allreduce_gradients, sync_params_buffers
 
 __all__ = ["fused_allreduce_gradients", "broadcast_dp_parameters", "broadcast_mp_parameters",

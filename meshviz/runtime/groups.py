@@ -9,7 +9,7 @@ import torch.distributed as tdist
 from .. import compat
 from ..core.mesh import ProcessMesh
 from ..rank_context import per_rank
-from .env import get_world_size, init_parallel_env
+from .world import get_world_size, init_parallel_env
 
 __all__ = ["Group", "resolve", "world_group", "register", "lookup", "release", "group_for_ranks", "line_group",
            "mesh_groups", "axis_group", "device_mesh", "check_mesh_in_world", "reset", "clear_cache"]
@@ -212,7 +212,7 @@ def device_mesh(mesh: ProcessMesh, device_type: str | None = None):
     """A torch DeviceMesh whose coordinates are this mesh's (sub-groups in mesh order, not sorted order)."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    from .env import device
+    from .world import device
 
     device_type = device_type or device().type
     key = (_key(mesh), device_type)

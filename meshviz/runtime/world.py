@@ -1,4 +1,4 @@
-"""Process-group set-up: init_parallel_env, ranks, spawn."""
+"""The world: init_parallel_env, this rank, the world size, the collective timeout."""
 
 from __future__ import annotations
 
@@ -16,20 +16,15 @@ from ..rank_context import current as _rank_context
 from ..rank_context import getenv as _getenv
 from . import rendezvous, rollcall, watchdog
 from .devices import device, initial_device
-from .rank_processes import SpawnContext, spawn
 
 __all__ = [
     "init_parallel_env",
     "get_rank",
     "get_world_size",
     "is_initialized",
-    "barrier",
-    "spawn",
-    "SpawnContext",
     "default_timeout",
     "device",
     "ParallelEnv",
-    "destroy_process_group",
     "RankError",
 ]
 
@@ -111,12 +106,6 @@ def init_parallel_env(backend: str | None = None, timeout: float | None = None):
 _set_up_for = None  # the default group init_parallel_env last set this process up for (rank getter, trace)
 
 
-def destroy_process_group(group=None) -> None:
-    from .collective import destroy_process_group as _destroy
-
-    _destroy(group)
-
-
 def is_initialized() -> bool:
     return tdist.is_initialized()
 
@@ -137,12 +126,6 @@ def get_world_size(group=None) -> int:
     if group is None:
         return tdist.get_world_size()
     return tdist.get_world_size(getattr(group, "process_group", group))
-
-
-def barrier(group=None) -> None:
-    from .collective import barrier as _barrier
-
-    _barrier(group)
 
 
 class ParallelEnv:

@@ -14,11 +14,10 @@ from .. import compat, trace
 from ..compat import TorchDispatchMode, tree_map
 from ..core.mesh import ProcessMesh
 from ..core.placements import Partial, Replicate, Shard
-from ..core.planner import plan_reshard
 from . import dtensor, rollcall
+from .autograd import run_reshard
 from .dtensor import DistTensor, make_dist, make_dtensor
 from .op_rules import CORRECTED, DEFAULT_RULE_OPS, LOCAL_RULES, PADDLE_RULES, RANDOM_RULES
-from .reshard import run_plan
 
 __all__ = ["dispatch", "redistribute", "grad_like"]
 
@@ -275,19 +274,12 @@ def _reshard_inputs(func, args, kwargs, want):
 def redistribute(t: DistTensor, placements, name: str | None = None) -> DistTensor:
     """``t`` on its own mesh with ``placements``, by meshviz's planner (events, no autograd): the implicit
     reshards the op layer makes."""
-    mesh = t._pmesh
-    placements = list(placements)
     t = t._resolved()
-    if placements == t.placements:
+    if list(placements) == t.placements:
         return t
-    plan = plan_reshard(tuple(t.shape), mesh, t.placements, mesh, placements, itemsize=t.element_size())
-    local = compat.dtensor_local(t._dtensor)
-    rank = _rank()
-    new = run_plan(plan, local if mesh.contains(rank) else None, rank, dtype=t.dtype, device=local.device,
-                   name=name or t.name, tensor_id=t.tensor_id)
-    if new is None or not mesh.contains(rank):
-        new = local.new_empty(0)
-    return make_dist(new, mesh, plan.dst_placements, t.shape)
+    out = run_reshard(t, t._pmesh, list(placements), name or t.name)
+    out.name = t.name
+    return out
 
 
 def grad_like(placements, grad_placements) -> list:

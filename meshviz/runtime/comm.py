@@ -273,7 +273,7 @@ def run(call: Call, checks: Sequence[Check] = CHECKS) -> Task:
 
     Every collective meshviz issues passes through here (the wrappers of ``dist.*``, reshard steps,
     DataParallel, the gradient mean, clipping), so what a rank is doing — ``call.op`` on the group's ranks, with
-    its tensors — is known in one place: the rank's roll-call record (:mod:`~meshviz.distributed.rollcall`) says
+    its tensors — is known in one place: the rank's roll-call record (:mod:`~meshviz.runtime.rollcall`) says
     so while the call runs (and while the checks of ``INSIDE`` run). A rank a check leaves out (a non-member) gets
     a finished Task and ``call.start`` is not called.
     """

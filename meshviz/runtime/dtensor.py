@@ -22,7 +22,7 @@ from .comm import dtensor_reduce_op, from_dtensor_reduce_op
 from .devices import device
 
 __all__ = ["DistTensor", "to_torch_placements", "from_torch_placements", "paddle_placement", "make_dtensor",
-           "make_dist", "set_op_layer", "torch_only_axes"]
+           "make_dist", "set_op_layer", "set_local_functions", "torch_only_axes"]
 
 _pmesh_of: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # DeviceMesh -> ProcessMesh
 _ids = per_rank(lambda: itertools.count(1))  # tensor ids in events, numbered per rank
@@ -185,9 +185,7 @@ class DistTensor(torch.Tensor):
 
     def _local_value(self) -> torch.Tensor:
         """This rank's block (a differentiable view; empty on ranks outside the mesh)."""
-        from .api import dtensor_to_local
-
-        return dtensor_to_local(self)
+        return _local_functions[0](self)
 
     def to_local(self) -> torch.Tensor:
         return self._local_value()
@@ -232,9 +230,8 @@ class DistTensor(torch.Tensor):
         return self._mv_id
 
     def full_tensor(self) -> torch.Tensor:
-        from .api import unshard_dtensor
-
-        return unshard_dtensor(self)
+        """The dense value (a collective: every rank of the mesh calls it); differentiable."""
+        return _local_functions[1](self)
 
     def numpy(self):
         raise RuntimeError(
@@ -258,14 +255,21 @@ class DistTensor(torch.Tensor):
         return _op_layer(func, args, kwargs or {})
 
 
-def _no_op_layer(func, args, kwargs):
-    raise RuntimeError("meshviz.distributed.ops is not imported")
+def _missing(*args, **kwargs):
+    raise RuntimeError("import meshviz.distributed (it installs the op layer and the dist tensor's autograd)")
 
 
-_op_layer = _no_op_layer
+# the layers above install these (they import this module, so it cannot import them)
+_op_layer = _missing
+_local_functions = [_missing, _missing]  # to_local, unshard: meshviz.runtime.autograd
 
 
 def set_op_layer(fn) -> None:
-    """Install the function every op on a dist tensor goes through (``meshviz.distributed.ops.dispatch``)."""
+    """Install the function every op on a dist tensor goes through (``meshviz.runtime.ops.dispatch``)."""
     global _op_layer
     _op_layer = fn
+
+
+def set_local_functions(to_local, unshard) -> None:
+    """Install ``_local_value`` and ``full_tensor``'s implementations (``meshviz.runtime.autograd``)."""
+    _local_functions[:] = [to_local, unshard]

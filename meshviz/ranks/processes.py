@@ -10,7 +10,7 @@ import time
 from dataclasses import replace
 
 from ..errors import RankError, RankOutcome
-from . import rendezvous
+from ..runtime import rendezvous
 
 __all__ = ["spawn", "SpawnContext", "RankProcesses", "DEFAULT_START_METHOD"]
 
@@ -77,7 +77,7 @@ class RankProcesses:
         self._waits = 0
         self.ended: dict[int, str] = {}  # rank -> "stopped" or "running": ended by this object, not by itself
         if hang_after is not None and nprocs > 1:
-            from .watchdog import RollCallHost
+            from ..runtime.watchdog import RollCallHost
 
             self.host = RollCallHost(rendezvous.LOOPBACK, self.port, nprocs, hang_after, dead=self.gone).start()
 
@@ -237,7 +237,7 @@ def _spawn_entry(index, port, func, args, world, env, rank_envs=None):
     os.environ.update(rendezvous.rank_env(index, world, rendezvous.LOOPBACK, port, hosted=True))
     import torch
 
-    from .env import exit_quietly
+    from ..runtime.world import exit_quietly
 
     torch.set_num_threads(int(env.get("MESHVIZ_THREADS", "1")))
     func(*args)
@@ -325,16 +325,16 @@ def spawn(func, args=(), nprocs: int = -1, join: bool = True, daemon: bool = Fal
 
     Ranks and GPUs are counted before any process starts (:func:`meshviz.core.devices.plan_devices`): one GPU per
     rank with NCCL when there are enough; otherwise, unless ``devices``/``backend`` insist on GPUs, every rank runs
-    on the CPU with gloo (said once, as a :class:`~meshviz.distributed.devices.DeviceNotice` warning), and bad
+    on the CPU with gloo (said once, as a :class:`~meshviz.runtime.devices.DeviceNotice` warning), and bad
     device requests raise ValueError at once.
     """
     import warnings
 
     from ..core.devices import plan_devices
-    from . import watchdog
-    from .devices import DeviceNotice, rank_env, visible_gpu_count
-    from .env import DEFAULT_TIMEOUT_S
-    from .watchdog import DEFAULT_HANG_AFTER
+    from ..runtime import watchdog
+    from ..runtime.devices import DeviceNotice, rank_env, visible_gpu_count
+    from ..runtime.watchdog import DEFAULT_HANG_AFTER
+    from ..runtime.world import DEFAULT_TIMEOUT_S
 
     if isinstance(nprocs, bool) or not isinstance(nprocs, int) or (nprocs < 1 and nprocs != -1):
         raise ValueError(f"spawn: nprocs must be a positive int or -1, got {nprocs!r}")

@@ -1,0 +1,168 @@
+"""The dist tensor's autograd functions: placing a dense tensor, a block and back, and resharding."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as tdist
+
+from .. import compat
+from ..core.layout import local_block
+from ..core.mesh import ProcessMesh
+from ..core.partial import partial_fill
+from ..core.placements import Partial, Replicate
+from ..core.planner import plan_reshard
+from . import dtensor
+from .dtensor import DistTensor, make_dist
+from .reshard import run_plan
+
+__all__ = ["place", "from_local", "to_local", "plan_of", "run_reshard", "reshard", "unshard", "local_block_of"]
+
+
+def _rank() -> int:
+    return tdist.get_rank() if tdist.is_initialized() else 0
+
+
+def local_block_of(dense: torch.Tensor, mesh: ProcessMesh, placements) -> torch.Tensor:
+    coord = mesh.coordinate(_rank())
+    if coord is None:
+        return dense.detach().new_empty(0)
+    blk = local_block(dense.shape, mesh, placements, coord)
+    local = dense.detach()[tuple(slice(a, b) for a, b in blk)]
+    fill = partial_fill(placements, coord)
+    if fill == "zero":
+        return torch.zeros_like(local).contiguous()
+    if fill == "one":
+        return torch.ones_like(local).contiguous()
+    return local.clone().contiguous()
+
+
+class _Shard(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, dense, mesh, placements):
+        ctx.mesh, ctx.placements, ctx.shape = mesh, placements, dense.shape
+        return make_dist(local_block_of(dense, mesh, placements), mesh, placements, dense.shape)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if grad is None:
+            return None, None, None
+        full = reshard(grad, ctx.mesh, [Replicate()] * ctx.mesh.ndim)
+        local = compat.dtensor_local(full._dtensor)
+        if not ctx.mesh.contains(_rank()):
+            local = torch.zeros(ctx.shape, dtype=grad.dtype, device=grad.device)
+        return local, None, None
+
+
+class _FromLocal(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, local, mesh, placements, shape):
+        ctx.mesh, ctx.placements = mesh, placements
+        return make_dist(local, mesh, placements, shape)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if grad is None:
+            return None, None, None, None
+        want = [Replicate() if p.is_partial() else p for p in ctx.placements]
+        if list(grad.placements) != want or grad.process_mesh != ctx.mesh:
+            grad = reshard(grad, ctx.mesh, want)
+        return compat.dtensor_local(grad._dtensor), None, None, None
+
+
+class _ToLocal(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t):
+        ctx.mesh, ctx.placements, ctx.shape = t.process_mesh, t.placements, t.shape
+        local = compat.dtensor_local(t._resolved()._dtensor)
+        return local.view_as(local)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if grad is None:
+            return None
+        # the gradient of a block lies as the block did: a Partial input's gradient stays Partial (Paddle 3.3.1)
+        return make_dist(grad, ctx.mesh, ctx.placements, ctx.shape)
+
+
+_plans: dict = {}  # a plan is a pure, frozen function of its key: made once per layout pair
+
+
+def plan_of(t: DistTensor, mesh: ProcessMesh, placements):
+    """The plan ``reshard(t, mesh, placements)`` would run (no communication)."""
+    src = t.process_mesh
+    key = (tuple(t.shape), src.unique_id, tuple(src.dim_names), tuple(t.placements), mesh.unique_id,
+           tuple(mesh.dim_names), tuple(placements), t.element_size())
+    plan = _plans.get(key)
+    if plan is None:
+        plan = plan_reshard(key[0], src, key[3], mesh, placements, itemsize=key[7])
+        if len(_plans) >= 1024:
+            _plans.clear()
+        _plans[key] = plan
+    return plan
+
+
+def _grad_layout(placements):
+    """A reshard's gradient goes back to the source layout, a Partial source's as Replicate (Paddle 3.3.1)."""
+    return [Replicate() if isinstance(p, Partial) else p for p in placements]
+
+
+class _Reshard(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t, mesh, placements, name):
+        ctx.src_mesh, ctx.src_placements, ctx.name = t.process_mesh, t.placements, name
+        return run_reshard(t, mesh, placements, name)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if grad is None:
+            return None, None, None, None
+        if not isinstance(grad, DistTensor):
+            raise RuntimeError("reshard backward expected a dist gradient")
+        back = _grad_layout(ctx.src_placements)
+        return run_reshard(grad, ctx.src_mesh, back, ctx.name and ctx.name + ".grad"), None, None, None
+
+
+def run_reshard(t: DistTensor, mesh: ProcessMesh, placements, name=None) -> DistTensor:
+    t = t._resolved()
+    plan = plan_of(t, mesh, placements)
+    local = compat.dtensor_local(t._dtensor)
+    rank = _rank()
+    src_has = t.process_mesh.contains(rank)
+    new = run_plan(plan, local if src_has else None, rank, dtype=t.dtype, device=local.device,
+                   name=name, tensor_id=t.tensor_id)
+    if new is None or not mesh.contains(rank):
+        new = local.new_empty(0)
+    out = make_dist(new, mesh, plan.dst_placements, t.shape)
+    out.name = name
+    return out
+
+
+def reshard(t, mesh, placements):
+    return _Reshard.apply(t, mesh, list(placements), getattr(t, "name", None))
+
+
+
+
+def place(dense: torch.Tensor, mesh: ProcessMesh, placements) -> DistTensor:
+    """``dense`` placed on ``mesh``: this rank's block, differentiable back to ``dense``."""
+    return _Shard.apply(dense, mesh, placements)
+
+
+def from_local(local: torch.Tensor, mesh: ProcessMesh, placements, shape) -> DistTensor:
+    return _FromLocal.apply(local, mesh, placements, tuple(shape))
+
+
+def to_local(t: DistTensor) -> torch.Tensor:
+    """This rank's block of ``t`` (differentiable; its gradient lies as ``t`` does)."""
+    return _ToLocal.apply(t)
+
+
+def unshard(t: DistTensor) -> torch.Tensor:
+    """The dense value of ``t`` on every rank of its mesh (a collective; differentiable)."""
+    mesh = t.process_mesh
+    full = reshard(t, mesh, [Replicate()] * mesh.ndim) if t.requires_grad and torch.is_grad_enabled() \
+        else run_reshard(t, mesh, [Replicate()] * mesh.ndim, t.name)
+    return to_local(full)
+
+
+dtensor.set_local_functions(to_local, unshard)
