@@ -6,21 +6,31 @@ import collections
 import threading
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 import torch.distributed as tdist
 
-from .. import compat
-from ..rank_context import per_rank
+from .. import compat, rank_context
 from .meetings import _Meeting, _pieces, _put, _Recv, _reduce, _splits, _Work
 
 __all__ = ["BACKEND", "Scheduler", "ThreadComms", "ThreadGroup", "RankStopped", "observers", "join", "register"]
 
 BACKEND = "threads"  # the c10d backend name: tdist.get_backend() on a rank thread
 
-_comms = per_rank(lambda: [None])  # [the ThreadComms this rank thread's groups are made in]
-_observers = per_rank(list)  # callbacks(c10d op, tensors) that see this rank's calls
+
+@dataclass
+class ThreadsState:
+    comms: ThreadComms | None = None  # where this rank thread's groups are made
+    observers: list = field(default_factory=list)  # callbacks(c10d op, tensors) that see this rank's calls
+
+
+THREADS = rank_context.slot("threads", ThreadsState)
+
+
+def _state() -> ThreadsState:
+    return THREADS.get()
 
 # the c10d op a gloo group dispatches for each call (Python dispatch modes see those; a thread group's calls do
 # not pass the dispatcher, so they are shown to the observers under the same op)
@@ -39,11 +49,11 @@ _C10D_OPS = {
 def observers() -> list:
     """This rank's observers: ``callback(op, tensors)`` is called for each of its calls on a thread group, with
     the c10d op a gloo group would have dispatched (``torch.ops.c10d.allreduce_.default``, ...)."""
-    return _observers.here()
+    return _state().observers
 
 
 def _show(op: str, tensors) -> None:
-    obs = _observers.here()
+    obs = _state().observers
     if obs:
         func = getattr(torch.ops.c10d, _C10D_OPS[op]).default
         for cb in list(obs):
@@ -462,11 +472,11 @@ class ThreadGroup(tdist.ProcessGroup):
 
 def join(comms: ThreadComms | None) -> None:
     """The calling rank thread's groups are made in ``comms`` from now on (None: it left)."""
-    _comms[0] = comms
+    _state().comms = comms
 
 
 def _create_group(opts, backend_options=None) -> ThreadGroup:
-    comms = _comms[0]
+    comms = _state().comms
     if comms is None:
         raise RuntimeError("the 'threads' backend runs only on rank threads of a ThreadWorld "
                            "(meshviz.Cluster(ranks='threads'))")

@@ -4,17 +4,28 @@ from __future__ import annotations
 
 import contextlib
 import sys
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from .. import rank_context
 from ..errors import RankError
-from ..rank_context import per_rank
 
 if TYPE_CHECKING:
     from .threads import Threads
 
 __all__ = ["ThreadView", "RankResult"]
 
-_capture = per_rank(lambda: [None])  # [the _Output this rank writes to now]
+
+@dataclass
+class CaptureState:
+    out: _Output | None = None  # where this rank's output goes now
+
+
+CAPTURE = rank_context.slot("capture", CaptureState)
+
+
+def _capture() -> CaptureState:
+    return CAPTURE.get()
 
 
 # -- each rank's output ----------------------------------------------------------------------------------------
@@ -41,7 +52,7 @@ class _Router:
         self._fallback = fallback
 
     def write(self, text) -> int:
-        out = _capture[0]
+        out = _capture().out
         if out is None:
             return self._fallback.write(text)
         getattr(out, self._name).append(str(text))
@@ -52,7 +63,7 @@ class _Router:
             self.write(line)
 
     def flush(self) -> None:
-        if _capture[0] is None:
+        if _capture().out is None:
             self._fallback.flush()
 
     def isatty(self) -> bool:
@@ -85,13 +96,13 @@ class _RankDisplay:
         self._pub = pub
 
     def publish(self, data, metadata=None, *args, **kwargs):
-        out = _capture[0]
+        out = _capture().out
         if out is None:
             return self._pub.publish(data, metadata, *args, **kwargs)
         out.outputs.append({"data": data, "metadata": metadata or {}})
 
     def clear_output(self, *args, **kwargs):
-        if _capture[0] is None:
+        if _capture().out is None:
             return self._pub.clear_output(*args, **kwargs)
 
     def __getattr__(self, name):

@@ -199,7 +199,7 @@ class Threads:
             out.count = self._counts[r]
             trace.set_cell(out.count)  # events say which cell emitted them, as on an engine
             ns = self.namespaces[r]
-            _capture[0] = out
+            _capture().out = out
             try:
                 exec(body, ns)
                 if last is not None:
@@ -207,7 +207,7 @@ class Threads:
                     if value is not None:
                         out.execute_result = {**_format(value), "count": out.count}
             finally:
-                _capture[0] = None
+                _capture().out = None
 
         return self._submit(cell, ranks, outs, single, "%px")
 
@@ -218,13 +218,13 @@ class Threads:
         outs = {r: _Output() for r in ranks}
 
         def call(r):
-            _capture[0] = outs[r]
+            _capture().out = outs[r]
             try:
                 if _namespace:
                     return func(self.namespaces[r], *args, **kwargs)
                 return _interactive(func, self.namespaces[r])(*args, **kwargs)
             finally:
-                _capture[0] = None
+                _capture().out = None
 
         return self._submit(call, ranks, outs, _single, "apply")
 

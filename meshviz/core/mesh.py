@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
-from ..rank_context import getenv, per_rank
+from .. import rank_context
+from ..rank_context import getenv
 
 __all__ = ["ProcessMesh", "set_rank_getter", "current_rank", "set_group_getter"]
 
-_rank_getter = per_rank(lambda: [None])  # [Callable[[], int | None] | None]
 _group_getter: Callable | None = None
 # Process-wide, not per rank: with ranks as threads a mesh made by one rank is used by the others, and its id keys
 # their group caches.
@@ -19,9 +20,21 @@ _unique_ids: dict = {}  # (shape, process ids) -> unique id, in order of first c
 _unique_lock = threading.Lock()
 
 
+@dataclass
+class MeshState:
+    rank_getter: Callable[[], int | None] | None = None  # the runtime's get_rank
+
+
+MESH = rank_context.slot("mesh", MeshState)
+
+
+def _state() -> MeshState:
+    return MESH.get()
+
+
 def set_rank_getter(fn: Callable[[], int | None] | None) -> None:
     """The runtime installs its ``get_rank`` here so the pure core can ask "which rank am I"."""
-    _rank_getter[0] = fn
+    _state().rank_getter = fn
 
 
 def set_group_getter(fn: Callable | None) -> None:
@@ -31,7 +44,7 @@ def set_group_getter(fn: Callable | None) -> None:
 
 
 def current_rank() -> int | None:
-    getter = _rank_getter[0]
+    getter = _state().rank_getter
     if getter is not None:
         r = getter()
         if r is not None:

@@ -2,14 +2,25 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
+from .. import rank_context
 from ..core.mesh import ProcessMesh, set_group_getter
-from ..rank_context import per_rank
 from ..runtime.world import get_rank, init_parallel_env
 from .collective import Group, new_group
 
 __all__ = ["axis_group"]
 
-_lines = per_rank(dict)  # (shape, ids, axis) -> {line: Group}
+@dataclass
+class ProcessMeshState:
+    lines: dict = field(default_factory=dict)  # (shape, ids, axis) -> {line: Group}
+
+
+PROCESS_MESH = rank_context.slot("process_mesh", ProcessMeshState)
+
+
+def _state() -> ProcessMeshState:
+    return PROCESS_MESH.get()
 
 
 def axis_group(mesh: ProcessMesh, axis: int) -> Group | None:
@@ -21,12 +32,13 @@ def axis_group(mesh: ProcessMesh, axis: int) -> Group | None:
     """
     init_parallel_env()
     key = (tuple(mesh.shape), tuple(mesh.process_ids), axis)
-    if key not in _lines:
-        _lines[key] = {line: new_group(list(line)) for line in mesh.axis_groups(axis)}
+    lines = _state().lines
+    if key not in lines:
+        lines[key] = {line: new_group(list(line)) for line in mesh.axis_groups(axis)}
     line = mesh.axis_group_of(get_rank(), axis)
     if line is None:
-        return next(iter(_lines[key].values())) if mesh.ndim == 1 else None
-    return _lines[key][line]
+        return next(iter(lines[key].values())) if mesh.ndim == 1 else None
+    return lines[key][line]
 
 
 set_group_getter(axis_group)

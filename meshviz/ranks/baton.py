@@ -5,22 +5,29 @@ from __future__ import annotations
 import ctypes
 import threading
 import time
+from dataclasses import dataclass
 
+from .. import rank_context
 from ..backends.threads import RankStopped, ThreadComms
-from ..rank_context import per_rank
 
 __all__ = ["Baton", "here", "set_here"]
 
-_here = per_rank(lambda: [None])  # [the Baton this rank thread runs under]
+
+@dataclass
+class BatonState:
+    baton: Baton | None = None  # the Baton this rank thread runs under
+
+
+BATON = rank_context.slot("baton", BatonState)
 
 
 def here() -> "Baton | None":
     """The Baton the calling thread is a rank of (None outside rank threads)."""
-    return _here[0]
+    return BATON.get().baton
 
 
 def set_here(baton: "Baton | None") -> None:
-    _here[0] = baton
+    BATON.get().baton = baton
 
 
 class Baton:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import weakref
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as tdist
@@ -12,11 +13,10 @@ from torch.distributed.tensor import Partial as TPartial
 from torch.distributed.tensor import Replicate as TReplicate
 from torch.distributed.tensor import Shard as TShard
 
-from .. import compat
+from .. import compat, rank_context
 from ..core.layout import local_block
 from ..core.mesh import ProcessMesh
 from ..core.placements import Partial, Placement, Replicate, Shard
-from ..rank_context import per_rank
 from . import groups
 from .comm import dtensor_reduce_op, from_dtensor_reduce_op
 from .devices import device
@@ -25,7 +25,16 @@ __all__ = ["DistTensor", "to_torch_placements", "from_torch_placements", "paddle
            "make_dist", "set_op_layer", "set_local_functions", "torch_only_axes"]
 
 _pmesh_of: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # DeviceMesh -> ProcessMesh
-_ids = per_rank(lambda: itertools.count(1))  # tensor ids in events, numbered per rank
+@dataclass
+class DTensorState:
+    ids: itertools.count = field(default_factory=lambda: itertools.count(1))  # tensor ids in events, numbered per rank
+
+
+DTENSOR = rank_context.slot("dtensor", DTensorState)
+
+
+def _state() -> DTensorState:
+    return DTENSOR.get()
 
 
 _to_torch: dict = {}  # placements (both kinds are frozen, hashable values) -> converted, asked on every call
@@ -163,7 +172,7 @@ class DistTensor(torch.Tensor):
         )
         r._dtensor = dtensor
         r._pmesh = process_mesh if process_mesh is not None else process_mesh_of(dtensor.device_mesh)
-        r._mv_id = next(_ids)
+        r._mv_id = next(_state().ids)
         r._mv_name = None
         r._pl = placements  # set only when torch DTensor cannot hold them (mixed Partial reductions)
         r._mv_grad_hook = None  # the op layer's hook giving the gradient Paddle's placements

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass, field
 
 import torch.distributed as tdist
 
-from .. import compat
+from .. import compat, rank_context
 from ..core.mesh import ProcessMesh
-from ..rank_context import per_rank
 from .world import get_world_size, init_parallel_env
 
 __all__ = ["Group", "resolve", "world_group", "register", "lookup", "release", "group_for_ranks", "line_group",
@@ -59,24 +59,27 @@ class Group:
 
 # -- the registry, one per rank: everything below is cleared by reset() -----------------------------------------
 
-_paddle = per_rank(dict)  # id -> the Group new_group made (0: the world)
-_ids = per_rank(lambda: itertools.count(1))
-_by_ranks = per_rank(dict)  # ranks in group order -> ProcessGroup | None (not a member)
-_lines = per_rank(dict)  # ranks in group order -> an unregistered Group over them (id -1)
-_by_pg = per_rank(dict)  # id(ProcessGroup) -> (ProcessGroup, Group) for groups given as torch groups
-_meshes = per_rank(dict)  # (shape, ids) -> {axis: {line tuple: ProcessGroup | None}}
-_device_meshes = per_rank(dict)
+@dataclass
+class GroupsState:
+    paddle: dict = field(default_factory=dict)  # id -> the Group new_group made (0: the world)
+    ids: itertools.count = field(default_factory=lambda: itertools.count(1))
+    by_ranks: dict = field(default_factory=dict)  # ranks in group order -> ProcessGroup | None (not a member)
+    lines: dict = field(default_factory=dict)  # ranks in group order -> an unregistered Group over them (id -1)
+    by_pg: dict = field(default_factory=dict)  # id(ProcessGroup) -> (ProcessGroup, Group) for torch groups given
+    meshes: dict = field(default_factory=dict)  # (shape, ids) -> {axis: {line tuple: ProcessGroup | None}}
+    device_meshes: dict = field(default_factory=dict)
+
+
+GROUPS = rank_context.slot("groups", GroupsState)
+
+
+def _state() -> GroupsState:
+    return GROUPS.get()
 
 
 def reset() -> None:
     """Forget every group (the process groups behind them are gone, or about to be: a new world starts)."""
-    _paddle.clear()
-    _ids.replace(itertools.count(1))
-    _by_ranks.clear()
-    _lines.clear()
-    _by_pg.clear()
-    _meshes.clear()
-    _device_meshes.clear()
+    GROUPS.reset()
 
 
 clear_cache = reset
@@ -85,41 +88,41 @@ clear_cache = reset
 def world_group() -> Group:
     """Group 0: the whole world, in rank order."""
     init_parallel_env()
-    g = _paddle.get(0)
+    g = _state().paddle.get(0)
     if g is None or g.process_group is not tdist.group.WORLD or g.nranks != tdist.get_world_size():
         g = Group(tdist.get_rank(), 0, range(tdist.get_world_size()), tdist.group.WORLD, name="_default_pg0")
-        _paddle[0] = g
+        _state().paddle[0] = g
     return g
 
 
 def register(ranks, pg) -> Group:
     """A new Paddle group over ``ranks`` with the next id (every rank registers the same groups in one order)."""
     me = tdist.get_rank()
-    gid = next(_ids)
+    gid = next(_state().ids)
     g = Group(ranks.index(me) if me in ranks else -1, gid, ranks, pg)
-    _paddle[gid] = g
+    _state().paddle[gid] = g
     return g
 
 
 def lookup(id: int) -> Group | None:
-    return world_group() if id == 0 else _paddle.get(id)
+    return world_group() if id == 0 else _state().paddle.get(id)
 
 
 def release(group: Group) -> None:
     """Unregister a Paddle group; its process group is destroyed unless a mesh or another group still uses it."""
-    if _paddle.get(group.id) is not group:
+    if _state().paddle.get(group.id) is not group:
         raise ValueError(f"destroy_process_group: {group} is not a live group (destroyed already?)")
-    del _paddle[group.id]
+    del _state().paddle[group.id]
     pg = group.process_group
     if pg is None or pg is tdist.group.WORLD:
         return
-    shared = any(g.process_group is pg for g in _paddle.values()) or any(
-        p is pg for axes in _meshes.values() for lines in axes.values() for p in lines.values())
+    shared = any(g.process_group is pg for g in _state().paddle.values()) or any(
+        p is pg for axes in _state().meshes.values() for lines in axes.values() for p in lines.values())
     if not shared:
-        for key in [k for k, p in _by_ranks.items() if p is pg]:
-            del _by_ranks[key]
-            _lines.pop(key, None)
-        _by_pg.pop(id(pg), None)
+        for key in [k for k, p in _state().by_ranks.items() if p is pg]:
+            del _state().by_ranks[key]
+            _state().lines.pop(key, None)
+        _state().by_pg.pop(id(pg), None)
         tdist.destroy_process_group(pg)
 
 
@@ -127,24 +130,24 @@ def group_for_ranks(ranks) -> "tdist.ProcessGroup | None":
     """A process group over ``ranks`` in the given order (every rank of the world must call this)."""
     init_parallel_env()
     ranks = tuple(int(r) for r in ranks)
-    if ranks not in _by_ranks:
+    if ranks not in _state().by_ranks:
         if len(ranks) == get_world_size() and ranks == tuple(range(len(ranks))):
             pg = tdist.group.WORLD
         else:
             pg = compat.new_group_in_order(ranks)
-        _by_ranks[ranks] = pg if pg not in (None, tdist.GroupMember.NON_GROUP_MEMBER) else None
-    return _by_ranks[ranks]
+        _state().by_ranks[ranks] = pg if pg not in (None, tdist.GroupMember.NON_GROUP_MEMBER) else None
+    return _state().by_ranks[ranks]
 
 
 def line_group(ranks) -> Group:
     """The Group over ``ranks`` in this order (a mesh line), built once; no Paddle id (-1)."""
     key = tuple(ranks)
-    g = _lines.get(key)
+    g = _state().lines.get(key)
     if g is None:
         pg = group_for_ranks(key)
         me = tdist.get_rank()
         g = Group(key.index(me) if me in key else -1, -1, key, pg, name=f"line{list(key)}")
-        _lines[key] = g
+        _state().lines[key] = g
     return g
 
 
@@ -156,7 +159,7 @@ def resolve(group) -> Group:
     if isinstance(group, Group):
         return group
     if isinstance(group, tdist.ProcessGroup):
-        hit = _by_pg.get(id(group))
+        hit = _state().by_pg.get(id(group))
         if hit is not None and hit[0] is group:
             return hit[1]
         if group is tdist.group.WORLD:
@@ -164,7 +167,7 @@ def resolve(group) -> Group:
         ranks = tdist.get_process_group_ranks(group)
         me = tdist.get_rank()
         g = Group(ranks.index(me) if me in ranks else -1, -1, ranks, group, name=getattr(group, "group_name", None))
-        _by_pg[id(group)] = (group, g)
+        _state().by_pg[id(group)] = (group, g)
         return g
     if isinstance(group, (tuple, list)) and all(isinstance(r, int) and not isinstance(r, bool) for r in group):
         return line_group(group)
@@ -189,13 +192,13 @@ def check_mesh_in_world(mesh: ProcessMesh) -> None:
 def mesh_groups(mesh: ProcessMesh) -> dict:
     """axis -> {line of ranks (mesh order): group}; built once per mesh, by every rank, in one fixed order."""
     key = _key(mesh)
-    if key not in _meshes:
+    if key not in _state().meshes:
         check_mesh_in_world(mesh)
         out = {}
         for axis in range(mesh.ndim):
             out[axis] = {line: group_for_ranks(line) for line in mesh.axis_groups(axis)}
-        _meshes[key] = out
-    return _meshes[key]
+        _state().meshes[key] = out
+    return _state().meshes[key]
 
 
 def axis_group(mesh: ProcessMesh, axis: int, rank: int | None = None):
@@ -216,8 +219,8 @@ def device_mesh(mesh: ProcessMesh, device_type: str | None = None):
 
     device_type = device_type or device().type
     key = (_key(mesh), device_type)
-    if key in _device_meshes:
-        return _device_meshes[key]
+    if key in _state().device_meshes:
+        return _state().device_meshes[key]
     groups = mesh_groups(mesh)
     rank = tdist.get_rank()
     names = tuple(mesh.dim_names)
@@ -229,5 +232,5 @@ def device_mesh(mesh: ProcessMesh, device_type: str | None = None):
             dm = DeviceMesh.from_group(pgs[0], device_type, mesh=mesh.process_ids, mesh_dim_names=names)
         else:
             dm = DeviceMesh.from_group(pgs, device_type, mesh=mesh.mesh, mesh_dim_names=names)
-    _device_meshes[key] = dm
+    _state().device_meshes[key] = dm
     return dm

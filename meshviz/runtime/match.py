@@ -16,6 +16,7 @@ import zlib
 
 import torch
 
+from .. import rank_context
 from ..trace.status import SHAPED_OPS, RankStatus, RollCall
 
 __all__ = ["CollectiveMismatch", "checking", "set_checking", "check_match", "fingerprint"]
@@ -43,22 +44,34 @@ class CollectiveMismatch(RuntimeError):
         return (CollectiveMismatch, (self.line, self.ranks))
 
 
-_state = {"on": None}
+@dataclasses.dataclass
+class MatchState:
+    on: bool | None = None  # None: not chosen on this rank
+
+
+MATCH = rank_context.slot("match", MatchState)
+
+
+def _state() -> MatchState:
+    return MATCH.get()
 
 
 def checking() -> bool:
     """Whether collectives on gloo (and thread) groups are checked first (``MESHVIZ_CHECK_COLLECTIVES=1``, or
     :func:`set_checking`)."""
-    on = _state["on"]
-    if on is None:
-        on = _state["on"] = os.environ.get("MESHVIZ_CHECK_COLLECTIVES", "0") not in ("", "0", "false", "False")
+    on = _state().on
+    if on is None:  # a rank thread that never chose follows the process (where a threads Cluster sets it)
+        proc = MATCH.get(rank_context.process())
+        if proc.on is None:
+            proc.on = os.environ.get("MESHVIZ_CHECK_COLLECTIVES", "0") not in ("", "0", "false", "False")
+        on = proc.on
     return on
 
 
 def set_checking(on: bool) -> bool:
     """Turn the check on or off on this rank (every rank of a group must agree); returns the old setting."""
     old = checking()
-    _state["on"] = bool(on)
+    _state().on = bool(on)
     return old
 
 

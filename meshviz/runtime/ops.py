@@ -11,7 +11,8 @@ from torch.distributed.tensor import Partial as TPartial
 from torch.distributed.tensor import Replicate as TReplicate
 
 from .. import compat, trace
-from ..compat import TorchDispatchMode, tree_map
+from ..compat import TorchDispatchMode
+from ..compat import tree_map as _tree_map
 from ..core.mesh import ProcessMesh
 from ..core.placements import Partial, Replicate, Shard
 from . import dtensor, rollcall
@@ -22,6 +23,33 @@ from .op_rules import CORRECTED, DEFAULT_RULE_OPS, LOCAL_RULES, PADDLE_RULES, RA
 __all__ = ["dispatch", "redistribute", "grad_like"]
 
 aten = torch.ops.aten
+
+_FLAT = (list, tuple, torch.Size)
+
+
+def tree_map(fn, tree):
+    """torch's tree_map, without its cost for what an op's ``(args, kwargs)`` nearly always is: a tuple of leaves
+    and lists of leaves, and a flat dict."""
+    args, kwargs = tree
+    if type(args) is not tuple or type(kwargs) is not dict:
+        return _tree_map(fn, tree)
+    out = []
+    for a in args:
+        kind = type(a)
+        if kind in _FLAT:
+            if any(isinstance(x, (*_FLAT, dict)) for x in a):
+                return _tree_map(fn, tree)
+            out.append(kind(fn(x) for x in a))
+        elif isinstance(a, (*_FLAT, dict)):
+            return _tree_map(fn, tree)
+        else:
+            out.append(fn(a))
+    kw = {}
+    for k, v in kwargs.items():
+        if isinstance(v, (*_FLAT, dict)):
+            return _tree_map(fn, tree)
+        kw[k] = fn(v)
+    return tuple(out), kw
 
 _METADATA_OPS = {aten.detach.default, aten.alias.default}
 # ops torch runs on each block as it lies, whatever the layout
@@ -85,7 +113,7 @@ def dispatch(func, args, kwargs):
         return _default_rule(func, args, kwargs, ref, DEFAULT_RULE_OPS[func])
     inplace = _writes_self(func) and isinstance(args[0], DistTensor)
     self = args[0] if inplace else None
-    if func not in _LOCAL_COPIES:
+    if func not in _LOCAL_COPIES and any(_uneven_nested(d) for d in dists):
         args, kwargs = tree_map(lambda x: _even_for_torch(x, func) if isinstance(x, DistTensor) else x,
                                 (args, kwargs))
     if inplace and func not in _LINEAR_INPLACE and any(isinstance(p, Partial) for p in args[0].placements):
@@ -103,6 +131,14 @@ def dispatch(func, args, kwargs):
             raise
         return _default_rule(func, args, kwargs, ref, "torch DTensor has no sharding rule for it")
     return out
+
+
+def _uneven_nested(t: DistTensor) -> bool:
+    if t._pmesh.ndim < 2:
+        return False
+    pl = t._dtensor.placements
+    dims = [p.dim for p in pl if p.is_shard()]
+    return len(dims) != len(set(dims))
 
 
 def _even_for_torch(t: DistTensor, func) -> DistTensor:
@@ -152,7 +188,7 @@ def _torch_rule(func, args, kwargs, ref: DistTensor):
             return DistTensor(x, ref._pmesh if x.device_mesh is dm else None, placements=keep)
         return x
 
-    return tree_map(wrap, out)
+    return _tree_map(wrap, out)
 
 
 def _masks_applied(x: DTensor) -> DTensor:
@@ -186,6 +222,16 @@ def _local_rule(func, args, kwargs, ref: DistTensor, want, out_placements):
 
 
 def _writes_self(func) -> bool:
+    hit = _WRITES_SELF.get(func)
+    if hit is None:
+        hit = _WRITES_SELF[func] = _schema_writes_self(func)
+    return hit
+
+
+_WRITES_SELF: dict = {}
+
+
+def _schema_writes_self(func) -> bool:
     schema = getattr(func, "_schema", None)
     if schema is None or not schema.arguments:
         return False
@@ -200,7 +246,7 @@ def _default_rule(func, args, kwargs, ref: DistTensor, why: str):
     probe = _probe(func, args, kwargs)
     _note(func, "default", ref, why)
     if not mesh.contains(_rank()):
-        return _into_self(func, args, tree_map(
+        return _into_self(func, args, _tree_map(
             lambda x: make_dist(torch.empty(0, dtype=x.dtype, device=ref.device), mesh, [Replicate()] * mesh.ndim,
                                 x.shape) if isinstance(x, torch.Tensor) else x, probe))
 
@@ -215,7 +261,7 @@ def _default_rule(func, args, kwargs, ref: DistTensor, why: str):
     dargs, dkwargs = tree_map(whole, (args, kwargs))
     with compat.no_dispatch_modes():
         out = func(*dargs, **dkwargs)
-    out = tree_map(lambda x: make_dist(x, mesh, [Replicate()] * mesh.ndim, x.shape)
+    out = _tree_map(lambda x: make_dist(x, mesh, [Replicate()] * mesh.ndim, x.shape)
                    if isinstance(x, torch.Tensor) else x, out)
     return _into_self(func, args, out)
 

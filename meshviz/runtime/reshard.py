@@ -4,23 +4,32 @@ from __future__ import annotations
 
 import itertools
 import time
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as tdist
 
-from .. import compat, trace
+from .. import compat, rank_context, trace
 from ..core.layout import chunk, local_block
 from ..core.partial import partial_fill
 from ..core.placements import ReduceType
 from ..core.planner import Plan, Step
-from ..rank_context import per_rank
 from . import groups, rollcall
 from .comm import Call, CollectiveOp, all_to_all_flat, divide_, reduction, run
 from .devices import staged_recv, staged_send
 
 __all__ = ["run_plan", "run_step"]
 
-_plan_ids = per_rank(lambda: itertools.count(1))  # every rank numbers its plans alike: events pair up by plan id
+@dataclass
+class ReshardState:
+    plan_ids: itertools.count = field(default_factory=lambda: itertools.count(1))  # alike on every rank: events pair up
+
+
+RESHARD = rank_context.slot("reshard", ReshardState)
+
+
+def _state() -> ReshardState:
+    return RESHARD.get()
 
 
 def _block_shape(step: Step, placements, mesh, coord) -> list[int]:
@@ -241,7 +250,7 @@ def run_plan(plan: Plan, local, rank: int, *, dtype=None, device=None, name=None
     dtype = dtype if dtype is not None else local.dtype
     device = device if device is not None else local.device
     tracing = trace.active()
-    plan_id = next(_plan_ids) if tracing else None
+    plan_id = next(_state().plan_ids) if tracing else None
     if tracing:
         trace.emit(trace.Event(
             kind="reshard", name=name, tensor_id=tensor_id, plan_id=plan_id, mesh=plan.src_mesh.to_dict(),

@@ -3,6 +3,7 @@ layer and read by another thread while the rank is blocked."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import sys
@@ -12,7 +13,7 @@ import time
 import traceback
 import weakref
 
-from ..rank_context import per_rank
+from .. import rank_context
 from ..trace.status import RankStatus
 
 __all__ = ["Record", "current", "records", "snapshot", "where", "issuer", "reset"]
@@ -94,7 +95,7 @@ class Record:
             "where": where(sys._getframe(1)), "error": f"{type(error).__name__}: {error}"[:300],
             "time": time.time(), "cell": self.cell,
         }
-        for hook in list(_fail_hooks):
+        for hook in list(_state().fail_hooks):
             try:
                 hook(self)
             except Exception:
@@ -130,18 +131,30 @@ class Record:
         self.failed = None
 
 
-_fail_hooks: list = []  # called with the record when a collective raises (the scripts' watchdog publishes it)
-_records = per_rank(lambda: [None])  # [this rank's record]; ranks may be threads of one process
+@dataclasses.dataclass
+class RollcallState:
+    record: Record | None = None  # this rank's record (ranks may be threads of one process)
+    # called with the record when a collective raises (the scripts' watchdog publishes it)
+    fail_hooks: list = dataclasses.field(default_factory=list)
+
+
+ROLLCALL = rank_context.slot("rollcall", RollcallState)
+
+
+def _state() -> RollcallState:
+    return ROLLCALL.get()
+
+
 _all: "weakref.WeakSet" = weakref.WeakSet()  # every rank record of this process
 _lock = threading.Lock()
 
 
 def current() -> Record:
     """This rank's record (made on first use)."""
-    box = _records.here()
-    rec = box[0]
+    st = _state()
+    rec = st.record
     if rec is None:
-        rec = box[0] = Record()
+        rec = st.record = Record()
         with _lock:
             _all.add(rec)
     return rec

@@ -83,7 +83,7 @@ class _RankWatch:
         self._announced: set = set()
         self._stopped = False
         self._next = int(self._writer.add(_key("gen"), 0)) + 1
-        rollcall._fail_hooks.append(self._failed)
+        rollcall._state().fail_hooks.append(self._failed)
         threading.Thread(target=self._watch, name="meshviz-watchdog", daemon=True).start()
         self._answerer = threading.Thread(target=self._answer, name="meshviz-rollcall", daemon=True)
         self._answerer.start()

@@ -5,11 +5,13 @@ from __future__ import annotations
 import datetime
 import os
 import threading
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as tdist
 
-from .. import trace
+from .. import rank_context, trace
 from ..core.mesh import set_rank_getter
 from ..errors import RankError
 from ..rank_context import current as _rank_context
@@ -27,6 +29,19 @@ __all__ = [
     "ParallelEnv",
     "RankError",
 ]
+
+
+@dataclass
+class WorldState:
+    set_up_for: Any = None  # the default group init_parallel_env last set this rank up for (rank getter, trace)
+
+
+WORLD = rank_context.slot("world", WorldState)
+
+
+def _state() -> WorldState:
+    return WORLD.get()
+
 
 DEFAULT_TIMEOUT_S = 60.0
 
@@ -60,10 +75,10 @@ def init_parallel_env(backend: str | None = None, timeout: float | None = None):
         rec = rollcall.current()
         rec.rank, rec.thread = tdist.get_rank(), threading.get_ident()
     # --------------------------------------------------------------------------------------------------------
-    global _set_up_for
+    st = _state()
     initialized = tdist.is_initialized()
-    if initialized and _set_up_for is not None and _set_up_for is tdist.group.WORLD:
-        return _set_up_for  # every shard_tensor / reshard asks: once set up, nothing to do
+    if initialized and st.set_up_for is not None and st.set_up_for is tdist.group.WORLD:
+        return st.set_up_for  # every shard_tensor / reshard asks: once set up, nothing to do
     if not initialized:
         rank = _env_int("RANK", "PADDLE_TRAINER_ID", default=0)
         world = _env_int("WORLD_SIZE", "PADDLE_TRAINERS_NUM", default=1)
@@ -99,11 +114,8 @@ def init_parallel_env(backend: str | None = None, timeout: float | None = None):
     path = _getenv("MESHVIZ_TRACE")
     if path and not any(isinstance(s, trace.JSONLSink) and s.path == path for s in trace.sinks()):
         trace.add_sink(trace.JSONLSink(path))
-    _set_up_for = tdist.group.WORLD
-    return _set_up_for
-
-
-_set_up_for = None  # the default group init_parallel_env last set this process up for (rank getter, trace)
+    st.set_up_for = tdist.group.WORLD
+    return st.set_up_for
 
 
 def is_initialized() -> bool:

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import json
 import time
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from ..rank_context import per_rank
 from .payloads import PAYLOAD_OF, Payload, payload_from_dict
+from .state import trace_state
 
 __all__ = ["Event", "KINDS", "MAX_VALUES", "small_values", "to_json", "from_json", "now"]
 
@@ -32,7 +31,6 @@ KINDS = {
 
 MAX_VALUES = 64  # tensor elements an event may carry
 
-_seq = per_rank(itertools.count)  # each rank numbers its own events from 0
 now = time.time
 
 
@@ -43,7 +41,7 @@ class Event:
 
     kind: str = ""
     rank: int = -1
-    seq: int = field(default_factory=lambda: next(_seq))
+    seq: int = field(default_factory=lambda: next(trace_state().seq))
     start: float = field(default_factory=time.time)
     end: float | None = None
     name: str | None = None  # user-visible tensor / op name

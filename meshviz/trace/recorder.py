@@ -9,8 +9,9 @@ import time
 from collections.abc import Callable, Iterable
 from typing import TextIO
 
-from ..rank_context import getenv, per_rank
+from ..rank_context import getenv
 from .events import Event, from_json, to_json
+from .state import trace_state
 
 __all__ = [
     "active",
@@ -30,26 +31,23 @@ __all__ = [
     "load_events",
 ]
 
-_sinks = per_rank(list)  # Callable[[Event], None] each; every rank has its own (ranks may be threads of one process)
 _lock = threading.Lock()
-_rank = per_rank(lambda: [None])  # [rank events are stamped with]
-_cell = per_rank(lambda: [None])  # [engine cell events are stamped with]
 _watchers: list[Callable[[bool], None]] = []
 _active_ranks = [0]  # rank contexts with a sink: module hooks stay while any rank traces
 
 
 def active() -> bool:
     """True when at least one sink listens; callers skip building events otherwise (tracing off costs nil)."""
-    return bool(_sinks)
+    return bool(trace_state().sinks)
 
 
 def set_rank(rank: int | None) -> None:
-    _rank[0] = rank
+    trace_state().rank = rank
 
 
 def set_cell(cell: int | None) -> None:
     """Events emitted from now on carry ``cell`` (a Cluster's engine sets it as each cell starts)."""
-    _cell[0] = cell
+    trace_state().cell = cell
 
 
 def on_active(callback: Callable[[bool], None]) -> Callable[[bool], None]:
@@ -61,7 +59,7 @@ def on_active(callback: Callable[[bool], None]) -> Callable[[bool], None]:
 
 
 def _changed(was: bool) -> None:
-    now = bool(_sinks)
+    now = bool(trace_state().sinks)
     if now == was:
         return
     with _lock:
@@ -77,7 +75,7 @@ def _changed(was: bool) -> None:
 
 
 def _my_rank() -> int:
-    r = _rank[0]
+    r = trace_state().rank
     if r is not None:
         return r
     env = getenv("RANK")
@@ -85,13 +83,14 @@ def _my_rank() -> int:
 
 
 def emit(event: Event) -> Event:
+    st = trace_state()
     if event.rank < 0:
         event.rank = _my_rank()
     if event.cell is None:
-        event.cell = _cell[0]
+        event.cell = st.cell
     if event.end is None:
         event.end = time.time()
-    for sink in list(_sinks.here()):
+    for sink in list(st.sinks):
         try:
             sink(event)
         except Exception:  # a broken sink must never break training
@@ -102,7 +101,7 @@ def emit(event: Event) -> Event:
 @contextlib.contextmanager
 def span(kind: str, **fields):
     """Time a block and emit one event for it; yields the Event (or None when tracing is off) to fill in."""
-    if not _sinks.here():
+    if not trace_state().sinks:
         yield None
         return
     ev = Event(kind=kind, **fields)
@@ -116,9 +115,10 @@ def span(kind: str, **fields):
 
 def add_sink(sink: Callable[[Event], None]) -> Callable[[Event], None]:
     with _lock:
-        was = bool(_sinks)
-        if sink not in _sinks:
-            _sinks.append(sink)
+        sinks = trace_state().sinks
+        was = bool(sinks)
+        if sink not in sinks:
+            sinks.append(sink)
     _changed(was)
     return sink
 
@@ -126,9 +126,10 @@ def add_sink(sink: Callable[[Event], None]) -> Callable[[Event], None]:
 def remove_sink(sink, close: bool = True) -> None:
     """Stop sending events to ``sink``; also close it (a file) unless ``close=False``."""
     with _lock:
-        was = bool(_sinks)
-        if sink in _sinks:
-            _sinks.remove(sink)
+        sinks = trace_state().sinks
+        was = bool(sinks)
+        if sink in sinks:
+            sinks.remove(sink)
     _changed(was)
     closer = getattr(sink, "close", None) if close else None
     if closer is not None:
@@ -137,11 +138,11 @@ def remove_sink(sink, close: bool = True) -> None:
 
 def sinks() -> tuple:
     """The sinks listening now."""
-    return tuple(_sinks.here())
+    return tuple(trace_state().sinks)
 
 
 def clear_sinks() -> None:
-    for s in list(_sinks.here()):
+    for s in list(trace_state().sinks):
         remove_sink(s)
 
 

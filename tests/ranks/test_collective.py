@@ -290,7 +290,7 @@ def _issue14_names():
 
     # destroy_process_group(): the world and every group; not initialized afterwards
     dist.destroy_process_group()
-    out["world_gone"] = (dist.is_initialized(), groups._paddle == {}, groups._by_ranks == {})
+    out["world_gone"] = (dist.is_initialized(), groups._state().paddle == {}, groups._state().by_ranks == {})
     return out
 
 
@@ -354,9 +354,11 @@ def _comm_layer():
     mesh = dist.ProcessMesh([[0, 1, 2]], ["x", "y"])
     dist.reshard(dist.shard_tensor(torch.ones(3), mesh, [dist.Replicate(), dist.Shard(0)]), mesh,
                  [dist.Replicate(), dist.Replicate()])
-    before = (len(groups._paddle) > 1, bool(groups._by_ranks), bool(groups._meshes), bool(groups._lines))
+    st = groups._state()
+    before = (len(st.paddle) > 1, bool(st.by_ranks), bool(st.meshes), bool(st.lines))
     groups.clear_cache()
-    after = (groups._paddle, groups._by_ranks, groups._meshes, groups._lines, groups._by_pg, groups._device_meshes)
+    st = groups._state()  # a fresh one
+    after = (st.paddle, st.by_ranks, st.meshes, st.lines, st.by_pg, st.device_meshes)
     out["reset"] = (before, all(not x for x in after), dist.get_group(g.id), groups.clear_cache is groups.reset)
     g2 = dist.new_group([0, 2])
     s = torch.tensor([float(r + 1)])

@@ -228,7 +228,7 @@ def _per_rank_state():
     trace.remove_sink(mem)
     return dict(rank=r, core_rank=current_rank(), mp_rank=hcg.get_model_parallel_rank(),
                 dp_group=hcg.get_data_parallel_group().ranks, tracker_seed=get_rng_state_tracker().states_[
-                    "model_parallel_rng"][0], group=(g.id, g.ranks, g.rank), n_groups=len(groups._paddle),
+                    "model_parallel_rng"][0], group=(g.id, g.ranks, g.rank), n_groups=len(groups._state().paddle),
                 events=[(e.rank, e.kind, e.seq) for e in mem.events], local=t._local_value().tolist())
 
 

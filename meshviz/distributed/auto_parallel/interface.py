@@ -2,26 +2,38 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
+from ... import rank_context
 from ...core.mesh import ProcessMesh
-from ...rank_context import per_rank
 
 __all__ = ["set_mesh", "get_mesh", "create_mesh"]
 
-_state = per_rank(lambda: {"mesh": None})  # the global mesh, per rank
+@dataclass
+class AutoParallelState:
+    mesh: ProcessMesh | None = None  # the global mesh
+    model_done: bool = False  # parallelize_model ran on this rank
+
+
+AUTO_PARALLEL = rank_context.slot("auto_parallel", AutoParallelState)
+
+
+def _state() -> AutoParallelState:
+    return AUTO_PARALLEL.get()
 
 
 def set_mesh(mesh: ProcessMesh | None) -> None:
     """Set the global mesh (``None`` clears it)."""
     if mesh is not None and not isinstance(mesh, ProcessMesh):
         raise ValueError(f"set_mesh expects a ProcessMesh, got {type(mesh).__name__}: {mesh!r}")
-    _state["mesh"] = mesh
+    _state().mesh = mesh
 
 
 def get_mesh() -> ProcessMesh | None:
     """The global mesh, or None when none was set."""
-    return _state["mesh"]
+    return _state().mesh
 
 
 def create_mesh(mesh_dims) -> ProcessMesh:

@@ -2,24 +2,25 @@
 
 from __future__ import annotations
 
-from ...rank_context import per_rank
+from ... import rank_context
 
-__all__ = ["FleetState", "current", "hybrid_group"]
+__all__ = ["FleetState", "FLEET", "current", "hybrid_group"]
 
 
 class FleetState:
-    __slots__ = ("_hcg", "_topology", "_strategy")
+    __slots__ = ("_hcg", "_topology", "_strategy", "_built")
 
     def __init__(self):
         self._hcg = self._topology = self._strategy = None
+        self._built = None  # the HybridCommunicateGroup this rank built last (fleet.init's or not)
 
 
-_states = per_rank(FleetState)
+FLEET = rank_context.slot("fleet", FleetState)
 
 
 def current() -> FleetState:
     """This rank's fleet state."""
-    return _states.here()
+    return FLEET.get()
 
 
 def hybrid_group():

@@ -6,18 +6,16 @@ import collections
 import math
 
 from ...core.mesh import ProcessMesh
-from ...rank_context import per_rank
 from ...runtime.world import get_rank, get_world_size
 from ..collective import new_group
+from .state import current as _fleet
 
 __all__ = ["ParallelMode", "CommunicateTopology", "HybridCommunicateGroup", "hybrid_group"]
-
-_HYBRID_PARALLEL_GROUP = per_rank(lambda: [None])  # [the rank's latest HybridCommunicateGroup]
 
 
 def hybrid_group() -> "HybridCommunicateGroup | None":
     """The hybrid group this rank built last (None before ``fleet.init``)."""
-    return _HYBRID_PARALLEL_GROUP[0]
+    return _fleet()._built
 
 # hybrid_configs short name -> topology axis name
 AXIS_NAMES = {"dp": "data", "pp": "pipe", "sharding": "sharding", "sep": "sep", "mp": "model"}
@@ -123,7 +121,7 @@ class HybridCommunicateGroup:
                     i = line.index(self.global_rank)
                     self.next_rank = line[(i + 1) % self._pp_degree]
                     self.prev_rank = line[(i - 1) % self._pp_degree]
-        _HYBRID_PARALLEL_GROUP[0] = self
+        _fleet()._built = self
 
     def _set_comm_group(self, axis_name):
         mine = comm = None

@@ -7,10 +7,9 @@ import warnings
 import torch
 
 from ....core.mesh import ProcessMesh
-from ....rank_context import per_rank
 from ....runtime import groups
 from ....runtime.world import init_parallel_env
-from ..interface import get_mesh, set_mesh
+from ..interface import _state, get_mesh, set_mesh
 from .parallel_base import param_holders, remap_optimizer, shard_all_params
 from .pipeline_parallel import (
     assign_stages,
@@ -25,8 +24,6 @@ from .tensor_parallel import _SP_REGION, _matches, _ShardParams, check_plan
 __all__ = ["parallelize", "parallelize_model", "parallelize_optimizer"]
 
 _CONFIG_KEYS = ("dp_config", "mp_config", "pp_config")
-
-_state = per_rank(lambda: {"model_done": False})  # parallelize_model ran on this rank
 
 
 def _use_mesh(mesh, who: str) -> None:
@@ -202,7 +199,7 @@ def parallelize_model(model, mesh=None, config=None):
     if not _begin(config, mesh, "parallelize_model"):
         return model
     model, _ = _parallelize(model, None, config, "parallelize_model")
-    _state["model_done"] = True
+    _state().model_done = True
     return model
 
 
@@ -210,7 +207,7 @@ def parallelize_optimizer(optimizer, mesh=None, config=None):
     """The optimizer half: ``shard_optimizer`` with the sharding stage ``config['dp_config']`` names."""
     if not _begin(config, mesh, "parallelize_optimizer", needs_a_part=False):
         return optimizer
-    if not _state["model_done"]:
+    if not _state().model_done:
         raise ValueError("Please parallelize the model before parallelize optimizer.")
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ValueError(f"parallelize_optimizer expects a torch.optim.Optimizer, got {type(optimizer).__name__}")

@@ -7,7 +7,7 @@ import contextlib
 import numpy as np
 import torch
 
-from ....rank_context import per_rank
+from .... import rank_context
 
 __all__ = ["RNGStatesTracker", "get_rng_state_tracker", "model_parallel_random_seed", "MODEL_PARALLEL_RNG"]
 
@@ -83,11 +83,11 @@ class RNGStatesTracker:
                 torch.cuda.set_rng_state_all(orig_cuda)
 
 
-_TRACKER = per_rank(RNGStatesTracker)
+RNG = rank_context.slot("rng", RNGStatesTracker)
 
 
 def get_rng_state_tracker() -> RNGStatesTracker:
-    return _TRACKER.here()
+    return RNG.get()
 
 
 def model_parallel_random_seed(seed: int | None = None) -> None:
@@ -103,7 +103,7 @@ def model_parallel_random_seed(seed: int | None = None) -> None:
     pp_rank, pp_size = hcg.get_stage_id(), hcg.get_pipe_parallel_world_size()
     global_seed = seed if seed else int(np.random.randint(0, 10000))
     local_seed = global_seed + 1 + mp_rank * pp_size + pp_rank
-    tracker = _TRACKER.here()
+    tracker = RNG.get()
     tracker.reset()
     tracker.add(MODEL_PARALLEL_RNG, local_seed)
     torch.manual_seed(global_seed)

@@ -1,0 +1,89 @@
+"""The op layer's cost: ops on meshviz dist tensors against the same ops on torch DTensors, 2 gloo ranks.
+
+Run: .venv/bin/python bench/bench_ops.py [--size 256] [--repeat 30] [--rounds 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from meshviz.testing import run_ranks
+
+
+def _time(fn, repeat):
+    import torch.distributed as tdist
+
+    fn()  # warm-up
+    tdist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(repeat):
+        fn()
+    tdist.barrier()
+    return (time.perf_counter() - t0) / repeat
+
+
+def run(size: int, repeat: int, rounds: int):
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import Replicate as TR
+    from torch.distributed.tensor import Shard as TS
+
+    import meshviz.distributed as dist
+    from meshviz.runtime.groups import device_mesh
+
+    dist.init_parallel_env()
+    mesh = dist.ProcessMesh([0, 1], dim_names=["x"])
+    dm = device_mesh(mesh, "cpu")
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(size, size, generator=g), torch.randn(size, size, generator=g)
+
+    mx = dist.shard_tensor(x, mesh, [dist.Shard(0)]).requires_grad_()
+    mw = dist.shard_tensor(w, mesh, [dist.Replicate()]).requires_grad_()
+    tx = DTensor.from_local(mx._local_value().detach(), dm, [TS(0)]).requires_grad_()
+    tw = DTensor.from_local(mw._local_value().detach(), dm, [TR()]).requires_grad_()
+
+    def step(a, b):
+        def f():
+            a.grad = b.grad = None
+            (a @ b).relu().mul(2.0).sum().backward()
+        return f
+
+    cases = {
+        "add (S(0) + S(0))": (lambda: mx + mx, lambda: tx + tx),
+        "matmul S(0) @ R": (lambda: mx @ mw, lambda: tx @ tw),
+        "sum over the sharded dim": (lambda: mx.sum(0), lambda: tx.sum(0)),
+        "fwd+bwd relu(x @ w).sum()": (step(mx, mw), step(tx, tw)),
+    }
+    out = {}
+    for name, (m, t) in cases.items():
+        ratios, mt, tt = [], [], []
+        with torch.no_grad() if "bwd" not in name else torch.enable_grad():
+            for _ in range(rounds):
+                a, b = _time(m, repeat), _time(t, repeat)
+                mt.append(a)
+                tt.append(b)
+                ratios.append(a / b)
+        out[name] = (statistics.median(mt), statistics.median(tt), min(ratios), statistics.median(ratios), max(ratios))
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--size", type=int, default=256)
+    ap.add_argument("--repeat", type=int, default=30)
+    ap.add_argument("--rounds", type=int, default=5)
+    a = ap.parse_args()
+    import os
+
+    res = run_ranks(run, 2, a.size, a.repeat, a.rounds, ranks="processes", timeout=600)[0]
+    print(f"2 gloo ranks, {a.size}x{a.size} float32, load average {os.getloadavg()[0]:.1f}")
+    print(f"{'op':28} {'meshviz us':>11} {'DTensor us':>11} {'ratio median (min-max)':>24}")
+    for name, (m, t, lo, med, hi) in res.items():
+        print(f"{name:28} {m * 1e6:11.0f} {t * 1e6:11.0f} {med:10.2f} ({lo:.2f}-{hi:.2f})")
+
+
+if __name__ == "__main__":
+    main()
