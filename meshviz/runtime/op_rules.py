@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from .. import compat
-from ..core.layout import local_block
 from ..core.placements import Partial, Replicate, Shard
+from .autograd import local_block_of
 from .dtensor import DistTensor, make_dtensor
 
 __all__ = ["CORRECTED", "PADDLE_RULES", "LOCAL_RULES", "RANDOM_RULES", "DEFAULT_RULE_OPS", "RULES"]
@@ -109,11 +109,8 @@ LOCAL_RULES: dict = {
     aten.gather.default: _gather_local,
 }
 
-def _block(t: DistTensor, full: torch.Tensor, placements) -> torch.Tensor:
-    coord = t._pmesh.coordinate(torch.distributed.get_rank() if torch.distributed.is_initialized() else 0)
-    if coord is None:
-        return full.new_empty(0)
-    return full[tuple(slice(a, b) for a, b in local_block(tuple(t.shape), t._pmesh, placements, coord))]
+def _whole(placements) -> list:
+    return [Replicate() if isinstance(p, Partial) else p for p in placements]
 
 
 def _dropout(func, args, kwargs):
@@ -127,7 +124,7 @@ def _dropout(func, args, kwargs):
         return None
     p1m = 1.0 - p
     mask = torch.empty(tuple(x.shape), dtype=x.dtype, device=local.device).bernoulli_(p1m)
-    blk = _block(x, mask, x.placements)
+    blk = local_block_of(mask, x._pmesh, _whole(x.placements))  # every summand is scaled by the same mask
     out = local * blk * (0.0 if p1m == 0 else 1.0 / p1m)
     pl = x.placements
     return (DistTensor(make_dtensor(out, x._pmesh, pl, tuple(x.shape)), x._pmesh),
@@ -138,11 +135,11 @@ def _fill(func, args, kwargs):
     """An in-place random fill (normal_, uniform_, bernoulli_): the whole tensor drawn on every rank as the dense
     op draws it, each rank keeping its block; a Partial axis becomes Replicate (the fill replaces the value)."""
     t = args[0]._resolved()
-    pl = [Replicate() if isinstance(p, Partial) else p for p in t.placements]
+    pl = _whole(t.placements)
     local = compat.dtensor_local(t._dtensor)
     full = func(torch.empty(tuple(t.shape), dtype=t.dtype, device=local.device), *args[1:], **kwargs)
     self = args[0]
-    self._dtensor = make_dtensor(_block(t, full, pl).contiguous(), t._pmesh, pl, tuple(t.shape))
+    self._dtensor = make_dtensor(local_block_of(full, t._pmesh, pl), t._pmesh, pl, tuple(t.shape))
     self._pl = None
     return self
 
