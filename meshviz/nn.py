@@ -53,6 +53,7 @@ def _dist_sq_share(grads, dev) -> torch.Tensor:
     of the mesh adds its block's squared sum divided by how many ranks hold the same block (the product of the
     Replicate axes), so a Replicate gradient counts once and a Shard one adds its disjoint blocks.
     """
+    from .core.partial import summed
     from .core.placements import Partial, Replicate
     from .distributed.api import reshard
 
@@ -60,7 +61,7 @@ def _dist_sq_share(grads, dev) -> torch.Tensor:
     for g in grads:
         mesh, pl = g.process_mesh, list(g.placements)
         if any(isinstance(p, Partial) for p in pl):
-            pl = [Replicate() if isinstance(p, Partial) else p for p in pl]
+            pl = summed(pl)
             g = reshard(g.detach(), mesh, pl)
         local = g._local_value().detach()
         if not local.numel():

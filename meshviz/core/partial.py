@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .placements import Partial, Placement, ReduceType
+from .placements import Partial, Placement, ReduceType, Replicate
 
-__all__ = ["partial_axes", "nesting", "commutes", "partial_fill"]
+__all__ = ["partial_axes", "summed", "nesting", "commutes", "partial_fill"]
 
 _LINEAR = (ReduceType.kRedSum, ReduceType.kRedAvg)
 _FILLED = {ReduceType.kRedSum: "zero", ReduceType.kRedProd: "one"}  # reductions whose other summands are identities
@@ -15,6 +15,11 @@ _FILLED = {ReduceType.kRedSum: "zero", ReduceType.kRedProd: "one"}  # reductions
 def partial_axes(placements: Sequence[Placement]) -> list[int]:
     """Mesh axes that are Partial, in mesh order."""
     return [i for i, p in enumerate(placements) if isinstance(p, Partial)]
+
+
+def summed(placements: Sequence[Placement]) -> list[Placement]:
+    """The placements once every Partial axis is reduced: Replicate there, the rest as they are."""
+    return [Replicate() if isinstance(p, Partial) else p for p in placements]
 
 
 def nesting(placements: Sequence[Placement]) -> list[int]:

@@ -9,7 +9,7 @@ import numpy as np
 
 from .layout import chunk, local_block, normalize_placements, shard_axes, with_nesting
 from .mesh import ProcessMesh
-from .partial import commutes, nesting, partial_axes, partial_fill
+from .partial import commutes, nesting, partial_axes, partial_fill, summed
 from .placements import Partial, ReduceType, Replicate, Shard
 
 __all__ = ["OPS", "Step", "Plan", "plan_reshard", "simulate", "apply_step", "initial_locals", "assemble"]
@@ -279,7 +279,7 @@ def plan_reshard(shape: Sequence[int], src_mesh: ProcessMesh, src_placements, ds
     else:
         rep = tuple(Replicate() for _ in range(src_mesh.ndim))
         steps = _plan_same_mesh(shape, src_mesh, src, rep, itemsize)
-        dense_dst = tuple(Replicate() if isinstance(p, Partial) else p for p in dst)
+        dense_dst = tuple(summed(dst))
         src_ids = src_mesh.process_ids
         moves: list[tuple[int, int]] = []
         blocks = []
@@ -401,7 +401,7 @@ def simulate(plan: Plan, value: np.ndarray) -> dict:
 def assemble(locals_: dict, shape, mesh: ProcessMesh, placements) -> np.ndarray:
     """The global value a set of local values stands for (Partial axes reduced in ``nesting`` order)."""
     placements = normalize_placements(shape, mesh, placements)
-    dense = [Replicate() if isinstance(p, Partial) else p for p in placements]
+    dense = summed(placements)
     order = nesting(placements)
     out = None
     for c in np.ndindex(*mesh.shape):

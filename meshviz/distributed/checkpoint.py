@@ -40,11 +40,11 @@ def _to_dcp(value):
 def _settle_partial(value):
     """DCP stores blocks, not summands: a Partial dist tensor is reduced (Partial -> Replicate) before saving."""
     if getattr(value, "placements", None) is not None and any(p.is_partial() for p in value.placements):
-        from ..core.placements import Replicate
+        from ..core.partial import summed
         from .api import reshard
 
         with torch.no_grad():
-            return reshard(value, value.process_mesh, [Replicate() if p.is_partial() else p for p in value.placements])
+            return reshard(value, value.process_mesh, summed(value.placements))
     return value
 
 

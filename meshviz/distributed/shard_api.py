@@ -234,7 +234,7 @@ class _ShardOptimizer:
                 with torch.no_grad():
                     sharded = reshard(p.detach(), p.process_mesh, pl)
                 if stage.stage >= 3:
-                    p._dtensor = sharded._dtensor  # the parameter itself now lives sharded
+                    p._hold(sharded)  # the parameter itself now lives sharded
                     new_params.append(p)
                     self._emit_ownership(p, "param+grad+state")
                 else:
@@ -327,7 +327,7 @@ class _ShardOptimizer:
         out = self._inner.step(closure) if closure is not None else self._inner.step()
         for p, shadow in self._shadow.items():
             full = reshard(shadow.detach(), p.process_mesh, p.placements)
-            p._dtensor = full._dtensor
+            p._hold(full)
         return out
 
     def clear_grad(self, set_to_zero: bool = True) -> None:

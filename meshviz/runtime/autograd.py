@@ -8,8 +8,8 @@ import torch.distributed as tdist
 from .. import compat
 from ..core.layout import local_block
 from ..core.mesh import ProcessMesh
-from ..core.partial import partial_fill
-from ..core.placements import Partial, Replicate
+from ..core.partial import partial_fill, summed
+from ..core.placements import Replicate
 from ..core.planner import plan_reshard
 from . import dtensor
 from .dtensor import DistTensor, make_dist
@@ -63,7 +63,7 @@ class _FromLocal(torch.autograd.Function):
     def backward(ctx, grad):
         if grad is None:
             return None, None, None, None
-        want = [Replicate() if p.is_partial() else p for p in ctx.placements]
+        want = summed(ctx.placements)
         if list(grad.placements) != want or grad.process_mesh != ctx.mesh:
             grad = reshard(grad, ctx.mesh, want)
         return compat.dtensor_local(grad._dtensor), None, None, None
@@ -101,11 +101,6 @@ def plan_of(t: DistTensor, mesh: ProcessMesh, placements):
     return plan
 
 
-def _grad_layout(placements):
-    """A reshard's gradient goes back to the source layout, a Partial source's as Replicate (Paddle 3.3.1)."""
-    return [Replicate() if isinstance(p, Partial) else p for p in placements]
-
-
 class _Reshard(torch.autograd.Function):
     @staticmethod
     def forward(ctx, t, mesh, placements, name):
@@ -118,7 +113,7 @@ class _Reshard(torch.autograd.Function):
             return None, None, None, None
         if not isinstance(grad, DistTensor):
             raise RuntimeError("reshard backward expected a dist gradient")
-        back = _grad_layout(ctx.src_placements)
+        back = summed(ctx.src_placements)  # the source layout; a Partial source gets Replicate (Paddle 3.3.1)
         return run_reshard(grad, ctx.src_mesh, back, ctx.name and ctx.name + ".grad"), None, None, None
 
 

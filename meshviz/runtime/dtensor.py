@@ -16,6 +16,7 @@ from torch.distributed.tensor import Shard as TShard
 from .. import compat, rank_context
 from ..core.layout import local_block
 from ..core.mesh import ProcessMesh
+from ..core.partial import summed
 from ..core.placements import Partial, Placement, Replicate, Shard
 from . import groups
 from .comm import dtensor_reduce_op, from_dtensor_reduce_op
@@ -145,7 +146,7 @@ def make_dtensor(local: torch.Tensor, mesh: ProcessMesh, placements, shape, devi
     ``device_type`` (default :func:`block_device_type`; DTensor moves ``local`` there)."""
     dm = device_mesh_for(mesh, device_type or block_device_type(local))
     if not representable(placements):
-        placements = [Replicate() if isinstance(p, Partial) else p for p in placements]
+        placements = summed(placements)
     return compat.dtensor_from_local(local.detach(), dm, to_torch_placements(placements), shape,
                                      _contiguous_stride(shape))
 
@@ -212,6 +213,12 @@ class DistTensor(torch.Tensor):
     def _local_shape(self) -> list[int]:
         """Paddle's name for :attr:`local_shape`."""
         return self.local_shape
+
+    def _hold(self, other: "DistTensor") -> "DistTensor":
+        """This tensor, now holding ``other``'s block and layout: what an in-place op that ran on a re-laid-out
+        copy (or a sharding stage) leaves in the caller's tensor."""
+        self._dtensor, self._pl = other._dtensor, other._pl
+        return self
 
     def _resolved(self) -> "DistTensor":
         """This tensor with a block that its :attr:`placements` describe: an axis only torch can name is

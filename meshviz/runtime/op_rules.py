@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from .. import compat
+from ..core.partial import summed
 from ..core.placements import Partial, Replicate, Shard
 from .autograd import local_block_of
 from .dtensor import DistTensor, make_dtensor
@@ -62,7 +63,7 @@ def _join_rule(joins_dim: bool):
         dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
         want = _merged(dists, dim % dists[0].dim() if joins_dim else None)
         if len(dists) < len(args[0]):  # a dense input joins as Replicate: a Partial axis would count it k times
-            want = [Replicate() if isinstance(p, Partial) else p for p in want]
+            want = summed(want)
         return [want] * len(dists)
 
     return rule
@@ -109,10 +110,6 @@ LOCAL_RULES: dict = {
     aten.gather.default: _gather_local,
 }
 
-def _whole(placements) -> list:
-    return [Replicate() if isinstance(p, Partial) else p for p in placements]
-
-
 def _dropout(func, args, kwargs):
     """native_dropout: every rank draws the whole mask, as the dense op draws it, and keeps its block. Replicas get
     one mask, the blocks of a sharded tensor are blocks of the dense run's mask, and the ranks' generators move
@@ -124,7 +121,7 @@ def _dropout(func, args, kwargs):
         return None
     p1m = 1.0 - p
     mask = torch.empty(tuple(x.shape), dtype=x.dtype, device=local.device).bernoulli_(p1m)
-    blk = local_block_of(mask, x._pmesh, _whole(x.placements))  # every summand is scaled by the same mask
+    blk = local_block_of(mask, x._pmesh, summed(x.placements))  # every summand is scaled by the same mask
     out = local * blk * (0.0 if p1m == 0 else 1.0 / p1m)
     pl = x.placements
     return (DistTensor(make_dtensor(out, x._pmesh, pl, tuple(x.shape)), x._pmesh),
@@ -135,13 +132,11 @@ def _fill(func, args, kwargs):
     """An in-place random fill (normal_, uniform_, bernoulli_): the whole tensor drawn on every rank as the dense
     op draws it, each rank keeping its block; a Partial axis becomes Replicate (the fill replaces the value)."""
     t = args[0]._resolved()
-    pl = _whole(t.placements)
+    pl = summed(t.placements)
     local = compat.dtensor_local(t._dtensor)
     full = func(torch.empty(tuple(t.shape), dtype=t.dtype, device=local.device), *args[1:], **kwargs)
-    self = args[0]
-    self._dtensor = make_dtensor(local_block_of(full, t._pmesh, pl), t._pmesh, pl, tuple(t.shape))
-    self._pl = None
-    return self
+    return args[0]._hold(DistTensor(make_dtensor(local_block_of(full, t._pmesh, pl), t._pmesh, pl, tuple(t.shape)),
+                                    t._pmesh))
 
 
 # random ops: the dense op's draw on every rank, each keeping its block

@@ -14,6 +14,7 @@ from .. import compat, trace
 from ..compat import TorchDispatchMode
 from ..compat import tree_map as _tree_map
 from ..core.mesh import ProcessMesh
+from ..core.partial import summed
 from ..core.placements import Partial, Replicate, Shard
 from . import dtensor, rollcall
 from .autograd import run_reshard
@@ -118,12 +119,10 @@ def dispatch(func, args, kwargs):
                                 (args, kwargs))
     if inplace and func not in _LINEAR_INPLACE and any(isinstance(p, Partial) for p in args[0].placements):
         # torch runs an in-place op on each summand of a Partial self (log_ of a sum is not the sum of logs)
-        args = (redistribute(args[0], [Replicate() if isinstance(p, Partial) else p for p in args[0].placements],
-                             f"{_name(func)} self"), *args[1:])
+        args = (redistribute(args[0], summed(args[0].placements), f"{_name(func)} self"), *args[1:])
     if inplace and args[0] is not self:
         # self was laid out anew for the op: the op writes into the caller's tensor, so it holds the new layout
-        self._dtensor, self._pl = args[0]._dtensor, args[0]._pl
-        args = (self, *args[1:])
+        args = (self._hold(args[0]), *args[1:])
     try:
         out = _torch_rule(func, args, kwargs, ref)
     except (RuntimeError, NotImplementedError) as e:
@@ -270,8 +269,7 @@ def _into_self(func, args, out):
     """An in-place op run on a whole copy of self (``add_`` on a Partial self: torch has no rule) writes the
     result into self, or the write would be lost on the tensor the caller holds."""
     if _writes_self(func) and isinstance(args[0], DistTensor) and isinstance(out, DistTensor):
-        args[0]._dtensor, args[0]._pl = out._dtensor, out._pl
-        return args[0]
+        return args[0]._hold(out)
     return out
 
 
