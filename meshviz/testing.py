@@ -6,8 +6,8 @@ import os
 import pickle
 import shutil
 import tempfile
-import time
 import traceback
+from functools import partial
 
 from .errors import RankError
 
@@ -81,28 +81,34 @@ def run_ranks(func, nprocs: int, *args, timeout: float = 120.0, collective_timeo
     rank_envs = [rank_env(plan, r) for r in range(nprocs)]
     outdir = tempfile.mkdtemp(prefix="meshviz-ranks-")
     envd = {"MESHVIZ_TIMEOUT": str(collective_timeout), **(env or {})}
-    procs = RankProcesses(_entry, (func, args, nprocs, outdir, envd, rank_envs), nprocs, collective_timeout,
-                          DEFAULT_START_METHOD)
-    deadline = time.monotonic() + timeout
+    procs = RankProcesses(nprocs, collective_timeout, DEFAULT_START_METHOD).start()
     try:
-        while not procs.done() and time.monotonic() < deadline:
-            procs.wait(max(0.0, deadline - time.monotonic()))
+        job = procs.submit(partial(_entry, port=procs.port, func=func, args=args, world=nprocs, outdir=outdir,
+                                   env=envd, rank_envs=rank_envs),
+                           read_reports=partial(_read_results, outdir, nprocs), stop_on_failure=False)
+        job.wait(timeout)
         procs.terminate("running")
-        values, reports = {}, {}
-        for r in range(nprocs):
-            path = os.path.join(outdir, f"rank{r}.pkl")
-            if not os.path.exists(path):
-                continue
-            with open(path, "rb") as fh:
-                status, value, tb = pickle.load(fh)
-            if status == "error":
-                reports[r] = (value, tb, os.path.getmtime(path))
-            else:
-                values[r] = value
-        if reports or len(values) < nprocs:
-            raise procs.rank_error(reports, values, deadline_s=timeout)
+        err = job.error()
+        if err is not None:
+            raise err
+        values = job.results()[1]
         return [values[r] for r in range(nprocs)]
     finally:
-        procs.terminate("running")
-        procs.close()
+        procs.stop()
         shutil.rmtree(outdir, ignore_errors=True)
+
+
+def _read_results(outdir: str, nprocs: int) -> tuple[dict, dict]:
+    """(reports, values): what each rank wrote to ``outdir``, a failure (summary, traceback, when) or its value."""
+    values, reports = {}, {}
+    for r in range(nprocs):
+        path = os.path.join(outdir, f"rank{r}.pkl")
+        if not os.path.exists(path):
+            continue
+        with open(path, "rb") as fh:
+            status, value, tb = pickle.load(fh)
+        if status == "error":
+            reports[r] = (value, tb, os.path.getmtime(path))
+        else:
+            values[r] = value
+    return reports, values

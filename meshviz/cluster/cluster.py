@@ -13,6 +13,7 @@ from typing import Any, Protocol
 
 from ..core.devices import DeviceNotice
 from ..errors import RankOutcome
+from ..ranks.runner import Job, Runner
 from ..trace.commtable import CommTable, comm_table
 from ..trace.status import RollCall
 from ..trace.stream import EventLog
@@ -23,37 +24,42 @@ from .engines import Engines
 from .hangs import HangWatch
 from .threads import Threads
 
-__all__ = ["Cluster", "ClusterState", "DEFAULT_CPU_RANKS", "RankBackend"]
+__all__ = ["Cluster", "ClusterState", "DEFAULT_CPU_RANKS", "CellJob", "RankBackend", "RUNNERS"]
 
 
-class RankBackend(Protocol):
-    """How a Cluster's ranks are started and run code (:class:`~meshviz.cluster.engines.Engines`: one
-    ipyparallel engine each; :class:`~meshviz.cluster.threads.Threads`: one thread of this process each). A handle
-    is whatever ``run_code``/``run_call`` return (an AsyncResult, a RankResult)."""
+class CellJob(Job, Protocol):
+    """A Job of a Cluster's ranks; ``result`` is what ``Cluster.execute`` returns for it (ipyparallel's
+    AsyncResult on engines, the :class:`~meshviz.cluster.thread_view.RankResult` itself on threads)."""
 
-    kind: str
+    result: Any
+
+
+class RankBackend(Runner, Protocol):
+    """A Runner a Cluster runs on (:class:`~meshviz.cluster.engines.Engines`: one ipyparallel engine each;
+    :class:`~meshviz.cluster.threads.Threads`: one thread of this process each), with what a notebook needs
+    besides: cells (``run_code``), calls (``run_call``), their events, a process group re-made after an abort."""
+
     ranks: list[int]
     devices: list[str]
     info: list[dict]
     backend_used: str | None
     view: Any
 
-    def start(self) -> None: ...
     def shutdown(self) -> None: ...
     def teardown(self) -> None: ...
     def kill(self) -> None: ...
     def reinit(self, timeout: float) -> None: ...
-    def run_code(self, code: str) -> Any: ...
-    def run_call(self, func, *args, **kwargs) -> Any: ...
-    def pending(self, handle) -> list[int]: ...
-    def wait(self, handle, timeout: float) -> bool: ...
-    def outcomes(self, handle) -> list[RankOutcome]: ...
+    def run_code(self, code: str) -> CellJob: ...
+    def run_call(self, func, *args, **kwargs) -> CellJob: ...
+    def as_job(self, handle) -> CellJob: ...
     def sync_events(self, ranks, timeout: float = 2.0) -> None: ...
-    def interrupt(self, ranks=None) -> None: ...
     def busy(self) -> bool: ...
     def set_tracing(self, on: bool) -> None: ...
     def find_dead(self) -> dict[int, str] | None: ...
     def describe(self, rank: int) -> str: ...
+
+
+RUNNERS = {"engines": Engines, "threads": Threads}  # what ``ranks=`` names; ``runner=`` brings any other
 
 
 def _kill_at_exit(ref) -> None:
@@ -111,11 +117,14 @@ class Cluster:
     entered the collective. ``check_collectives``: before each collective on a gloo group, the members compare
     op, sequence number, shapes and dtypes (gloo would end the process on a size mismatch); one small
     all-gather each.
+
+    ``runner``: the ranks' :class:`RankBackend` made some other way, called as ``runner(config, events, control)``
+    (default: ``RUNNERS[ranks]``); the Cluster talks to it only through that contract.
     """
 
     def __init__(self, n: int | None = None, devices="auto", backend: str | None = None, timeout: float = 60,
                  ranks: str | None = None, hang_after: float | None = DEFAULT_HANG_AFTER,
-                 check_collectives: bool = True, **ipp_options):
+                 check_collectives: bool = True, runner=None, **ipp_options):
         self.config = ClusterConfig.from_args(n, devices, backend, timeout, ipp_options, ranks, hang_after,
                                               check_collectives)
         if self.config.notice:  # fewer GPUs than ranks: said once here, and in the repr
@@ -129,8 +138,8 @@ class Cluster:
         self.backend = backend
         self.events = EventLog()
         self._control = Control()
-        kind = Threads if self.config.ranks == "threads" else Engines
-        self._ranks: RankBackend = kind(self.config, self.events, self._control)
+        make = runner or RUNNERS[self.config.ranks]
+        self._ranks: RankBackend = make(self.config, self.events, self._control)
         self._magics_suffix = None
         self._atexit = False
         self.start()
@@ -286,27 +295,29 @@ class Cluster:
         Raises :class:`RankError` naming the failing rank(s).
         """
         self._prepare()
-        ar = self._ranks.run_code(code)
-        self._finish(ar, timeout)
-        return ar
+        job = self._ranks.run_code(code)
+        self._finish(job, timeout)
+        return job.result
 
     def apply(self, func, *args, timeout: float | None = None, **kwargs) -> list:
         """Call ``func(*args, **kwargs)`` on every rank; returns the results in rank order."""
         self._prepare()
-        ar = self._ranks.run_call(func, *args, **kwargs)
-        outcomes = self._finish(ar, timeout)
+        job = self._ranks.run_call(func, *args, **kwargs)
+        outcomes = self._finish(job, timeout)
         return [o.value for o in outcomes]
 
-    def _finish(self, ar, timeout) -> list[RankOutcome]:
-        """Wait for ``ar`` (stopping the other ranks when one fails), then its outcomes; RankError if any failed."""
+    def _finish(self, job, timeout) -> list[RankOutcome]:
+        """Wait for ``job`` (stopping the other ranks when one fails), then its outcomes; RankError if any failed.
+        ``job`` may be what ``view`` returned for code started on it directly."""
+        job = self._ranks.as_job(job)
         since = len(self.failures)
         t0 = time.time()
         watch = HangWatch(self, self.hang_after)
         self.rollcalls = watch.shown
         try:
-            self._wait(ar, timeout, since, watch)
+            self._wait(job, timeout, since, watch)
         finally:
-            outcomes = self._collect(ar)
+            outcomes = job.outcomes()
             watch.close(all(o.status == "ok" for o in outcomes))
         self._sync_events([o.rank for o in outcomes if o.status in ("ok", "error")])
         if any(o.status != "ok" for o in outcomes):
@@ -329,7 +340,7 @@ class Cluster:
                 base = None
         return blame_rollcall(base, reports, self.ranks, self._control.dead)
 
-    def _wait(self, ar, timeout, since: int = 0, watch: HangWatch | None = None) -> None:
+    def _wait(self, job: Job, timeout, since: int = 0, watch: HangWatch | None = None) -> None:
         control, ranks = self._control, self._ranks
         deadline = None if timeout is None else time.monotonic() + timeout
         interrupted_at = None
@@ -340,13 +351,13 @@ class Cluster:
             if new and not control.abort_sent and time.time() - new[0]["received"] > GRACE:
                 # a rank failed and others, which did not, are still running: they would wait for it forever
                 failed = {f.get("rank") for f in new}
-                if any(r not in failed for r in ranks.pending(ar)):
+                if any(r not in failed for r in job.pending()):
                     control.abort(new[0]["rank"])
             if control.abort_sent and not stragglers_told:
                 aborted_at = aborted_at or time.monotonic()
                 if time.monotonic() - aborted_at > 1.0:
                     # the abort unblocks collectives, not a rank busy in Python: interrupt what still runs
-                    pending = [r for r in ranks.pending(ar) if r not in control.dead]
+                    pending = [r for r in job.pending() if r not in control.dead]
                     if pending:
                         ranks.interrupt(pending)
                     stragglers_told = True
@@ -354,7 +365,7 @@ class Cluster:
                 # ranks sit in different collectives at one sequence number: they will never meet
                 control.abort(None)
             try:
-                if ranks.wait(ar, 0.05):
+                if job.wait(0.05):
                     return
             except KeyboardInterrupt:
                 if interrupted_at is not None:
@@ -365,14 +376,11 @@ class Cluster:
                 continue
             dead = control.dead
             if dead:
-                pending = ranks.pending(ar)
+                pending = job.pending()
                 if pending and set(pending) <= set(dead):
                     return
             if deadline is not None and time.monotonic() > deadline:
                 return
-
-    def _collect(self, ar) -> list[RankOutcome]:
-        return self._ranks.outcomes(ar)
 
     def _sync_events(self, ranks, timeout: float = 2.0) -> None:
         """Wait until the events the ranks sent during the last execution have arrived here."""

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from enum import Enum
 
 from ..errors import RankError, RankOutcome
+from ..ranks.outcomes import rank_error
 from ..trace.status import RankStatus, RollCall
 from .messages import FROM_RANKS, Abort, Failure, Message, PeerFailed, StatusReply, StatusRequest, Stuck, decode
 
@@ -254,39 +255,38 @@ class Control:
 
     def rank_error(self, outcomes: list[RankOutcome], since: int, t0: float,
                    rollcall: RollCall | None = None) -> RankError:
-        """The RankError for an execution that started at ``t0`` (``since``: failure reports before it).
+        """The RankError for an execution that started at ``t0`` (``since``: failure reports before it), from
+        :func:`meshviz.ranks.outcomes.rank_error` with what the control knows.
 
-        The cause: the ranks of a collective mismatch; else the ranks whose process died; else the first rank
-        that reported a failure during the execution, unless it failed inside a collective and ``rollcall``
-        (the roll-call of the hang, merged with the failing ranks' collectives) names the members that never
-        entered it: then those; else the first rank that raised (or did not finish).
+        The cause: the ranks of a collective mismatch; else the ranks whose process died (seen first, all at
+        once); else the first rank that reported a failure during the execution, unless it failed inside a
+        collective and ``rollcall`` (the roll-call of the hang, merged with the failing ranks' collectives) names
+        the members that never entered it: then those; else the first rank that raised (or did not finish),
+        unless the roll-call names culprits (with no report, where it failed is unknown).
         """
         dead = [o.rank for o in outcomes if o.status == "died"]
         reports = self.reports(since, t0)
         mismatch = next((f["mismatch"] for f in reports if f.get("mismatch")), None)
-        diagnosis = rollcall.blame() if rollcall is not None else []
-        culprits = rollcall.culprits() if rollcall is not None else []
-        lead = False
-        if mismatch is not None:
-            origin = sorted(set(mismatch.get("ranks") or [f["rank"] for f in reports if f.get("mismatch")]))
-            diagnosis, lead = [mismatch["line"]], True
-        elif dead:
-            origin = dead
+        seen, inside = [], set()
+        if dead:
+            seen = [tuple(dead)]
         elif reports:
-            origin = [reports[0]["rank"]]
-            if reports[0].get("collective") and culprits:
-                origin, lead = culprits, True
+            seen = [reports[0]["rank"]]
+            if reports[0].get("collective"):
+                inside = {reports[0]["rank"]}
         else:
             errs = [o for o in outcomes if o.status == "error"] or [o for o in outcomes if o.status != "ok"]
-            origin = [errs[0].rank]
-            if culprits:
-                origin, lead = culprits, True
+            seen = [errs[0].rank] if errs else []
+            inside = set(seen)
         note = ""
         if self.needs_reset:
             note = "The ranks' process group was torn down to stop them; it is re-created before the next cell."
         if dead:
             note = "Call cluster.restart() for a working cluster."
-        return RankError(outcomes, origin, note, diagnosis, lead, rollcall)
+        return rank_error(outcomes, seen, inside=inside, rollcall=rollcall, note=note,
+                          mismatch=None if mismatch is None else (
+                              mismatch.get("ranks") or [f["rank"] for f in reports if f.get("mismatch")],
+                              mismatch["line"]))
 
 
 def blame_rollcall(base: RollCall | None, reports: list[dict], ranks, dead: dict) -> RollCall | None:

@@ -11,7 +11,8 @@ import traceback
 
 from .messages import TO_RANKS, Abort, Failure, PeerFailed, StatusReply, StatusRequest, Stuck, decode
 
-__all__ = ["probe", "setup", "reinit", "stream_count", "set_tracing", "guarded_call", "shutdown", "state"]
+__all__ = ["probe", "setup", "reinit", "stream_count", "set_tracing", "guarded_call", "call_on_rank", "shutdown",
+           "state"]
 
 GRACE = 0.25  # seconds a rank may still be running after a peer failed before it counts as stuck
 
@@ -420,6 +421,12 @@ def guarded_call(func, *args, **kwargs):
         raise
     finally:
         st._post(note="its call returned")
+
+
+def call_on_rank(func):
+    """``func(rank)`` like a %%px cell (a Runner's ``submit`` on engines)."""
+    rank = _state.rank if _state is not None else int(os.environ.get("RANK", "0"))
+    return guarded_call(func, rank)
 
 
 def shutdown(exit_after: float | None = 0.2) -> None:

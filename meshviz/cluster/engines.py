@@ -1,4 +1,4 @@
-"""Ranks as ipyparallel engines: the controller, the engines' set-up, the code they run and what it ended as."""
+"""Ranks as ipyparallel engines (the ``"engines"`` Runner): the controller, the engines' set-up, their jobs."""
 
 from __future__ import annotations
 
@@ -11,13 +11,14 @@ import tempfile
 import threading
 import time
 
-from ..errors import RankOutcome
+from ..errors import RankError, RankOutcome
+from ..ranks.outcomes import error_of
 from ..trace.stream import EventLog, StreamReceiver
 from . import engine as _engine
 from .config import ClusterConfig, rank_configs
 from .control import Control
 
-__all__ = ["Engines"]
+__all__ = ["Engines", "EngineJob"]
 
 
 def _pid_alive(pid: int) -> bool:
@@ -30,8 +31,36 @@ def _pid_alive(pid: int) -> bool:
         return False
 
 
+class EngineJob:
+    """Code running on engines (a :class:`~meshviz.ranks.runner.Job`); ``result`` is ipyparallel's AsyncResult,
+    what ``Cluster.execute`` returns."""
+
+    def __init__(self, engines: "Engines", ar, ranks: list[int]):
+        self._engines = engines
+        self.result = ar
+        self.ranks = list(ranks)
+
+    def done(self) -> bool:
+        return self.result.ready()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.result.wait(timeout)
+        return self.result.ready()
+
+    def pending(self) -> list[int]:
+        return self._engines._pending(self.result)
+
+    def outcomes(self) -> list[RankOutcome]:
+        return self._engines._outcomes(self.result)
+
+    def error(self) -> RankError | None:
+        """The RankError naming the first rank (in rank order) that did not end well; None while running or when
+        every rank did (the cluster's own error, ``Control.rank_error``, names the cause from the ranks' reports)."""
+        return error_of(self.outcomes()) if self.done() else None
+
+
 class Engines:
-    """One ipyparallel engine per rank, on a controller of their own; the Cluster's rank backend.
+    """One ipyparallel engine per rank, on a controller of their own: the Cluster's ``"engines"`` Runner.
 
     Rank r is the engine with the r-th smallest id; with a controller of its own, engine ids are 0..n-1 and
     rank == engine id. Events and failure reports come back on a zmq stream (:class:`StreamReceiver`); the
@@ -63,8 +92,12 @@ class Engines:
         self._base: dict[int, int] = {}
         self._log = logging.getLogger("meshviz.cluster")
 
+    @property
+    def n(self) -> int:
+        return self.config.n
+
     # -- start and stop -----------------------------------------------------------------------------------------
-    def start(self) -> None:
+    def start(self) -> "Engines":
         """Start the controller and the engines, bind devices, init the process group on every rank."""
         import ipyparallel as ipp
         import zmq
@@ -105,6 +138,7 @@ class Engines:
         ids = sorted(self.client.ids)[: cfg.n]
         probes = self.client.direct_view(ids).apply_sync(_engine.probe, not multi)
         self._setup(ids, probes, control)
+        return self
 
     def _setup(self, ids, probes, control) -> None:
         cfg = self.config
@@ -169,6 +203,12 @@ class Engines:
                 self._zctx.term()
                 self._pub = None
 
+    def stop(self) -> None:
+        """Ask every engine to exit, then stop the controller (the Runner contract's; the Cluster calls
+        :meth:`shutdown` and :meth:`teardown` itself)."""
+        self.shutdown()
+        self.teardown()
+
     def kill(self) -> None:
         """SIGKILL every engine of this machine, then stop the controller: the kernel is exiting, and no engine
         may outlive it, even one stuck in a collective that ignores SIGTERM."""
@@ -191,13 +231,26 @@ class Engines:
         self.view.apply_async(_engine.reinit, port, timeout, self.loopback).get(timeout=timeout + 30)
 
     # -- running code -------------------------------------------------------------------------------------------
-    def run_code(self, code: str):
-        """Start ``code`` on every rank; returns the AsyncResult."""
-        return self.view.execute(code, silent=False, block=False)
+    def run_code(self, code: str) -> EngineJob:
+        """Start ``code`` on every rank; its job's ``result`` is the AsyncResult."""
+        return EngineJob(self, self.view.execute(code, silent=False, block=False), self.ranks)
 
-    def run_call(self, func, *args, **kwargs):
-        """Start ``func(*args, **kwargs)`` on every rank (failures reported like a cell's); returns the AsyncResult."""
-        return self.view.apply_async(_engine.guarded_call, func, *args, **kwargs)
+    def run_call(self, func, *args, **kwargs) -> EngineJob:
+        """Start ``func(*args, **kwargs)`` on every rank (failures reported like a cell's)."""
+        return EngineJob(self, self.view.apply_async(_engine.guarded_call, func, *args, **kwargs), self.ranks)
+
+    def as_job(self, handle) -> EngineJob:
+        """The job of ``handle``: an EngineJob, or an AsyncResult of code started on ``view`` directly."""
+        if isinstance(handle, EngineJob):
+            return handle
+        rank_of = {eid: r for r, eid in enumerate(self.engine_ids)}
+        return EngineJob(self, handle, [rank_of.get(eid, eid) for eid in self._targets(handle)])
+
+    def submit(self, fn, ranks=None) -> EngineJob:
+        """Start ``fn(rank)`` on ``ranks`` (all by default; failures reported like a cell's)."""
+        ranks = list(self.ranks) if ranks is None else [int(r) for r in ranks]
+        view = self.client.direct_view([self.engine_ids[r] for r in ranks])
+        return EngineJob(self, view.apply_async(_engine.call_on_rank, fn), ranks)
 
     def _targets(self, ar) -> list[int]:
         from .. import compat  # imports torch: not before the first cell runs
@@ -205,17 +258,12 @@ class Engines:
         targets = compat.ar_targets(ar)
         return list(targets) if targets is not None else self.engine_ids
 
-    def pending(self, ar) -> list[int]:
+    def _pending(self, ar) -> list[int]:
         """Ranks whose part of ``ar`` has not finished."""
         rank_of = {eid: r for r, eid in enumerate(self.engine_ids)}
         return [rank_of.get(eid, eid) for eid, c in zip(self._targets(ar), _children(ar)) if not c.done()]
 
-    def wait(self, ar, timeout: float) -> bool:
-        """Wait up to ``timeout`` seconds for ``ar``; True once it is done."""
-        ar.wait(timeout)
-        return ar.ready()
-
-    def outcomes(self, ar) -> list[RankOutcome]:
+    def _outcomes(self, ar) -> list[RankOutcome]:
         """What each rank's part of ``ar`` ended as, in rank order; a rank the controller saw die is marked dead."""
         rank_of = {eid: r for r, eid in enumerate(self.engine_ids)}
         dead = self.control.dead

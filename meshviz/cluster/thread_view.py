@@ -4,28 +4,16 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .. import rank_context
-from ..errors import RankError
+from ..errors import RankError, RankOutcome
+from ..ranks.outcomes import error_of
+from ..ranks.patches import capture
 
 if TYPE_CHECKING:
     from .threads import Threads
 
 __all__ = ["ThreadView", "RankResult"]
-
-
-@dataclass
-class CaptureState:
-    out: _Output | None = None  # where this rank's output goes now
-
-
-CAPTURE = rank_context.slot("capture", CaptureState)
-
-
-def _capture() -> CaptureState:
-    return CAPTURE.get()
 
 
 # -- each rank's output ----------------------------------------------------------------------------------------
@@ -43,51 +31,6 @@ class _Output:
         self.count: int | None = None
 
 
-class _Router:
-    """Stands in for ``sys.stdout`` / ``sys.stderr``: a rank thread's writes go to its execution's output, all
-    others to the stream it replaced."""
-
-    def __init__(self, name: str, fallback):
-        self._name = name
-        self._fallback = fallback
-
-    def write(self, text) -> int:
-        out = _capture().out
-        if out is None:
-            return self._fallback.write(text)
-        getattr(out, self._name).append(str(text))
-        return len(text)
-
-    def writelines(self, lines) -> None:
-        for line in lines:
-            self.write(line)
-
-    def flush(self) -> None:
-        if _capture().out is None:
-            self._fallback.flush()
-
-    def isatty(self) -> bool:
-        return False
-
-    def __getattr__(self, name):
-        return getattr(self._fallback, name)
-
-
-def _route_streams() -> None:
-    """Make sure ``sys.stdout`` and ``sys.stderr`` route rank threads' writes (whatever replaced them since)."""
-    for name in ("stdout", "stderr"):
-        stream = getattr(sys, name)
-        if not isinstance(stream, _Router):
-            setattr(sys, name, _Router(name, stream))
-
-
-def _unroute_streams() -> None:
-    for name in ("stdout", "stderr"):
-        stream = getattr(sys, name)
-        if isinstance(stream, _Router):
-            setattr(sys, name, stream._fallback)
-
-
 class _RankDisplay:
     """Stands in for the shell's display publisher: a rank thread's displays are kept with its output (shown as
     ``[output:r]``, as with engines), everyone else's are published."""
@@ -96,13 +39,13 @@ class _RankDisplay:
         self._pub = pub
 
     def publish(self, data, metadata=None, *args, **kwargs):
-        out = _capture().out
+        out = capture().out
         if out is None:
             return self._pub.publish(data, metadata, *args, **kwargs)
         out.outputs.append({"data": data, "metadata": metadata or {}})
 
     def clear_output(self, *args, **kwargs):
-        if _capture().out is None:
+        if capture().out is None:
             return self._pub.clear_output(*args, **kwargs)
 
     def __getattr__(self, name):
@@ -190,6 +133,22 @@ class RankResult:
     def wait_interactive(self, *args, **kwargs) -> None:
         self.wait()
 
+    def pending(self) -> list[int]:
+        return self._job.pending()
+
+    def outcomes(self) -> list[RankOutcome]:
+        return self._job.outcomes()
+
+    def error(self) -> RankError | None:
+        """The RankError naming the first rank (in rank order) that did not end well; None while running or when
+        every rank did (the cluster's own error, ``Control.rank_error``, names the cause from the ranks' reports)."""
+        return error_of(self._job.outcomes()) if self._job.done() else None
+
+    @property
+    def result(self) -> "RankResult":
+        """What ``Cluster.execute`` returns for this job: the RankResult itself."""
+        return self
+
     def successful(self) -> bool:
         return self.ready() and all(o.status == "ok" for o in self._job.outcomes())
 
@@ -198,11 +157,10 @@ class RankResult:
             from ipyparallel import error
 
             raise error.TimeoutError("Result not ready.")
-        outcomes = self._job.outcomes()
-        bad = [o.rank for o in outcomes if o.status != "ok"]
-        if bad:
-            raise RankError(outcomes, bad[:1])
-        values = [o.value for o in outcomes]
+        err = self.error()
+        if err is not None:
+            raise err
+        values = [o.value for o in self._job.outcomes()]
         return values[0] if self._single else values
 
     # -- output ----------------------------------------------------------------------------------------------

@@ -1,5 +1,4 @@
-"""Ranks as threads of the kernel's process: the Cluster's second rank backend (same cells, outputs and events as
-engines, a fraction of the memory)."""
+"""Ranks as threads of the kernel's process: the Cluster's "threads" Runner (engines' cells, less memory)."""
 
 from __future__ import annotations
 
@@ -12,23 +11,13 @@ import threading
 import time
 import types
 
-from ..errors import RankOutcome
 from ..rank_context import bound
+from ..ranks.patches import capture, route_streams, unroute_streams
 from ..trace.status import RankStatus
 from ..trace.stream import EventLog
 from .config import ClusterConfig
 from .control import Control
-from .thread_view import (
-    RankResult,
-    ThreadView,
-    _capture,
-    _Output,
-    _pull,
-    _RankDisplay,
-    _route_streams,
-    _shell,
-    _unroute_streams,
-)
+from .thread_view import RankResult, ThreadView, _Output, _pull, _RankDisplay, _shell
 
 __all__ = ["Threads", "ThreadView", "RankResult"]
 
@@ -79,7 +68,8 @@ def _interactive(func, ns: dict):
 # -- the backend -----------------------------------------------------------------------------------------------
 
 class Threads:
-    """The Cluster's rank backend with every rank a thread of this process (``Cluster(ranks="threads")``).
+    """The Cluster's ``"threads"`` Runner: every rank a thread of this process (``Cluster(ranks="threads")``), a
+    job a :class:`RankResult`.
 
     Each rank has its own namespace (as an engine has), its own process group (backend ``"threads"``, see
     :mod:`meshviz.ranks.threads`) and its own trace sinks; its events reach ``cluster.events`` on a
@@ -117,8 +107,12 @@ class Threads:
         self._records: dict = {}  # rank -> its roll-call record
         self._checking_was: bool | None = None
 
+    @property
+    def n(self) -> int:
+        return self.config.n
+
     # -- start and stop -----------------------------------------------------------------------------------------
-    def start(self) -> None:
+    def start(self) -> "Threads":
         from ..ranks.threads import BACKEND, ThreadWorld, internal_frames
 
         internal_frames(__file__)
@@ -143,6 +137,13 @@ class Threads:
         from ..runtime import match
 
         self._checking_was = match.set_checking(cfg.check_collectives)  # process-wide: every rank thread, or none
+        return self
+
+    def stop(self) -> None:
+        """End the rank threads and take back what they patched (the Runner contract's; the Cluster calls
+        :meth:`shutdown` and :meth:`teardown` itself)."""
+        self.shutdown()
+        self.teardown()
 
     def shutdown(self) -> None:
         self.sync_events(self.ranks, 2.0)
@@ -166,7 +167,7 @@ class Threads:
             match.set_checking(self._checking_was)  # the kernel's own setting again
             self._checking_was = None
         self.view = None
-        _unroute_streams()
+        unroute_streams()
         shell = _shell()
         if shell is not None and isinstance(shell.display_pub, _RankDisplay):
             shell.display_pub = shell.display_pub._pub
@@ -180,7 +181,7 @@ class Threads:
 
     # -- running code -------------------------------------------------------------------------------------------
     def _prepare_io(self) -> None:
-        _route_streams()
+        route_streams()
         shell = _shell()
         if shell is not None and not isinstance(shell.display_pub, _RankDisplay):
             shell.display_pub = _RankDisplay(shell.display_pub)
@@ -199,7 +200,7 @@ class Threads:
             out.count = self._counts[r]
             trace.set_cell(out.count)  # events say which cell emitted them, as on an engine
             ns = self.namespaces[r]
-            _capture().out = out
+            capture().out = out
             try:
                 exec(body, ns)
                 if last is not None:
@@ -207,26 +208,37 @@ class Threads:
                     if value is not None:
                         out.execute_result = {**_format(value), "count": out.count}
             finally:
-                _capture().out = None
+                capture().out = None
 
         return self._submit(cell, ranks, outs, single, "%px")
 
-    def run_call(self, func, *args, _ranks=None, _single=False, _namespace=False, **kwargs) -> RankResult:
+    def run_call(self, func, *args, _ranks=None, _single=False, _namespace=False, _rank_arg=False,
+                 **kwargs) -> RankResult:
         """Start ``func(*args, **kwargs)`` on every rank (in its namespace if defined in the notebook; with
-        ``_namespace`` the namespace is the first argument)."""
+        ``_namespace`` the namespace is the first argument, with ``_rank_arg`` the rank)."""
         ranks = list(self.ranks) if _ranks is None else _ranks
         outs = {r: _Output() for r in ranks}
 
         def call(r):
-            _capture().out = outs[r]
+            capture().out = outs[r]
             try:
                 if _namespace:
                     return func(self.namespaces[r], *args, **kwargs)
+                if _rank_arg:
+                    return _interactive(func, self.namespaces[r])(r, *args, **kwargs)
                 return _interactive(func, self.namespaces[r])(*args, **kwargs)
             finally:
-                _capture().out = None
+                capture().out = None
 
         return self._submit(call, ranks, outs, _single, "apply")
+
+    def as_job(self, handle: RankResult) -> RankResult:
+        """The job of ``handle``: a RankResult is one already."""
+        return handle
+
+    def submit(self, fn, ranks=None) -> RankResult:
+        """Start ``fn(rank)`` on ``ranks`` (all by default); failures are reported like a cell's."""
+        return self.run_call(fn, _ranks=None if ranks is None else [int(r) for r in ranks], _rank_arg=True)
 
     def run_eval(self, names, ranks=None, single: bool = False) -> RankResult:
         """Evaluate ``names`` (an expression, or a sequence of them) on each rank, in its namespace."""
@@ -281,15 +293,6 @@ class Threads:
                     RankStatus(r, "idle", note="no cell ran yet")
                 self.control.on_control({"type": "status", "id": msg.get("id"), "rank": r,
                                          "status": status.to_dict()})
-
-    def pending(self, ar: RankResult) -> list[int]:
-        return ar._job.pending()
-
-    def wait(self, ar: RankResult, timeout: float) -> bool:
-        return ar.wait(timeout)
-
-    def outcomes(self, ar: RankResult) -> list[RankOutcome]:
-        return ar._job.outcomes()
 
     def interrupt(self, ranks=None) -> None:
         """KeyboardInterrupt on every rank with work (all of them: one baton). A rank waiting in a collective

@@ -1,17 +1,12 @@
-"""Paddle's DataParallel on torch DDP, and fused_allreduce_gradients."""
+"""Paddle's DataParallel, sync_params_buffers and fused_allreduce_gradients over the data-parallel engine."""
 
 from __future__ import annotations
 
-import contextlib
-
-import torch
 import torch.distributed as tdist
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel as DDP
 
-from .. import compat, trace
-from ..runtime import groups, rollcall
-from ..runtime.comm import FUSE_BYTES, Call, CollectiveOp, all_reduce_mean_, run
+from ..runtime import groups
+from ..runtime.data_parallel import DataParallelEngine, average_gradients, broadcast_params_buffers
 from ..runtime.devices import place_module
 from ..runtime.world import init_parallel_env
 
@@ -39,64 +34,31 @@ class DataParallel(nn.Module):
                 raise ValueError(f"DataParallel: {name} must be a positive number of MB, got {v!r}")
         init_parallel_env()
         g = groups.resolve(group)
-        ranks, pg = g.ranks, g.process_group
         if not g.is_member():
-            raise ValueError(f"DataParallel: this rank ({tdist.get_rank()}) is not in the group {ranks}")
+            raise ValueError(f"DataParallel: this rank ({tdist.get_rank()}) is not in the group {g.ranks}")
         place_module(layers, "DataParallel")  # a CPU model on a GPU rank moves to the GPU, as in Paddle
         self._layers = layers
         self.group = group
-        self._ranks = ranks
-        self._key = tuple(ranks)
+        self._ranks = g.ranks
         self.comm_buffer_size = comm_buffer_size
         self.last_comm_buffer_size = last_comm_buffer_size
         self.find_unused_parameters = find_unused_parameters
-        has_grad = any(p.requires_grad for p in layers.parameters())
-        if has_grad:
-            made = []  # DDP's constructor broadcasts the parameters and buffers from the group's first rank
-            nbytes = sum(t.numel() * t.element_size() for t in layers.state_dict().values())
-            devs = {p.device for p in layers.parameters()}
-            gpu = next(iter(devs)) if len(devs) == 1 and next(iter(devs)).type == "cuda" else None
-            run(Call(CollectiveOp.BROADCAST, g, lambda g: made.append(DDP(
-                layers,
-                device_ids=None if gpu is None else [gpu.index],  # on a GPU, DDP moves the inputs there too
-                process_group=pg,
-                bucket_cap_mb=comm_buffer_size,
-                bucket_cap_mb_list=[last_comm_buffer_size, comm_buffer_size],
-                find_unused_parameters=find_unused_parameters,
-            )), nbytes=nbytes, name="DataParallel.sync_params", src=ranks[0]))
-            ddp = made[0]
-            if trace.active():
-                # a Python hook per bucket costs 5-10% of a small step on gloo (bench/README): only when traced
-                ddp.register_comm_hook(g, _allreduce_hook)
-        else:  # nothing to train: only make the replicas equal
-            sync_params_buffers(layers, group)
-            ddp = None
-        object.__setattr__(self, "_ddp", ddp)  # kept out of the module tree: keys stay free of a prefix
+        engine = DataParallelEngine(layers, g, comm_buffer_size, last_comm_buffer_size, find_unused_parameters)
+        # kept out of the module tree: keys stay free of a prefix
+        object.__setattr__(self, "_engine", engine)
+        object.__setattr__(self, "_ddp", engine.ddp)
 
     # -- running ---------------------------------------------------------------------------------
     def forward(self, *inputs, **kwargs):
-        if self._ddp is None:
-            return self._layers(*inputs, **kwargs)
-        out = self._ddp(*inputs, **kwargs)
-        if self._ddp.require_backward_grad_sync and torch.is_grad_enabled():
-            # DDP's bucket all-reduces bypass the comm layer (its C++ hook): a rank blocked in the backward that
-            # follows is shown as inside them on this group
-            rollcall.current().begin_region("all_reduce", self._key, "DataParallel gradients")
-        return out
+        return self._engine.forward(*inputs, **kwargs)
 
-    @contextlib.contextmanager
     def no_sync(self):
         """Inside: gradients accumulate locally. The next backward outside averages the accumulated sum."""
-        if self._ddp is None:
-            yield
-            return
-        with self._ddp.no_sync():
-            yield
+        return self._engine.no_sync()
 
     def train(self, mode: bool = True):
         super().train(mode)
-        if self._ddp is not None:
-            self._ddp.training = mode
+        self._engine.train(mode)
         return self
 
     # -- state -------------------------------------------------------------------------------------
@@ -135,38 +97,12 @@ def _strip_prefix(sd):
     return sd
 
 
-def _allreduce_hook(group, bucket):
-    """DDP's own averaging all-reduce of one gradient bucket, issued through the comm layer (installed only when
-    tracing at wrap time; untraced, DDP's C++ hook all-reduces the buckets)."""
-    buf = bucket.buffer()
-    buf.div_(group.nranks)
-    works = []
-    run(Call(CollectiveOp.ALL_REDUCE, group,
-             lambda g: works.append(tdist.all_reduce(buf, group=g.process_group, async_op=True)),
-             tensors=(buf,), sync_op=False, name="DataParallel.bucket", reduce_op="avg", bucket=bucket.index()))
-    return works[0].get_future().then(lambda f: f.value()[0])
-
-
 def sync_params_buffers(model: nn.Module, group=None, src_rank=None, is_model_parallel=False):
     """Broadcast ``model``'s parameters and buffers from ``src_rank`` (default: the group's first rank).
 
     With ``is_model_parallel`` the parameters marked ``is_distributed`` (model-parallel shards) are skipped.
     """
-    from .collective import broadcast
-
-    g = groups.resolve(group)
-    if not g.is_member():
-        return
-    src = g.ranks[0] if src_rank is None else src_rank
-    tensors = [t for t in list(model.parameters()) + list(model.buffers())
-               if not (is_model_parallel and getattr(t, "is_distributed", False))]
-    for dtype in sorted({t.dtype for t in tensors}, key=str):
-        ts = [t for t in tensors if t.dtype == dtype]
-        flat = compat.flatten_dense_tensors([t.detach() for t in ts])
-        broadcast(flat, src, group=g)
-        with torch.no_grad():
-            for t, v in zip(ts, compat.unflatten_dense_tensors(flat, ts)):
-                t.copy_(v)
+    broadcast_params_buffers(model, groups.resolve(group), src_rank, skip_distributed=is_model_parallel)
 
 
 def fused_allreduce_gradients(parameter_list, hcg=None):
@@ -175,11 +111,5 @@ def fused_allreduce_gradients(parameter_list, hcg=None):
     Gradients are packed into buffers of up to 128 MB per dtype, each all-reduced once, then divided by the
     group size, as Paddle does. Parameters without a gradient are skipped.
     """
-    group = None if hcg is None else hcg.get_data_parallel_group()
-    _fused_mean(parameter_list, group)
-
-
-def _fused_mean(parameter_list, group):
     init_parallel_env()
-    grads = [p.grad for p in parameter_list if getattr(p, "grad", None) is not None]
-    all_reduce_mean_(grads, group, bucket_bytes=FUSE_BYTES)
+    average_gradients(parameter_list, None if hcg is None else hcg.get_data_parallel_group())

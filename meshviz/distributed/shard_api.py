@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import MutableMapping
-
 import torch
-import torch.distributed as tdist
 
-from .. import trace
 from ..core.mesh import ProcessMesh
 from ..core.placements import Replicate, Shard
+from ..core.sharding import STAGES
 from ..runtime.devices import device
 from ..runtime.dtensor import DistTensor
 from ..runtime.world import init_parallel_env
+from ..runtime.zero import PlacedZero, sharded_placements
 from .api import dtensor_from_local, reshard, shard_tensor
 from .shard_scaler import shard_scaler
 
@@ -100,25 +98,9 @@ class _ShardingStage:
         return f"{type(self).__name__}(sharding_mesh_dim={self.axis!r})"
 
     def sharded(self, p: DistTensor) -> list | None:
-        """Placements that shard ``p`` along the sharding axis, or None when it cannot be.
-
-        Paddle's rule (``get_placement_with_sharding``): the first tensor dim that no other mesh axis shards, so a
-        tensor-parallel weight sharded on dim 0 is sharded on dim 1. Left alone: a parameter on another mesh,
-        one already split on the sharding axis, one with no free dim, and (as in Paddle) one whose dim 0 is 1.
-        """
-        mesh = p.process_mesh
-        if self.mesh is not None and self.mesh != mesh:
-            return None
-        axis = mesh.axis(self.axis)
-        pl = list(p.placements)
-        if not isinstance(pl[axis], Replicate) or p.dim() == 0 or p.shape[0] == 1:
-            return None
-        taken = {q.dim for q in pl if isinstance(q, Shard)}
-        free = [d for d in range(p.dim()) if d not in taken]
-        if not free:
-            return None
-        pl[axis] = Shard(free[0])
-        return pl
+        """Placements that shard ``p`` along the sharding axis, or None when it cannot be (Paddle's
+        ``get_placement_with_sharding``: the first tensor dim no other mesh axis shards)."""
+        return sharded_placements(p, self.axis, self.mesh)
 
 
 class ShardingStage1(_ShardingStage):
@@ -160,42 +142,7 @@ def _place_plain(optimizer) -> None:
                         st[k] = v.to(want)
 
 
-class _StateView(MutableMapping):
-    """An optimizer's ``state`` read through the user's parameters: a shadow's entry shows under its parameter."""
-
-    def __init__(self, state, shadow: dict, of_shadow: dict):
-        self._state, self._shadow, self._of_shadow = state, shadow, of_shadow
-
-    def _key(self, p):
-        return self._shadow.get(p, p)
-
-    def __getitem__(self, p):
-        return self._state[self._key(p)]
-
-    def __setitem__(self, p, value) -> None:
-        self._state[self._key(p)] = value
-
-    def __delitem__(self, p) -> None:
-        del self._state[self._key(p)]
-
-    def __contains__(self, p) -> bool:
-        return self._key(p) in self._state
-
-    def __iter__(self):
-        return (self._of_shadow.get(k, k) for k in list(self._state))
-
-    def __len__(self) -> int:
-        return len(self._state)
-
-    def get(self, p, default=None):
-        k = self._key(p)
-        return self._state[k] if k in self._state else default
-
-    def __repr__(self) -> str:
-        return repr(dict(self.items()))
-
-
-class _ShardOptimizer:
+class _ShardOptimizer(PlacedZero):
     """Wraps a torch optimizer whose parameters are dist tensors (Paddle's shard_optimizer result)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, shard_fn=None, gradient_accumulation_steps: int = 1):
@@ -205,149 +152,39 @@ class _ShardOptimizer:
             raise ValueError(f"gradient_accumulation_steps must be a positive int, got {gradient_accumulation_steps}")
         if shard_fn is not None and not isinstance(shard_fn, _ShardingStage):
             raise ValueError(f"shard_fn must be ShardingStage1/2/3, got {shard_fn!r}")
-        self._inner = optimizer
+        self._inner_opt = optimizer
         self._stage = shard_fn
         # as in Paddle, only recorded: every step() updates; the training loop decides how often to call it
         self.gradient_accumulation_steps = gradient_accumulation_steps
-        self._shadow: dict = {}  # param -> sharded leaf the inner optimizer updates (stages 1 and 2)
-        self._of_shadow: dict = {}  # that leaf -> the user's param
         _place_plain(optimizer)
-        if shard_fn is not None:
-            self._setup_sharding()
-
-    def _setup_sharding(self, only=None) -> None:
-        """Shard the states (stage 1/2: through a sharded shadow leaf; stage 3: the parameter itself) of every dist
-        parameter, or of those in ``only`` (parameters that became dist at a step)."""
-        stage = self._stage
-        skip = {id(s) for s in self._shadow.values()}
-        wanted = None if only is None else {id(p) for p in only}
-        for group in self._inner.param_groups:
-            new_params = []
-            for p in group["params"]:
-                if not isinstance(p, DistTensor) or id(p) in skip or (wanted is not None and id(p) not in wanted):
-                    new_params.append(p)
-                    continue
-                pl = stage.sharded(p)
-                if pl is None:
-                    new_params.append(p)
-                    continue
-                with torch.no_grad():
-                    sharded = reshard(p.detach(), p.process_mesh, pl)
-                if stage.stage >= 3:
-                    p._hold(sharded)  # the parameter itself now lives sharded
-                    new_params.append(p)
-                    self._emit_ownership(p, "param+grad+state")
-                else:
-                    shadow = torch.nn.Parameter(sharded, requires_grad=True)
-                    self._shadow[p] = shadow
-                    self._of_shadow[shadow] = p
-                    new_params.append(shadow)
-                    self._emit_ownership(p, "state" if stage.stage == 1 else "grad+state")
-            group["params"] = new_params
-
-    @torch.no_grad()
-    def _make_dist(self) -> None:
-        """A dense parameter whose gradient is a dist tensor (a plain model fed dist batches) becomes a dist tensor,
-        in place, Replicate on the gradient's mesh, as Paddle's update makes it; its states follow."""
-        made = []
-        for group in self._inner.param_groups:
-            for p in group["params"]:
-                g = p.grad
-                if isinstance(p, DistTensor) or not isinstance(g, DistTensor):
-                    continue
-                mesh = g.process_mesh
-                rep = [Replicate()] * mesh.ndim
-                value = shard_tensor(p.detach().to(g.device), mesh, rep)
-                new = torch.nn.Parameter(value, requires_grad=p.requires_grad)
-                p.grad = None
-                torch.utils.swap_tensors(p, new)
-                p.grad = g
-                st = self._inner.state.get(p)
-                for k, v in (st or {}).items():
-                    if torch.is_tensor(v) and not isinstance(v, DistTensor) and v.dim() > 0:
-                        st[k] = shard_tensor(v, mesh, rep)
-                made.append(p)
-        if made and self._stage is not None:
-            self._setup_sharding(only=made)
-
-    def _emit_ownership(self, p, what) -> None:
-        if trace.active():
-            from ..core.sharding import SHARDED, STAGES
-
-            level, mesh = STAGES[self._stage.stage], p.process_mesh
-            group = mesh.axis_group_of(tdist.get_rank(), self._stage.axis)
-            trace.emit(trace.Ownership(
-                p.name, level, SHARDED[level], tuple(p.shape), group=group, mesh=mesh.to_dict(),
-                placements=tuple(repr(q) for q in (self._stage.sharded(p) or p.placements)),
-                tensor_id=p.tensor_id).to_event())
-
-    @property
-    def param_groups(self):
-        return self._inner.param_groups
-
-    @property
-    def state(self):
-        """The inner optimizer's state, keyed by the user's parameters (a stage-1/2 state lives on a sharded shadow
-        of the parameter; ``opt.state[p]`` finds it)."""
-        return _StateView(self._inner.state, self._shadow, self._of_shadow)
-
-    def _grad_clip_of(self):
-        return self.__dict__.get("_grad_clip") or getattr(self._inner, "_grad_clip", None)
+        if shard_fn is None:
+            super().__init__(optimizer, None, reshard=reshard, place=shard_tensor)
+        else:
+            super().__init__(optimizer, STAGES[shard_fn.stage], shard_fn.axis, shard_fn.mesh, reshard=reshard,
+                             place=shard_tensor)
 
     def __getattr__(self, name):
-        return getattr(self._inner, name)
-
-    @torch.no_grad()
-    def _sync_grads(self) -> None:
-        shadows = {id(s) for s in self._shadow.values()}
-        for group in self._inner.param_groups:
-            for q in group["params"]:
-                if isinstance(q, DistTensor) and q.grad is not None and id(q) not in shadows:
-                    want = list(q.placements)
-                    if list(q.grad.placements) != want:
-                        q.grad = reshard(q.grad, q.process_mesh, want)  # Partial grads reduced once, here
-        for p, shadow in self._shadow.items():
-            if p.grad is None:
-                shadow.grad = None
-                continue
-            g = p.grad
-            if self._stage.stage == 1:
-                g = reshard(g, p.process_mesh, p.placements)  # full gradient kept, then this rank's part
-            shadow.grad = reshard(g, shadow.process_mesh, shadow.placements)
-            if self._stage.stage >= 2:
-                p.grad = None
+        if name == "_inner_opt":
+            raise AttributeError(name)
+        return getattr(self._inner_opt, name)
 
     @torch.no_grad()
     def step(self, closure=None):
-        self._make_dist()
-        self._sync_grads()
-        clip = self._grad_clip_of()
-        if clip is not None:
-            clip([q for group in self._inner.param_groups for q in group["params"]])
-        out = self._inner.step(closure) if closure is not None else self._inner.step()
-        for p, shadow in self._shadow.items():
-            full = reshard(shadow.detach(), p.process_mesh, p.placements)
-            p._hold(full)
-        return out
+        return super().step(closure)
 
     def clear_grad(self, set_to_zero: bool = True) -> None:
         self.zero_grad(set_to_none=not set_to_zero)
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self._inner.zero_grad(set_to_none=set_to_none)
-        for p in self._shadow:
-            p.grad = None
-
     def state_dict(self):
-        return self._inner.state_dict()
+        return self._inner_opt.state_dict()
 
     def load_state_dict(self, sd) -> None:
-        self._inner.load_state_dict(sd)
+        self._inner_opt.load_state_dict(sd)
 
     set_state_dict = load_state_dict
 
     def __repr__(self) -> str:
-        return f"ShardOptimizer({type(self._inner).__name__}, stage={self._stage!r})"
+        return f"ShardOptimizer({type(self._inner_opt).__name__}, stage={self._stage!r})"
 
 
 def shard_optimizer(optimizer, shard_fn=None, gradient_accumulation_steps: int = 1):

@@ -250,8 +250,7 @@ def _banner(args, config, plan=None) -> str:
 
 def launch(argv=None) -> int:
     """Parse ``argv``, start the local workers, wait; returns the exit code (0 when every worker succeeded)."""
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import elastic_launch
+    from .agent import Torchrun
 
     args = parse_args(argv)
     try:
@@ -273,30 +272,34 @@ def launch(argv=None) -> int:
     os.environ.update(env)
     host = _rollcall_host(args, config)
     try:
-        elastic_launch(config, entrypoint=sys.executable)(
-            "-u", "-m", "meshviz.launch._worker", args.training_script, *args.training_script_args)
-    except ChildFailedError as e:
-        stopped = {-15, -9}  # the agent ends the other workers once one fails
-        failed = sorted(r for r, f in e.failures.items() if f.exitcode not in stopped) or sorted(e.failures)
-        rc = host.blame() if host is not None else None
-        if rc is not None and rc.blame():
-            print("meshviz.launch: " + "\nmeshviz.launch: ".join(rc.blame()), file=sys.stderr)
-        print(f"meshviz.launch: worker(s) with global rank {failed} failed; the others were stopped. Logs: "
-              f"{os.path.join(args.log_dir, 'workerlog.N')}", file=sys.stderr)
-        for rank in failed:
-            f = e.failures[rank]
-            path = os.path.join(args.log_dir, f"workerlog.{f.local_rank}")
-            if os.path.exists(path):
-                with open(path, errors="replace") as fh:
-                    tail = fh.read().splitlines()[-15:]
-                print(f"---- tail of {path} (rank {rank}, exit code {f.exitcode}) ----", file=sys.stderr)
-                print("\n".join(tail), file=sys.stderr)
-        return 1
+        job = Torchrun(config, entrypoint=sys.executable).start().submit(
+            ["-u", "-m", "meshviz.launch._worker", args.training_script, *args.training_script_args])
+        if job.exception is not None:
+            return _report_failure(args, job, host)
     finally:
         if host is not None:
             host.stop()
         del store
     return 0
+
+
+def _report_failure(args, job, host) -> int:
+    """Say which workers failed (the agent stopped the others), the roll-call's diagnosis and their logs' tails."""
+    failed = job.failed()
+    rc = host.blame() if host is not None else None
+    if rc is not None and rc.blame():
+        print("meshviz.launch: " + "\nmeshviz.launch: ".join(rc.blame()), file=sys.stderr)
+    print(f"meshviz.launch: worker(s) with global rank {failed} failed; the others were stopped. Logs: "
+          f"{os.path.join(args.log_dir, 'workerlog.N')}", file=sys.stderr)
+    for rank in failed:
+        f = job.failures[rank]
+        path = os.path.join(args.log_dir, f"workerlog.{f.local_rank}")
+        if os.path.exists(path):
+            with open(path, errors="replace") as fh:
+                tail = fh.read().splitlines()[-15:]
+            print(f"---- tail of {path} (rank {rank}, exit code {f.exitcode}) ----", file=sys.stderr)
+            print("\n".join(tail), file=sys.stderr)
+    return 1
 
 
 def _rollcall_host(args, config):

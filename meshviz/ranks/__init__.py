@@ -1,3 +1,3 @@
-"""Ranks as threads of one process: the baton that runs one at a time, the process-wide patches, the job runner."""
+"""Ways to make ranks under one Runner/Job contract (processes, threads), and the one place errors are assembled."""
 
 __all__: list[str] = []

@@ -173,9 +173,10 @@ class Baton:
             self._stop_rank(r, RankStopped(f"deadlock: every rank waits for another: {lines}", own=True))
 
     # -- interrupting ----------------------------------------------------------------------------------------
-    def interrupt(self) -> None:
+    def interrupt(self, ranks=None) -> None:
         """KeyboardInterrupt on every rank with work: at once in a wait or a sleep, at the next Python line in
-        code that runs (as SIGINT does)."""
+        code that runs (as SIGINT does). ``ranks`` is the Runner contract's: the ranks share one baton, so every
+        rank with work is interrupted, whichever are named."""
         with self.lock:
             self._interrupted = True
             self.comms.dirty = True

@@ -1,28 +1,28 @@
-"""The process-wide patches ranks as threads need (per-thread c10d worlds, time.sleep, RNG switching)."""
+"""Every process-wide patch rank threads need (c10d worlds, time.sleep, RNGs, sys.stdout): put in, taken out."""
 
 from __future__ import annotations
 
 import random
+import sys
 import threading
 import time
+from dataclasses import dataclass
+from typing import Any
 
-import numpy as np
-import torch
-
-from .. import compat
-from ..backends import threads as thread_backend
+from .. import rank_context
 from ..rank_context import current
-from . import baton
 
-__all__ = ["Generators", "install", "uninstall"]
+__all__ = ["CaptureState", "Generators", "capture", "install", "route_streams", "uninstall", "unroute_streams"]
 
+# torch is imported when the patches go in, not here: the cluster's notebook side imports the stream routing
 _installed = 0
 _install_lock = threading.Lock()
 _real_sleep = time.sleep
+_here = None  # meshviz.ranks.baton.here, once installed
 
 
 def _sleep(seconds) -> None:
-    b = baton.here()
+    b = _here()
     if b is None:
         return _real_sleep(seconds)
     b.nap(current().rank, seconds, _real_sleep)
@@ -30,22 +30,93 @@ def _sleep(seconds) -> None:
 
 def install() -> None:
     """Patch the process for rank threads (counted: the patches stay until the last :func:`uninstall`)."""
-    global _installed
+    global _installed, _here
+    from .. import compat
+    from ..backends import threads as thread_backend
+    from .baton import here
+
     with _install_lock:
         if _installed == 0:
             compat.install_thread_worlds()
             thread_backend.register()
+            _here = here
             time.sleep = _sleep
         _installed += 1
 
 
 def uninstall() -> None:
     global _installed
+    from .. import compat
+
     with _install_lock:
         _installed -= 1
         if _installed == 0:
             time.sleep = _real_sleep
             compat.uninstall_thread_worlds()
+
+
+# -- sys.stdout and sys.stderr ------------------------------------------------------------------------------------
+
+@dataclass
+class CaptureState:
+    out: Any = None  # where this rank thread's output goes now: an object with ``stdout`` and ``stderr`` lists
+
+
+CAPTURE = rank_context.slot("capture", CaptureState)
+
+
+def capture() -> CaptureState:
+    """The calling rank thread's capture (``out`` None: its writes go where everyone else's go)."""
+    return CAPTURE.get()
+
+
+class _Router:
+    """Stands in for ``sys.stdout`` / ``sys.stderr``: a rank thread's writes go to its capture's output, all
+    others to the stream it replaced."""
+
+    def __init__(self, name: str, fallback):
+        self._name = name
+        self._fallback = fallback
+
+    def write(self, text) -> int:
+        out = capture().out
+        if out is None:
+            return self._fallback.write(text)
+        getattr(out, self._name).append(str(text))
+        return len(text)
+
+    def writelines(self, lines) -> None:
+        for line in lines:
+            self.write(line)
+
+    def flush(self) -> None:
+        if capture().out is None:
+            self._fallback.flush()
+
+    def isatty(self) -> bool:
+        return False
+
+    def __getattr__(self, name):
+        return getattr(self._fallback, name)
+
+
+def route_streams() -> None:
+    """Make sure ``sys.stdout`` and ``sys.stderr`` route rank threads' writes (whatever replaced them since)."""
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        if not isinstance(stream, _Router):
+            setattr(sys, name, _Router(name, stream))
+
+
+def unroute_streams() -> None:
+    """``sys.stdout`` and ``sys.stderr`` as they were before :func:`route_streams`."""
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        if isinstance(stream, _Router):
+            setattr(sys, name, stream._fallback)
+
+
+# -- the RNGs -----------------------------------------------------------------------------------------------------
 
 
 class Generators:
@@ -60,8 +131,11 @@ class Generators:
     """
 
     def __init__(self):
+        import numpy as np
+        import torch
         from numpy.random import mtrand
 
+        self._np, self._torch = np, torch
         self.owner = None  # None: the process
         self.saved: dict = {}
         self._mtrand = mtrand
@@ -76,14 +150,15 @@ class Generators:
     def switch(self, to) -> None:
         if to == self.owner:
             return
+        torch = self._torch
         self.saved[self.owner] = torch.get_rng_state()
         st = self.saved.pop(to, None)
         torch.set_rng_state(st if st is not None else torch.Generator().get_state())
         mods = self._mods.get(to)
         if mods is None:
-            mods = self._mods[to] = self._bindings(np.random.RandomState(), random.Random())
+            mods = self._mods[to] = self._bindings(self._np.random.RandomState(), random.Random())
         np_rs, np_funcs, py_funcs = mods
-        np.random.__dict__.update(np_funcs)
+        self._np.random.__dict__.update(np_funcs)
         self._mtrand.__dict__.update(np_funcs)
         self._mtrand._rand = np_rs  # what np.random.seed, ranf and sample call
         random.__dict__.update(py_funcs)

@@ -8,9 +8,12 @@ import pickle
 import signal
 import time
 from dataclasses import replace
+from functools import partial
 
 from ..errors import RankError, RankOutcome
 from ..runtime import rendezvous
+from . import outcomes as _outcomes
+from .outcomes import exit_text
 
 __all__ = ["spawn", "SpawnContext", "RankProcesses", "DEFAULT_START_METHOD"]
 
@@ -33,66 +36,121 @@ def _start_method(method: str) -> str:
     return method
 
 
-def _with_environ(index, environ, entry, *args):
-    """A forked rank's start: this process's environment as it is now (the fork server's is the one it had when
-    the server started), then ``entry(index, *args)`` as a spawned rank would run it."""
-    os.environ.clear()
-    os.environ.update(environ)
-    entry(index, *args)
-
-
 class RankProcesses:
-    """``nprocs`` local processes started as ranks 0..nprocs-1, calling ``entry(index, port, *args)``.
+    """The ``"processes"`` Runner: ``n`` local processes, ranks 0..n-1, each calling the one submitted function
+    ``fn(rank)`` (one-shot: its job, a :class:`SpawnContext`, is that function).
 
-    This process holds a loopback port from before the processes start and serves the process-group store on it,
-    so the port is never free for another process to take, and the store outlives any one rank. The ranks connect
-    to it as clients (``TORCHELASTIC_USE_AGENT_STORE``, as under torchrun's agent), so plain
-    ``torch.distributed.init_process_group()`` works in them too. The store is served once the processes have
-    started: a forked child never inherits the store's thread.
+    ``start()`` holds a loopback port from before the processes start and ``submit`` serves the process-group
+    store on it once they have started (a forked child never inherits the store's thread), so the port is never
+    free for another process to take, and the store outlives any one rank. The ranks connect to it as clients
+    (``TORCHELASTIC_USE_AGENT_STORE``, as under torchrun's agent), so plain ``torch.distributed.init_process_group()``
+    works in them too.
     """
 
-    def __init__(self, entry, args: tuple, nprocs: int, timeout: float, start_method: str, daemon: bool = False,
-                 hang_after: float | None = None):
-        import torch.multiprocessing as mp
+    kind = "processes"
 
-        self.nprocs = nprocs
+    def __init__(self, n: int, timeout: float, start_method: str = DEFAULT_START_METHOD, daemon: bool = False,
+                 hang_after: float | None = None):
+        self.n = self.nprocs = n
+        self.timeout = timeout
+        self.start_method = start_method
+        self.daemon = daemon
+        self.hang_after = hang_after
         self.host = None
-        reservation = rendezvous.reserve_port().listen(nprocs)
-        self.port = reservation.port
-        args = (self.port, *args)
-        if _start_method(start_method) == "forkserver":
-            entry, args = _with_environ, (dict(os.environ), entry, *args)
-        try:
-            self._ctx = mp.start_processes(entry, args=args, nprocs=nprocs, join=False, daemon=daemon,
-                                           start_method=start_method)
-            self.store = rendezvous.serve_store(reservation, nprocs, timeout)
-        except BaseException:
-            reservation.close()
-            if hasattr(self, "_ctx"):
-                self.ended = {}
-                self.terminate()
-            raise
-        self.processes = self._ctx.processes
+        self.port: int | None = None
+        self.store = None
+        self.processes: list = []
+        self.job: SpawnContext | None = None
+        self._reservation = None
+        self._ctx = None
         self._seen: dict[int, int] = {}  # rank -> when its exit was seen (count of waits that returned)
         self._waits = 0
         self.ended: dict[int, str] = {}  # rank -> "stopped" or "running": ended by this object, not by itself
-        if hang_after is not None and nprocs > 1:
+        self._arrived: list[bool] | None = None  # who reached the rendezvous, kept when the store closes
+
+    # -- the Runner contract -------------------------------------------------------------------------------------
+    def start(self) -> "RankProcesses":
+        """Hold the port the store will serve on (``port``); the processes start at :meth:`submit`."""
+        if self._reservation is None and self._ctx is None:
+            self._reservation = rendezvous.reserve_port().listen(self.n)
+            self.port = self._reservation.port
+        return self
+
+    def submit(self, fn, ranks=None, *, read_reports=None, stop_on_failure: bool = True) -> "SpawnContext":
+        """Start the processes, each calling ``fn(rank)`` (picklable unless the start method is ``"fork"``);
+        returns the job. ``read_reports()`` gives (rank -> (summary, traceback, when) for the ranks that raised,
+        rank -> value or None) once they ended (default: torch's error files, no values); ``stop_on_failure``:
+        end the others as soon as one exits with an error."""
+        if ranks is not None and sorted(int(r) for r in ranks) != list(range(self.n)):
+            raise ValueError(f"RankProcesses runs its function on every rank 0..{self.n - 1}, not {list(ranks)}")
+        if self._ctx is not None:
+            raise RuntimeError("RankProcesses runs one function; make another RankProcesses for the next")
+        import torch.multiprocessing as mp
+
+        self.start()
+        if _start_method(self.start_method) == "forkserver":
+            entry, args = _with_environ, (dict(os.environ), fn)
+        else:
+            entry, args = _call, (fn,)
+        reservation, self._reservation = self._reservation, None
+        try:
+            self._ctx = mp.start_processes(entry, args=args, nprocs=self.n, join=False, daemon=self.daemon,
+                                           start_method=self.start_method)
+            self.processes = self._ctx.processes
+            self.store = rendezvous.serve_store(reservation, self.n, self.timeout)
+        except BaseException:
+            reservation.close()
+            if self._ctx is not None:
+                self.ended = {}
+                self.terminate()
+            raise
+        if self.hang_after is not None and self.n > 1:
             from ..runtime.watchdog import RollCallHost
 
-            self.host = RollCallHost(rendezvous.LOOPBACK, self.port, nprocs, hang_after, dead=self.gone).start()
+            self.host = RollCallHost(rendezvous.LOOPBACK, self.port, self.n, self.hang_after, dead=self.gone).start()
+        self.job = SpawnContext(self, read_reports or self.torch_reports, stop_on_failure)
+        return self.job
 
+    def interrupt(self, ranks=None) -> None:
+        """SIGINT to the processes of ``ranks`` (all by default) that still run."""
+        for r in range(self.n) if ranks is None else ranks:
+            p = self.processes[r] if r < len(self.processes) else None
+            if p is not None and p.is_alive():
+                try:
+                    os.kill(p.pid, signal.SIGINT)
+                except OSError:
+                    pass
+
+    def stop(self) -> None:
+        """End every process still running (its outcome: ``"running"``) and stop serving the store."""
+        self.terminate("running")
+        self.close()
+        if self._reservation is not None:
+            self._reservation.close()
+            self._reservation = None
+
+    # -- the processes -------------------------------------------------------------------------------------------
     def gone(self) -> dict[int, str]:
         """rank -> how its process ended, for the ranks whose process ended badly (a signal, an exit code)."""
         out = {}
         for i, p in enumerate(self.processes):
             if not p.is_alive() and p.exitcode:
-                out[i] = _exit_text(p.exitcode)
+                out[i] = exit_text(p.exitcode)
         return out
 
     @property
     def error_files(self) -> list[str]:
         """Where torch's wrapper writes a raising rank's traceback (pickled text)."""
-        return self._ctx.error_files
+        return self._ctx.error_files if self._ctx is not None else []
+
+    def torch_reports(self) -> tuple[dict, None]:
+        """(rank -> report, None): what torch's wrapper wrote for the ranks that raised (see :func:`read_report`)."""
+        reports = {}
+        for r, path in enumerate(self.error_files):
+            rep = read_report(path)
+            if rep is not None:
+                reports[r] = rep
+        return reports, None
 
     def wait(self, timeout: float | None) -> None:
         """Wait up to ``timeout`` seconds for any running rank to exit; note which exited."""
@@ -120,7 +178,7 @@ class RankProcesses:
     def terminate(self, why: str = "stopped", grace: float = 10.0) -> None:
         """End every rank still running (SIGTERM, then SIGKILL after ``grace`` seconds); their outcome is ``why``:
         ``"stopped"`` (another rank failed) or ``"running"`` (past the deadline)."""
-        procs = self._ctx.processes
+        procs = self.processes
         live = [i for i, p in enumerate(procs) if p.is_alive()]
         for i in live:
             self.ended.setdefault(i, why)
@@ -134,29 +192,27 @@ class RankProcesses:
             procs[i].join()
 
     def arrived(self) -> list[bool]:
+        if self.store is None and self._arrived is not None:
+            return list(self._arrived)
         return rendezvous.arrived(self.store, self.nprocs)
 
     def close(self) -> None:
         """Stop serving the store (every rank has exited or been ended)."""
         if self.host is not None:
             self.host.stop()
+        if self.store is not None:
+            self._arrived = self.arrived()
         self.store = None
 
     def blame(self):
         """The roll-call that explains a failure (before the others are ended: they still answer), or None."""
         return self.host.blame() if self.host is not None else None
 
-    def rank_error(self, reports: dict[int, tuple[str, str | None, float]], values: dict[int, object] | None = None,
-                   deadline_s: float | None = None, rollcall=None) -> RankError:
-        """The RankError for this run: ``reports`` maps a rank that raised to (summary, traceback, when written);
-        ``values`` (when given) the ranks that returned a result to it; ``rollcall``: what the roll-call says.
-
-        Named as the cause: the ranks that never reached the rendezvous while others did (the others waited for
-        them until the timeout); else, when the first failure came out of a collective and the roll-call names
-        members that never entered it, those; else the rank whose failure was seen first, a rank that died
-        without a report before one that raised in the same instant (that one most likely lost its connection to
-        it), then the earliest report.
-        """
+    # -- what the ranks ended as ---------------------------------------------------------------------------------
+    def outcomes(self, reports: dict[int, tuple[str, str | None, float]], values: dict[int, object] | None = None,
+                 deadline_s: float | None = None) -> list[RankOutcome]:
+        """Every rank's outcome: ``reports`` maps a rank that raised to (summary, traceback, when written);
+        ``values`` (when given) the ranks that returned a result to it."""
         arrived = self.arrived()
         outcomes = []
         for r, p in enumerate(self.processes):
@@ -169,45 +225,42 @@ class RankProcesses:
             elif ended == "running":
                 what = f"no result after {deadline_s:.0f} s; killed" if deadline_s else "no result; killed"
                 o = RankOutcome(r, status="running", error=what)
+            elif p.exitcode is None:
+                o = RankOutcome(r, status="running", error="no result yet")
             elif p.exitcode == 0 and (values is None or r in values):
                 o = RankOutcome(r, status="ok", value=(values or {}).get(r))
             elif p.exitcode == 0:
                 o = RankOutcome(r, status="died", error="exit code 0 before returning a result")
             else:
-                o = RankOutcome(r, status="died", error=_exit_text(p.exitcode))
+                o = RankOutcome(r, status="died", error=exit_text(p.exitcode))
             outcomes.append(replace(o, arrived=arrived[r]))
+        return outcomes
+
+    def rank_error(self, reports: dict[int, tuple[str, str | None, float]], values: dict[int, object] | None = None,
+                   deadline_s: float | None = None, rollcall=None) -> RankError:
+        """The RankError for this run (:func:`meshviz.ranks.outcomes.rank_error`), with what only this runner
+        knows: who reached the rendezvous, the order the ranks' exits were seen in (a rank that died without a
+        report before one that raised in the same instant, which most likely lost its connection to it, then
+        the earliest report), and which ranks sat inside a collective (``rollcall``)."""
+        outcomes = self.outcomes(reports, values, deadline_s)
         first = sorted(
             (r for r in self._seen if outcomes[r].status in ("error", "died") and r not in self.ended),
             key=lambda r: (self._seen[r], outcomes[r].status == "error", reports.get(r, (0, 0, 0.0))[2]),
         )
-        origin = []
-        diagnosis, lead = [], False
-        if any(arrived) and all(arrived[r] for r in first):
-            # a rank that joined cannot get past the rendezvous without the others: it failed waiting for them
-            origin = [r for r in range(self.nprocs) if not arrived[r]]
-        if not origin and rollcall is not None:
-            diagnosis = rollcall.blame()
-            failed_inside = {s.rank for s in rollcall if s.state == "in_collective"}
-            culprits = rollcall.culprits()
-            dead_first = first[:1] and outcomes[first[0]].status == "died"
-            if culprits and not dead_first and (not first or first[0] in failed_inside):
-                origin, lead = culprits, True
-        if not origin and first:
-            origin = first[:1]
-        if not origin:  # nothing failed on its own: name whatever did not end well
-            origin = [o.rank for o in outcomes if o.status != "ok"][:1]
-        return RankError(outcomes, origin, diagnosis=diagnosis, lead=lead, rollcall=rollcall)
+        inside = {s.rank for s in rollcall if s.state == "in_collective"} if rollcall is not None else ()
+        return _outcomes.rank_error(outcomes, first, inside=inside, rollcall=rollcall)
 
 
-def _exit_text(code: int | None) -> str:
-    if code is None:
-        return "still running"
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exit code {code}"
+def _call(index, fn):
+    fn(index)
+
+
+def _with_environ(index, environ, fn):
+    """A forked rank's start: this process's environment as it is now (the fork server's is the one it had when
+    the server started), then ``fn(index)`` as a spawned rank would run it."""
+    os.environ.clear()
+    os.environ.update(environ)
+    fn(index)
 
 
 def read_report(path: str) -> tuple[str, str, float] | None:
@@ -259,46 +312,96 @@ def _importable(func) -> bool:
 
 
 class SpawnContext:
-    """What ``spawn(join=False)`` returns: ``join()`` waits (raises :class:`RankError` when a rank fails);
-    ``processes`` are the children."""
+    """The processes' one job (a :class:`~meshviz.ranks.runner.Job`), and what ``spawn(join=False)`` returns:
+    ``join()`` waits and raises :class:`RankError` when a rank fails; ``processes`` are the children."""
 
-    def __init__(self, procs: RankProcesses):
+    def __init__(self, procs: RankProcesses, read_reports, stop_on_failure: bool = True):
         self._procs = procs
         self.processes = procs.processes
+        self.ranks = list(range(procs.n))
+        self._read = read_reports
+        self._stop_on_failure = stop_on_failure
+        self._error: RankError | None = None
+        self._results: tuple[dict, dict | None] | None = None
+        self._deadline_s: float | None = None  # the wait that ran out, when one did
+        self._closed = False
 
-    def join(self, timeout: float | None = None) -> bool:
-        """Wait for every rank (at most ``timeout`` seconds); True once all exited cleanly."""
+    def done(self) -> bool:
+        return all(p.exitcode is not None for p in self.processes)
+
+    def pending(self) -> list[int]:
+        return [r for r, p in enumerate(self.processes) if p.exitcode is None]
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait for every rank (at most ``timeout`` seconds; with ``stop_on_failure`` the others are ended once
+        one fails); True once all have ended, well or not."""
         deadline = None if timeout is None else time.monotonic() + timeout
         procs = self._procs
         try:
-            while not procs.done():
+            while not self._closed and not procs.done():
                 left = None if deadline is None else max(0.0, deadline - time.monotonic())
                 if procs.host is not None:  # look at the roll-call a few times a second
                     left = 0.25 if left is None else min(left, 0.25)
                 procs.wait(left)
-                if procs.host is not None and procs.host.mismatch is not None:
+                if self._stop_on_failure and procs.host is not None and procs.host.mismatch is not None:
                     # ranks sit in different collectives at one sequence number: they would wait until the timeout
                     rc = procs.host.mismatch
                     procs.terminate()
-                    raise procs.rank_error({}, rollcall=rc)
-                if procs.failed():
+                    self._error = procs.rank_error({}, rollcall=rc)
+                    break
+                if self._stop_on_failure and procs.failed():
                     rc = procs.blame()  # before the others are ended: they still answer the roll-call
                     procs.terminate()
-                    reports = {}
-                    for r in range(procs.nprocs):
-                        rep = read_report(procs.error_files[r])
-                        if rep is not None:
-                            reports[r] = rep
-                    raise procs.rank_error(reports, rollcall=rc)
+                    self._error = procs.rank_error(self.results()[0], rollcall=rc)
+                    break
                 if deadline is not None and time.monotonic() >= deadline and not procs.done():
+                    self._deadline_s = timeout
                     return False
         except BaseException:
             procs.terminate()
-            _remove(procs.error_files)
-            procs.close()
+            self._close()
             raise
-        _remove(procs.error_files)
-        procs.close()
+        self._close()
+        return True
+
+    def _close(self) -> None:
+        if not self._closed:
+            _remove(self._procs.error_files)
+            self._procs.close()
+            self._closed = True
+
+    def results(self) -> tuple[dict, dict | None]:
+        """(reports, values) as the ranks left them: rank -> (summary, traceback, when) for the ranks that raised,
+        rank -> the value each returned (None when the function returns nothing to this process)."""
+        if self._results is None:
+            results = self._read()
+            if not self.done():
+                return results
+            self._results = results
+        return self._results
+
+    def outcomes(self) -> list[RankOutcome]:
+        if self._error is not None:
+            return list(self._error.outcomes)
+        reports, values = self.results()
+        return self._procs.outcomes(reports, values, self._deadline_s)
+
+    def error(self) -> RankError | None:
+        """The RankError once a rank failed: it raised, died, or returned no result (None while running)."""
+        if self._error is None and self.done():
+            reports, values = self.results()
+            bad = reports or (len(values) < len(self.ranks) if values is not None else self._procs.failed())
+            if bad:
+                self._error = self._procs.rank_error(reports, values, self._deadline_s)
+        return self._error
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait for every rank (at most ``timeout`` seconds); True once all exited cleanly."""
+        if not self.wait(timeout):
+            return False
+        err = self.error()
+        if err is not None:
+            raise err
         return True
 
 
@@ -363,9 +466,9 @@ def spawn(func, args=(), nprocs: int = -1, join: bool = True, daemon: bool = Fal
         method = DEFAULT_START_METHOD if _importable(func) else "fork"
     timeout = float(env.get("MESHVIZ_TIMEOUT", os.environ.get("MESHVIZ_TIMEOUT", DEFAULT_TIMEOUT_S)))
     rank_envs = [rank_env(plan, r) for r in range(nprocs)]
-    procs = RankProcesses(_spawn_entry, (func, tuple(args), nprocs, env, rank_envs), nprocs, timeout, method,
-                          daemon, hang_after=hang_after)
-    ctx = SpawnContext(procs)
+    procs = RankProcesses(nprocs, timeout, method, daemon, hang_after=hang_after).start()
+    ctx = procs.submit(partial(_spawn_entry, port=procs.port, func=func, args=tuple(args), world=nprocs, env=env,
+                               rank_envs=rank_envs))
     if not join:
         return ctx
     ctx.join()

@@ -17,6 +17,7 @@ from ..errors import RankError, RankOutcome
 from ..rank_context import RankContext, bound
 from . import patches
 from .baton import Baton, here, set_here
+from .outcomes import error_of, rank_error
 
 __all__ = ["BACKEND", "ThreadWorld", "RankStopped", "run", "world", "observers", "internal_frames"]
 
@@ -27,7 +28,7 @@ def world() -> "ThreadWorld | None":
 
 
 class _Job:
-    """One function run on some ranks; ``outcomes`` as the ranks finish it."""
+    """One function run on some ranks (a :class:`~meshviz.ranks.runner.Job`); ``outcomes`` as the ranks finish it."""
 
     def __init__(self, fn: Callable[[int], Any], ranks: list[int], world: "ThreadWorld | None" = None):
         self.fn = fn
@@ -60,6 +61,14 @@ class _Job:
         return [self.results.get(r) or RankOutcome(r, None, "running", "no result before the deadline")
                 for r in self.ranks]
 
+    def error(self) -> RankError | None:
+        """The RankError of a job whose ranks did not all end well, naming the first rank that raised on its own
+        (not stopped for a peer); None while it runs or when every rank ended well."""
+        if not self.done():
+            return None
+        first = self.world.first_failed if self.world is not None else ()
+        return error_of(self.outcomes(), [r for r in first if r in self.ranks])
+
 
 class ThreadWorld(Baton):
     """``n`` ranks as threads of this process, each with its own process group (backend ``"threads"``), its own
@@ -74,6 +83,8 @@ class ThreadWorld(Baton):
     aborted or interrupted, ``timeout`` seconds passed, or every rank with work is waiting for another (a
     deadlock is named at once, with what each rank waits for).
     """
+
+    kind = "threads"
 
     def __init__(self, n: int, timeout: float = 60.0, env: dict | None = None, name: str = "meshviz-rank"):
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
@@ -114,8 +125,7 @@ class ThreadWorld(Baton):
             if not job.wait(self.timeout + 30) or any(o.status != "ok" for o in job.outcomes()):
                 outcomes = job.outcomes()
                 self.stop()
-                bad = [o.rank for o in outcomes if o.status != "ok"]
-                raise RankError(outcomes, bad[:1], "the rank threads did not join their process group")
+                raise rank_error(outcomes, note="the rank threads did not join their process group")
         return self
 
     def stop(self, timeout: float = 5.0) -> None:
@@ -290,9 +300,9 @@ def run(fn: Callable, nprocs: int, *args, timeout: float = 120.0, collective_tim
             tw.interrupt()
             job.wait(10)
         outcomes = job.outcomes()
-        bad = [o.rank for o in outcomes if o.status != "ok"]
-        if bad:
-            raise RankError(outcomes, (tw.first_failed or bad)[:1])
+        err = error_of(outcomes, tw.first_failed)
+        if err is not None:
+            raise err
         return [o.value for o in outcomes]
     finally:
         tw.stop()

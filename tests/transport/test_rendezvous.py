@@ -104,6 +104,81 @@ def test_rank_error_is_one_class_with_plain_text_and_coloured_rendering():
                                  "stopped) (rank 0 stopped because of it)")
 
 
+def test_one_place_chooses_the_rank_that_caused_it():
+    from meshviz.ranks.outcomes import error_of, rank_error
+    from meshviz.trace.status import RankStatus, RollCall
+
+    ok, err, died = RankOutcome, "error", "died"
+    outs = [ok(0, status=err, error="E: a"), ok(1, status=died, error="exit code 1"), ok(2, status="stopped")]
+    assert error_of([ok(0), ok(1)]) is None
+    assert rank_error(outs).ranks == [0]  # nothing seen failing: the first that did not end well
+    assert rank_error(outs, [1, 0]).ranks == [1]  # the first failure seen
+    assert rank_error(outs, [(1, 2), 0]).ranks == [1, 2]  # ranks seen failing together
+    # a rank that never arrived while every rank seen failing did: the others waited for it
+    late = [ok(0, status=err, error="DistStoreError", arrived=True), ok(1, status="stopped", arrived=False)]
+    assert rank_error(late, [0]).ranks == [1] and rank_error(late, [0]).diagnosis == []
+    # the roll-call's culprits when the first failure came out of a collective, not when a rank died first
+    rc = RollCall([RankStatus(0, "in_collective", op="all_reduce", group=(0, 1), seq=1), RankStatus(1, "idle")])
+    two = [ok(0, status=err, error="E: timeout"), ok(1, status="stopped")]
+    assert rc.culprits() == [1]
+    e = rank_error(two, [0], inside={0}, rollcall=rc)
+    assert e.ranks == [1] and e.lead and e.diagnosis == rc.blame() and e.rollcall is rc
+    assert rank_error(two, [0], rollcall=rc).ranks == [0]  # it failed elsewhere: it is the cause
+    assert rank_error(two, rollcall=rc).ranks == [1]  # nothing seen: the roll-call decides
+    dead = [ok(0, status=died, error="exit code 9"), ok(1, status="stopped")]
+    assert rank_error(dead, [0], inside={0}, rollcall=rc).ranks == [0]
+    m = rank_error(two, [0], mismatch=([1, 0, 1], "ranks 0, 1 sit in different collectives"), note="n")
+    assert m.ranks == [0, 1] and m.lead and m.diagnosis == ["ranks 0, 1 sit in different collectives"]
+    assert m.note == "n"
+
+
+def test_every_way_of_making_ranks_is_a_runner():
+    from meshviz.cluster.engines import EngineJob, Engines
+    from meshviz.cluster.thread_view import RankResult
+    from meshviz.cluster.threads import Threads
+    from meshviz.launch.agent import Torchrun, TorchrunJob
+    from meshviz.ranks.processes import RankProcesses, SpawnContext
+    from meshviz.ranks.runner import Job, Runner
+    from meshviz.ranks.threads import ThreadWorld
+
+    for cls in (RankProcesses, ThreadWorld, Engines, Threads, Torchrun):
+        assert all(callable(getattr(cls, m, None)) for m in ("start", "submit", "interrupt", "stop")), cls
+        assert cls.kind in ("processes", "threads", "engines", "torchrun")
+    for cls in (SpawnContext, EngineJob, RankResult, TorchrunJob):
+        assert all(callable(getattr(cls, m, None)) for m in ("done", "wait", "pending", "outcomes", "error")), cls
+    tw = ThreadWorld(2).start(join=False)
+    try:
+        assert isinstance(tw, Runner)
+        job = tw.submit(lambda r: r * 10)
+        assert isinstance(job, Job) and job.wait(30) and job.error() is None
+        assert [o.value for o in job.outcomes()] == [0, 10] and job.pending() == []
+        bad = tw.submit(lambda r: 1 / r, ranks=[1, 0])
+        assert bad.wait(30) and bad.error().ranks == [0] and "ZeroDivisionError" in str(bad.error())
+    finally:
+        tw.stop()
+    assert isinstance(RankProcesses(2, 10), Runner)
+
+
+def test_rank_processes_run_one_function():
+    from meshviz.ranks.processes import RankProcesses
+
+    procs = RankProcesses(2, 30, "fork").start()
+    try:
+        job = procs.submit(_exits_with_rank)
+        assert job.wait(60) and job.done() and job.pending() == []
+        err = job.error()
+        assert err is not None and err.ranks == [1] and job.outcomes()[1].status == "died"
+        assert job.outcomes()[0].status in ("ok", "stopped")
+        with pytest.raises(RuntimeError, match="one function"):
+            procs.submit(_exits_with_rank)
+    finally:
+        procs.stop()
+
+
+def _exits_with_rank(rank):
+    os._exit(rank)
+
+
 # -- spawn and run_ranks name the rank that caused it ------------------------------------------------------------
 def skips_the_rendezvous_on_rank_2():
     import meshviz.distributed as dist

@@ -2,20 +2,23 @@
 
 from __future__ import annotations
 
+from ...runtime.data_parallel import average_gradients
+from ...runtime.zero import Zero
 from .topology import ParallelMode
 
 __all__ = ["HybridParallelOptimizer"]
 
 
-class HybridParallelOptimizer:
+class HybridParallelOptimizer(Zero):
     """Wraps a torch optimizer: ``step()`` first averages what Paddle averages, then steps.
 
     With mp, sharding or pp > 1 and dp > 1, the gradients are averaged over the data-parallel group (in pure
     data parallel, ``DataParallel`` already did it during backward); with sharding > 1 over the sharding group.
+    The ZeRO step at no level: every rank steps every parameter (the sharding group only averages gradients).
     """
 
     def __init__(self, optimizer, hcg, strategy):
-        self._inner_opt = optimizer
+        super().__init__(optimizer, None)
         self._hcg = hcg
         self._strategy = strategy
 
@@ -23,20 +26,14 @@ class HybridParallelOptimizer:
         return [p for g in self._inner_opt.param_groups for p in g["params"]]
 
     def _sync_grads(self):
-        from .utils.hybrid_parallel_util import _sharding_mean, fused_allreduce_gradients
-
         hcg = self._hcg
         if hcg is None:
             return
         mode = hcg.get_parallel_mode()
         if hcg.get_sharding_parallel_world_size() > 1:
-            _sharding_mean(self._params(), hcg)
+            average_gradients(self._params(), hcg.get_sharding_parallel_group())
         if mode != ParallelMode.DATA_PARALLEL and hcg.get_data_parallel_world_size() > 1:
-            fused_allreduce_gradients(self._params(), hcg)
-
-    def step(self, closure=None):
-        self._sync_grads()
-        return self._inner_opt.step(closure) if closure is not None else self._inner_opt.step()
+            average_gradients(self._params(), hcg.get_data_parallel_group())
 
     def clear_grad(self, set_to_zero=True):
         self._inner_opt.zero_grad(set_to_none=not set_to_zero)

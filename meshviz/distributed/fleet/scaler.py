@@ -12,7 +12,7 @@ def distributed_scaler(scaler):
     when it looks at them). With mp, pp or sharding: a scaler with the same settings whose inf/nan check is
     all-reduced over every rank, so all ranks skip a step together (Paddle patches the scaler in place; a torch
     ``GradScaler`` cannot see dist tensors' blocks, so this returns ``shard_scaler(scaler)``)."""
-    from ..shard_api import shard_scaler
+    from ..shard_scaler import shard_scaler
     from .state import current
 
     hcg = current()._hcg

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ... import rank_context
 
-__all__ = ["FleetState", "FLEET", "current", "hybrid_group"]
+__all__ = ["FleetState", "FLEET", "current", "hybrid_group", "configured"]
 
 
 class FleetState:
@@ -29,3 +29,9 @@ def hybrid_group():
     if hcg is None:
         raise RuntimeError("call fleet.init(is_collective=True, strategy=...) first")
     return hcg
+
+
+def configured() -> tuple:
+    """``(hybrid group, strategy)`` that ``fleet.init`` set on this rank; None for what it has not set."""
+    state = current()
+    return state._hcg, state._strategy

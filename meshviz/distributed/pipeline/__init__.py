@@ -1,6 +1,7 @@
-"""Pipeline parallelism: Paddle's PipelineLayer / PipelineParallel on torch.distributed.pipelining, with events."""
+"""Pipeline parallelism, Paddle's face: PipelineLayer / PipelineParallel over the runtime's pipeline engine."""
 
 from ...core.schedule import bubble_formula
+from ...runtime.pipeline import compute_order, measured_bubble, peak_activation_bytes, transfers
 from .layers import BASE_SEED, LayerDesc, PipelineLayer, SharedLayerDesc, segment_layers
 from .parallel import (
     SCHEDULE_MODES,
@@ -9,12 +10,11 @@ from .parallel import (
     check_pipeline_config,
     resolve_schedule,
 )
-from .timeline import compute_order, measured_bubble, peak_activation_bytes, transfers
 
 
 def __getattr__(name):
     if name == "TracedStage":  # imports torch.distributed.pipelining, which is slow: only when asked
-        from .stage import TracedStage
+        from ...runtime.pipeline.stage import TracedStage
 
         return TracedStage
     raise AttributeError(name)

@@ -2,20 +2,19 @@
 
 from __future__ import annotations
 
+import torch.distributed as tdist
 import torch.nn as nn
 
-from ... import trace
-from ...core.sharding import LEVELS, SHARDED, plan_pieces
+from ...core.sharding import LEVELS
 from ...nn import ClipGradByGlobalNorm
 from ...runtime.devices import place_module
+from ...runtime.groups import resolve
 from ...runtime.world import device, init_parallel_env
-from .fsdp import apply_fsdp, unmix_foreach
-from .group import ShardingGroup, broadcast_module, resolve_group
+from ...runtime.zero import ShardingGroup
 from .optimizer import GroupShardedOptimizer
 from .scaler import make_scaler
-from .slot import Slot
 
-__all__ = ["group_sharded_parallel"]
+__all__ = ["group_sharded_parallel", "resolve_group"]
 
 
 def _validate(model, optimizer, level, scaler, segment_size, buffer_max_size, grad_clip):
@@ -52,18 +51,6 @@ def _validate(model, optimizer, level, scaler, segment_size, buffer_max_size, gr
     return names
 
 
-def _emit_ownership(level, grp: ShardingGroup, slots):
-    if not trace.active():
-        return
-    for s in slots:
-        piece = s.piece
-        lo, hi = piece.ranges[grp.rank]
-        trace.emit(trace.Ownership(
-            s.name, level, SHARDED[level], tuple(piece.shape), group=tuple(grp.ranks), held=(lo, hi),
-            ranges=piece.ranges, mode=piece.mode, local_shape=(hi - lo,), nbytes=(hi - lo) * s.param.element_size(),
-        ).to_event())
-
-
 def group_sharded_parallel(
     model,
     optimizer,
@@ -97,60 +84,14 @@ def group_sharded_parallel(
     grp = resolve_group(group)
     dev = device()
     place_module(model, "group_sharded_parallel")  # a CPU model on a GPU rank moves to the GPU, as in Paddle
-    broadcast_module(model, grp)
-
-    order = [p for g in optimizer.param_groups for p in g["params"]]
-    pieces = plan_pieces([(names[id(p)], tuple(p.shape)) for p in order], level, grp.size, segment_size)
-    piece_of = {pc.name: pc for pc in pieces}
-
-    if level == "p_g_os":
-        apply_fsdp(model, piece_of, grp, dev, offload)
-        new_params = dict(model.named_parameters())
-        for g in optimizer.param_groups:
-            g["params"] = [new_params[names[id(p)]] for p in g["params"]]
-        order = [p for g in optimizer.param_groups for p in g["params"]]
-        unmix_foreach(optimizer)
-
-    gidx = [gi for gi, g in enumerate(optimizer.param_groups) for _ in g["params"]]
-    slots = [Slot(pc.name, p, pc, grp.rank, gi) for p, pc, gi in zip(order, pieces, gidx)]
-    slot_of = {id(s.param): s for s in slots}
-    optimizer.state.clear()
-    offload = bool(offload) and dev.type != "cpu"  # on a CPU rank every state already lives on the CPU
-    if level in ("os", "os_g"):
-        for g in optimizer.param_groups:
-            shards = []
-            for p in g["params"]:
-                s = slot_of[id(p)]
-                if not s.owned:
-                    continue
-                if not p.is_contiguous():
-                    p.data = p.data.contiguous()
-                view = p.detach().view(-1)[s.lo : s.hi]
-                s.shard = nn.Parameter(view.to("cpu", copy=True) if offload else view)
-                shards.append(s.shard)
-            g["params"] = shards
-    else:
-        # FSDP2's CPUOffloadPolicy keeps the sharded parameters (and their states) on the CPU; the small, whole
-        # ones it ignores are offloaded here: the optimizer steps a CPU copy, copied back after each step
-        for s in slots:
-            whole = s.piece.mode == "replicated"
-            s.shard = nn.Parameter(s.param.detach().reshape(-1).to("cpu", copy=True)) if offload and whole \
-                else s.param
-        if offload:
-            swap = {id(s.param): s.shard for s in slots}
-            for g in optimizer.param_groups:
-                g["params"] = [swap.get(id(p), p) for p in g["params"]]
-
-    opt = GroupShardedOptimizer(optimizer, model, level, grp, slots, offload, grad_clip, buffer_max_size)
-    for s in slots:
-        if level == "os_g":
-            hook = (lambda slot: (lambda p: opt._reduce_to_owner(slot)))(s)
-        elif level == "os" or s.piece.mode == "replicated":
-            hook = opt._mark_dirty
-        else:
-            continue
-        opt._hooks.append(s.param.register_post_accumulate_grad_hook(hook))
-    if sync_buffers:
-        model.register_forward_pre_hook(lambda m, args: broadcast_module(m, grp, "buffers"))
-    _emit_ownership(level, grp, slots)
+    opt = GroupShardedOptimizer(optimizer, model, level, grp, names, dev, offload=offload, segment_size=segment_size,
+                                grad_clip=grad_clip, buffer_max_size=buffer_max_size, sync_buffers=sync_buffers)
     return model, opt, make_scaler(scaler, grp, dev.type)
+
+
+def resolve_group(group) -> ShardingGroup:
+    """The sharding group ``group`` names (None: the world); this rank must be in it."""
+    g = resolve(group)
+    if g.rank < 0:
+        raise ValueError(f"group_sharded_parallel: rank {tdist.get_rank()} is not in the group {list(g.ranks)}")
+    return ShardingGroup(g)

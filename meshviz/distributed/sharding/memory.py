@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from ...runtime.zero import local_tensor
 from .optimizer import GroupShardedOptimizer
-from .slot import local_tensor
 
 __all__ = ["memory_stats"]
 

@@ -7,7 +7,7 @@ import os
 import torch
 
 from ...runtime.devices import full_tensor
-from .group import resolve_group
+from .group_sharded import resolve_group
 from .optimizer import GroupShardedOptimizer
 
 __all__ = ["save_group_sharded_model", "MODEL_FILE", "OPT_FILE"]

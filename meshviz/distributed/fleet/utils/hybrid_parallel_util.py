@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ....runtime.comm import all_reduce_mean_
+from ....runtime.data_parallel import average_gradients
 from ...parallel import fused_allreduce_gradients, sync_params_buffers
 
 __all__ = ["fused_allreduce_gradients", "broadcast_dp_parameters", "broadcast_mp_parameters",
@@ -24,5 +24,4 @@ def broadcast_sharding_parameters(model, hcg):
 
 def _sharding_mean(parameter_list, hcg):
     """Average the gradients over the sharding group (the bucketed mean fused_allreduce_gradients uses)."""
-    grads = [p.grad for p in parameter_list if getattr(p, "grad", None) is not None]
-    all_reduce_mean_(grads, hcg.get_sharding_parallel_group())
+    average_gradients(parameter_list, hcg.get_sharding_parallel_group())

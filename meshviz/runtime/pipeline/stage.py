@@ -10,8 +10,8 @@ from torch.distributed.pipelining import PipelineStage
 
 from ... import trace
 from ...compat import PIPELINE_STAGE_SETUP
-from ...runtime.devices import needs_host_p2p, p2p_through_host, staged_recv, staged_send
 from ...trace import Compute, Event, Recv, Send
+from ..devices import needs_host_p2p, p2p_through_host, staged_recv, staged_send
 
 __all__ = ["TracedStage"]
 

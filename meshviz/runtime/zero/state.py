@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ...runtime.devices import full_tensor
+from ..devices import full_tensor
 from .group import ShardingGroup, gather_object
 
 __all__ = ["full_optimizer_state"]

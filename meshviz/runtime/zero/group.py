@@ -6,10 +6,9 @@ import torch
 import torch.distributed as tdist
 
 from ... import compat
-from ...runtime import comm
-from ...runtime.groups import resolve
+from .. import comm
 
-__all__ = ["ShardingGroup", "resolve_group", "broadcast_module", "gather_object"]
+__all__ = ["ShardingGroup", "broadcast_module", "gather_object"]
 
 
 class ShardingGroup:
@@ -49,13 +48,6 @@ class ShardingGroup:
 
     def __repr__(self) -> str:
         return f"ShardingGroup({self.ranks})"
-
-
-def resolve_group(group) -> ShardingGroup:
-    g = resolve(group)
-    if g.rank < 0:
-        raise ValueError(f"group_sharded_parallel: rank {tdist.get_rank()} is not in the group {list(g.ranks)}")
-    return ShardingGroup(g)
 
 
 def broadcast_module(module, grp: ShardingGroup, tensors="all"):

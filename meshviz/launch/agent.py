@@ -1,0 +1,112 @@
+"""torchrun's elastic agent as the ``"torchrun"`` Runner: its one job is this node's workers running a script."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+
+from ..errors import RankError, RankOutcome
+from ..ranks.outcomes import error_of, exit_text
+
+__all__ = ["Torchrun", "TorchrunJob", "STOPPED"]
+
+STOPPED = frozenset({-15, -9})  # exit codes of the workers the agent ended once one failed (SIGTERM, SIGKILL)
+
+
+class TorchrunJob:
+    """This node's workers of one torchrun run (a :class:`~meshviz.ranks.runner.Job`, done when the agent
+    returns); ``failures`` are torch's ``ChildFailedError.failures`` (global rank -> ProcessFailure)."""
+
+    def __init__(self, ranks: list[int]):
+        self.ranks = list(ranks)
+        self.failures: dict = {}
+        self.exception: BaseException | None = None  # the agent's ChildFailedError, when a worker failed
+        self._done = threading.Event()
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self._done.wait(timeout)
+
+    def pending(self) -> list[int]:
+        return [] if self.done() else list(self.ranks)
+
+    def failed(self) -> list[int]:
+        """The workers that failed on their own (not ended by the agent), else every worker that failed."""
+        return sorted(r for r, f in self.failures.items() if f.exitcode not in STOPPED) or sorted(self.failures)
+
+    def outcomes(self) -> list[RankOutcome]:
+        if not self.done():
+            return [RankOutcome(r, status="running", error="the agent still runs it") for r in self.ranks]
+        out = []
+        for r in sorted(set(self.ranks) | set(self.failures)):
+            f = self.failures.get(r)
+            if f is None:
+                out.append(RankOutcome(r))
+            elif f.exitcode in STOPPED:
+                out.append(RankOutcome(r, status="stopped", error="ended by the agent when another worker failed"))
+            else:
+                out.append(RankOutcome(r, status="died", error=exit_text(f.exitcode)))
+        return out
+
+    def error(self) -> RankError | None:
+        """The RankError naming the first worker that failed on its own; None while running or when all did well."""
+        if not self.done():
+            return None
+        return error_of(self.outcomes(), self.failed())
+
+
+class Torchrun:
+    """The ``"torchrun"`` Runner: torchrun's elastic agent (``config``, a ``LaunchConfig``) starting this node's
+    ``n`` workers. One-shot: ``submit(args)`` runs ``entrypoint args...`` on every worker, in the calling thread
+    (the agent's signal handlers are the main thread's) until every worker ended, and returns the finished job.
+    ``interrupt()``, from another thread while that runs, is a SIGINT to this process: the agent stops every
+    worker."""
+
+    kind = "torchrun"
+
+    def __init__(self, config, entrypoint: str = sys.executable):
+        self.config = config
+        self.entrypoint = entrypoint
+        self.n = config.nproc_per_node
+        node = config.rdzv_configs["rank"]
+        self.ranks = [node * self.n + i for i in range(self.n)]
+        self.job: TorchrunJob | None = None
+
+    def start(self) -> Torchrun:
+        """Nothing starts before :meth:`submit`: the agent makes the workers for the one job."""
+        return self
+
+    def submit(self, args, ranks=None) -> TorchrunJob:
+        """Run the agent with the workers' command line ``args`` (after the entrypoint); returns the job when
+        every worker ended (a worker's failure is the job's, any other error of the agent is raised)."""
+        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+        from torch.distributed.launcher.api import elastic_launch
+
+        if ranks is not None and sorted(int(r) for r in ranks) != self.ranks:
+            raise ValueError(f"torchrun runs its workers as ranks {self.ranks}, not {list(ranks)}")
+        if self.job is not None:
+            raise RuntimeError("Torchrun runs one job; make another Torchrun for the next")
+        job = self.job = TorchrunJob(self.ranks)
+        try:
+            elastic_launch(self.config, entrypoint=self.entrypoint)(*args)
+        except ChildFailedError as e:
+            job.failures = dict(e.failures)
+            job.exception = e
+        finally:
+            job._done.set()
+        return job
+
+    def interrupt(self, ranks=None) -> None:
+        """SIGINT to this process while the job runs: the agent ends every worker (it stops all or none)."""
+        if ranks is not None and sorted(int(r) for r in ranks) != self.ranks:
+            raise ValueError("torchrun's agent interrupts every worker of this node, or none")
+        if self.job is not None and not self.job.done():
+            os.kill(os.getpid(), signal.SIGINT)
+
+    def stop(self) -> None:
+        """Nothing outlives the job; while it runs, its workers are interrupted."""
+        self.interrupt()

@@ -1,0 +1,74 @@
+"""What a pipeline step keeps per micro-batch: live activation bytes, and each micro loss scaled for accumulation."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+__all__ = ["ActivationMeter", "MicroLoss"]
+
+
+class ActivationMeter:
+    """Bytes saved for backward per (virtual stage, micro-batch), live from its forward until its backward.
+
+    Parameters saved by autograd are not counted; a tensor saved twice in one micro-batch is counted once.
+    """
+
+    def __init__(self):
+        self.live = 0
+        self.peak = 0
+        self._held: dict = {}
+        self._params: set = set()
+
+    def watch(self, module: nn.Module) -> None:
+        self._params |= {p.untyped_storage().data_ptr() for p in module.parameters()}
+
+    def hooks(self, key):
+        seen: set = set()
+        total = [0]
+
+        def pack(t):
+            try:
+                base, key = t.untyped_storage().data_ptr(), (t.data_ptr(), t.numel())
+            except Exception:
+                return t
+            if base not in self._params and key not in seen:
+                seen.add(key)
+                total[0] += t.numel() * t.element_size()
+            return t
+
+        def done():
+            self._held[key] = total[0]
+            self.live += total[0]
+            self.peak = max(self.peak, self.live)
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), done
+
+    def release(self, key) -> None:
+        self.live -= self._held.pop(key, 0)
+
+    def reset(self) -> None:
+        self.live = self.peak = 0
+        self._held.clear()
+
+
+class MicroLoss:
+    """torch's loss_fn(output, target): the target is the micro-batch index; the label is looked up here.
+
+    Each micro loss is divided by the number of micro-batches before its backward, as Paddle does, so the
+    gradients accumulated over the micro-batches are those of the mean loss; the values before the scaler's
+    scaling are kept for the returned loss.
+    """
+
+    def __init__(self, loss_fn, n: int):
+        self.loss_fn = loss_fn
+        self.n = n
+        self.labels = None
+        self.scaler = None
+        self.values: dict = {}  # micro-batch -> loss (torch may call once more to infer shapes on a first step)
+
+    def __call__(self, output, index):
+        k = int(index.reshape(-1)[0])
+        loss = self.loss_fn(output, self.labels[k]) / self.n
+        self.values[k] = loss.detach()
+        return self.scaler.scale(loss) if self.scaler is not None else loss

@@ -1,0 +1,246 @@
+"""ZeRO over flat owner slots: each parameter's flat elements split over a group (os, os_g) or FSDP2 (p_g_os)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as tdist
+import torch.nn as nn
+
+from ... import trace
+from ...core.sharding import SHARDED, plan_pieces
+from ..data_parallel import average_gradients
+from ..devices import device
+from .engine import Zero
+from .fsdp import apply_fsdp, unmix_foreach
+from .group import ShardingGroup, broadcast_module
+from .slot import Slot, local_tensor
+from .state import full_optimizer_state
+
+__all__ = ["FlatZero"]
+
+
+class FlatZero(Zero):
+    """Shard ``inner``'s parameters (those of ``model``, ``names``: id -> name) over ``grp`` at ``level``.
+
+    Parameters start from the group's first rank. ``segment_size``: parameters with fewer elements stay whole
+    (os/os_g: owned by one rank, chosen greedily by size; p_g_os: replicated). 'os' averages whole gradients once
+    per step; 'os_g' reduces each gradient to its owners as soon as backward produces it; 'p_g_os' is FSDP2.
+    ``offload`` (on a ``dev`` other than the CPU) keeps every optimizer state on the CPU. ``grad_clip``: a
+    ``ClipGradByGlobalNorm`` applied to the sharded gradients; ``buffer_max_size`` bounds the fused all-reduce
+    (elements). ``sync_buffers``: buffers broadcast from the first rank before every forward.
+    """
+
+    def __init__(self, inner, model, level, grp: ShardingGroup, names: dict, dev, *, offload=False,
+                 segment_size=2**20, grad_clip=None, buffer_max_size=2**23, sync_buffers=False):
+        super().__init__(inner, level)
+        self._model = model
+        self._group = grp
+        self._grad_clip = grad_clip
+        self._buffer_max_size = buffer_max_size
+        self._dirty = False
+        self._hooks = []
+        broadcast_module(model, grp)
+        self._slots = self._plan(names, dev, offload, segment_size)
+        self._offload = offload = bool(offload) and dev.type != "cpu"  # on a CPU rank every state already is there
+        inner.state.clear()
+        if level in ("os", "os_g"):
+            self._shard_slices(offload)
+        else:
+            self._keep_whole(offload)
+        for s in self._slots:
+            if level == "os_g":
+                hook = (lambda slot: (lambda p: self._reduce_to_owner(slot)))(s)
+            elif level == "os" or s.piece.mode == "replicated":
+                hook = self._mark_dirty
+            else:
+                continue
+            self._hooks.append(s.param.register_post_accumulate_grad_hook(hook))
+        if sync_buffers:
+            model.register_forward_pre_hook(lambda m, args: broadcast_module(m, grp, "buffers"))
+        self._emit_ownership()
+
+    # who owns what -------------------------------------------------------------------------------------------
+    def _plan(self, names, dev, offload, segment_size) -> list:
+        inner, grp, model = self._inner_opt, self._group, self._model
+        order = [p for g in inner.param_groups for p in g["params"]]
+        pieces = plan_pieces([(names[id(p)], tuple(p.shape)) for p in order], self.level, grp.size, segment_size)
+        if self.level == "p_g_os":
+            apply_fsdp(model, {pc.name: pc for pc in pieces}, grp, dev, offload)
+            new_params = dict(model.named_parameters())
+            for g in inner.param_groups:
+                g["params"] = [new_params[names[id(p)]] for p in g["params"]]
+            order = [p for g in inner.param_groups for p in g["params"]]
+            unmix_foreach(inner)
+        gidx = [gi for gi, g in enumerate(inner.param_groups) for _ in g["params"]]
+        return [Slot(pc.name, p, pc, grp.rank, gi) for p, pc, gi in zip(order, pieces, gidx)]
+
+    def _shard_slices(self, offload) -> None:
+        """os/os_g: the inner optimizer steps a flat view of the elements this rank owns (a CPU copy offloaded)."""
+        slot_of = {id(s.param): s for s in self._slots}
+        for g in self._inner_opt.param_groups:
+            shards = []
+            for p in g["params"]:
+                s = slot_of[id(p)]
+                if not s.owned:
+                    continue
+                if not p.is_contiguous():
+                    p.data = p.data.contiguous()
+                view = p.detach().view(-1)[s.lo : s.hi]
+                s.shard = nn.Parameter(view.to("cpu", copy=True) if offload else view)
+                shards.append(s.shard)
+            g["params"] = shards
+
+    def _keep_whole(self, offload) -> None:
+        # FSDP2's CPUOffloadPolicy keeps the sharded parameters (and their states) on the CPU; the small, whole
+        # ones it ignores are offloaded here: the optimizer steps a CPU copy, copied back after each step
+        for s in self._slots:
+            whole = s.piece.mode == "replicated"
+            s.shard = nn.Parameter(s.param.detach().reshape(-1).to("cpu", copy=True)) if offload and whole \
+                else s.param
+        if offload:
+            swap = {id(s.param): s.shard for s in self._slots}
+            for g in self._inner_opt.param_groups:
+                g["params"] = [swap.get(id(p), p) for p in g["params"]]
+
+    def _emit_ownership(self) -> None:
+        if not trace.active():
+            return
+        grp, level = self._group, self.level
+        for s in self._slots:
+            piece = s.piece
+            lo, hi = piece.ranges[grp.rank]
+            trace.emit(trace.Ownership(
+                s.name, level, SHARDED[level], tuple(piece.shape), group=tuple(grp.ranks), held=(lo, hi),
+                ranges=piece.ranges, mode=piece.mode, local_shape=(hi - lo,),
+                nbytes=(hi - lo) * s.param.element_size(),
+            ).to_event())
+
+    # gradients -------------------------------------------------------------------------------------------
+    def _mark_dirty(self, _p=None):
+        self._dirty = True
+
+    def _reduce_to_owner(self, slot: Slot):
+        """os_g backward hook: reduce this gradient so that only its owners keep their part, then free it."""
+        p, g, grp = slot.param, slot.param.grad, self._group
+        piece = slot.piece
+        flat = g.detach().reshape(-1)
+        if piece.mode == "slice":
+            c = piece.ranges[0][1] - piece.ranges[0][0]
+            if c * grp.size != flat.numel():
+                flat = torch.cat([flat, flat.new_zeros(c * grp.size - flat.numel())])
+            out = flat.new_empty(c)
+            grp.reduce_scatter_into(out, flat.contiguous())
+            mine = out[: slot.hi - slot.lo]
+        else:
+            owner = piece.owners()[0]
+            flat = flat.clone() if owner == grp.rank else flat
+            grp.reduce(flat, owner)
+            mine = flat if owner == grp.rank else None
+        if mine is not None:
+            mine = mine.div_(grp.size)
+            if self._offload and mine.device.type != "cpu":
+                mine = mine.to("cpu")
+            if slot.grad_buf is None:
+                slot.grad_buf = mine
+            else:
+                slot.grad_buf.add_(mine)
+            slot.shard.grad = slot.grad_buf
+        p.grad = None
+
+    def _sync_grads(self):
+        """Average whole gradients over the group (os: all of them; p_g_os: the replicated small ones)."""
+        if not self._dirty:
+            return
+        self._dirty = False
+        grp = self._group
+        slots = [s for s in self._slots if s.piece.mode in ("slice", "whole", "replicated")]
+        if grp.size > 1:
+            has = torch.tensor([s.param.grad is not None for s in slots], dtype=torch.uint8, device=device())
+            grp.all_reduce(has, op=tdist.ReduceOp.MAX)
+            live = [s for s, h in zip(slots, has.tolist()) if h]
+            for s in live:
+                if s.param.grad is None:
+                    s.param.grad = torch.zeros_like(s.param)
+            itemsize = live[0].param.grad.element_size() if live else 4
+            average_gradients([s.param for s in live], grp.group, bucket_bytes=self._buffer_max_size * itemsize)
+        else:
+            live = [s for s in slots if s.param.grad is not None]
+        for s in live:
+            if s.shard is None or s.shard is s.param or not s.owned:
+                continue
+            g = s.param.grad.detach().reshape(-1)[s.lo : s.hi]
+            s.shard.grad = g.to("cpu") if s.shard.device != g.device else g
+
+    def _clip(self):
+        clip = self._grad_clip or getattr(self._inner_opt, "_grad_clip", None)
+        if clip is None:
+            return None
+        sharded, replicated = [], []
+        for s in self._slots:
+            if s.piece.mode == "fsdp":
+                g = s.param.grad
+                if g is not None:
+                    sharded.append(local_tensor(g))
+            elif s.piece.mode == "replicated":
+                replicated.append(s.shard.grad if s.shard is not s.param else s.param.grad)
+            elif s.owned and s.shard is not None:
+                sharded.append(s.shard.grad)
+        return clip.clip_pieces(sharded, replicated, group=self._group.pg)
+
+    # step ------------------------------------------------------------------------------------------------
+    def _before_sync(self, closure):
+        if closure is None:
+            return None
+        with torch.enable_grad():
+            return closure()
+
+    def _inner_step(self, closure):
+        with trace.span("compute", op="optimizer_step", group=self._group.ranks):
+            self._inner_opt.step()
+
+    def _gather(self):
+        if self.level in ("os", "os_g"):
+            self._gather_params()
+        elif self._offload:
+            self._restore_whole()
+
+    @torch.no_grad()
+    def _restore_whole(self):
+        """p_g_os with offload: the small parameters were stepped as CPU copies; copy them back."""
+        for s in self._slots:
+            if s.shard is not None and s.shard is not s.param:
+                s.param.detach().view(-1).copy_(s.shard.detach())
+
+    @torch.no_grad()
+    def _gather_params(self):
+        grp = self._group
+        for s in self._slots:
+            p, piece = s.param, s.piece
+            flat = p.detach().view(-1)
+            if self._offload and s.shard is not None and s.owned and s.shard.device != p.device:
+                flat[s.lo : s.hi].copy_(s.shard.detach(), non_blocking=False)
+            if grp.size == 1:
+                continue
+            if piece.mode == "slice":
+                c = piece.ranges[0][1] - piece.ranges[0][0]
+                mine = flat.new_zeros(c)
+                mine[: s.hi - s.lo] = flat[s.lo : s.hi]
+                out = flat.new_empty(c * grp.size)
+                grp.all_gather_into(out, mine)
+                flat.copy_(out[: flat.numel()])
+            else:
+                owner = piece.owners()[0]
+                grp.broadcast(flat, owner)
+
+    def zero_grad(self, set_to_none: bool = True):
+        for s in self._slots:
+            s.param.grad = None
+            s.grad_buf = None
+            if s.shard is not None:
+                s.shard.grad = None
+        self._dirty = False
+
+    # state -----------------------------------------------------------------------------------------------
+    def full_state_dict(self, to_rank: int | None = 0):
+        """The optimizer state of the whole model, in the unwrapped optimizer's format (collective)."""
+        return full_optimizer_state(self._inner_opt, self._slots, self._group)

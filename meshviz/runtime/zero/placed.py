@@ -1,0 +1,202 @@
+"""ZeRO over dist tensors: optimizer states (then gradients, then parameters) Shard along one mesh axis."""
+
+from __future__ import annotations
+
+from collections.abc import MutableMapping
+
+import torch
+import torch.distributed as tdist
+
+from ... import trace
+from ...core.placements import Replicate, Shard
+from ...core.sharding import SHARDED
+from ..dtensor import DistTensor
+from .engine import Zero
+
+__all__ = ["PlacedZero", "StateView", "sharded_placements"]
+
+
+def sharded_placements(p: DistTensor, axis, mesh=None) -> list | None:
+    """Placements that shard ``p`` along mesh axis ``axis``, or None when it cannot be.
+
+    Paddle's rule (``get_placement_with_sharding``): the first tensor dim that no other mesh axis shards, so a
+    tensor-parallel weight sharded on dim 0 is sharded on dim 1. Left alone: a parameter on another mesh than
+    ``mesh`` (when given), one already split on the sharding axis, one with no free dim, and (as in Paddle) one
+    whose dim 0 is 1.
+    """
+    pm = p.process_mesh
+    if mesh is not None and mesh != pm:
+        return None
+    i = pm.axis(axis)
+    pl = list(p.placements)
+    if not isinstance(pl[i], Replicate) or p.dim() == 0 or p.shape[0] == 1:
+        return None
+    taken = {q.dim for q in pl if isinstance(q, Shard)}
+    free = [d for d in range(p.dim()) if d not in taken]
+    if not free:
+        return None
+    pl[i] = Shard(free[0])
+    return pl
+
+
+class StateView(MutableMapping):
+    """An optimizer's ``state`` read through the user's parameters: a shadow's entry shows under its parameter."""
+
+    def __init__(self, state, shadow: dict, of_shadow: dict):
+        self._state, self._shadow, self._of_shadow = state, shadow, of_shadow
+
+    def _key(self, p):
+        return self._shadow.get(p, p)
+
+    def __getitem__(self, p):
+        return self._state[self._key(p)]
+
+    def __setitem__(self, p, value) -> None:
+        self._state[self._key(p)] = value
+
+    def __delitem__(self, p) -> None:
+        del self._state[self._key(p)]
+
+    def __contains__(self, p) -> bool:
+        return self._key(p) in self._state
+
+    def __iter__(self):
+        return (self._of_shadow.get(k, k) for k in list(self._state))
+
+    def __len__(self) -> int:
+        return len(self._state)
+
+    def get(self, p, default=None):
+        k = self._key(p)
+        return self._state[k] if k in self._state else default
+
+    def __repr__(self) -> str:
+        return repr(dict(self.items()))
+
+
+class PlacedZero(Zero):
+    """Step ``inner``, whose parameters are dist tensors, sharding at ``level`` along mesh axis ``axis``.
+
+    os/os_g: the inner optimizer steps a shadow leaf of each parameter, Shard on the axis (its states follow);
+    os gets the whole gradient reduced then keeps its part, os_g reduce-scatters it (P->S) and frees the
+    parameter's. p_g_os: the parameter itself now lives sharded. level None: nothing sharded, Partial gradients
+    reduced once before the update. ``mesh``: only parameters on it are sharded. ``reshard(t, mesh, placements)``
+    and ``place(dense, mesh, placements)`` move and make dist tensors (the caller's, so their events are its).
+    """
+
+    def __init__(self, inner, level, axis=0, mesh=None, *, reshard, place):
+        super().__init__(inner, level)
+        self._axis, self._mesh = axis, mesh
+        self._reshard, self._place = reshard, place
+        self._shadow: dict = {}  # param -> sharded leaf the inner optimizer updates (os, os_g)
+        self._of_shadow: dict = {}  # that leaf -> the user's param
+        if level is not None:
+            self._setup_sharding()
+
+    def _sharded(self, p):
+        return sharded_placements(p, self._axis, self._mesh)
+
+    def _setup_sharding(self, only=None) -> None:
+        """Shard the states (os/os_g: through a sharded shadow leaf; p_g_os: the parameter itself) of every dist
+        parameter, or of those in ``only`` (parameters that became dist at a step)."""
+        skip = {id(s) for s in self._shadow.values()}
+        wanted = None if only is None else {id(p) for p in only}
+        for group in self._inner_opt.param_groups:
+            new_params = []
+            for p in group["params"]:
+                if not isinstance(p, DistTensor) or id(p) in skip or (wanted is not None and id(p) not in wanted):
+                    new_params.append(p)
+                    continue
+                pl = self._sharded(p)
+                if pl is None:
+                    new_params.append(p)
+                    continue
+                with torch.no_grad():
+                    sharded = self._reshard(p.detach(), p.process_mesh, pl)
+                if self.level == "p_g_os":
+                    p._hold(sharded)  # the parameter itself now lives sharded
+                    new_params.append(p)
+                else:
+                    shadow = torch.nn.Parameter(sharded, requires_grad=True)
+                    self._shadow[p] = shadow
+                    self._of_shadow[shadow] = p
+                    new_params.append(shadow)
+                self._emit_ownership(p)
+            group["params"] = new_params
+
+    def _emit_ownership(self, p) -> None:
+        if trace.active():
+            level, mesh = self.level, p.process_mesh
+            group = mesh.axis_group_of(tdist.get_rank(), self._axis)
+            trace.emit(trace.Ownership(
+                p.name, level, SHARDED[level], tuple(p.shape), group=group, mesh=mesh.to_dict(),
+                placements=tuple(repr(q) for q in (self._sharded(p) or p.placements)),
+                tensor_id=p.tensor_id).to_event())
+
+    @property
+    def state(self):
+        """The inner optimizer's state, keyed by the user's parameters (an os/os_g state lives on a sharded shadow
+        of the parameter; ``opt.state[p]`` finds it)."""
+        return StateView(self._inner_opt.state, self._shadow, self._of_shadow)
+
+    @torch.no_grad()
+    def _prepare(self) -> None:
+        """A dense parameter whose gradient is a dist tensor (a plain model fed dist batches) becomes a dist tensor,
+        in place, Replicate on the gradient's mesh, as Paddle's update makes it; its states follow."""
+        made = []
+        for group in self._inner_opt.param_groups:
+            for p in group["params"]:
+                g = p.grad
+                if isinstance(p, DistTensor) or not isinstance(g, DistTensor):
+                    continue
+                mesh = g.process_mesh
+                rep = [Replicate()] * mesh.ndim
+                value = self._place(p.detach().to(g.device), mesh, rep)
+                new = torch.nn.Parameter(value, requires_grad=p.requires_grad)
+                p.grad = None
+                torch.utils.swap_tensors(p, new)
+                p.grad = g
+                st = self._inner_opt.state.get(p)
+                for k, v in (st or {}).items():
+                    if torch.is_tensor(v) and not isinstance(v, DistTensor) and v.dim() > 0:
+                        st[k] = self._place(v, mesh, rep)
+                made.append(p)
+        if made and self.level is not None:
+            self._setup_sharding(only=made)
+
+    @torch.no_grad()
+    def _sync_grads(self) -> None:
+        reshard = self._reshard
+        shadows = {id(s) for s in self._shadow.values()}
+        for group in self._inner_opt.param_groups:
+            for q in group["params"]:
+                if isinstance(q, DistTensor) and q.grad is not None and id(q) not in shadows:
+                    want = list(q.placements)
+                    if list(q.grad.placements) != want:
+                        q.grad = reshard(q.grad, q.process_mesh, want)  # Partial grads reduced once, here
+        for p, shadow in self._shadow.items():
+            if p.grad is None:
+                shadow.grad = None
+                continue
+            g = p.grad
+            if self.level == "os":
+                g = reshard(g, p.process_mesh, p.placements)  # full gradient kept, then this rank's part
+            shadow.grad = reshard(g, shadow.process_mesh, shadow.placements)
+            if self.level != "os":
+                p.grad = None
+
+    def _clip(self):
+        clip = self.__dict__.get("_grad_clip") or getattr(self._inner_opt, "_grad_clip", None)
+        if clip is not None:
+            clip([q for group in self._inner_opt.param_groups for q in group["params"]])
+
+    @torch.no_grad()
+    def _gather(self) -> None:
+        for p, shadow in self._shadow.items():
+            full = self._reshard(shadow.detach(), p.process_mesh, p.placements)
+            p._hold(full)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._inner_opt.zero_grad(set_to_none=set_to_none)
+        for p in self._shadow:
+            p.grad = None
