@@ -237,12 +237,14 @@ def test_a_cluster_runs_over_any_runner_it_is_given():
     c = meshviz.Cluster(n=2, ranks="threads", runner=Counting)
     try:
         assert isinstance(c._ranks, Counting)
-        cell = "import torch, torch.distributed as tdist\nx = torch.ones(1) * (tdist.get_rank() + 1)\ntdist.all_reduce(x)"
+        cell = ("import torch, torch.distributed as tdist\n"
+                "x = torch.ones(1) * (tdist.get_rank() + 1)\ntdist.all_reduce(x)")
         c.execute(cell)
         assert c.apply(lambda: float(__import__("torch").ones(1).sum())) == [1.0, 1.0]
         assert c.view.pull("x") == [__import__("torch").tensor([3.0])] * 2
         with pytest.raises(RankError) as err:
-            c.execute("import torch.distributed as tdist\nif tdist.get_rank() == 1:\n    raise ValueError('on purpose')")
+            c.execute("import torch.distributed as tdist\n"
+                      "if tdist.get_rank() == 1:\n    raise ValueError('on purpose')")
         assert err.value.ranks == [1] and "on purpose" in str(err.value)
         assert seen[0] == cell and len(seen) == 2
     finally:
