@@ -238,6 +238,13 @@ class StreamReceiver:
         bind = "*" if host in ("0.0.0.0", "*", "") else host
         port = self._sock.bind_to_random_port(f"tcp://{bind}")
         self.address = f"tcp://{connect_host or host}:{port}"
+        # close() wakes the receiver through this pair at once, rather than after its next poll interval
+        wake = f"inproc://meshviz-receiver-wake-{id(self)}"
+        self._wake_rx, self._wake_tx = self._ctx.socket(zmq.PAIR), self._ctx.socket(zmq.PAIR)
+        for sock in (self._wake_rx, self._wake_tx):
+            sock.setsockopt(zmq.LINGER, 0)
+        self._wake_rx.bind(wake)
+        self._wake_tx.connect(wake)
         self.batches = 0
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="meshviz-receiver", daemon=True)
@@ -248,8 +255,9 @@ class StreamReceiver:
 
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._wake_rx, zmq.POLLIN)
         while not self._stop:
-            if not poller.poll(100):
+            if self._sock not in dict(poller.poll(100)):
                 continue
             while True:
                 try:
@@ -275,7 +283,14 @@ class StreamReceiver:
                             pass
 
     def close(self) -> None:
+        import zmq
+
         self._stop = True
+        try:
+            self._wake_tx.send(b"", zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
         self._thread.join(1.0)
-        self._sock.close()
+        for sock in (self._sock, self._wake_rx, self._wake_tx):
+            sock.close()
         self._ctx.term()
