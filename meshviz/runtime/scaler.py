@@ -199,7 +199,7 @@ def unscale_local_blocks_(optimizer, inv_scale, found_inf) -> dict:
                 g = local_tensor(p.grad)
                 per.setdefault((g.device, g.dtype), []).append(g)
     for (dev, _), grads in per.items():
-        fi = torch.zeros(1, device=dev)
+        fi = torch.zeros_like(found_inf, device=dev)
         compat.amp_unscale_(grads, fi, inv_scale.to(dev))
         found_inf += fi.to(found_inf.device)
     return {found_inf.device: found_inf}

@@ -221,7 +221,7 @@ def _amp(level):
         scaler.step(opt)
         scaler.update()
         opt.clear_grad()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     return full_params(model), type(scaler).__name__, losses
 
 
@@ -249,6 +249,57 @@ def test_scaler_with_bf16_autocast(level):
         assert kind == "GroupShardedScaler"
         for k, v in ref.items():
             torch.testing.assert_close(params[k], v, rtol=1e-4, atol=1e-5)
+
+
+def _inf_on_one_rank(level):
+    import meshviz.distributed as dist
+    from meshviz.distributed.sharding import group_sharded_parallel
+    from meshviz.runtime.zero.slot import local_tensor
+
+    dist.init_parallel_env()
+    rank = dist.get_rank()
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    model, opt, scaler = group_sharded_parallel(model, opt, level, scaler=scaler, segment_size=8)
+    synced = opt._sync_grads
+
+    def sync_then_poison():  # an inf only this rank sees, after the gradients reached their owners
+        synced()
+        grads = [local_tensor(p.grad) for g in opt.param_groups for p in g["params"] if p.grad is not None]
+        next(g for g in grads if g.numel()).view(-1)[0] = float("inf")
+
+    scales, held = [], []
+    for s in range(3):
+        opt._sync_grads = sync_then_poison if (s == 1 and rank == 1) else synced
+        before = full_params(model)
+        x, y = batch(s, rank)
+        scaler.scale(F.mse_loss(model(x), y)).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.clear_grad()
+        scales.append(scaler.get_scale())
+        held.append(all(torch.equal(v, before[k]) for k, v in full_params(model).items()))
+    return full_params(model), scales, held
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("level", LEVELS)
+def test_an_inf_on_one_rank_skips_the_step_on_every_rank(level):
+    # the scaler's inf/NaN check is agreed over the group: every rank skips step 1 and backs off its scale,
+    # and the run equals one process that never took step 1
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    for s in (0, 2):
+        xs, ys = zip(*(batch(s, r) for r in range(2)))
+        F.mse_loss(model(torch.cat(xs)), torch.cat(ys)).backward()
+        opt.step()
+        opt.zero_grad()
+    for params, scales, held in run_ranks(_inf_on_one_rank, 2, level, timeout=100):
+        assert held == [False, True, False]
+        assert scales == [2.0**10, 2.0**9, 2.0**9]
+        for k, v in model.state_dict().items():
+            torch.testing.assert_close(params[k], v, rtol=1e-5, atol=1e-6)
 
 
 def test_clip_grad_by_global_norm_single_process():

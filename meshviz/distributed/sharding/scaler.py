@@ -2,20 +2,25 @@
 
 from __future__ import annotations
 
-from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+import torch
 
-from ...runtime.scaler import grad_scaler_settings, unscale_local_blocks_
+from ...runtime.scaler import agree_found_inf, grad_scaler_settings, unscale_local_blocks_
 from ...runtime.zero import ShardingGroup
 
 __all__ = ["GroupShardedScaler", "make_scaler"]
 
 
-class GroupShardedScaler(ShardedGradScaler):
-    """GradScaler for sharded training: syncs gradients first, agrees on inf/NaN over the group.
+class GroupShardedScaler(torch.amp.GradScaler):
+    """GradScaler for sharded training: syncs gradients first, agrees on inf/NaN over ``group`` (a meshviz group;
+    None: the world) through the comm layer, so every rank skips a step together.
 
     Paddle's ``scaler.scale(loss).backward(); scaler.step(opt); scaler.update()`` works as in torch;
     ``minimize(optimizer, scaled_loss)`` is Paddle's step + update.
     """
+
+    def __init__(self, group=None, **settings):
+        super().__init__(**settings)
+        self._group = group
 
     def unscale_(self, optimizer):
         sync = getattr(optimizer, "_sync_grads", None)
@@ -24,7 +29,9 @@ class GroupShardedScaler(ShardedGradScaler):
         return super().unscale_(optimizer)
 
     def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16=True):
-        return unscale_local_blocks_(optimizer, inv_scale, found_inf)
+        per_device = unscale_local_blocks_(optimizer, inv_scale, found_inf)
+        agree_found_inf(found_inf, self._group)
+        return per_device
 
     def minimize(self, optimizer, *args, **kwargs):
         self.step(optimizer)
@@ -35,4 +42,4 @@ def make_scaler(scaler, grp: ShardingGroup, device_type: str):
     """The user's GradScaler (or None) as a GroupShardedScaler over ``grp`` with the same settings."""
     if scaler is None or isinstance(scaler, GroupShardedScaler):
         return scaler
-    return GroupShardedScaler(process_group=grp.pg, **grad_scaler_settings(scaler, device_type))
+    return GroupShardedScaler(grp.group, **grad_scaler_settings(scaler, device_type))
