@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["LEVELS", "SHARDED", "STAGES", "Piece", "plan_pieces"]
+__all__ = ["LEVELS", "SHARDED", "STAGES", "Piece", "plan_pieces", "owners_by_size"]
 
 LEVELS = ("os", "os_g", "p_g_os")
 # level -> the parts of a parameter's training state that it splits over the group
@@ -69,3 +69,16 @@ def plan_pieces(named_shapes, level: str, nranks: int, segment_size: int) -> lis
         load[owner] += n
         pieces[name] = Piece(name, shape, "whole", tuple((0, n) if i == owner else (0, 0) for i in range(nranks)))
     return [pieces[name] for name, _ in named_shapes]
+
+
+def owners_by_size(numels, nranks: int) -> list:
+    """Fleet's stage-1 owner of each whole parameter (Paddle's ``DygraphShardingOptimizer``): the largest first
+    (ties in their given order), each to the group rank holding the fewest elements so far (ties: the lower)."""
+    if nranks < 1:
+        raise ValueError(f"owners_by_size: nranks must be >= 1, got {nranks}")
+    owners, sizes = [0] * len(numels), [0] * nranks
+    for i in sorted(range(len(numels)), key=lambda i: -numels[i]):
+        rank = sizes.index(min(sizes))
+        owners[i] = rank
+        sizes[rank] += numels[i]
+    return owners

@@ -393,3 +393,59 @@ def test_communicate_topology_is_row_major_over_its_names():
         topo.get_rank(data=2, pipe=0, sharding=0, model=0)
     with pytest.raises(KeyError):
         topo.get_coord(12)
+
+
+def _sharding_batch(step, rank, b=3):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(b, 6, generator=g), torch.randn(b, 3, generator=g)
+
+
+def _sharding_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 10), nn.Tanh(), nn.Linear(10, 3))
+
+
+def _fleet_sharding(hybrid, steps=3):
+    import meshviz.distributed as dist
+    from meshviz.distributed import fleet
+
+    s = fleet.DistributedStrategy()
+    s.hybrid_configs = hybrid
+    fleet.init(is_collective=True, strategy=s)
+    hcg = fleet.get_hybrid_communicate_group()
+    model = _sharding_model()
+    names = {id(p): n for n, p in model.named_parameters()}
+    opt = fleet.distributed_optimizer(torch.optim.AdamW(model.parameters(), lr=0.05))
+    model = fleet.distributed_model(model)
+    for step in range(steps):
+        x, y = _sharding_batch(step, dist.get_rank())
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.clear_grad()
+    return {"owners": {names[i]: o for i, o in opt.owner.items()},
+            "index": hcg.get_sharding_parallel_rank(),
+            "states": sorted(names[id(p)] for p in opt._inner_opt.state),
+            "grads": [p.grad for p in model.parameters()],
+            "params": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("hybrid,world", [({"sharding_degree": 2}, 2),
+                                          ({"sharding_degree": 2, "dp_degree": 2}, 4)])
+def test_fleet_sharding_is_paddles_stage_1(hybrid, world):
+    # Paddle's DygraphShardingOptimizer: largest parameter first, each to the rank holding the fewest elements;
+    # only the owner keeps a parameter's optimizer state; training equals one process on every rank's batch
+    model = _sharding_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    for step in range(3):
+        xs, ys = zip(*(_sharding_batch(step, r) for r in range(world)))
+        F.mse_loss(model(torch.cat(xs)), torch.cat(ys)).backward()
+        opt.step()
+        opt.zero_grad()
+    owners = {"0.weight": 0, "2.weight": 1, "0.bias": 1, "2.bias": 1}  # 60 elements | 30 + 10 + 3
+    for res in run_ranks(_fleet_sharding, world, hybrid):
+        assert res["owners"] == owners
+        assert res["states"] == sorted(n for n, o in owners.items() if o == res["index"])
+        assert all(g is not None and not g.any() for g in res["grads"])  # clear_grad zeroes every parameter's
+        for k, v in model.state_dict().items():
+            torch.testing.assert_close(res["params"][k], v, rtol=1e-5, atol=1e-6)

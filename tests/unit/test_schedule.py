@@ -94,3 +94,15 @@ def test_one_bubble_formula_everywhere():
     for bad in ((0, 4), (4, 0), (4, 8, 0), (-1, 2)):
         with pytest.raises(ValueError, match="must be >= 1"):
             bubble_formula(*bad)
+
+
+def test_fleet_stage_1_owners_are_paddles():
+    from meshviz.core.sharding import owners_by_size
+
+    # largest first (ties in order), each to the rank with the fewest elements so far (ties: the lower rank)
+    assert owners_by_size([10, 30, 20, 30, 5], 2) == [1, 0, 0, 1, 1]
+    assert owners_by_size([60, 10, 30, 3], 2) == [0, 1, 1, 1]
+    assert owners_by_size([4, 4, 4], 4) == [0, 1, 2]
+    assert owners_by_size([], 3) == []
+    with pytest.raises(ValueError, match="nranks"):
+        owners_by_size([1], 0)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ...runtime.data_parallel import average_gradients
-from ...runtime.zero import Zero
+from ...runtime.zero import OwnerZero, ShardingGroup, Zero
 from .topology import ParallelMode
 
 __all__ = ["HybridParallelOptimizer"]
@@ -13,33 +13,54 @@ class HybridParallelOptimizer(Zero):
     """Wraps a torch optimizer: ``step()`` first averages what Paddle averages, then steps.
 
     With mp, sharding or pp > 1 and dp > 1, the gradients are averaged over the data-parallel group (in pure
-    data parallel, ``DataParallel`` already did it during backward); with sharding > 1 over the sharding group.
-    The ZeRO step at no level: every rank steps every parameter (the sharding group only averages gradients).
+    data parallel, ``DataParallel`` already did it during backward). With sharding > 1 it is Paddle's stage 1
+    (``DygraphShardingOptimizer``, the ZeRO engine's :class:`~meshviz.runtime.zero.OwnerZero`): each parameter's
+    gradient is averaged into its one owner in the sharding group, which alone keeps its optimizer state and
+    steps it, then broadcasts it; ``owner`` maps a parameter to its owner's index in the sharding group.
     """
 
     def __init__(self, optimizer, hcg, strategy):
         super().__init__(optimizer, None)
         self._hcg = hcg
         self._strategy = strategy
+        self._sharding = None
+        if hcg is not None and hcg.get_sharding_parallel_world_size() > 1:
+            self._sharding = OwnerZero(optimizer, ShardingGroup(hcg.get_sharding_parallel_group()))
+            self.level = self._sharding.level
+
+    @property
+    def owner(self) -> dict | None:
+        """id(parameter) -> the sharding-group index of the rank that steps it (None without sharding)."""
+        return None if self._sharding is None else dict(self._sharding.owner)
 
     def _params(self):
+        if self._sharding is not None:
+            return list(self._sharding.params)
         return [p for g in self._inner_opt.param_groups for p in g["params"]]
 
     def _sync_grads(self):
         hcg = self._hcg
         if hcg is None:
             return
-        mode = hcg.get_parallel_mode()
-        if hcg.get_sharding_parallel_world_size() > 1:
-            average_gradients(self._params(), hcg.get_sharding_parallel_group())
-        if mode != ParallelMode.DATA_PARALLEL and hcg.get_data_parallel_world_size() > 1:
-            average_gradients(self._params(), hcg.get_data_parallel_group())
+        params = self._params()
+        if self._sharding is not None:
+            self._sharding._sync_grads()
+            params = self._sharding.owned()
+        if hcg.get_parallel_mode() != ParallelMode.DATA_PARALLEL and hcg.get_data_parallel_world_size() > 1:
+            average_gradients(params, hcg.get_data_parallel_group())
+
+    def _gather(self):
+        if self._sharding is not None:
+            self._sharding._gather()
 
     def clear_grad(self, set_to_zero=True):
-        self._inner_opt.zero_grad(set_to_none=not set_to_zero)
+        self.zero_grad(set_to_none=not set_to_zero)
 
     def zero_grad(self, set_to_none=True):
-        self._inner_opt.zero_grad(set_to_none=set_to_none)
+        if self._sharding is not None:
+            self._sharding.zero_grad(set_to_none)
+        else:
+            self._inner_opt.zero_grad(set_to_none=set_to_none)
 
     def state_dict(self):
         return self._inner_opt.state_dict()

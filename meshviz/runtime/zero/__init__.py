@@ -4,11 +4,12 @@ from .engine import Zero
 from .flat import FlatZero
 from .fsdp import apply_fsdp, unmix_foreach
 from .group import ShardingGroup, broadcast_module, gather_object
+from .owners import OwnerZero
 from .placed import PlacedZero, StateView, sharded_placements
 from .slot import Slot, local_tensor
 from .state import full_optimizer_state
 
 __all__ = [
-    "Zero", "FlatZero", "PlacedZero", "StateView", "sharded_placements", "ShardingGroup", "broadcast_module",
-    "gather_object", "Slot", "local_tensor", "full_optimizer_state", "apply_fsdp", "unmix_foreach",
+    "Zero", "FlatZero", "OwnerZero", "PlacedZero", "StateView", "sharded_placements", "ShardingGroup",
+    "broadcast_module", "gather_object", "Slot", "local_tensor", "full_optimizer_state", "apply_fsdp", "unmix_foreach",
 ]

@@ -1,0 +1,55 @@
+"""ZeRO stage 1 over whole parameters: each one stepped, and its optimizer state kept, by one owner."""
+
+from __future__ import annotations
+
+import torch
+
+from ...core.sharding import owners_by_size
+from .engine import Zero
+from .group import ShardingGroup
+
+__all__ = ["OwnerZero"]
+
+
+class OwnerZero(Zero):
+    """``inner`` sharded over ``grp`` at stage 1 with whole parameters, as Paddle's ``DygraphShardingOptimizer``:
+    owners by :func:`~meshviz.core.sharding.owners_by_size`; each gradient is averaged into its owner (a reduce),
+    only the owner steps the parameter and holds its optimizer state, and the stepped value is broadcast from it.
+    ``inner.param_groups`` keep only this rank's parameters; ``params`` are all of them, in the user's order.
+    """
+
+    def __init__(self, inner, grp: ShardingGroup):
+        super().__init__(inner, "os")
+        self._group = grp
+        self.params = [p for g in inner.param_groups for p in g["params"]]
+        owners = owners_by_size([p.numel() for p in self.params], grp.size)
+        self.owner = {id(p): o for p, o in zip(self.params, owners)}
+        inner.state.clear()
+        for g in inner.param_groups:
+            g["params"] = [p for p in g["params"] if self.owner[id(p)] == grp.rank]
+
+    def owned(self) -> list:
+        """The parameters this rank steps."""
+        return [p for p in self.params if self.owner[id(p)] == self._group.rank]
+
+    def _sync_grads(self) -> None:
+        with torch.no_grad():
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad.div_(self._group.size)
+                    self._group.reduce(p.grad, self.owner[id(p)])
+
+    def _gather(self) -> None:
+        with torch.no_grad():
+            for p in self.params:
+                self._group.broadcast(p.data, self.owner[id(p)])
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            if p.grad is None:
+                continue
+            if set_to_none:
+                p.grad = None
+            else:
+                p.grad.detach_()
+                p.grad.zero_()
