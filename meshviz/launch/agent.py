@@ -13,6 +13,9 @@ from ..ranks.outcomes import error_of, exit_text
 __all__ = ["Torchrun", "TorchrunJob", "STOPPED"]
 
 STOPPED = frozenset({-15, -9})  # exit codes of the workers the agent ended once one failed (SIGTERM, SIGKILL)
+# the signals torch's agent takes over for its run (and leaves taken over): given back once the run ends
+_AGENT_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT")
+                       if hasattr(signal, name))
 
 
 class TorchrunJob:
@@ -23,6 +26,7 @@ class TorchrunJob:
         self.ranks = list(ranks)
         self.failures: dict = {}
         self.exception: BaseException | None = None  # the agent's ChildFailedError, when a worker failed
+        self.interrupted: str | None = None  # the signal ("SIGINT", ...) that made the agent stop every worker
         self._done = threading.Event()
 
     def done(self) -> bool:
@@ -41,6 +45,9 @@ class TorchrunJob:
     def outcomes(self) -> list[RankOutcome]:
         if not self.done():
             return [RankOutcome(r, status="running", error="the agent still runs it") for r in self.ranks]
+        if self.interrupted is not None:
+            why = f"interrupted: the agent got {self.interrupted} and stopped every worker"
+            return [RankOutcome(r, status="stopped", error=why) for r in self.ranks]
         out = []
         for r in sorted(set(self.ranks) | set(self.failures)):
             f = self.failures.get(r)
@@ -56,7 +63,7 @@ class TorchrunJob:
         """The RankError naming the first worker that failed on its own; None while running or when all did well."""
         if not self.done():
             return None
-        return error_of(self.outcomes(), self.failed())
+        return error_of(self.outcomes(), [tuple(self.ranks)] if self.interrupted else self.failed())
 
 
 class Torchrun:
@@ -82,7 +89,9 @@ class Torchrun:
 
     def submit(self, args, ranks=None) -> TorchrunJob:
         """Run the agent with the workers' command line ``args`` (after the entrypoint); returns the job when
-        every worker ended (a worker's failure is the job's, any other error of the agent is raised)."""
+        every worker ended (a worker's failure is the job's, and so is an interrupt: SIGINT or SIGTERM to this
+        process; any other error of the agent is raised). The agent's signal handlers are given back after."""
+        from torch.distributed.elastic.multiprocessing.api import SignalException
         from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
         from torch.distributed.launcher.api import elastic_launch
 
@@ -91,12 +100,20 @@ class Torchrun:
         if self.job is not None:
             raise RuntimeError("Torchrun runs one job; make another Torchrun for the next")
         job = self.job = TorchrunJob(self.ranks)
+        main = threading.current_thread() is threading.main_thread()
+        handlers = {s: signal.getsignal(s) for s in _AGENT_SIGNALS} if main else {}
         try:
             elastic_launch(self.config, entrypoint=self.entrypoint)(*args)
         except ChildFailedError as e:
             job.failures = dict(e.failures)
             job.exception = e
+        except SignalException as e:
+            job.interrupted = signal.Signals(e.sigval).name
+        except KeyboardInterrupt:  # before the agent took SIGINT over
+            job.interrupted = "SIGINT"
         finally:
+            for s, handler in handlers.items():
+                signal.signal(s, handler)
             job._done.set()
         return job
 

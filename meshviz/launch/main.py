@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import socket
 import sys
 import tempfile
@@ -274,6 +275,9 @@ def launch(argv=None) -> int:
     try:
         job = Torchrun(config, entrypoint=sys.executable).start().submit(
             ["-u", "-m", "meshviz.launch._worker", args.training_script, *args.training_script_args])
+        if job.interrupted is not None:
+            print(f"meshviz.launch: {job.interrupted}: the workers were stopped", file=sys.stderr, flush=True)
+            return 128 + signal.Signals[job.interrupted].value
         if job.exception is not None:
             return _report_failure(args, job, host)
     finally:

@@ -65,7 +65,7 @@ class RankProcesses:
         self._ctx = None
         self._seen: dict[int, int] = {}  # rank -> when its exit was seen (count of waits that returned)
         self._waits = 0
-        self.ended: dict[int, str] = {}  # rank -> "stopped" or "running": ended by this object, not by itself
+        self.ended: dict[int, str] = {}  # rank -> "stopped", "running" or "stop": ended by this object, not by itself
         self._arrived: list[bool] | None = None  # who reached the rendezvous, kept when the store closes
 
     # -- the Runner contract -------------------------------------------------------------------------------------
@@ -122,8 +122,8 @@ class RankProcesses:
                     pass
 
     def stop(self) -> None:
-        """End every process still running (its outcome: ``"running"``) and stop serving the store."""
-        self.terminate("running")
+        """End every process still running (its outcome: ``"stopped"``, by ``stop()``) and stop serving the store."""
+        self.terminate("stop")
         self.close()
         if self._reservation is not None:
             self._reservation.close()
@@ -177,7 +177,7 @@ class RankProcesses:
 
     def terminate(self, why: str = "stopped", grace: float = 10.0) -> None:
         """End every rank still running (SIGTERM, then SIGKILL after ``grace`` seconds); their outcome is ``why``:
-        ``"stopped"`` (another rank failed) or ``"running"`` (past the deadline)."""
+        ``"stopped"`` (another rank failed), ``"running"`` (past the deadline) or ``"stop"`` (:meth:`stop`)."""
         procs = self.processes
         live = [i for i, p in enumerate(procs) if p.is_alive()]
         for i in live:
@@ -222,6 +222,9 @@ class RankProcesses:
                 o = RankOutcome(r, status="error", error=rep[0], traceback=rep[1])
             elif ended == "stopped":
                 o = RankOutcome(r, status="stopped", error="ended when another rank failed")
+            elif ended == "stop":  # the caller ended it: whether it reached the rendezvous says nothing
+                outcomes.append(RankOutcome(r, status="stopped", error="ended by stop() before it returned"))
+                continue
             elif ended == "running":
                 what = f"no result after {deadline_s:.0f} s; killed" if deadline_s else "no result; killed"
                 o = RankOutcome(r, status="running", error=what)
@@ -248,11 +251,18 @@ class RankProcesses:
             key=lambda r: (self._seen[r], outcomes[r].status == "error", reports.get(r, (0, 0, 0.0))[2]),
         )
         inside = {s.rank for s in rollcall if s.state == "in_collective"} if rollcall is not None else ()
-        return _outcomes.rank_error(outcomes, first, inside=inside, rollcall=rollcall)
+        stopped = tuple(r for r, why in sorted(self.ended.items()) if why == "stop")
+        return _outcomes.rank_error(outcomes, first or ([stopped] if stopped else []), inside=inside,
+                                    rollcall=rollcall)
 
 
 def _call(index, fn):
-    fn(index)
+    try:
+        fn(index)
+    except KeyboardInterrupt as e:
+        # torch's wrapper would end the rank quietly with exit code 0, as if it had returned: make it a failure
+        # the wrapper reports, as an interrupted thread or engine rank's
+        raise RuntimeError(f"rank {index} was interrupted (KeyboardInterrupt)") from e
 
 
 def _with_environ(index, environ, fn):
@@ -260,7 +270,7 @@ def _with_environ(index, environ, fn):
     the server started), then ``fn(index)`` as a spawned rank would run it."""
     os.environ.clear()
     os.environ.update(environ)
-    fn(index)
+    _call(index, fn)
 
 
 def read_report(path: str) -> tuple[str, str, float] | None:
@@ -391,6 +401,7 @@ class SpawnContext:
         if self._error is None and self.done():
             reports, values = self.results()
             bad = reports or (len(values) < len(self.ranks) if values is not None else self._procs.failed())
+            bad = bad or bool(self._procs.ended)  # ended by stop() or a deadline: no result
             if bad:
                 self._error = self._procs.rank_error(reports, values, self._deadline_s)
         return self._error

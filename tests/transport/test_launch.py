@@ -146,6 +146,90 @@ def test_one_node_listens_on_loopback_only(tmp_path):
         assert f"rank={r} sum=2.0 listening=['127.0.0.1']" in (tmp_path / "log" / f"workerlog.{r}").read_text()
 
 
+STARTS_THEN_SLEEPS = textwrap.dedent("""
+    import os, pathlib, time
+    pathlib.Path(os.environ["STARTED"] + os.environ["RANK"]).touch()
+    for _ in range(1200):
+        time.sleep(0.05)
+""")
+
+
+def _wait_for_files(prefix, n, timeout=60):
+    import glob
+    import time
+
+    end = time.monotonic() + timeout
+    while len(glob.glob(prefix + "*")) < n:
+        assert time.monotonic() < end, f"only {glob.glob(prefix + '*')} started"
+        time.sleep(0.05)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_ctrl_c_stops_every_worker_and_says_so(tmp_path):
+    import signal
+    import time
+
+    (tmp_path / "sleeps.py").write_text(STARTS_THEN_SLEEPS)
+    started = str(tmp_path / "started")
+    p = _launch(["--nproc_per_node", "2", "--log_dir", str(tmp_path / "log"), "sleeps.py"], cwd=str(tmp_path),
+                wait=False, STARTED=started)
+    _wait_for_files(started, 2)
+    t = time.monotonic()
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=30)
+    assert p.returncode == 128 + signal.SIGINT, err  # was 1, with torch's SignalException traceback
+    assert "meshviz.launch: SIGINT: the workers were stopped" in err and "Traceback" not in err.split("Received")[0]
+    assert time.monotonic() - t < 10  # the workers were stopped, not waited for (they sleep 60 s)
+
+
+TORCHRUN_INTERRUPTED = textwrap.dedent("""
+    import importlib, json, os, signal, sys, threading
+    from meshviz.launch.agent import Torchrun
+    m = importlib.import_module("meshviz.launch.main")
+    config, env, reservation, _ = m._build(m.parse_args(["--nproc_per_node", "2", "--log_dir", sys.argv[1], "x"]))
+    store = m._agent_store(config, reservation)
+    os.environ.update(env)
+    before = signal.getsignal(signal.SIGINT)
+    runner = Torchrun(config).start()
+    started = sys.argv[2]
+
+    def interrupt_once_started():
+        import glob, time
+        while len(glob.glob(started + "*")) < 2:
+            time.sleep(0.05)
+        runner.interrupt()
+
+    threading.Thread(target=interrupt_once_started, daemon=True).start()
+    job = runner.submit(["-c", open(sys.argv[3]).read()])
+    err = job.error()
+    print(json.dumps({"done": job.done(), "pending": job.pending(),
+                      "outcomes": [[o.rank, o.status, o.error] for o in job.outcomes()],
+                      "ranks": err.ranks, "error": str(err),
+                      "handler_back": signal.getsignal(signal.SIGINT) is before}))
+""")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_torchrun_runner_interrupt_ends_the_job_and_names_every_worker(tmp_path):
+    import json
+
+    (tmp_path / "run.py").write_text(TORCHRUN_INTERRUPTED)
+    (tmp_path / "sleeps.py").write_text(STARTS_THEN_SLEEPS)
+    started = str(tmp_path / "started")
+    p = subprocess.run([sys.executable, "run.py", str(tmp_path / "log"), started, "sleeps.py"], cwd=str(tmp_path),
+                       env={**os.environ, "STARTED": started}, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    got = json.loads(p.stdout.strip().splitlines()[-1])
+    why = "interrupted: the agent got SIGINT and stopped every worker"
+    # before: submit raised torch's SignalException, the job said both workers were "ok", error() was None
+    assert got["done"] and got["pending"] == [] and got["ranks"] == [0, 1]
+    assert got["outcomes"] == [[0, "stopped", why], [1, "stopped", why]]
+    assert got["error"].startswith(f"rank 0 was stopped ({why}); rank 1 was stopped")
+    assert got["handler_back"]  # torch's agent left its SIGINT handler installed in this process
+
+
 def test_fleetrun_entry_point_is_declared():
     from meshviz.launch.main import main
 

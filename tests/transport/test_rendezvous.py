@@ -5,6 +5,7 @@ import os
 import pickle
 import socket
 import time
+from functools import partial
 
 import pytest
 
@@ -177,6 +178,57 @@ def test_rank_processes_run_one_function():
 
 def _exits_with_rank(rank):
     os._exit(rank)
+
+
+def _sleeps(prefix, rank):
+    open(prefix + str(rank), "w").close()
+    for _ in range(1200):
+        time.sleep(0.05)
+
+
+def _wait_for_files(prefix, n, timeout=30):
+    end = time.monotonic() + timeout
+    while sum(os.path.exists(prefix + str(r)) for r in range(n)) < n:
+        assert time.monotonic() < end, "the ranks did not start"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("method", ["fork", "forkserver"])
+def test_an_interrupted_process_rank_is_named_and_the_others_stop(method, tmp_path):
+    from meshviz.ranks.processes import RankProcesses
+
+    prefix = str(tmp_path / "started")
+    procs = RankProcesses(2, 30, method).start()
+    try:
+        job = procs.submit(partial(_sleeps, prefix))
+        _wait_for_files(prefix, 2)
+        t = time.monotonic()
+        procs.interrupt([1])
+        # before: torch's wrapper ended rank 1 with exit code 0 (outcome "ok") and rank 0 slept on
+        assert job.wait(10) and time.monotonic() - t < 10
+        err = job.error()
+        assert err is not None and err.ranks == [1]
+        assert [o.status for o in job.outcomes()] == ["stopped", "error"]
+        assert "rank 1 was interrupted (KeyboardInterrupt)" in job.outcomes()[1].error
+        assert "KeyboardInterrupt" in job.outcomes()[1].traceback and "_sleeps" in job.outcomes()[1].traceback
+    finally:
+        procs.stop()
+
+
+def test_stop_ends_a_running_process_job_and_its_error_says_so(tmp_path):
+    from meshviz.ranks.processes import RankProcesses
+
+    prefix = str(tmp_path / "started")
+    procs = RankProcesses(2, 30, "fork").start()
+    job = procs.submit(partial(_sleeps, prefix))
+    _wait_for_files(prefix, 2)
+    assert not job.done() and job.pending() == [0, 1] and job.error() is None
+    procs.stop()
+    why = "ended by stop() before it returned"
+    assert job.done() and job.pending() == []
+    assert [(o.status, o.error) for o in job.outcomes()] == [("stopped", why)] * 2
+    err = job.error()  # before: None, as if the job had ended well
+    assert err is not None and err.ranks == [0, 1] and str(err).startswith(f"rank 0 was stopped ({why}); rank 1")
 
 
 # -- spawn and run_ranks name the rank that caused it ------------------------------------------------------------
