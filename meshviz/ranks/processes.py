@@ -257,6 +257,9 @@ class RankProcesses:
 
 
 def _call(index, fn):
+    # a parent started in the background (nohup, `cmd &` without job control) ignores SIGINT, and its children
+    # inherit that: interrupt() must still reach the rank
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         fn(index)
     except KeyboardInterrupt as e:
