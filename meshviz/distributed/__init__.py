@@ -2,10 +2,10 @@
 
 from ..core import Partial, Placement, ProcessMesh, ReduceType, Replicate, Shard
 from ..ranks.processes import spawn
+from ..runtime import modules as _modules  # noqa: F401  (module hooks while tracing: who issued a collective)
 from ..runtime.devices import device, strict_devices
 from ..runtime.dtensor import DistTensor
 from ..runtime.world import ParallelEnv, get_rank, get_world_size, init_parallel_env, is_initialized
-from . import modules as _modules  # noqa: F401  (module hooks while tracing: who issued a collective)
 from . import process_mesh as _process_mesh  # noqa: F401  (installs ProcessMesh.get_group)
 from .api import (
     dtensor_from_fn,

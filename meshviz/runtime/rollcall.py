@@ -174,7 +174,7 @@ def reset() -> None:
 
 def issuer(rec: Record | None = None) -> tuple[str | None, bool]:
     """(the nn.Module whose forward or backward runs now, whether it is the backward), from the module hooks
-    that keep ``rec.modules`` while tracing (:mod:`~meshviz.distributed.modules`)."""
+    that keep ``rec.modules`` while tracing (:mod:`~meshviz.runtime.modules`)."""
     rec = current() if rec is None else rec
     if rec.modules:
         return rec.modules[-1][0], False

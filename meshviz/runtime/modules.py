@@ -9,7 +9,7 @@ import torch
 from torch.nn.modules import module as _nn
 
 from .. import compat, trace
-from ..runtime import rollcall
+from . import rollcall
 
 __all__ = ["module_name", "installed"]
 
