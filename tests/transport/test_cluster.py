@@ -14,6 +14,7 @@ from meshviz import trace
 from meshviz.cluster import RankError
 
 from .. import cluster_checks as checks
+from .started import wait_for_files
 
 N = 3
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
@@ -112,13 +113,6 @@ def test_same_error_on_every_rank_keeps_the_process_group(cluster):
     checks.same_error_on_every_rank_keeps_the_process_group(cluster, N, settle=0.5)
 
 
-def _wait_for_files(prefix, n, timeout=30):
-    deadline = time.monotonic() + timeout
-    while sum(os.path.exists(f"{prefix}{r}") for r in range(n)) < n:
-        assert time.monotonic() < deadline, f"the ranks did not start within {timeout} s"
-        time.sleep(0.01)
-
-
 _STARTED = "import pathlib, torch.distributed as tdist\npathlib.Path({prefix!r} + str(tdist.get_rank())).touch()\n"
 
 
@@ -126,7 +120,7 @@ def test_interrupt_reaches_the_engines(cluster, tmp_path):
     prefix = str(tmp_path / "started")
     cell = _STARTED.format(prefix=prefix) + "import time\nfor _ in range(600): time.sleep(0.05)"
     ar = cluster.view.execute(cell, block=False)
-    _wait_for_files(prefix, N)
+    wait_for_files(prefix, N)
     cluster.interrupt()
     with pytest.raises(Exception) as info:
         ar.get(timeout=20)
@@ -139,7 +133,7 @@ def test_interrupt_unblocks_ranks_stuck_in_a_collective(cluster, tmp_path):
             "t = torch.zeros(1)\n"
             "tdist.recv(t, src=(tdist.get_rank() + 1) % tdist.get_world_size())  # every rank waits: deadlock\n")
     ar = cluster.view.execute(cell, block=False)
-    _wait_for_files(prefix, N)
+    wait_for_files(prefix, N)
     cluster.interrupt()
     with pytest.raises(RankError) as info:
         cluster._finish(ar, timeout=25)

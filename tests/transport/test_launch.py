@@ -10,6 +10,8 @@ import pytest
 
 from meshviz.runtime.rendezvous import free_port
 
+from .started import wait_for_files
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -154,16 +156,6 @@ STARTS_THEN_SLEEPS = textwrap.dedent("""
 """)
 
 
-def _wait_for_files(prefix, n, timeout=60):
-    import glob
-    import time
-
-    end = time.monotonic() + timeout
-    while len(glob.glob(prefix + "*")) < n:
-        assert time.monotonic() < end, f"only {glob.glob(prefix + '*')} started"
-        time.sleep(0.05)
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_ctrl_c_stops_every_worker_and_says_so(tmp_path):
@@ -174,7 +166,7 @@ def test_ctrl_c_stops_every_worker_and_says_so(tmp_path):
     started = str(tmp_path / "started")
     p = _launch(["--nproc_per_node", "2", "--log_dir", str(tmp_path / "log"), "sleeps.py"], cwd=str(tmp_path),
                 wait=False, STARTED=started)
-    _wait_for_files(started, 2)
+    wait_for_files(started, 2, timeout=60)
     t = time.monotonic()
     p.send_signal(signal.SIGINT)
     out, err = p.communicate(timeout=30)

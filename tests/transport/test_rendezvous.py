@@ -12,6 +12,8 @@ import pytest
 from meshviz.errors import RankError, RankOutcome
 from meshviz.runtime import rendezvous
 
+from .started import wait_for_files
+
 
 def _listeners(port: int) -> list[str]:
     """Hex addresses listening on ``port`` (from /proc: 0100007F is 127.0.0.1, 00000000 every interface)."""
@@ -186,13 +188,6 @@ def _sleeps(prefix, rank):
         time.sleep(0.05)
 
 
-def _wait_for_files(prefix, n, timeout=30):
-    end = time.monotonic() + timeout
-    while sum(os.path.exists(prefix + str(r)) for r in range(n)) < n:
-        assert time.monotonic() < end, "the ranks did not start"
-        time.sleep(0.05)
-
-
 @pytest.mark.parametrize("method", ["fork", "forkserver"])
 def test_an_interrupted_process_rank_is_named_and_the_others_stop(method, tmp_path):
     from meshviz.ranks.processes import RankProcesses
@@ -201,7 +196,7 @@ def test_an_interrupted_process_rank_is_named_and_the_others_stop(method, tmp_pa
     procs = RankProcesses(2, 30, method).start()
     try:
         job = procs.submit(partial(_sleeps, prefix))
-        _wait_for_files(prefix, 2)
+        wait_for_files(prefix, 2)
         t = time.monotonic()
         procs.interrupt([1])
         # before: torch's wrapper ended rank 1 with exit code 0 (outcome "ok") and rank 0 slept on
@@ -221,7 +216,7 @@ def test_stop_ends_a_running_process_job_and_its_error_says_so(tmp_path):
     prefix = str(tmp_path / "started")
     procs = RankProcesses(2, 30, "fork").start()
     job = procs.submit(partial(_sleeps, prefix))
-    _wait_for_files(prefix, 2)
+    wait_for_files(prefix, 2)
     assert not job.done() and job.pending() == [0, 1] and job.error() is None
     procs.stop()
     why = "ended by stop() before it returned"
