@@ -357,7 +357,8 @@ def batch_isend_irecv(p2p_op_list):
     if trace.active():
         for p, t, g in ops:
             kind = "send" if p.is_send else "recv"
-            trace.emit(trace.Event(kind=kind, op=kind, group=list(g.ranks), peer=p.peer, bytes=tensor_bytes(t),
+            trace.emit(trace.Event(kind=kind, op=kind, group=list(g.ranks), peer=p.peer,
+                                   bytes=0 if p.is_send else tensor_bytes(t),  # what this rank receives
                                    payload=(trace.Send if kind == "send" else trace.Recv)(batched=True)))
     works, staged = [], []
     for p, t, g in ops:  # over gloo, CUDA tensors go through CPU copies

@@ -13,13 +13,15 @@ import torch.distributed as tdist
 
 from .. import compat, trace
 from ..core.placements import ReduceType
+from ..core.traffic import received
 from . import devices, rollcall
 from .groups import Group, resolve
 from .match import CollectiveMismatch, check_match, checking
 
 __all__ = ["torch_reduce_op", "dtensor_reduce_op", "from_dtensor_reduce_op", "reduction", "divide_", "Task",
            "CollectiveOp", "Call", "Check", "membership", "on_devices", "matching", "CHECKS", "INSIDE", "run",
-           "check_peer", "local", "tensor_bytes", "all_to_all_flat", "all_reduce_mean_", "FUSE_BYTES"]
+           "check_peer", "local", "tensor_bytes", "passed_sizes", "received_bytes", "all_to_all_flat",
+           "all_reduce_mean_", "FUSE_BYTES"]
 
 # -- reduce ops ------------------------------------------------------------------------------------------------
 
@@ -154,6 +156,23 @@ def tensor_bytes(*tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
+def passed_sizes(call: "Call") -> tuple:
+    """(elements, bytes per element) of each tensor this rank passes in ``call`` (``nbytes`` bytes without them)."""
+    if call.tensors:
+        return tuple((t.numel(), t.element_size()) for t in call.tensors if t is not None)
+    return ((int(call.nbytes or 0), 1),)
+
+
+def received_bytes(call: "Call", g: Group, sizes: tuple | None = None) -> int:
+    """The bytes this rank receives in ``call`` on ``g`` (the model of :mod:`meshviz.core.traffic`): what its
+    event reports, so that a rank's events add up to what it received."""
+    root = call.src if call.src is not None else call.dst
+    if root is None and call.peers:
+        root = call.peers.get("src", call.peers.get("dst"))
+    at = g.ranks.index(root) if root in g.ranks else None
+    return received(call.op.value, passed_sizes(call) if sizes is None else sizes, g.nranks, g.rank, at)
+
+
 def check_peer(what: str, rank, ranks) -> int:
     if isinstance(rank, bool) or not isinstance(rank, int):
         raise ValueError(f"{what} must be an int global rank, got {rank!r}")
@@ -195,12 +214,14 @@ _KIND = {CollectiveOp.SEND: "send", CollectiveOp.RECV: "recv"}  # the trace even
 
 @dataclass(frozen=True)
 class Call:
-    """One collective to issue: ``op`` on ``group`` (whatever :func:`groups.resolve` reads) with ``tensors``
-    (``nbytes`` in all, their sum by default). ``start(g)`` starts the torch call(s) on the resolved Group and
+    """One collective to issue: ``op`` on ``group`` (whatever :func:`groups.resolve` reads) with ``tensors``, the
+    ones this rank passes (``nbytes`` in all, their sum by default; without tensors, ``nbytes`` is the size of what
+    the op moves). ``start(g)`` starts the torch call(s) on the resolved Group and
     returns their work handle(s), or None when it blocked until done; ``then()`` runs once the works are done (at
     once when ``sync_op``, else in ``Task.wait``). ``peers``: ``{"src": rank, ...}``, global ranks that must be in
     the group. ``traced``: False when the caller traces the step itself; else the event (kind "send"/"recv" for
-    those ops, "collective" for the rest) has ``peer`` and ``name``, and ``reduce_op``, ``src``, ``dst`` and
+    those ops, "collective" for the rest) reports the bytes this rank receives (:func:`received_bytes`), has
+    ``peer`` and ``name``, and ``reduce_op``, ``src``, ``dst`` and
     ``bucket`` go into its payload."""
 
     op: CollectiveOp
@@ -226,13 +247,15 @@ class Call:
     def kind(self) -> str:
         return _KIND.get(self.op, "collective")
 
-    def payload(self, seq: int | None, where: str | None, module: str | None, backward: bool) -> trace.Payload:
+    def payload(self, seq: int | None, where: str | None, module: str | None, backward: bool,
+                sizes: tuple | None = None) -> trace.Payload:
         issued = dict(seq=seq, where=where, module=module, backward=backward)
         if self.op is CollectiveOp.SEND:
             return trace.Send(src=self.src, dst=self.dst, **issued)
         if self.op is CollectiveOp.RECV:
             return trace.Recv(src=self.src, dst=self.dst, **issued)
-        return trace.Collective(reduce_op=self.reduce_op, src=self.src, dst=self.dst, bucket=self.bucket, **issued)
+        return trace.Collective(reduce_op=self.reduce_op, src=self.src, dst=self.dst, bucket=self.bucket, sizes=sizes,
+                                **issued)
 
 
 # -- the checks: each ``check(call, g, seq) -> bool`` raises on a bad call, or returns False when this rank takes
@@ -295,15 +318,14 @@ def run(call: Call, checks: Sequence[Check] = CHECKS) -> Task:
         if not call.traced or not trace.active():
             task = _finish(call.start(g), call.sync_op, call.then, key)
             return task
-        fields: dict[str, Any] = {
-            "op": op, "group": list(g.ranks),
-            "bytes": int(tensor_bytes(*call.tensors) if call.nbytes is None else call.nbytes)}
+        sizes = passed_sizes(call)
+        fields: dict[str, Any] = {"op": op, "group": list(g.ranks), "bytes": received_bytes(call, g, sizes)}
         if call.peer is not None:
             fields["peer"] = call.peer
         if call.name is not None:
             fields["name"] = call.name
         mod, bwd = rollcall.issuer(rec)
-        fields["payload"] = call.payload(rec.seq, rollcall.where(), mod, bwd)
+        fields["payload"] = call.payload(rec.seq, rollcall.where(), mod, bwd, sizes)
         with trace.span(call.kind, **fields):
             task = _finish(call.start(g), call.sync_op, call.then, key)
         return task

@@ -16,6 +16,7 @@ from ..compat import tree_map as _tree_map
 from ..core.mesh import ProcessMesh
 from ..core.partial import summed
 from ..core.placements import Partial, Replicate, Shard
+from ..core.traffic import received
 from . import dtensor, rollcall
 from .autograd import run_reshard
 from .dtensor import DistTensor, make_dist, make_dtensor
@@ -431,7 +432,6 @@ class _CommObserver(TorchDispatchMode):
             t0 = time.time()
             out = func(*args, **kwargs)
             inp = args[0] if args else None
-            nbytes = inp.numel() * inp.element_size() if isinstance(inp, torch.Tensor) else 0
             group = None
             gname = args[-1] if args and isinstance(args[-1], str) else kwargs.get("group_name")
             if gname:
@@ -439,10 +439,18 @@ class _CommObserver(TorchDispatchMode):
                     group = tdist.get_process_group_ranks(compat.resolve_process_group(gname))
                 except Exception:
                     group = None
+            op = _COLLECTIVES[name]
+            nbytes, sizes, root = 0, None, None
+            if isinstance(inp, torch.Tensor) and group:
+                sizes = ((inp.numel(), inp.element_size()),)
+                me = group.index(_rank()) if _rank() in group else 0
+                root = args[1] if op == "broadcast" and len(args) > 1 and args[1] in group else None
+                nbytes = received(op, sizes, len(group), me, None if root is None else group.index(root))
             module, backward = rollcall.issuer()
             trace.emit(trace.Event(
-                kind="collective", op=_COLLECTIVES[name], start=t0, group=group, bytes=int(nbytes),
-                payload=trace.Collective(implicit=True, inside=self.context, module=module, backward=backward),
+                kind="collective", op=op, start=t0, group=group, bytes=int(nbytes),
+                payload=trace.Collective(implicit=True, inside=self.context, module=module, backward=backward,
+                                         sizes=sizes, src=root),
             ))
             return out
         return func(*args, **kwargs)

@@ -14,6 +14,7 @@ from ..core.layout import chunk, local_block
 from ..core.partial import partial_fill
 from ..core.placements import ReduceType
 from ..core.planner import Plan, Step
+from ..core.traffic import step_received
 from . import groups, rollcall
 from .comm import Call, CollectiveOp, all_to_all_flat, divide_, reduction, run
 from .devices import staged_recv, staged_send
@@ -246,7 +247,8 @@ def run_step(step: Step, local, rank: int, dtype, device):
 
 
 def run_plan(plan: Plan, local, rank: int, *, dtype=None, device=None, name=None, tensor_id=None):
-    """Run every step of ``plan`` on this rank, emitting one ``reshard_step`` event per step it took part in."""
+    """Run every step of ``plan`` on this rank, emitting one ``reshard_step`` event per step it took part in (its
+    ``bytes``: what this rank received in the step)."""
     dtype = dtype if dtype is not None else local.dtype
     device = device if device is not None else local.device
     tracing = trace.active()
@@ -273,7 +275,7 @@ def run_plan(plan: Plan, local, rank: int, *, dtype=None, device=None, name=None
                 kind="reshard_step", op=step.op, name=name, tensor_id=tensor_id, plan_id=plan_id, step=i,
                 start=t0, mesh=step.mesh.to_dict(), axis=step.axis,
                 group=[list(p) for p in part] if step.op == "send_recv" else list(part),
-                bytes=step.bytes, placements_before=[repr(p) for p in step.before],
+                bytes=step_received(step, rank, plan.itemsize), placements_before=[repr(p) for p in step.before],
                 placements_after=[repr(p) for p in step.after], shape_before=list(plan.shape),
                 shape_after=list(plan.shape), local_shape=None if local is None else list(local.shape),
                 values=None if local is None else trace.small_values(local),

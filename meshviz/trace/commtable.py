@@ -19,8 +19,8 @@ _MOVES = {"slice", "zero_fill"}  # reshard steps that move nothing
 class CommRow:
     """One line of the table: ``op`` along ``axis`` (a mesh axis name, or ``"group [0, 1]"``) issued by
     ``module`` (its forward, or its backward when ``backward``) in engine cell ``cell``. ``count``, ``bytes`` and
-    ``seconds`` are per rank (the most any of ``ranks`` reached); bytes are what each event reports (a reshard
-    step: what a rank receives; a collective: the tensors it passed)."""
+    ``seconds`` are per rank (the most any of ``ranks`` reached); bytes are what the events report, which is
+    what their rank received (:mod:`meshviz.core.traffic`)."""
 
     cell: int | None
     module: str

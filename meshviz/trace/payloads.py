@@ -94,7 +94,9 @@ class ReshardStep(Issued):
 @dataclass(frozen=True, repr=False)
 class Collective(Issued):
     """``collective``: the reduction, the root (``src``/``dst``, global ranks), DataParallel's ``bucket`` index,
-    and for a collective DTensor issued inside an op (``implicit``) the context it ran in (``inside``)."""
+    for a collective DTensor issued inside an op (``implicit``) the context it ran in (``inside``), and ``sizes``,
+    (elements, bytes per element) of each tensor this rank passed (what its received ``bytes`` were reckoned
+    from)."""
 
     KIND: ClassVar[str] = "collective"
     TYPE: ClassVar[str] = "collective"
@@ -105,6 +107,7 @@ class Collective(Issued):
     batched: bool = False
     implicit: bool = False
     inside: str | None = None
+    sizes: tuple | None = None
 
 
 @dataclass(frozen=True, repr=False)

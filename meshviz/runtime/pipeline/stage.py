@@ -72,7 +72,7 @@ class TracedStage(PipelineStage):
         if ops and trace.active():
             dst = self.stage_index + 1 if phase == "F" else self.stage_index - 1
             t = time.time()
-            trace.emit(Event(kind="send", start=t, end=t, op="send", peer=self._peer(dst), bytes=_nbytes(ops),
+            trace.emit(Event(kind="send", start=t, end=t, op="send", peer=self._peer(dst), bytes=0,  # receives none
                              group=[self._peer(self.stage_index), self._peer(dst)],
                              name=f"{'act' if phase == 'F' else 'grad'} mb{mb} s{self.stage_index}->s{dst}",
                              payload=self._transfer(Send, phase, mb, self.stage_index, dst)))

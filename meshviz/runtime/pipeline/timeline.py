@@ -68,7 +68,8 @@ def peak_activation_bytes(events, rank: int | None = None, step=None) -> int:
 
 
 def transfers(events) -> list[tuple]:
-    """Stage transfers matched across ranks: (transfer key, src rank, dst rank, bytes, sent at, received at)."""
+    """Stage transfers matched across ranks: (transfer key, src rank, dst rank, bytes received, sent at, received
+    at)."""
     def keyed(cls):
         return {key: e for e in events if e.kind == cls.KIND and (key := e.payload_as(cls).transfer)}
 
@@ -76,5 +77,5 @@ def transfers(events) -> list[tuple]:
     out = []
     for k in sorted(set(sends) & set(recvs)):
         s, r = sends[k], recvs[k]
-        out.append((k, s.rank, r.rank, s.bytes, s.start, r.end))
+        out.append((k, s.rank, r.rank, r.bytes, s.start, r.end))
     return out

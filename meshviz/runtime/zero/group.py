@@ -21,23 +21,25 @@ class ShardingGroup:
         self.size = len(self.ranks)
         self.rank = group.rank
 
-    def run(self, op, start, *tensors, peer=None):
-        """Issue one collective over the group (``start(pg)`` starts it) through the comm layer."""
-        return comm.run(comm.Call(op, self.group, lambda g: start(self.pg), tensors=tensors, peer=peer))
+    def run(self, op, start, *tensors, peer=None, src=None, dst=None):
+        """Issue one collective over the group (``start(pg)`` starts it) through the comm layer; ``tensors`` are
+        the ones this rank passes, ``src``/``dst`` the root (global ranks) of a rooted op."""
+        return comm.run(comm.Call(op, self.group, lambda g: start(self.pg), tensors=tensors, peer=peer, src=src,
+                                  dst=dst))
 
     def all_reduce(self, t, op=tdist.ReduceOp.SUM):
         self.run("all_reduce", lambda pg: tdist.all_reduce(t, op=op, group=pg, async_op=True), t)
 
     def reduce(self, t, dst_index: int):
         dst = self.ranks[dst_index]
-        self.run("reduce", lambda pg: tdist.reduce(t, dst=dst, group=pg, async_op=True), t, peer=dst)
+        self.run("reduce", lambda pg: tdist.reduce(t, dst=dst, group=pg, async_op=True), t, peer=dst, dst=dst)
 
     def broadcast(self, t, src_index: int = 0):
         src = self.ranks[src_index]
-        self.run("broadcast", lambda pg: tdist.broadcast(t, src=src, group=pg, async_op=True), t, peer=src)
+        self.run("broadcast", lambda pg: tdist.broadcast(t, src=src, group=pg, async_op=True), t, peer=src, src=src)
 
     def all_gather_into(self, out, mine):
-        self.run("all_gather", lambda pg: compat.all_gather_single(out, mine, group=pg, async_op=True), out)
+        self.run("all_gather", lambda pg: compat.all_gather_single(out, mine, group=pg, async_op=True), mine)
 
     def reduce_scatter_into(self, out, flat):
         self.run("reduce_scatter",
