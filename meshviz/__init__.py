@@ -18,6 +18,9 @@ _LAZY = {
     "PipelineView": ".widgets",
     "RollCallView": ".widgets",
     "CommView": ".widgets",
+    "WhatIfView": ".widgets",
+    "what_if": ".whatif",
+    "WhatIf": ".whatif",
 }
 
 

@@ -21,6 +21,9 @@ __all__ = [
     "tree_unflatten",
     "flatten_dense_tensors", "unflatten_dense_tensors", "fake_tensor_type", "amp_unscale_",
     "queue_backward_callback",
+    # simulated ranks: tensors without storage
+    "fake_tensor_mode_type", "fake_data_errors", "fresh_fake_outputs", "may_keep_values", "known_values",
+    "clear_dtensor_caches", "install_fake_ddp", "uninstall_fake_ddp",
     # pipelining
     "PIPELINE_STAGE_METHODS", "PIPELINE_STAGE_SETUP", "pipeline_order", "action_fields",
     # ranks as threads
@@ -143,6 +146,97 @@ def fake_tensor_type():
     return FakeTensor
 
 
+# -- simulated ranks: tensors without storage --------------------------------------------------------------
+
+def fake_tensor_mode_type():
+    """torch's FakeTensorMode (a simulated rank's tensors are its fake tensors: shapes, dtypes, no storage)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode
+
+
+def fake_data_errors() -> tuple[type, type]:
+    """(what a fake tensor raises when asked for a value, what it raises for an output whose shape depends on
+    values)."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+
+    return DataDependentOutputException, DynamicOutputShapeException
+
+
+def fresh_fake_outputs(mode) -> None:
+    """Make ``mode`` wrap each op's output in a new fake tensor without remembering it: the memo's weak reference
+    would keep ``Module.to(dtype)`` from swapping a fake parameter ("Cannot swap t1 because it has weakref
+    associated with it"), and a kernel's output is always fresh."""
+    import types
+
+    FakeTensor = fake_tensor_type()
+
+    def from_meta_and_device(self, fake_mode, t, device, pytype=None, dispatch_keys=None):
+        return FakeTensor(fake_mode, t, device, pytype=pytype, dispatch_keys=dispatch_keys)
+
+    conv = mode.fake_tensor_converter
+    conv.from_meta_and_device = types.MethodType(from_meta_and_device, conv)
+
+
+def may_keep_values(mode, t: torch.Tensor, limit: int) -> bool:
+    """Whether a fake tensor made from real data ``t`` (``torch.tensor([...])``) keeps its values, as
+    FakeTensorMode does for one element (``may_turn_const``), here for up to ``limit`` elements."""
+    return (t.numel() <= limit and t.layout == torch.strided and not mode.is_our_fake(t)
+            and t.device.type != "meta")
+
+
+def known_values(t: torch.Tensor) -> torch.Tensor | None:
+    """The values a tensor holds: itself when real, the values a fake tensor kept (small data), else None."""
+    FakeTensor = fake_tensor_type()
+    if isinstance(t, FakeTensor):
+        return t.constant
+    if t.device.type == "meta" or type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
+        return None
+    return t
+
+
+def clear_dtensor_caches() -> None:
+    """Forget DTensor's sharding decisions on this thread: they hold the DeviceMesh of the rank that made them, and
+    a DeviceMesh compares equal to another rank's over the same ids on the same thread."""
+    from torch.distributed.tensor import DTensor
+
+    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+    native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)  # torch 2.13+: its C++ cache
+    if native is not None:
+        native()
+
+
+_ddp_verify: list = []  # DDP's own parameter check, while install_fake_ddp has replaced it
+
+
+def install_fake_ddp() -> None:
+    """Let DDP wrap a module of fake parameters: its constructor checks that every rank's parameters have one shape by
+    writing their sizes into a tensor from C++, which a fake tensor cannot hold; that check is skipped for fake
+    parameters (a simulated rank has no peers to compare with) and kept for every other. Undo with
+    :func:`uninstall_fake_ddp`."""
+    import torch.nn.parallel.distributed as ddp
+
+    if _ddp_verify:
+        return
+    real = ddp._verify_param_shape_across_processes
+    FakeTensor = fake_tensor_type()
+
+    def verify(process_group, tensors, logger=None):
+        if any(isinstance(t, FakeTensor) for t in tensors):
+            return None
+        return real(process_group, tensors, logger)
+
+    _ddp_verify.append(real)
+    ddp._verify_param_shape_across_processes = verify
+
+
+def uninstall_fake_ddp() -> None:
+    import torch.nn.parallel.distributed as ddp
+
+    if _ddp_verify:
+        ddp._verify_param_shape_across_processes = _ddp_verify.pop()
+
+
 # -- pipelining -------------------------------------------------------------------------------------------
 
 # the PipelineStage methods a traced stage overrides (torch's schedules call them)
@@ -246,6 +340,13 @@ def missing() -> list[str]:
         "DTensor(local, DTensorSpec(mesh, placements, tensor_meta=TensorMeta(...)), requires_grad=)": _dtensor_spec,
         "torch._C._disabled_torch_function_impl": lambda: disabled_torch_function_impl,
         "torch._subclasses.fake_tensor.FakeTensor": fake_tensor_type,
+        "FakeTensorMode.fake_tensor_converter.from_meta_and_device/is_our_fake": _fake_mode_parts,
+        "fake_tensor DataDependentOutputException/DynamicOutputShapeException": fake_data_errors,
+        "torch.nn.parallel.distributed._verify_param_shape_across_processes": lambda: _attr(
+            "torch.nn.parallel.distributed", "_verify_param_shape_across_processes"),
+        "DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear": lambda: (
+            _attr("torch.distributed.tensor", "DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding"
+                  ".cache_clear")),
         "autograd engine queue_callback": lambda: torch.autograd.Variable._execution_engine.queue_callback,
         "torch.distributed.pipelining.PipelineStage methods": _stage_methods,
         "torch.distributed.pipelining schedule actions": _action_fields,
@@ -270,6 +371,14 @@ def missing() -> list[str]:
         except Exception:
             out.append(name)
     return out
+
+
+def _fake_mode_parts():
+    mode = fake_tensor_mode_type()
+    mode.is_our_fake  # noqa: B018
+    mode.may_turn_const  # noqa: B018
+    conv = _attr("torch._subclasses.fake_tensor", "FakeTensorConverter")
+    conv.from_meta_and_device  # noqa: B018
 
 
 def _attr(module: str, path: str):

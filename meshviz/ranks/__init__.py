@@ -1,3 +1,4 @@
-"""Ways to make ranks under one Runner/Job contract (processes, threads), and the one place errors are assembled."""
+"""Ways to make ranks under one Runner/Job contract (processes, threads, simulated), and the one place errors are
+assembled."""
 
 __all__: list[str] = []

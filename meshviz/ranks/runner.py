@@ -9,7 +9,7 @@ from ..errors import RankError, RankOutcome
 
 __all__ = ["Job", "Kind", "Runner"]
 
-Kind = Literal["processes", "threads", "engines", "torchrun"]
+Kind = Literal["processes", "threads", "engines", "torchrun", "simulated"]
 
 
 @runtime_checkable
@@ -38,7 +38,8 @@ class Job(Protocol):
 class Runner(Protocol):
     """``n`` ranks of one ``kind``: ``"processes"`` (:class:`~meshviz.ranks.processes.RankProcesses`),
     ``"threads"`` (:class:`~meshviz.ranks.threads.ThreadWorld`), ``"engines"`` (the cluster's ipyparallel
-    engines) or ``"torchrun"`` (:class:`~meshviz.launch.agent.Torchrun`).
+    engines), ``"torchrun"`` (:class:`~meshviz.launch.agent.Torchrun`) or ``"simulated"``
+    (:class:`~meshviz.ranks.simulated.SimulatedWorld`: tensors without storage, collectives that move nothing).
 
     ``start()`` makes the ranks ready and returns the runner; ``submit(fn, ranks)`` runs ``fn(rank)`` on each of
     ``ranks`` (all by default) and returns its Job. A one-shot runner (processes, torchrun) takes one

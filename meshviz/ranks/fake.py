@@ -1,0 +1,166 @@
+"""Tensors without storage for a simulated rank, and what in its run may make it behave unlike another rank."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import torch.distributed as tdist
+
+from .. import compat
+from .ledger import Ledger
+
+__all__ = ["SimulatedTensors", "Layouts", "KEEP_VALUES", "users_read", "WatchedEnv"]
+
+KEEP_VALUES = 1 << 16  # a tensor made from Python data (a mesh's ids, a flag) keeps its values up to this many elements
+aten = torch.ops.aten
+
+
+# -- what a rank's layouts and rank reads were: what may make one rank behave unlike another --------------------------
+
+class Layouts:
+    """Every layout a dist tensor of the rank had when an op met it: (ProcessMesh, placements, global shape), where
+    placements are meshviz's (a dist tensor) or torch's (a DTensor inside an op: ``_StridedShard`` included)."""
+
+    def __init__(self) -> None:
+        self.seen: dict = {}
+
+    def note(self, args) -> None:
+        for x in args:
+            if isinstance(x, (list, tuple)):
+                for y in x:
+                    if isinstance(y, torch.Tensor):
+                        self._one(y)
+            elif isinstance(x, torch.Tensor):
+                self._one(x)
+
+    def _one(self, x) -> None:
+        from torch.distributed.tensor import DTensor
+
+        from ..runtime.dtensor import DistTensor, process_mesh_of
+
+        if isinstance(x, DistTensor):
+            mesh = x._pmesh
+            key = (mesh.unique_id, tuple(x.placements), tuple(x.shape))
+        elif isinstance(x, DTensor):
+            spec = x._spec
+            key = (id(spec.mesh), tuple(spec.placements), tuple(x.shape))
+            if key in self.seen:
+                return
+            mesh = process_mesh_of(spec.mesh)
+        else:
+            return
+        if key not in self.seen:
+            self.seen[key] = (mesh, key[1], key[2])
+
+    def layouts(self) -> list:
+        return list(self.seen.values())
+
+
+_PKG = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_TORCH = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+_C10D = os.path.abspath(tdist.distributed_c10d.__file__)
+_WORLD = os.path.join(_PKG, "runtime", "world.py")
+# the functions that only pass a rank on to their caller
+_FORWARD = {(_C10D, "get_rank"), (_C10D, "get_group_rank"), (_WORLD, "get_rank"), (_WORLD, "rank"),
+            (_WORLD, "_env_int")}
+# meshviz functions that hand the rank itself to the caller (Paddle's fleet getters)
+_HANDS_OVER = {os.path.join(_PKG, "distributed", "fleet", "__init__.py"),
+               os.path.join(_PKG, "distributed", "fleet", "topology.py")}
+
+
+def _reader(frame):
+    """The frame that asked for the rank (past the functions that only pass it on), or None."""
+    f = frame
+    while f is not None and (f.f_code.co_filename, f.f_code.co_name) in _FORWARD:
+        f = f.f_back
+    return f
+
+
+def users_read(frame) -> str | None:
+    """Where the user's own code read its rank (directly or through a getter that hands it over), else None."""
+    f = _reader(frame)
+    if f is None:
+        return None
+    name = f.f_code.co_filename
+    if name in _HANDS_OVER:
+        f = _reader(f.f_back)
+        name = f.f_code.co_filename if f is not None else ""
+    if not f or name.startswith(_PKG) or name.startswith(_TORCH) or name.startswith("<frozen"):
+        return None
+    return f"{os.path.basename(name)}:{f.f_lineno} in {f.f_code.co_name}()"
+
+
+class WatchedEnv(dict):
+    """A rank's variables; reading its rank from them (``RANK`` before the process group exists) is noted."""
+
+    KEYS = frozenset({"RANK", "LOCAL_RANK", "PADDLE_TRAINER_ID", "PADDLE_LOCAL_RANK"})
+
+    def __init__(self, env, reads: list):
+        super().__init__(env)
+        self.reads = reads
+
+    def __contains__(self, key) -> bool:
+        if key in self.KEYS:
+            where = users_read(sys._getframe(2))
+            if where is not None:
+                self.reads.append(where)
+        return super().__contains__(key)
+
+
+# -- tensors without storage --------------------------------------------------------------------------------------
+
+_VALUE_ERROR, _SHAPE_ERROR = compat.fake_data_errors()
+_FAKE = compat.fake_tensor_type()
+
+
+class SimulatedTensors(compat.fake_tensor_mode_type()):  # type: ignore[misc]
+    """torch's fake tensors for one simulated rank: every tensor its code makes has a shape, a dtype and a device
+    but no storage (what its ledger counts instead). A tensor made from Python data of up to :data:`KEEP_VALUES`
+    elements keeps its values (a mesh's ids, a flag), so code that reads such values runs as it does for real.
+    Where a value is unknown, ``item()`` reads 0; an op whose output's shape depends on values (``masked_select``,
+    ``nonzero``) gives its largest output (every element selected)."""
+
+    def __init__(self, ledger: Ledger | None = None, layouts: Layouts | None = None):
+        super().__init__(allow_non_fake_inputs=True)
+        compat.fresh_fake_outputs(self)
+        self.ledger = ledger
+        self.layouts = layouts
+        self._depth = 0
+
+    def may_turn_const(self, t) -> bool:
+        return compat.may_keep_values(self, t, KEEP_VALUES)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.layouts is not None and any(t is not _FAKE and t is not torch.Tensor for t in types):
+            self.layouts.note(args)
+        self._depth += 1
+        try:
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+        except _VALUE_ERROR:
+            if func is aten._local_scalar_dense.default:
+                t = args[0]
+                return False if t.dtype == torch.bool else 0.0 if t.is_floating_point() else 0
+            raise
+        except _SHAPE_ERROR:
+            out = self._largest(func, args, kwargs)
+        finally:
+            self._depth -= 1
+        # an op the fake kernel runs inside another (a decomposition's steps; the first call only, the next ones hit
+        # its cache) is no allocation of the rank's: a real kernel makes only the outer op's output
+        if self.ledger is not None and self._depth == 0 and out is not NotImplemented:
+            self.ledger.saw(out)
+        return out
+
+    def _largest(self, func, args, kwargs):
+        x = args[0]
+        with self:
+            if func is aten.masked_select.default:
+                n = torch.broadcast_shapes(x.shape, args[1].shape).numel()
+                return torch.empty(n, dtype=x.dtype, device=x.device)
+            if func in (aten.nonzero.default, aten.argwhere.default):
+                return torch.empty((x.numel(), x.dim()), dtype=torch.long, device=x.device)
+        raise NotImplementedError(f"{func}: its output's shape depends on the values, which a simulated rank does not "
+                                  f"have")
