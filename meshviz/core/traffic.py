@@ -11,12 +11,13 @@ from .layout import chunk, local_block
 __all__ = ["RECEIVED", "received", "step_received"]
 
 # op -> what a rank receives (k ranks, ``me`` this rank's index in the group, the root's index for rooted ops):
-# the symmetric collectives by the bandwidth-optimal ring, the rooted ones directly from or to the root
+# the symmetric collectives by the bandwidth-optimal ring over k chunks of ceil(n / k) elements (the same on every
+# rank: which chunk a rank misses depends on the ring's order, which no rank chooses), the rooted ones directly
 RECEIVED = {
-    "all_reduce": "2 x (the tensor less this rank's 1/k chunk): the ring's reduce-scatter, then its all-gather",
-    "reduce_scatter": "the input less this rank's chunk",
+    "all_reduce": "2 (k-1) chunks: the ring's reduce-scatter, then its all-gather",
+    "reduce_scatter": "k-1 chunks of the input",
     "all_gather": "the other k-1 ranks' inputs",
-    "all_to_all": "the other k-1 ranks' pieces for this rank",
+    "all_to_all": "k-1 chunks of the input",
     "broadcast": "the tensor, except on the root (nothing)",
     "reduce": "the other k-1 ranks' tensors on the root, nothing elsewhere",
     "gather": "the other k-1 ranks' tensors on the root, nothing elsewhere",
@@ -32,10 +33,9 @@ _ALIASES = {"alltoall": "all_to_all", "alltoall_single": "all_to_all", "batch_is
 Sizes = Sequence[tuple[int, int]]  # (numel, itemsize) of each tensor the rank passes
 
 
-def _rest(n: int, k: int, me: int) -> int:
-    """Elements of ``n`` outside this rank's chunk (chunks as the layout cuts them: ceil-sized, short tail)."""
-    lo, hi = chunk(n, k, me)
-    return n - (hi - lo)
+def _chunks(n: int, k: int) -> int:
+    """Elements of the k-1 chunks of ``n`` a rank of a ring of ``k`` receives (chunks of ceil(n / k))."""
+    return (k - 1) * -(-n // k)
 
 
 def received(op: str, sizes: Sizes, k: int, me: int, root: int | None = None) -> int:
@@ -43,8 +43,9 @@ def received(op: str, sizes: Sizes, k: int, me: int, root: int | None = None) ->
 
     ``sizes`` are the tensors this rank passes: the reduced / broadcast tensor(s); for all_gather and gather this
     rank's input; for reduce_scatter and all_to_all either this rank's whole input (one flat tensor per entry) or
-    its ``k`` pieces; for scatter and recv the buffer it receives into. ``root`` is the root's index (rooted ops).
-    An op without a model (object collectives: their size is not known before pickling) receives 0.
+    its ``k`` pieces (taken as one input); for scatter and recv the buffer it receives into. ``root`` is the root's
+    index (rooted ops). An op without a model (object collectives: their size is not known before pickling)
+    receives 0.
     """
     op = _ALIASES.get(op, op)
     total = sum(int(n) * int(s) for n, s in sizes)
@@ -53,11 +54,11 @@ def received(op: str, sizes: Sizes, k: int, me: int, root: int | None = None) ->
     if k <= 1:
         return 0
     if op == "all_reduce":
-        return sum(2 * _rest(int(n), k, me) * int(s) for n, s in sizes)
+        return sum(2 * _chunks(int(n), k) * int(s) for n, s in sizes)
     if op in ("reduce_scatter", "all_to_all"):
-        if len(sizes) == k and k > 1:
-            return sum(int(n) * int(s) for j, (n, s) in enumerate(sizes) if j != me)
-        return sum(_rest(int(n), k, me) * int(s) for n, s in sizes)
+        if len(sizes) == k and len({s for _, s in sizes}) == 1:
+            sizes = [(sum(int(n) for n, _ in sizes), sizes[0][1])]
+        return sum(_chunks(int(n), k) * int(s) for n, s in sizes)
     if op == "all_gather":
         return (k - 1) * total
     if op in ("reduce", "gather"):
@@ -78,8 +79,9 @@ def _block_numel(shape, mesh, placements, coord) -> int:
 def step_received(step, rank: int, itemsize: int) -> int:
     """Bytes ``rank`` receives in one reshard step (a :class:`~meshviz.core.planner.Step`); 0 when it has no part.
 
-    The same model as :func:`received`, with each rank's own block: a line's ranks may hold blocks of different
-    sizes (uneven chunks), so the ranks of one step receive different amounts (``Step.bytes`` is the largest)."""
+    The same model as :func:`received`, with the rank's own block; an all-gather, an all-to-all and a transfer
+    between meshes move blocks whole, so the rank receives exactly the elements its block gains, which differ
+    between ranks where the blocks split unevenly (``Step.bytes`` is the largest)."""
     if step.op == "send_recv":
         got = 0
         for j, (s, t) in enumerate(step.groups):
@@ -103,11 +105,10 @@ def step_received(step, rank: int, itemsize: int) -> int:
     mine = [b - a for a, b in local_block(shape, mesh, before, coord)]
     n = _numel(mine)
     if step.op == "all_reduce":
-        return 2 * _rest(n, k, me) * itemsize
+        return 2 * _chunks(n, k) * itemsize
     if step.op == "reduce_scatter":
         length = mine[step.dim]
-        lo, hi = chunk(length, k, me)
-        return (n - (n // length * (hi - lo) if length else 0)) * itemsize
+        return (n // length * _chunks(length, k) if length else 0) * itemsize
     if step.op == "all_to_all":
         got = 0
         for j, c in enumerate(line):

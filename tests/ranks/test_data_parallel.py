@@ -134,9 +134,9 @@ def test_data_parallel_matches_single_process(tmp_path):
         ops = [e[0] for e in res[r]["events"]]
         assert ops[0] == "broadcast" and ops.count("all_reduce") >= 5
         assert all(e[1] == [0, 1] for e in res[r]["events"])
-        # one gradient bucket (all 121 float params fit in the first 1 MB bucket) per step; of its chunks (61, 60
-        # floats) a rank receives the other one twice (the ring's reduce-scatter and all-gather)
-        assert [e[2] for e in res[r]["events"] if e[0] == "all_reduce"][:5] == [2 * (60 if r == 0 else 61) * 4] * 5
+        # one gradient bucket (all 121 float params fit in the first 1 MB bucket) per step; a rank receives one
+        # chunk of 61 floats twice (the ring's reduce-scatter and all-gather)
+        assert [e[2] for e in res[r]["events"] if e[0] == "all_reduce"][:5] == [2 * 61 * 4] * 5
 
     # 3. no_sync: synced grad = mean over ranks of (local no_sync grad + second backward's grad)
     torch.manual_seed(7)

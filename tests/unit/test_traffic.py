@@ -1,5 +1,5 @@
 """The byte model of every event: what a rank receives in each collective, and in each reshard step against the
-blocks it holds before and after the step (counted element by element)."""
+blocks the ranks hold before and after the step (counted element by element)."""
 
 import numpy as np
 import pytest
@@ -14,17 +14,17 @@ F32 = 4
 
 
 @pytest.mark.parametrize("op, sizes, k, me, root, want", [
-    # a ring all-reduce: every chunk but this rank's arrives twice (reduce-scatter, then all-gather)
-    ("all_reduce", [(12, F32)], 4, 1, None, 2 * 9 * F32),
-    ("all_reduce", [(3, F32)], 4, 3, None, 2 * 3 * F32),  # chunks 1, 1, 1, 0: the last rank holds none
-    ("all_reduce", [(3, F32)], 4, 0, None, 2 * 2 * F32),
+    # a ring all-reduce: k-1 chunks of ceil(n / k) arrive twice (reduce-scatter, then all-gather)
+    ("all_reduce", [(12, F32)], 4, 1, None, 2 * 3 * 3 * F32),
+    ("all_reduce", [(3, F32)], 4, 3, None, 2 * 3 * 1 * F32),  # chunks of 1: the same on every rank
+    ("all_reduce", [(3, F32)], 4, 0, None, 2 * 3 * 1 * F32),
     ("all_reduce", [(8, F32), (2, 8)], 2, 0, None, 2 * (4 * F32 + 1 * 8)),
     ("all_reduce", [(12, F32)], 1, 0, None, 0),
     ("all_gather", [(5, F32)], 4, 2, None, 3 * 5 * F32),  # the other three inputs
-    ("reduce_scatter", [(12, F32)], 3, 0, None, 8 * F32),  # the flat input less this rank's chunk of 4
-    ("reduce_scatter", [(2, F32), (3, F32), (4, F32)], 3, 1, None, 6 * F32),  # k pieces: all but its own
+    ("reduce_scatter", [(12, F32)], 3, 0, None, 8 * F32),  # two chunks of 4
+    ("reduce_scatter", [(3, F32), (3, F32), (3, F32)], 3, 1, None, 6 * F32),  # k pieces: one input of 9
     ("all_to_all", [(12, F32)], 4, 3, None, 9 * F32),
-    ("alltoall", [(1, F32), (2, F32)], 2, 0, None, 2 * F32),
+    ("alltoall", [(1, F32), (1, F32)], 2, 0, None, 1 * F32),
     ("broadcast", [(6, F32)], 4, 2, 2, 0),  # the root receives nothing
     ("broadcast", [(6, F32)], 4, 1, 2, 6 * F32),
     ("reduce", [(6, F32)], 4, 0, 0, 3 * 6 * F32),  # the root gets every other rank's tensor
@@ -68,8 +68,10 @@ def _truth(step, rank) -> int:
     after = _box(step.shape, step.mesh, step.after, rank)
     if step.op == "all_gather":
         return _numel(after) - _numel(before)
-    if step.op == "reduce_scatter":
-        return _numel(before) - _numel(after)
+    if step.op == "reduce_scatter":  # its chunk of the line's sum: k - 1 pieces the size of the largest chunk
+        k = step.mesh.shape[step.axis]
+        line = step.mesh.axis_group_of(rank, step.axis)
+        return (k - 1) * max(_numel(_box(step.shape, step.mesh, step.after, r)) for r in line)
     if step.op == "all_to_all":
         return _numel(after) - _common(before, after)
     raise AssertionError(step.op)
@@ -103,5 +105,5 @@ def test_an_even_all_reduce_step_receives_what_the_planner_counts():
     mesh = ProcessMesh([[0, 1], [2, 3]], ["dp", "mp"])
     plan = plan_reshard((8, 4), mesh, [Partial(), Replicate()], mesh, [Replicate(), Replicate()], itemsize=F32)
     (step,) = plan.steps
-    # an 8 x 4 block on a line of two: the half outside its chunk arrives twice
+    # an 8 x 4 block on a line of two: one chunk of half of it arrives twice
     assert [step_received(step, r, F32) for r in range(4)] == [2 * 8 * 4 * F32 // 2] * 4
