@@ -16,6 +16,7 @@ from ..runtime import groups, ops  # noqa: F401  (ops: every op on a dist tensor
 from ..runtime.autograd import from_local, local_block_of, plan_of, run_reshard, to_local
 from ..runtime.autograd import place as place_dense
 from ..runtime.autograd import reshard as reshard_fn
+from ..runtime.devices import device
 from ..runtime.dtensor import DistTensor, make_dist
 from ..runtime.world import init_parallel_env
 
@@ -170,6 +171,14 @@ def unshard_dtensor(dist_tensor) -> torch.Tensor:
     return dtensor_to_local(full)
 
 
+def _member_block(t: DistTensor) -> torch.Tensor:
+    """A meta tensor shaped as the block the first rank of ``t``'s mesh holds."""
+    mesh = t.process_mesh
+    coord = mesh.coordinate(mesh.process_ids[0])
+    shape = [b - a for a, b in local_block(tuple(t.shape), mesh, t.placements, coord)]
+    return torch.empty(shape, dtype=t.dtype, device="meta")
+
+
 def local_map(func, out_placements, in_placements=None, process_mesh=None, reshard_inputs=False):
     """Wrap ``func`` to run on local blocks: dist inputs become their blocks, outputs become dist tensors
     with ``out_placements`` (one list per output; None for a non-tensor output)."""
@@ -179,7 +188,7 @@ def local_map(func, out_placements, in_placements=None, process_mesh=None, resha
         flat_in = list(args)
         if in_placements is not None and len(in_placements) != len(flat_in):
             raise ValueError(f"local_map: {len(in_placements)} in_placements for {len(flat_in)} inputs")
-        locals_ = []
+        locals_, stand_ins = [], []
         for i, a in enumerate(flat_in):
             if isinstance(a, DistTensor):
                 mesh = mesh or a.process_mesh
@@ -190,17 +199,32 @@ def local_map(func, out_placements, in_placements=None, process_mesh=None, resha
                                          f"pass reshard_inputs=True to reshard it")
                     a = reshard(a, a.process_mesh, want)
                 locals_.append(dtensor_to_local(a))
+                stand_ins.append(_member_block(a))
             else:
                 locals_.append(a)
+                stand_ins.append(a)
         if mesh is None:
             raise ValueError("local_map needs a process_mesh when no input is a dist tensor")
-        out = func(*locals_, **kwargs)
+        outside = not mesh.contains(_rank())
+        if outside:
+            # a rank outside the mesh holds no blocks: func runs on meta stand-ins of a member's blocks, which give
+            # the outputs' shapes (so every rank agrees on them); the rank keeps empty blocks, as for any op
+            with torch.device("meta"):
+                out = func(*stand_ins, **kwargs)
+        else:
+            out = func(*locals_, **kwargs)
         single = not isinstance(out, (tuple, list))
         outs = [out] if single else list(out)
         out_pls = [out_placements] if single and out_placements and not isinstance(out_placements[0], (list, tuple)) \
             else list(out_placements)
-        res = [dtensor_from_local(o, mesh, p) if p is not None and isinstance(o, torch.Tensor) else o
-               for o, p in zip(outs, out_pls)]
+
+        def place(o, p):
+            if not outside:
+                return dtensor_from_local(o, mesh, p)
+            shape = _global_shape(o, mesh, pad_placements(p, mesh))
+            return dtensor_from_local(torch.empty(0, dtype=o.dtype, device=device()), mesh, p, shape=shape)
+
+        res = [place(o, p) if p is not None and isinstance(o, torch.Tensor) else o for o, p in zip(outs, out_pls)]
         return res[0] if single else type(out)(res)
 
     return wrapped

@@ -136,9 +136,10 @@ def representable(placements) -> bool:
 def block_device_type(local: torch.Tensor) -> str:
     """Where a dist tensor's blocks live: a CUDA block stays on CUDA (gloo carries CUDA tensors for its main
     collectives); a CPU one goes to this rank's device (its GPU under NCCL), as Paddle places tensors on the
-    current device."""
+    current device; so does a meta one (a model built on the meta device: its blocks are allocated later, by
+    ``to_empty``, on the mesh the rest of the model uses)."""
     t = local.device.type
-    return t if t != "cpu" else device().type
+    return t if t not in ("cpu", "meta") else device().type
 
 
 def make_dtensor(local: torch.Tensor, mesh: ProcessMesh, placements, shape, device_type: str | None = None) -> DTensor:

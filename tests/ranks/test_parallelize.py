@@ -481,3 +481,36 @@ def test_global_mesh_is_fleet_auto_mesh():
         dist.set_mesh([[0, 1]])
     with pytest.raises(NotImplementedError, match="use dist.parallelize|Use dist.parallelize"):
         dist.to_distributed(LlamaForCausalLM(), None, None, device_num=4)
+
+
+def meta_then_to_empty(meta):
+    """The tiny Llama built on the meta device (nothing allocated), parallelized, then each rank's blocks made
+    with ``to_empty``; or built on the CPU. The layouts a step sees, and the loss after a step from the same
+    weights."""
+    import meshviz.distributed as dist
+
+    mesh = dist.ProcessMesh([[0, 1], [2, 3]], dim_names=["dp", "mp"])
+    dist.auto_parallel.set_mesh(mesh)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM()
+    if meta:
+        with torch.device("meta"):
+            model = LlamaForCausalLM()
+    model, _ = dist.parallelize(model, None, config={"mp_config": {"parallelize_plan": _plan(False)}})
+    if meta:
+        model.to_empty(device="cpu")
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape) * 0.1)
+    ids = dist.shard_tensor(torch.arange(16).reshape(4, 4) % 16, mesh, [dist.Shard(0), dist.Replicate()])
+    emb = model.llama.embed_tokens(ids)
+    logits = model(ids)
+    return [repr(emb.placements), repr(logits.placements), dist.unshard_dtensor(logits).sum().item()]
+
+
+def test_a_model_built_on_the_meta_device_trains_as_one_built_on_the_cpu():
+    cpu, meta = run_ranks(meta_then_to_empty, 4, False), run_ranks(meta_then_to_empty, 4, True)
+    assert cpu[0][:2] == ["[S(0), R]", "[S(0), R]"]
+    for a, b in zip(cpu, meta):
+        assert a[:2] == b[:2] and a[2] == pytest.approx(b[2], rel=1e-6)

@@ -357,6 +357,31 @@ def test_dtensor_from_local_and_local_map():
     assert all(run_ranks(from_local, 6, timeout=120))
 
 
+def local_map_off_the_mesh():
+    """A pipeline stage's local function: ranks 2 and 3 are outside the stage's mesh [0, 1]."""
+    import meshviz.distributed as dist
+
+    dist.init_parallel_env()
+    mesh = dist.ProcessMesh([0, 1], dim_names=["x"])
+    t = dist.shard_tensor(torch.arange(12.0).reshape(4, 3), mesh, [dist.Shard(0)])
+    f = dist.local_map(lambda v: torch.cat([v, torch.ones(v.shape[0], 1)], 1) * 2, [[dist.Shard(0)]])
+    out = f(t)
+    return list(out.shape), out.placements, out._local_value().tolist()
+
+
+def test_local_map_on_a_rank_outside_the_mesh_agrees_on_the_shape():
+    res = run_ranks(local_map_off_the_mesh, 4, timeout=120)
+    want = (torch.cat([torch.arange(12.0).reshape(4, 3), torch.ones(4, 1)], 1) * 2).tolist()
+    assert [r[:2] for r in res] == [([4, 4], [dist_shard0()])] * 4  # every rank: the same global shape
+    assert res[0][2] + res[1][2] == want and res[2][2] == res[3][2] == []
+
+
+def dist_shard0():
+    from meshviz import Shard
+
+    return Shard(0)
+
+
 # -- bad input: a clear error on every rank, before any communication ---------------------------------------
 
 
