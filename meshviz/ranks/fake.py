@@ -11,10 +11,12 @@ import torch.distributed as tdist
 from .. import compat
 from .ledger import Ledger
 
-__all__ = ["SimulatedTensors", "Layouts", "KEEP_VALUES", "users_read", "WatchedEnv"]
+__all__ = ["SimulatedTensors", "Layouts", "KEEP_VALUES", "REAL_INDICES", "users_read", "WatchedEnv"]
 
-KEEP_VALUES = 1 << 16  # a tensor made from Python data (a mesh's ids, a flag) keeps its values up to this many elements
+KEEP_VALUES = 1 << 16  # a tensor made from Python data (a flag, a step count) keeps its values up to this many elements
+REAL_INDICES = 1 << 22  # integer and bool tensors (ids, indices, masks) up to this many elements are real
 aten = torch.ops.aten
+_INDEX = frozenset({torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64})
 
 
 # -- what a rank's layouts and rank reads were: what may make one rank behave unlike another --------------------------
@@ -115,12 +117,28 @@ _VALUE_ERROR, _SHAPE_ERROR = compat.fake_data_errors()
 _FAKE = compat.fake_tensor_type()
 
 
+def _tensor_args(args, kwargs) -> list:
+    out = []
+    for x in (*args, *kwargs.values()):
+        if isinstance(x, torch.Tensor):
+            out.append(x)
+        elif isinstance(x, (list, tuple)):
+            out.extend(y for y in x if isinstance(y, torch.Tensor))
+    return out
+
+
+def _small_index(t) -> bool:
+    return t.dtype in _INDEX and t.numel() <= REAL_INDICES
+
+
 class SimulatedTensors(compat.fake_tensor_mode_type()):  # type: ignore[misc]
-    """torch's fake tensors for one simulated rank: every tensor its code makes has a shape, a dtype and a device
-    but no storage (what its ledger counts instead). A tensor made from Python data of up to :data:`KEEP_VALUES`
-    elements keeps its values (a mesh's ids, a flag), so code that reads such values runs as it does for real.
-    Where a value is unknown, ``item()`` reads 0; an op whose output's shape depends on values (``masked_select``,
-    ``nonzero``) gives its largest output (every element selected)."""
+    """torch's fake tensors for one simulated rank: every floating-point tensor its code makes has a shape, a dtype
+    and a device but no storage (what its ledger counts instead). Index tensors stay real: an integer or bool tensor
+    of up to :data:`REAL_INDICES` elements made by a factory (``arange``, ``randint``) or from real index tensors
+    holds its values, so the ids, masks and offsets code computes with (DTensor's own included) are right and
+    cheap. A tensor made from Python data of up to :data:`KEEP_VALUES` elements keeps its values (a flag, a step
+    count). Where a value is unknown, ``item()`` reads 0; an op whose output's shape depends on values
+    (``masked_select``, ``nonzero``) gives its largest output (every element selected)."""
 
     def __init__(self, ledger: Ledger | None = None, layouts: Layouts | None = None):
         super().__init__(allow_non_fake_inputs=True)
@@ -136,6 +154,12 @@ class SimulatedTensors(compat.fake_tensor_mode_type()):  # type: ignore[misc]
         kwargs = kwargs or {}
         if self.layouts is not None and any(t is not _FAKE and t is not torch.Tensor for t in types):
             self.layouts.note(args)
+        if all(t is not _FAKE for t in types):
+            real = self._real(func, args, kwargs)
+            if real is not NotImplemented:
+                if self.ledger is not None and self._depth == 0 and not compat.in_sharding_propagation():
+                    self.ledger.saw(real)
+                return real
         self._depth += 1
         try:
             out = super().__torch_dispatch__(func, types, args, kwargs)
@@ -150,9 +174,28 @@ class SimulatedTensors(compat.fake_tensor_mode_type()):  # type: ignore[misc]
             self._depth -= 1
         # an op the fake kernel runs inside another (a decomposition's steps; the first call only, the next ones hit
         # its cache) is no allocation of the rank's: a real kernel makes only the outer op's output
-        if self.ledger is not None and self._depth == 0 and out is not NotImplemented:
+        if self.ledger is not None and self._depth == 0 and out is not NotImplemented \
+                and not compat.in_sharding_propagation():  # DTensor's global-shape stand-ins hold no memory
             self.ledger.saw(out)
         return out
+
+    def _real(self, func, args, kwargs):
+        """``func`` run for real when it makes or works on index tensors only (NotImplemented otherwise)."""
+        tensors = _tensor_args(args, kwargs)
+        if any(isinstance(t, _FAKE) or not _small_index(t) for t in tensors):
+            return NotImplemented
+        if not tensors:  # a factory: real only when it makes a small index tensor (asked of the meta device first)
+            if "device" not in kwargs or kwargs["device"] is None or torch.device(kwargs["device"]).type != "cpu":
+                return NotImplemented
+            try:
+                with compat.no_dispatch_modes():
+                    probe = func(*args, **{**kwargs, "device": torch.device("meta")})
+            except Exception:
+                return NotImplemented
+            if not isinstance(probe, torch.Tensor) or not _small_index(probe):
+                return NotImplemented
+        with compat.no_dispatch_modes():
+            return func(*args, **kwargs)
 
     def _largest(self, func, args, kwargs):
         x = args[0]

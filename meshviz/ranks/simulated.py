@@ -7,6 +7,7 @@ import ctypes
 import datetime
 import random
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,6 +42,7 @@ class RankRun:
     stdout: str = ""
     layouts: list = field(default_factory=list)
     reads: list = field(default_factory=list)
+    seconds: float = 0.0
 
 
 class _Capture:
@@ -133,6 +135,7 @@ class SimulatedWorld:
             sim_backend.register()
             install_hooks()
             compat.install_fake_ddp()
+            compat.share_dtensor_decisions(lambda: SIM.get().ledger is not None)
             self._routed = not isinstance(__import__("sys").stdout, patches._Router)
             patches.route_streams()
             self.started = True
@@ -167,6 +170,7 @@ class SimulatedWorld:
         if self.started:
             if remove_hooks():
                 compat.uninstall_fake_ddp()
+                compat.share_dtensor_decisions(None)
             patches.uninstall()
             if self._routed:
                 patches.unroute_streams()
@@ -189,6 +193,7 @@ class SimulatedWorld:
                                      timeout=datetime.timedelta(seconds=timeout))
 
         reads: list[str] = []
+        t0 = time.monotonic()
         ctx = RankContext(rank, init=join)
         ctx.env = WatchedEnv(self._env(rank), reads)
         ledger, layouts = Ledger(), Layouts()
@@ -220,7 +225,7 @@ class SimulatedWorld:
             patches.capture().out = None
             _leave()
         return RankRun(outcome, sink.events, held, "".join(out.stdout + out.stderr), layouts.layouts(),
-                       list(dict.fromkeys(reads)))
+                       list(dict.fromkeys(reads)), time.monotonic() - t0)
 
 
 def _plain(value):

@@ -125,6 +125,8 @@ def small_values(tensor, limit: int = MAX_VALUES) -> list | None:
     """Up to ``limit`` leading elements of a tensor-like as a flat list of Python numbers."""
     if tensor is None:
         return None
+    if getattr(tensor, "fake_mode", None) is not None and getattr(tensor, "constant", None) is None:
+        return None  # a simulated rank's tensor: a shape without values
     try:
         flat = tensor.reshape(-1)
         n = flat.shape[0]
