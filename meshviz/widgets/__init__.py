@@ -10,8 +10,10 @@ from .reshard_view import ReshardView
 from .rollcall_view import RollCallView
 from .show import show
 from .tensor_view import TensorState, TensorView, tensor_state
+from .what_if_view import WhatIfView
 
 __all__ = [
     "View", "Replayer", "MeshView", "TensorView", "TensorState", "tensor_state", "ReshardView", "PipelineView",
     "synthetic_schedule", "bubble_formula", "Explorer", "explore", "plan_table", "show", "RollCallView", "CommView",
+    "WhatIfView",
 ]

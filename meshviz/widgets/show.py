@@ -1,5 +1,5 @@
 """``meshviz.show(obj)``: the right view for a mesh, a layout, a tensor, a plan, events, a cluster, a roll-call
-(``cluster.status()``) or a comm table."""
+(``cluster.status()``), a comm table or a what-if report."""
 
 from __future__ import annotations
 
@@ -35,6 +35,8 @@ def show(obj, **kw) -> View:
     """A view of ``obj``; in a notebook, the returned view draws itself when it is a cell's last expression."""
     if isinstance(obj, View):
         return obj
+    if hasattr(obj, "per_rank") and hasattr(obj, "like"):  # a what-if report (meshviz.what_if)
+        return obj.view(**kw)
     if isinstance(obj, RollCall) or (isinstance(obj, (list, tuple)) and obj
                                      and all(isinstance(s, RankStatus) for s in obj)):
         return RollCallView(obj, **kw)
