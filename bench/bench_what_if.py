@@ -197,7 +197,8 @@ def main() -> None:
     print(report)
     print(report.table())
     print(f"{n} ranks, {args.layers} layers, mesh {args.mesh} ({args.names}), sharding stage {args.level}: "
-          f"{seconds:.1f} s, {len(report.simulated)} simulated, peak RSS {rss:.0f} MiB")
+          f"{seconds:.1f} s ({report.deciding:.1f} s deciding which ranks are alike), {len(report.simulated)} "
+          f"simulated, peak RSS {rss:.0f} MiB")
 
 
 if __name__ == "__main__":

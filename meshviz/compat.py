@@ -211,8 +211,10 @@ def clear_dtensor_caches() -> None:
 class _SharedDecisions:
     """Stands in for one of DTensor's ways to a sharding decision (``propagate_op_sharding``, its Python cache, and
     ``propagate_op_sharding_non_cached``, where its C++ cache sends a miss): where ``when()`` holds, a decision
-    another rank made for the same op, mesh ids, placements and shapes is taken, moved onto this rank's DeviceMesh,
-    instead of being searched again (a search is the slowest part of a DTensor op's first call)."""
+    another rank made for the same op, mesh shape and axis names, placements and shapes is taken, moved onto this
+    rank's DeviceMesh, instead of being searched again (a search is the slowest part of a DTensor op's first call).
+    Which ids the mesh holds does not enter a decision (DTensor's strategies read a mesh's sizes only), so the
+    stages of a pipeline, meshes of one shape over other ranks, share theirs too."""
 
     def __init__(self, cached, when, memo: dict, mesh_keys: dict):
         self.cached = cached
@@ -237,7 +239,7 @@ class _SharedDecisions:
         if hit is not None:
             return _rebase(hit, mesh)
         out = self._search(op_schema)
-        if len(self.memo) < 65536 and _all_even(op_schema) and _all_even(out):
+        if _all_even(op_schema) and _all_even(out):
             self.memo[key] = out
         return out
 
@@ -254,8 +256,7 @@ class _SharedDecisions:
     def _mesh_key(self, dm):
         key = self.mesh_keys.get(id(dm))
         if key is None or key[0] is not dm:
-            ids = dm.mesh
-            key = (dm, (tuple(ids.shape), tuple(ids.flatten().tolist()), dm.mesh_dim_names, dm.device_type))
+            key = (dm, (tuple(dm.mesh.shape), dm.mesh_dim_names, dm.device_type))
             self.mesh_keys[id(dm)] = key
         return key[1]
 
@@ -338,15 +339,20 @@ def _rebase(x, mesh):
     return x
 
 
+_DECISIONS: tuple[dict, dict] = ({}, {})  # the decisions shared, and DeviceMesh -> its key
+
+
 def share_dtensor_decisions(when=None) -> None:
     """From now on (``when`` None: no longer), ranks for which ``when()`` holds share DTensor's sharding decisions
-    (see :class:`_SharedDecisions`): a decision depends on the op, the mesh ids, the placements and the shapes,
+    (see :class:`_SharedDecisions`): a decision depends on the op, the mesh's shape, the placements and the shapes,
     never on which rank makes it (every rank of an SPMD program must make the same one)."""
     from torch.distributed.tensor import DTensor
 
     prop = DTensor._op_dispatcher.sharding_propagator
-    memo: dict = {}
-    mesh_keys: dict = {}
+    memo, mesh_keys = _DECISIONS  # kept from one run of simulated ranks to the next: decisions are pure
+    if len(memo) > 50000:
+        memo.clear()
+        mesh_keys.clear()
     for name in ("propagate_op_sharding", "propagate_op_sharding_non_cached"):
         current = getattr(prop, name)
         if isinstance(current, _SharedDecisions):

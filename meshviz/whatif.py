@@ -46,6 +46,7 @@ class WhatIf:
     outputs: dict[int, str] = field(default_factory=dict)
     values: dict[int, object] = field(default_factory=dict)
     seconds: float = 0.0
+    deciding: float = 0.0  # of ``seconds``, deciding which ranks are alike
     limit: float | None = 80 * GB
 
     # -- reading it ------------------------------------------------------------------------------------------
@@ -143,6 +144,7 @@ def what_if(fn: Callable, nranks: int, *args, share: bool = True, timeout: float
     deadline = t0 + timeout
     like: dict[int, int] = {}
     runs: dict = {}
+    deciding = 0.0
     alone: dict[int, list[str]] = {}
     world = SimulatedWorld(nranks, timeout=timeout).start()
     try:
@@ -161,8 +163,10 @@ def what_if(fn: Callable, nranks: int, *args, share: bool = True, timeout: float
                     raise TimeoutError(f"what_if: rank {rep} was still simulating after {timeout:g} s")
                 run = runs[rep] = job.runs[rep]
                 if share:
+                    t1 = time.monotonic()
                     facts = Facts(rep, nranks, run.events, run.layouts, run.reads)
                     group = facts.alike(left)
+                    deciding += time.monotonic() - t1
                     if facts.alone:
                         alone[rep] = list(dict.fromkeys(facts.alone))
                 else:
@@ -184,4 +188,4 @@ def what_if(fn: Callable, nranks: int, *args, share: bool = True, timeout: float
     return WhatIf(nranks, per_rank, events, like, sorted(runs), alone,
                   outputs={rep: run.stdout for rep, (run, _) in runs.items()},
                   values={rep: run.outcome.value for rep, (run, _) in runs.items()},
-                  seconds=time.monotonic() - t0, limit=limit)
+                  seconds=time.monotonic() - t0, deciding=deciding, limit=limit)

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from .layout import chunk, local_block
+from .placements import Shard
 
 __all__ = ["RECEIVED", "received", "step_received"]
 
@@ -76,6 +77,15 @@ def _block_numel(shape, mesh, placements, coord) -> int:
     return _numel([b - a for a, b in local_block(shape, mesh, placements, coord)])
 
 
+def _even(shape, mesh, placements) -> bool:
+    """Every coordinate's block has the same shape: each sharded dim divides by the product of its mesh axes."""
+    ways: dict[int, int] = {}
+    for axis, p in enumerate(placements):
+        if isinstance(p, Shard):
+            ways[p.dim] = ways.get(p.dim, 1) * mesh.shape[axis]
+    return all(int(shape[d]) % k == 0 for d, k in ways.items())
+
+
 def step_received(step, rank: int, itemsize: int) -> int:
     """Bytes ``rank`` receives in one reshard step (a :class:`~meshviz.core.planner.Step`); 0 when it has no part.
 
@@ -101,6 +111,8 @@ def step_received(step, rank: int, itemsize: int) -> int:
     line = [tuple(coord[:step.axis]) + (j,) + tuple(coord[step.axis + 1:]) for j in range(k)]
     shape, mesh, before = step.shape, step.mesh, step.before
     if step.op == "all_gather":
+        if _even(shape, mesh, before):  # every block the same size: no need to lay out the whole line
+            return (k - 1) * _block_numel(shape, mesh, before, coord) * itemsize
         return sum(_block_numel(shape, mesh, before, c) for j, c in enumerate(line) if j != me) * itemsize
     mine = [b - a for a, b in local_block(shape, mesh, before, coord)]
     n = _numel(mine)

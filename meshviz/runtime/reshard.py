@@ -68,8 +68,25 @@ def _all_gather(step: Step, local: torch.Tensor, group, coords) -> torch.Tensor:
     src = moved.contiguous()
     run(Call(CollectiveOp.ALL_GATHER, group, lambda g: compat.all_gather_single(buf, src, group=g.process_group),
              tensors=(src,), nbytes=src.numel() * src.element_size() * k, traced=False))
-    pieces = [buf[i * m : i * m + s] for i, s in enumerate(sizes)]
-    return torch.cat(pieces).movedim(0, d).contiguous()
+    # block i is buf[i*m : i*m + sizes[i]]; a full block ends where the next begins, so runs of them are one slice
+    # (even blocks: buf itself; ceil-chunked ones: at most two slices, not one op per rank of the line)
+    spans: list[list[int]] = []
+    for i, s in enumerate(sizes):
+        if s == 0:
+            continue
+        if spans and spans[-1][1] == i * m:
+            spans[-1][1] = i * m + s
+        else:
+            spans.append([i * m, i * m + s])
+    if not spans:
+        joined = buf[:0]
+    elif len(spans) == 1 and spans[0] == [0, k * m]:
+        joined = buf
+    elif len(spans) == 1:
+        joined = buf[spans[0][0] : spans[0][1]]
+    else:
+        joined = torch.cat([buf[a:b] for a, b in spans])
+    return joined.movedim(0, d).contiguous()
 
 
 _CHUNK_BYTES = 4 << 20
@@ -78,12 +95,18 @@ _CHUNK_BYTES = 4 << 20
 def _all_reduce(step: Step, local: torch.Tensor, group) -> torch.Tensor:
     op, finish = reduction(step.reduce, group)
     src = local.contiguous()
+    if group.backend == "simulated":  # nothing moves: the overlap chunks buy is nil, their ops are not
+        out = src.clone()
+        run(Call(CollectiveOp.ALL_REDUCE, group,
+                 lambda g: [tdist.all_reduce(out, op=op, group=g.process_group, async_op=True)],
+                 tensors=(src,), traced=False))
+        if finish is not None:
+            finish(out)
+        return out
     out = torch.empty_like(src)
     flat_out, flat_in = out.view(-1), src.view(-1)
     n = flat_out.numel()
     per = max(1, _CHUNK_BYTES // max(1, src.element_size()))
-    if group.backend == "simulated":  # nothing moves: the overlap chunks buy is nil, their ops are not
-        per = max(1, n)
 
     def start(g):
         # copy the next chunk while the previous one is reduced: the result must be a new tensor, and this hides
