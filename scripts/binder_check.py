@@ -7,7 +7,7 @@ cgroup v2 ``memory.max`` or v1 ``memory.limit_in_bytes``, whichever this machine
 is only watched), each notebook is opened as JupyterLab opens it (a session, its kernel started by the server) and
 its cells run one by one. The outputs nbval checks are compared with the stored ones.
 
-    .venv/bin/python scripts/binder_check.py                          # 01 and 06, a fresh environment
+    .venv/bin/python scripts/binder_check.py                          # 01, 06 and 13, a fresh environment
     .venv/bin/python scripts/binder_check.py --notebooks 00_quickstart 05_pipeline --env /tmp/binder-env --reuse
 
 The environment's files are dropped from the page cache before the server starts, so that reading torch's
@@ -469,7 +469,7 @@ def _execute(kc, code: str, timeout: float) -> list | None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--notebooks", nargs="+", default=["01_mesh_and_placements", "06_hybrid"])
+    ap.add_argument("--notebooks", nargs="+", default=["01_mesh_and_placements", "06_hybrid", "13_what_if"])
     ap.add_argument("--limit-mib", type=int, default=2048)
     ap.add_argument("--env", help="where to build the environment (default: a temporary folder)")
     ap.add_argument("--reuse", action="store_true", help="use --env as it is when it was built before")

@@ -3,7 +3,7 @@
 # the unit tier, the ranks tier (multi-rank semantics on thread ranks), the transport tier (real gloo processes,
 # ipyparallel engines, launch, devices, the browser) and the notebooks with their ranks as threads
 # (MESHVIZ_RANKS=threads, as on Binder; the transport tier's tests do not see it); then three notebooks again with
-# ipyparallel engines as ranks, and the Binder check (a fresh environment from binder/, 01 and 06 under a 2 GiB
+# ipyparallel engines as ranks, and the Binder check (a fresh environment from binder/, 01, 06 and 13 under a 2 GiB
 # memory limit). MESHVIZ_TEST_ENGINES=0 / MESHVIZ_BINDER_CHECK=0 leave those out.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -130,16 +130,17 @@ def _reduce_scatter(step: Step, local: torch.Tensor, group, coords, my_index) ->
     k = len(coords)
     sizes = [chunk(local.shape[d], k, j) for j in range(k)]
     lens = [b - a for a, b in sizes]
-    if step.reduce in (ReduceType.kRedSum, ReduceType.kRedAvg) and d == 0 and len(set(lens)) == 1:
+    if step.reduce in (ReduceType.kRedSum, ReduceType.kRedAvg) and len(set(lens)) == 1:
+        # even chunks: one reduce-scatter along dim 0 (another dim moved there first), not an all-to-all of k pieces
         op, finish = reduction(step.reduce, group)
-        out = local.new_empty((lens[0],) + tuple(local.shape[1:]))
-        src = local.contiguous()
+        src = local.movedim(d, 0).contiguous() if d else local.contiguous()
+        out = src.new_empty((lens[0],) + tuple(src.shape[1:]))
         run(Call(CollectiveOp.REDUCE_SCATTER, group,
                  lambda g: compat.reduce_scatter_single(out, src, op=op, group=g.process_group), tensors=(src,),
                  traced=False))
         if finish is not None:
             finish(out)
-        return out
+        return out.movedim(0, d).contiguous() if d else out
     # every reduction and uneven chunks: an all-to-all of the chunks, then a local reduction
     moved = local.movedim(d, 0)
     pieces = [moved[a:b].contiguous() for a, b in sizes]
