@@ -1,4 +1,4 @@
-"""The one module through which meshviz touches private torch and ipyparallel symbols (torch 2.11 to 2.13)."""
+"""The one module through which meshviz touches private torch and ipyparallel symbols (torch 2.11 to 2.15)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ __all__ = [
     # torch.distributed
     "new_group_in_order", "all_gather_single", "reduce_scatter_single", "abort_process_group",
     "reset_group_count", "resolve_process_group", "device_mesh_without_backend", "dtensor_local", "dtensor_from_local",
+    "linear_keeps_split_batch_dims",
     # tensor subclasses and dispatch
     "disabled_torch_function_impl", "make_wrapper_subclass", "TorchDispatchMode", "tree_map", "tree_flatten",
     "tree_unflatten",
@@ -36,7 +37,7 @@ def _version(text: str) -> tuple[int, int]:
 
 
 TORCH_VERSION = _version(torch.__version__)
-SUPPORTED_TORCH = ((2, 11), (2, 12), (2, 13))
+SUPPORTED_TORCH = ((2, 11), (2, 12), (2, 13), (2, 14), (2, 15))
 
 # -- torch.distributed ----------------------------------------------------------------------------------------
 
@@ -121,6 +122,13 @@ def dtensor_from_local(local: torch.Tensor, device_mesh, placements: tuple, shap
                                                                            local.dtype))
         hit = _specs[key] = (device_mesh, spec)
     return DTensor(local.view_as(local), hit[1], requires_grad=False)
+
+
+def linear_keeps_split_batch_dims() -> bool:
+    """Whether DTensor runs a Linear over an activation split on a batch dim other than the first (``[s, b, h]``
+    with ``b`` split) without gathering it: torch 2.13 and later (the flattened batch is a ``_StridedShard``);
+    torch 2.11 and 2.12 gather the activation first, so such plans put the split batch dim first."""
+    return TORCH_VERSION >= (2, 13)
 
 
 # -- tensor subclasses and dispatch ---------------------------------------------------------------------------
