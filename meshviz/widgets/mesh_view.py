@@ -6,7 +6,7 @@ import numpy as np
 
 from ..core import ProcessMesh
 from .base import View, target_mesh
-from .draw import mesh_block
+from .draw import MAX_W, mesh_block
 from .style import GREY
 
 __all__ = ["MeshView", "as_mesh"]
@@ -29,12 +29,14 @@ class MeshView(View):
 
     ``devices``: rank -> device string (or a list indexed by rank); taken from ``source.devices`` for a Cluster.
     ``source``: events; the view then follows the mesh of the latest ``placed``/``reshard`` event and greys ranks
-    outside it.
+    outside it. ``max_width``: the most inches the picture takes (at 96 px each); facets wrap to it.
     """
 
-    def __init__(self, mesh, within=None, devices=None, title: str | None = None, source=None, interval=0.15):
+    def __init__(self, mesh, within=None, devices=None, title: str | None = None, source=None, interval=0.15,
+                 max_width: float = MAX_W):
         self.mesh = as_mesh(mesh)
         self.title = title
+        self.max_width = max_width
         if devices is None and source is not None and hasattr(source, "devices"):
             devices = source.devices
         if devices is not None and not isinstance(devices, dict):
@@ -85,7 +87,8 @@ class MeshView(View):
         return rgb
 
     def _block(self):
-        return mesh_block(self.mesh, self.cell_rgb(), devices=self.devices, title=self.title or self._heading())
+        return mesh_block(self.mesh, self.cell_rgb(), devices=self.devices, title=self.title or self._heading(),
+                          max_w=self.max_width)
 
     def _heading(self) -> str:
         dims = " × ".join(f"{n}={s}" for n, s in zip(self.mesh.dim_names, self.mesh.shape))

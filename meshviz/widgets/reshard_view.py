@@ -68,11 +68,12 @@ class ReshardView(View):
 
     ``steps`` are the planner's steps and ``states`` the layout (and, for small tensors, every rank's values,
     simulated with the planner's own ``apply_step`` or taken from the events) before and after each step.
+    ``max_width``: the inches a row of pictures may take; a Partial shows as many summands as fit, the rest counted.
     """
 
     def __init__(self, shape=None, src_mesh=None, src_placements=None, dst_mesh=None, dst_placements=None,
                  value=None, plan: Plan | None = None, itemsize: int = 4, name: str | None = None, source=None,
-                 plan_id=None, interval=0.15):
+                 plan_id=None, interval=0.15, max_width: float = ROW_W):
         if isinstance(shape, Plan):
             plan, shape = shape, None
         if plan is None and shape is not None:
@@ -83,6 +84,7 @@ class ReshardView(View):
             plan = plan_reshard(shape, src_mesh, [parse_placement(p) for p in src_placements], dst_mesh,
                                 [parse_placement(p) for p in dst_placements], itemsize)
         self.name = self._given_name = name
+        self.max_width = max_width
         self.plan: Plan | None = None
         self.states: list[TensorState] = []
         self.frame = 0
@@ -241,7 +243,7 @@ class ReshardView(View):
         """One layout row per (state index, text_extra, groups_axis), their meshes given one width so they line up."""
         def build(mesh_w=None):
             return [tensor_state_block(self.states[i], groups_axis=g, mesh_title=self._state_title(i), text_extra=x,
-                                       max_w=ROW_W, mesh_w=mesh_w) for i, x, g in pairs]
+                                       max_w=self.max_width, mesh_w=mesh_w) for i, x, g in pairs]
         rows = build()
         widest = max(r.mesh_w for r in rows)
         if any(abs(r.mesh_w - widest) > 1e-6 for r in rows):
