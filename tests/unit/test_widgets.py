@@ -446,3 +446,20 @@ def test_plans_and_pictures_count_steps_from_one():
     rs = plan_reshard((4, 4), MESH0, ["R", "P(sum)"], MESH0, ["R", "S(1)"])
     assert step_verb(rs.steps[0]) == "reduce-scatter: each rank gets its chunk (dim 1) of the sum"  # sum == 0
     assert repr(TensorView((2, 3), ProcessMesh([0, 1], ["x"]), ["P(sum)"])).endswith("1 block, 2 summands>")
+
+
+def test_explorer_greys_what_a_bad_input_left_and_keeps_its_controls_in_a_column():
+    e = Explorer(mesh_shape="4,4,4", ids="", dim_names="pp,dp,mp", shape="8,6", src="S(0), P(sum), S(1)",
+                 dst="R, R, R")
+    w = e.widget
+    controls, pictures = w.children[1].children
+    assert controls.layout.width == "270px" and controls.layout.flex == "0 0 270px"  # never squeezed
+    assert w.children[1].layout.flex_flow == "row wrap"  # the pictures go below when there is no room beside
+    assert "meshviz-stale" not in pictures._dom_classes
+    before = e._mesh_img.value
+    e._inputs["mesh_shape"].value = "4,4,0"
+    assert "must be positive" in e._err.value and "last input that worked" in e._err.value
+    assert "meshviz-stale" in pictures._dom_classes and e._mesh_img.value == before
+    e._inputs["mesh_shape"].value = "2,2,2"
+    assert e.error is None and "meshviz-stale" not in pictures._dom_classes and e._err.value == ""
+    assert png_size(e._mesh_img.value)[0] <= 5.4 * 96 + 20
