@@ -47,8 +47,10 @@ def _extent(s: str, size: float, family: str | None, weight: str) -> tuple[float
 
 
 def text_width(s: str, size: float, family: str | None = None, weight: str = "normal") -> float:
-    """Inches the widest line of ``s`` takes at ``size`` points."""
-    return max((_extent(line, float(size), family, weight)[0] for line in str(s).split("\n")), default=0.0)
+    """Inches the widest line of ``s`` takes at ``size`` points: the sum of its characters' advances (kerning
+    only ever narrows a line, so this is never less than what matplotlib draws, and it is cheap to ask often)."""
+    size = float(size)
+    return max((sum(_extent(c, size, family, weight)[0] for c in line) for line in str(s).split("\n")), default=0.0)
 
 
 def line_height(size: float, family: str | None = None) -> float:
@@ -280,9 +282,16 @@ def _tick_labels(ax):
 
 def text_boxes(fig: Figure) -> list[tuple[Text, object]]:
     """(text, window extent in pixels) of every visible, non-empty text a draw of ``fig`` puts on the canvas."""
+    global _renderer
     if fig.legends or any(len(ax.get_xticks()) or len(ax.get_yticks()) or ax.get_legend() for ax in fig.axes):
         fig.draw_without_rendering()  # places matplotlib's own tick labels and legends, rasterizing nothing
-    renderer = fig.canvas.get_renderer()
+    if fig.dpi == DPI:  # one renderer for every figure: matplotlib caches text metrics per renderer
+        with _lock:
+            if _renderer is None:
+                _renderer = RendererAgg(10, 10, DPI)
+        renderer = _renderer
+    else:
+        renderer = fig.canvas.get_renderer()
     texts: list[Text] = list(fig.texts)
     for leg in fig.legends:
         texts += list(leg.get_texts())
