@@ -18,11 +18,11 @@ from meshviz import Partial, ProcessMesh, Shard  # noqa: E402
 from meshviz.widgets import MeshView, PipelineView, ReshardView, TensorView  # noqa: E402
 from meshviz.widgets.sheet import DPI, collisions  # noqa: E402
 
-# the notebooks whose stored outputs hold pictures, and the ranks they run on (00 shows engines' pids)
+# the notebooks whose stored outputs hold pictures, and the ranks they are stored from (00 and 11 as engines)
 NOTEBOOKS = {"notebooks/00_quickstart.ipynb": "engines", "notebooks/01_mesh_and_placements.ipynb": "threads",
              "notebooks/02_reshard.ipynb": "threads", "notebooks/05_pipeline.ipynb": "threads",
              "notebooks/06_hybrid.ipynb": "threads", "notebooks/07_group_sharding.ipynb": "threads",
-             "notebooks/10_explorer.ipynb": "threads", "notebooks/11_debugging_hangs.ipynb": "threads",
+             "notebooks/10_explorer.ipynb": "threads", "notebooks/11_debugging_hangs.ipynb": "engines",
              "notebooks/12_parallelize.ipynb": "threads"}
 
 
