@@ -41,7 +41,7 @@ def image_box(data: bytes):
     import ipywidgets as w
 
     image = w.Image(value=data, format="png", layout=w.Layout(**_image_layout(data)))
-    box = w.Box([image], layout=w.Layout(overflow="auto", max_width="100%", flex="0 1 auto"))
+    box = w.Box([image], layout=w.Layout(overflow="auto", max_width="100%", flex="0 0 auto"))
     box.add_class("meshviz-picture")
     return box, image
 

@@ -28,10 +28,9 @@ _FIELDS = [  # (parameter, label, a hint under the field)
 _PLACEHOLDER = {"ids": "0..n-1", "target_ids": "same mesh"}
 MESH_W = 5.4  # inches the explorer's mesh picture takes (518 px): beside the controls at 1280 px
 RESHARD_W = 8.4
-# the controls stay in view while the pictures beside them scroll by; what a bad input left is greyed
+# what a bad input left is greyed; the hints sit under their fields
 _CSS = """<style>
-.meshviz-explorer-controls { position: sticky; top: 0; z-index: 1; background: var(--jp-layout-color0, white);
-  padding-right: 12px; box-sizing: border-box; }
+.meshviz-explorer-controls { padding-right: 12px; box-sizing: border-box; }
 .meshviz-explorer-controls .widget-text { width: 100%; }
 .meshviz-hint { font-size: 11px; line-height: 14px; color: #666; margin: -2px 0 4px 92px; }
 .meshviz-error { color: #b00; font-size: 12px; line-height: 16px; margin: 4px 0; overflow-wrap: anywhere; }
@@ -141,10 +140,13 @@ class Explorer:
             controls = w.VBox(rows + [self._err], layout=w.Layout(flex="0 0 270px", width="270px"))
             controls.add_class("meshviz-explorer-controls")
             self._mesh_box, self._mesh_img = image_box(b"")
-            self._plan_html = w.HTML()
-            self._rv_box = w.VBox(layout=w.Layout(max_width="100%"))
+            self._plan_html = w.HTML(layout=w.Layout(flex="0 0 auto"))
+            self._rv_box = w.VBox(layout=w.Layout(max_width="100%", flex="0 0 auto"))
+            # the pictures scroll inside a column at most 85% of the window high: looking through them never
+            # scrolls the controls away (an output area cannot keep them in view by itself)
             self._pictures = w.VBox([self._mesh_box, self._plan_html, self._rv_box],
-                                    layout=w.Layout(flex="1 1 480px", min_width="0", max_width="100%"))
+                                    layout=w.Layout(flex="1 1 480px", min_width="0", max_width="100%",
+                                                    max_height="85vh", overflow="auto"))
             self._pictures.add_class("meshviz-explorer-pictures")
             body = w.Box([controls, self._pictures],
                           layout=w.Layout(display="flex", flex_flow="row wrap", align_items="flex-start",

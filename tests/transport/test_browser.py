@@ -309,7 +309,7 @@ def test_views_draw_at_their_size_with_nothing_under_them(request):
 def test_explorer_keeps_its_controls_on_screen(app):
     """The explorer on a 4x4x4 and a 32x32 mesh, at 1920, 1280 (JupyterLab: the file browser open) and 900 px:
     the controls inside the window, uncut, the pictures beside them (below them at 900 px), nothing wider than the
-    output area or the page."""
+    output area or the page; scrolling through the pictures leaves the controls in the window."""
     with _server(app) as (base, token), _browser(1920) as page:
         _open(page, base, token, app, "explorer.ipynb")
         _run_all(page)
@@ -330,6 +330,14 @@ def test_explorer_keeps_its_controls_on_screen(app):
                     assert pl >= cr - 1 and abs(pt - ct) < 2, (width, "beside", lay)
                 else:
                     assert pt > ct + 100, (width, "below", lay)
+            # looking through the pictures (they scroll inside their column) keeps the controls in the window
+            kept = page.evaluate("""() => { const e = document.querySelector('.meshviz-explorer');
+                e.scrollIntoView({block: 'start'});
+                const p = e.querySelector('.meshviz-explorer-pictures'); p.scrollTop = p.scrollHeight;
+                const c = e.querySelector('.meshviz-explorer-controls').getBoundingClientRect();
+                return {top: c.top, bottom: c.bottom, H: innerHeight, scrolled: p.scrollTop,
+                        tall: p.clientHeight <= 0.85 * innerHeight + 1}; }""")
+            assert kept["scrolled"] > 0 and kept["tall"] and 0 <= kept["top"] < kept["bottom"] <= kept["H"], kept
             if width == 1280:
                 os.makedirs(ARTIFACTS, exist_ok=True)
                 page.screenshot(path=os.path.join(ARTIFACTS, f"browser_explorer_{app}_1280.png"))
