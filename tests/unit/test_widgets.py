@@ -142,12 +142,14 @@ def test_mesh_view_facets_greys_and_devices(tmp_path):
     assert "data:image/png;base64," in html and "&lt;MeshView x=2, y=3: 6 ranks&gt;" in html
 
 
-def test_big_mesh_draws_fast():
+def test_big_mesh_draws():
+    # how long it takes is bench/bench_widgets.py's to say (no test asserts a time)
     e = Explorer(mesh_shape="32,32", ids="reversed", dim_names="x,y", shape="64,64", src="S(0), S(1)",
                  dst="R, S(0)")
     assert e.error is None and e.plan.src_mesh.size == 1024
-    best = min(e.redraw() for _ in range(3))
-    assert best < 1.0, f"a 32x32 mesh took {best:.2f} s to redraw"
+    assert [(s.op, s.axis) for s in e.plan.steps] == [("all_gather", 1), ("all_gather", 0), ("slice", 1)]
+    e.redraw()
+    assert e._repr_png_().startswith(PNG)
 
 
 @pytest.mark.parametrize("schedule,v", [("FThenB", 1), ("1F1B", 1), ("VPP", 2)])
