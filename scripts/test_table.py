@@ -47,7 +47,7 @@ def main(argv=None) -> int:
     rows: dict = {}
     sweeps: dict = {}
     for path in a.files:
-        m = re.search(r"torch-([0-9.]+)", path)
+        m = re.search(r"torch-(\d+(?:\.\d+)*)", path)
         version = m.group(1) if m else path
         per, sw = tally(path)
         rows.setdefault(version, {}).update(per)
