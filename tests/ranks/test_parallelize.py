@@ -255,7 +255,10 @@ def _check_events(case, res):
         assert res[0]["implicit"] == [], f"{case}: collectives outside the planner in forward: {res[0]['implicit']}"
     want = _forward_reshards(case)
     for out in res:
-        assert set(map(tuple, out["forward"])) == want, case
+        got = set(map(tuple, out["forward"]))
+        if case.get("level", 0) >= 3:  # an op meeting a gathered weight's Partial output reshards its input
+            got = {(name, op) for name, op in got if not (name or "").endswith(" input")}
+        assert got == want, case
     if case.get("level", 0) < 3:  # at level 3 DTensor may leave the logits Partial over dp (the values are checked)
         assert res[0]["logits"] == ("[S(0), R]" if "dp" in case["axes"] else "[R]")
 
