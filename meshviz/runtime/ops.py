@@ -20,7 +20,15 @@ from ..core.traffic import received
 from . import dtensor, rollcall
 from .autograd import run_reshard
 from .dtensor import DistTensor, make_dist, make_dtensor
-from .op_rules import CORRECTED, DEFAULT_RULE_OPS, LOCAL_RULES, PADDLE_RULES, RANDOM_RULES
+from .op_rules import (
+    CANONICAL_ARGS,
+    CORRECTED,
+    DEFAULT_RULE_OPS,
+    LOCAL_RULES,
+    PADDLE_RULES,
+    RANDOM_RULES,
+    partial_meets_shard,
+)
 
 __all__ = ["dispatch", "redistribute", "grad_like"]
 
@@ -59,6 +67,7 @@ _LOCAL_COPIES = _METADATA_OPS | {aten.clone.default, aten._to_copy.default}
 # in-place ops that are linear in self, which torch runs right on each summand of a Partial self
 _LINEAR_INPLACE = {aten.add_.Tensor, aten.sub_.Tensor, aten.mul_.Scalar, aten.mul_.Tensor, aten.div_.Scalar,
                    aten.neg_.default, aten.zero_.default, aten.copy_.default}
+_VIEWS = {aten.view.default, aten._unsafe_view.default}
 _NO_RULE = ("Sharding propagation failed", "does not have a sharding strategy", "no sharding strategy")
 
 
@@ -101,7 +110,12 @@ def dispatch(func, args, kwargs):
     if func in CORRECTED:
         _note(func, "corrected", ref, CORRECTED[func])
         return torch._decomp.decomposition_table[func](*args, **kwargs)
+    canonical = CANONICAL_ARGS.get(func)
+    if canonical is not None:
+        args, kwargs = canonical(args, kwargs)
     rule = PADDLE_RULES.get(func)
+    if rule is None and len(dists) > 1 and torch.Tag.pointwise in func.tags:
+        rule = partial_meets_shard
     if rule is not None:
         want = rule(args, kwargs)
         if want is not None:
@@ -143,7 +157,8 @@ def _uneven_nested(t: DistTensor) -> bool:
 
 def _even_for_torch(t: DistTensor, func) -> DistTensor:
     """A dim sharded by several mesh axes that does not split evenly over them: torch DTensor gathers such a
-    tensor wrongly (its own ``full_tensor`` included), so the inner axes go Replicate first, by meshviz's planner."""
+    tensor wrongly (its own ``full_tensor`` included), so the inner axes go Replicate first, by meshviz's planner.
+    So too before a view of such a dim, even or not (torch 2.15 splits it into blocks of the wrong size)."""
     pl = t.placements
     want = list(pl)
     for dim in {p.dim for p in pl if isinstance(p, Shard)}:
@@ -151,7 +166,7 @@ def _even_for_torch(t: DistTensor, func) -> DistTensor:
         ways = 1
         for i in axes:
             ways *= t._pmesh.shape[i]
-        if len(axes) > 1 and t.shape[dim] % ways:
+        if len(axes) > 1 and (t.shape[dim] % ways or func in _VIEWS):
             for i in axes[1:]:
                 want[i] = Replicate()
     return t if want == pl else redistribute(t, want, f"{_name(func)} input")

@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-import html
 from collections import defaultdict
 
 import numpy as np
 from matplotlib import colormaps
-from matplotlib.cm import ScalarMappable
 from matplotlib.colors import Normalize
 
 from ..trace.commtable import TOP
 from .base import View
-from .draw import draw_mesh
-from .style import block_colours
+from .draw import MAX_W, legend_block, mesh_block
+from .sheet import Block, Panel, elide, hstack, line_height, text_block, text_width, vstack
+from .style import HEAD, LABEL, TICK, TITLE, block_colours
 
 __all__ = ["WhatIfView", "PARTS", "by_module"]
 
@@ -21,6 +20,9 @@ PARTS = ("params", "grads", "optimizer", "activations")
 _GB = 1e9
 _ROWS = 12  # modules in the communication panel
 _COMM = ("collective", "reshard_step", "send", "recv")
+_SIDE_W = 2.9
+_FACETS = 8  # panels of a mesh beyond two axes drawn (the rest summarized)
+_LABEL_W = 3.6
 
 
 def _gb(n: float) -> str:
@@ -32,8 +34,6 @@ class WhatIfView(View):
     (the ranks over ``limit`` bytes hatched), rank ``rank``'s params, grads, optimizer state and activations beside
     its peak and the limit, and the bytes a rank receives per issuing module (forward and backward). ``rank``
     defaults to the tightest rank (the highest peak). In a notebook the rank and the limit can be changed."""
-
-    width = 11.0
 
     def __init__(self, report, limit: float | None = None, rank: int | None = None, title: str | None = None):
         self.report = report
@@ -69,81 +69,113 @@ class WhatIfView(View):
         self._refresh()
 
     # -- drawing ---------------------------------------------------------------------------------------------
-    def _size(self):
-        return self.width, 4.6 + 0.24 * max(2, min(_ROWS, len(self._modules)))
-
-    def _draw(self, fig) -> None:
-        h = fig.get_figheight()
-        inch = 1.0 / h  # figure fraction of one inch of height
-        comm_h = 0.24 * max(2, min(_ROWS, len(self._modules))) * inch
-        top_bottom = 0.55 * inch + comm_h + 0.75 * inch  # the upper panels sit above the communication panel
-        spec = fig.add_gridspec(1, 1, left=0.05, right=0.55, top=1 - 0.75 * inch, bottom=top_bottom)[0]
+    def _block(self) -> Block:
+        title = self.title or self._heading()
         peaks = self.peaks()
         hi = max(float(peaks.max()), float(self.limit or 0)) or 1.0
-        norm = Normalize(0, hi)
-        rgb = colormaps["viridis"](norm(peaks))[..., :3]
+        rgb = colormaps["viridis"](Normalize(0, hi)(peaks))[..., :3]
         text = {r: _gb(self.report.per_rank[r]["peak"]) for r in self.grid.process_ids} \
             if self.grid.size <= 16 else None
-        axes = draw_mesh(fig, spec, self.grid, rgb, hatched=self.over(), text_extra=text)
-        bar = fig.colorbar(ScalarMappable(norm, "viridis"), ax=axes, fraction=0.04, pad=0.02)
-        bar.ax.tick_params(labelsize=7)
-        bar.ax.yaxis.set_major_formatter(lambda v, _: f"{v / _GB:g}")
-        bar.set_label("peak GB" + (" (hatched: over the limit)" if self.over() else ""), fontsize=7)
-        self._breakdown(fig.add_axes((0.64, top_bottom + 0.9 * inch, 0.31, 1 - top_bottom - 2.0 * inch)))
-        self._comm(fig.add_axes((0.34, 0.55 * inch, 0.56, comm_h)))
-        fig.suptitle(self.title or self._heading(), fontsize=10, y=1 - 0.15 * inch)
+        mesh = mesh_block(self.grid, rgb, hatched=self.over(), text_extra=text, max_w=MAX_W, max_facets=_FACETS)
+        top = hstack([self._breakdown_block(), self._scale_block(hi)], gap=0.4)
+        comm = self._comm_block()
+        width = max(top.w, mesh.w, comm.w)
+        head = text_block(title, HEAD, width=max(min(text_width(title, HEAD), MAX_W), min(width, MAX_W)))
+        return vstack([head, top, mesh, comm], gap=0.18)
 
     def _heading(self) -> str:
         r = self.report
         over = f", {len(self.over())} over {self.limit / _GB:g} GB" if self.limit is not None else ""
         return f"what if: {r.nranks} ranks ({len(r.simulated)} simulated){over}"
 
-    def _breakdown(self, ax) -> None:
-        row = self.report.per_rank[self.rank]
-        colours = block_colours(len(PARTS))
-        left = 0.0
-        for part, c in zip(PARTS, colours):
-            ax.barh([0], [row[part]], left=left, color=c, edgecolor="white", label=f"{part} {_gb(row[part])}")
-            left += row[part]
-        ax.axvline(row["peak"], color="black", linewidth=1.2)
-        ax.text(row["peak"], 0.55, f" peak {_gb(row['peak'])}", fontsize=7, va="bottom")
-        top = max(left, row["peak"])
-        if self.limit is not None:
-            ax.axvline(self.limit, color="#b00", linestyle="--", linewidth=1.2)
-            ax.text(self.limit, -0.6, f" limit {self.limit / _GB:g} GB", fontsize=7, color="#b00", va="top")
-            top = max(top, self.limit)
-        ax.set_xlim(0, top * 1.15 or 1)
-        ax.set_ylim(-1, 1)
-        ax.set_yticks([])
-        ax.tick_params(axis="x", labelsize=7)
-        ax.xaxis.set_major_formatter(lambda v, _: f"{v / _GB:g}")
-        ax.set_xlabel("GB", fontsize=8)
-        like = self.report.like.get(self.rank, self.rank)
-        ax.set_title(f"rank {self.rank}" + (f" (its run: rank {like}'s)" if like != self.rank else "")
-                     + f": receives {_gb(row['comm_bytes'])}", fontsize=8)
-        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(0, -0.32), ncol=2, frameon=False)
+    def _scale_block(self, hi: float) -> Block:
+        """The colours of the mesh: peak bytes from 0 to ``hi``."""
+        w, strip = _SIDE_W, 0.14
+        caption = "colour: a rank's peak" + (" (hatched: over the limit)" if self.over() else "")
+        lh = line_height(TICK)
 
-    def _comm(self, ax) -> None:
+        def paint(sheet, x, y):
+            sheet.text(x, y, caption, LABEL)
+            y0 = y + line_height(LABEL) + 0.04
+            Panel(sheet, x, y0, w, strip).image(colormaps["viridis"](np.linspace(0, 1, 256))[None, :, :3])
+            sheet.rect(x, y0, w, strip, fill=False, edgecolor="black", linewidth=0.6)
+            sheet.text(x, y0 + strip + 0.03, "0", TICK)
+            sheet.text(x + w, y0 + strip + 0.03, _gb(hi), TICK, ha="right")
+
+        return Block(w, line_height(LABEL) + 0.04 + strip + 0.03 + lh, paint)
+
+    def _breakdown_block(self) -> Block:
+        row = self.report.per_rank[self.rank]
+        like = self.report.like.get(self.rank, self.rank)
+        head = f"rank {self.rank}" + (f" (its run: rank {like}'s)" if like != self.rank else "") \
+            + f": receives {_gb(row['comm_bytes'])}"
+        colours = block_colours(len(PARTS))
+        legend = legend_block([(f"{p} {_gb(row[p])}", {"facecolor": c, "edgecolor": "white"})
+                               for p, c in zip(PARTS, colours)], LABEL, max_w=_SIDE_W)
+        total = sum(row[p] for p in PARTS)
+        top = max(total, row["peak"], self.limit or 0) * 1.08 or 1.0
+        w, bar_h, lh = _SIDE_W, 0.22, line_height(TICK)
+        title = text_block(head, TITLE, width=w)
+
+        def at(v):
+            return w * v / top
+
+        def mark(sheet, x, y, v, label, colour, below, dashes=None):
+            xv = x + at(v)
+            sheet.line(xv, y - 0.04, xv, y + bar_h + 0.04, color=colour, linewidth=1.2, linestyle=dashes or "-")
+            ha = "right" if at(v) > w / 2 else "left"
+            dx = -0.03 if ha == "right" else 0.03
+            yy = y + bar_h + 0.05 if below else y - 0.05 - lh
+            sheet.text(xv + dx, yy, label, TICK, ha=ha, color=colour)
+
+        def paint(sheet, x, y):
+            title.paint(sheet, x, y)
+            yb = y + title.h + 0.08 + lh
+            left = 0.0
+            for p, c in zip(PARTS, colours):
+                if row[p] > 0:
+                    sheet.rect(x + at(left), yb, at(row[p]), bar_h, facecolor=c, edgecolor="white", linewidth=0.5)
+                left += row[p]
+            sheet.rect(x, yb, w, bar_h, fill=False, edgecolor="grey", linewidth=0.5)
+            mark(sheet, x, yb, row["peak"], f"peak {_gb(row['peak'])}", "black", below=False)
+            if self.limit is not None:
+                mark(sheet, x, yb, self.limit, f"limit {self.limit / _GB:g} GB", "#b00", below=True, dashes="--")
+            legend.paint(sheet, x, yb + bar_h + 0.1 + lh + 0.06)
+
+        h = title.h + 0.08 + lh + bar_h + 0.1 + lh + 0.06 + legend.h
+        return Block(w, h, paint)
+
+    def _comm_block(self) -> Block:
         rows = self._modules[:_ROWS]
-        if not rows:
-            ax.set_axis_off()
-            ax.text(0.5, 0.5, "no communication", ha="center", va="center")
-            return
-        ys = list(range(len(rows)))[::-1]
-        colour = {"forward": block_colours(2)[0], "backward": block_colours(2)[1]}
-        ax.barh(ys, [b for _, _, b in rows], color=[colour[p] for _, p, _ in rows], edgecolor="grey", linewidth=0.5)
-        ax.set_yticks(ys)
-        ax.set_yticklabels([f"{m} ({p})" for m, p, _ in rows], fontsize=7)
-        top = max(b for _, _, b in rows) or 1
-        for y, (_, _, b) in zip(ys, rows):
-            ax.text(b + 0.01 * top, y, _gb(b), va="center", fontsize=7)
-        ax.set_xlim(0, top * 1.25)
-        ax.tick_params(axis="x", labelsize=7)
-        ax.xaxis.set_major_formatter(lambda v, _: f"{v / _GB:g}")
-        ax.set_xlabel("GB a rank receives", fontsize=8)
         more = len(self._modules) - len(rows)
-        ax.set_title("communication per module" + (f" (the {_ROWS} largest of {len(self._modules)})" if more else ""),
-                     fontsize=8)
+        title = "communication per module: the bytes a rank receives" \
+            + (f" (the {_ROWS} largest of {len(self._modules)})" if more else "")
+        if not rows:
+            return vstack([text_block(title, TITLE), text_block("no communication", LABEL)], gap=0.08)
+        labels = [elide(f"{m} ({p})", TICK, _LABEL_W) for m, p, _ in rows]
+        notes = [_gb(b) for _, _, b in rows]
+        row_h = max(0.2, line_height(TICK) + 0.05)
+        left = max(text_width(s, TICK) for s in labels) + 0.1
+        bar_w = 3.0
+        right = max(text_width(s, TICK) for s in notes) + 0.1
+        top = max(b for _, _, b in rows) or 1
+        colour = {"forward": block_colours(2)[0], "backward": block_colours(2)[1]}
+        legend = legend_block([(p, {"facecolor": colour[p], "edgecolor": "grey"}) for p in ("forward", "backward")],
+                              LABEL, max_w=left + bar_w + right)
+
+        def paint(sheet, x, y):
+            for i, ((_, p, b), label, note) in enumerate(zip(rows, labels, notes)):
+                yy = y + i * row_h
+                sheet.text(x + left - 0.08, yy + row_h / 2, label, TICK, ha="right", va="center")
+                bw = bar_w * b / top
+                sheet.rect(x + left, yy + 0.03, bw, row_h - 0.06, facecolor=colour[p], edgecolor="grey",
+                           linewidth=0.5)
+                sheet.text(x + left + bw + 0.06, yy + row_h / 2, note, TICK, va="center")
+            legend.paint(sheet, x + left, y + len(rows) * row_h + 0.06)
+
+        body = Block(left + bar_w + right, len(rows) * row_h + 0.06 + legend.h, paint)
+        return vstack([text_block(title, TITLE, width=max(body.w, min(text_width(title, TITLE), MAX_W))), body],
+                      gap=0.08)
 
     # -- widget ----------------------------------------------------------------------------------------------
     def _controls(self):
@@ -155,9 +187,6 @@ class WhatIfView(View):
         rank.observe(lambda ch: self.set_rank(ch["new"]), names="value")
         limit.observe(lambda ch: self.set_limit(ch["new"] * _GB if ch["new"] else None), names="value")
         return [w.HBox([rank, limit])]
-
-    def _status_html(self) -> str:
-        return f"<code>{html.escape(repr(self))}</code>"
 
     def __repr__(self) -> str:
         row = self.report.per_rank[self.rank]

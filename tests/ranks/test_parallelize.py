@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 import torch
 
+from meshviz import compat
 from meshviz.testing import run_ranks
 from tests.models import LlamaForCausalLM, llama_batches, llama_loss
 
 STEPS = 3
-# torch before 2.13: DTensor cannot flatten [s, b, h] with the batch split for a Linear, so the MLP sees [b, s, h]
-MLP_TRANSPOSE = tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 13)
+MLP_TRANSPOSE = not compat.linear_keeps_split_batch_dims()
 COL_LINEAR = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "lm_head")
 ROW_LINEAR = ("o_proj", "down_proj")
 
@@ -255,7 +255,10 @@ def _check_events(case, res):
         assert res[0]["implicit"] == [], f"{case}: collectives outside the planner in forward: {res[0]['implicit']}"
     want = _forward_reshards(case)
     for out in res:
-        assert set(map(tuple, out["forward"])) == want, case
+        got = set(map(tuple, out["forward"]))
+        if case.get("level", 0) >= 3:  # an op meeting a gathered weight's Partial output reshards its input
+            got = {(name, op) for name, op in got if not (name or "").endswith(" input")}
+        assert got == want, case
     if case.get("level", 0) < 3:  # at level 3 DTensor may leave the logits Partial over dp (the values are checked)
         assert res[0]["logits"] == ("[S(0), R]" if "dp" in case["axes"] else "[R]")
 

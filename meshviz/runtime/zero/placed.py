@@ -13,7 +13,7 @@ from ...core.sharding import SHARDED
 from ..dtensor import DistTensor
 from .engine import Zero
 
-__all__ = ["PlacedZero", "StateView", "sharded_placements"]
+__all__ = ["PlacedZero", "StateView", "sharded_placements", "dist_params_for_dist_grads", "grads_as_params"]
 
 
 def sharded_placements(p: DistTensor, axis, mesh=None) -> list | None:
@@ -37,6 +37,44 @@ def sharded_placements(p: DistTensor, axis, mesh=None) -> list | None:
         return None
     pl[i] = Shard(free[0])
     return pl
+
+
+@torch.no_grad()
+def dist_params_for_dist_grads(optimizer, place) -> list:
+    """Every dense parameter of ``optimizer`` whose gradient is a dist tensor (a plain model fed dist batches)
+    becomes a dist tensor, in place, Replicate on the gradient's mesh, as Paddle's update makes it; its states
+    follow. ``place(dense, mesh, placements)`` makes the dist tensors. Returns the parameters it changed."""
+    made = []
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            g = p.grad
+            if isinstance(p, DistTensor) or not isinstance(g, DistTensor):
+                continue
+            mesh = g.process_mesh
+            rep = [Replicate()] * mesh.ndim
+            value = place(p.detach().to(g.device), mesh, rep)
+            new = torch.nn.Parameter(value, requires_grad=p.requires_grad)
+            p.grad = None
+            torch.utils.swap_tensors(p, new)
+            p.grad = g
+            st = optimizer.state.get(p)
+            for k, v in (st or {}).items():
+                if torch.is_tensor(v) and not isinstance(v, DistTensor) and v.dim() > 0:
+                    st[k] = place(v, mesh, rep)
+            made.append(p)
+    return made
+
+
+@torch.no_grad()
+def grads_as_params(optimizer, reshard, skip=frozenset()) -> None:
+    """Every dist parameter's gradient laid out as the parameter (Partial gradients reduced once, before the
+    update reads them), but for those whose id is in ``skip``."""
+    for group in optimizer.param_groups:
+        for q in group["params"]:
+            if isinstance(q, DistTensor) and q.grad is not None and id(q) not in skip:
+                want = list(q.placements)
+                if list(q.grad.placements) != want:
+                    q.grad = reshard(q.grad, q.process_mesh, want)
 
 
 class StateView(MutableMapping):
@@ -139,41 +177,15 @@ class PlacedZero(Zero):
         of the parameter; ``opt.state[p]`` finds it)."""
         return StateView(self._inner_opt.state, self._shadow, self._of_shadow)
 
-    @torch.no_grad()
     def _prepare(self) -> None:
-        """A dense parameter whose gradient is a dist tensor (a plain model fed dist batches) becomes a dist tensor,
-        in place, Replicate on the gradient's mesh, as Paddle's update makes it; its states follow."""
-        made = []
-        for group in self._inner_opt.param_groups:
-            for p in group["params"]:
-                g = p.grad
-                if isinstance(p, DistTensor) or not isinstance(g, DistTensor):
-                    continue
-                mesh = g.process_mesh
-                rep = [Replicate()] * mesh.ndim
-                value = self._place(p.detach().to(g.device), mesh, rep)
-                new = torch.nn.Parameter(value, requires_grad=p.requires_grad)
-                p.grad = None
-                torch.utils.swap_tensors(p, new)
-                p.grad = g
-                st = self._inner_opt.state.get(p)
-                for k, v in (st or {}).items():
-                    if torch.is_tensor(v) and not isinstance(v, DistTensor) and v.dim() > 0:
-                        st[k] = self._place(v, mesh, rep)
-                made.append(p)
+        made = dist_params_for_dist_grads(self._inner_opt, self._place)
         if made and self.level is not None:
             self._setup_sharding(only=made)
 
     @torch.no_grad()
     def _sync_grads(self) -> None:
         reshard = self._reshard
-        shadows = {id(s) for s in self._shadow.values()}
-        for group in self._inner_opt.param_groups:
-            for q in group["params"]:
-                if isinstance(q, DistTensor) and q.grad is not None and id(q) not in shadows:
-                    want = list(q.placements)
-                    if list(q.grad.placements) != want:
-                        q.grad = reshard(q.grad, q.process_mesh, want)  # Partial grads reduced once, here
+        grads_as_params(self._inner_opt, reshard, skip={id(s) for s in self._shadow.values()})
         for p, shadow in self._shadow.items():
             if p.grad is None:
                 shadow.grad = None
