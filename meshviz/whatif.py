@@ -6,6 +6,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from .core.mesh import ProcessMesh
 from .trace.commtable import CommTable, comm_table
 
@@ -81,14 +83,27 @@ class WhatIf:
         return comm_table(self.events, cell=cell)
 
     def mesh(self) -> ProcessMesh:
-        """The largest mesh the run used (every rank in one row when none covers the world)."""
+        """The largest mesh the run used; where none covers the world but meshes of one shape do without sharing a
+        rank (a pipeline's stages), those stacked along a new first axis ``"mesh"``, in the order of their first
+        ranks; else every rank in one row."""
         best = None
+        shaped: dict = {}
         for e in self.events:
-            if e.mesh and (best is None or len(e.mesh["process_ids"]) > len(best["process_ids"])):
+            if not e.mesh:
+                continue
+            if best is None or len(e.mesh["process_ids"]) > len(best["process_ids"]):
                 best = e.mesh
-        if best is None or len(best["process_ids"]) != self.nranks:
-            return ProcessMesh(list(range(self.nranks)), ["rank"])
-        return ProcessMesh.from_dict(best)
+            key = (tuple(e.mesh["shape"]), tuple(e.mesh.get("dim_names") or ()))
+            shaped.setdefault(key, {})[tuple(e.mesh["process_ids"])] = e.mesh
+        if best is not None and len(best["process_ids"]) == self.nranks:
+            return ProcessMesh.from_dict(best)
+        for (shape, names), meshes in shaped.items():
+            ids = sorted(meshes, key=min)
+            flat = [r for m in ids for r in m]
+            if len(ids) > 1 and sorted(flat) == list(range(self.nranks)):
+                grid = np.array(flat).reshape((len(ids),) + shape).tolist()
+                return ProcessMesh(grid, ["mesh", *(names or [f"d{i}" for i in range(len(shape))])])
+        return ProcessMesh(list(range(self.nranks)), ["rank"])
 
     def table(self, ranks=None) -> str:
         """Per-rank numbers as aligned text, one line per rank of ``ranks`` (default: the simulated ones)."""

@@ -27,7 +27,7 @@ CHROMIUM = os.environ.get("MESHVIZ_CHROMIUM", "/usr/bin/chromium")
 ARTIFACTS = os.path.join(ROOT, "artifacts")
 ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
         "--disable-background-networking", "--disable-component-update", "--disable-sync", "--disable-dev-shm-usage"]
-REPR = re.compile(r"<(MeshView|TensorView|ReshardView|PipelineView|Explorer|CommView|RollCallView)\b")
+REPR = re.compile(r"<(MeshView|TensorView|ReshardView|PipelineView|Explorer|CommView|RollCallView|WhatIfView)\b")
 
 CELLS = [
     "import meshviz\nfrom meshviz.widgets import PipelineView, Replayer, ReshardView, TensorView, synthetic_schedule\n"
@@ -81,7 +81,7 @@ def _write_notebooks(folder):
         fh.writelines(to_json(e) + "\n" for e in events)
     _notebook(os.path.join(folder, "widgets.ipynb"), CELLS)
     _notebook(os.path.join(folder, "explorer.ipynb"), EXPLORER_CELLS)
-    for name in ("00_quickstart.ipynb", "10_explorer.ipynb"):
+    for name in ("00_quickstart.ipynb", "10_explorer.ipynb", "13_what_if.ipynb"):
         shutil.copy(os.path.join(ROOT, "notebooks", name), folder)
 
 
@@ -351,3 +351,23 @@ def test_notebooks_widgets_show_only_themselves():
             _open(page, base, token, "lab", name)
             model = _run_all(page)
             _check_views(page.evaluate(DOM_STATE), model["views"])
+
+
+@pytest.mark.timeout(600)
+def test_what_if_notebook_draws_its_report():
+    """The what-if notebook (1,024 simulated ranks, then 4 real ones): its WhatIfView drawn at its own size with
+    nothing under it and nothing wider than the output area; the view's picture is kept in artifacts/ (the README's
+    docs/img/what_if.png is that picture)."""
+    with _server("lab") as (base, token), _browser() as page:
+        _open(page, base, token, "lab", "13_what_if.ipynb")
+        model = _run_all(page, timeout=480_000)
+        assert model["views"] == 1, model["views"]
+        dom = page.evaluate(DOM_STATE)
+        _check_views(dom, model["views"])
+        assert "C: dp 64 x pp 2 x mp 8, stage 1  True" in model["text"], model["text"][-2000:]
+        view = page.locator(".meshviz-view").first
+        view.scroll_into_view_if_needed()
+        os.makedirs(ARTIFACTS, exist_ok=True)
+        view.screenshot(path=os.path.join(ARTIFACTS, "browser_what_if.png"))
+        errors = page.console_errors
+    assert not [e for e in errors if "widget" in e.lower() and "error" in e.lower()], errors

@@ -67,3 +67,16 @@ def test_a_world_without_a_mesh_is_one_row_of_ranks():
                  [], {r: 0 for r in range(3)}, [0], limit=None)
     assert rep.mesh().shape == [3] and rep.over() == [] and repr(rep).endswith("peak 4 B (rank 0))")
     assert WhatIfView(rep).png().startswith(PNG)
+
+
+def test_a_pipelines_stage_meshes_make_the_picture_s_mesh():
+    # no event names the whole mesh: the stages' meshes (one shape, no rank shared) stacked, first ranks first
+    stage = [{"shape": [2, 2], "process_ids": ids, "dim_names": ["dp", "mp"]} for ids in ([4, 5, 6, 7], [0, 1, 2, 3])]
+    events = [Event(kind="placed", rank=r, mesh=m, name="w") for r, m in ((4, stage[0]), (0, stage[1]))]
+    rows = {r: dict(params=1, grads=1, optimizer=1, activations=1, peak=4 + r, comm_bytes=0) for r in range(8)}
+    rep = WhatIf(8, rows, events, {r: r for r in range(8)}, list(range(8)))
+    mesh = rep.mesh()
+    assert mesh.shape == [2, 2, 2] and mesh.dim_names == ["mesh", "dp", "mp"] and mesh.rank_at((1, 0, 1)) == 5
+    assert WhatIfView(rep).png().startswith(PNG)
+    lone = WhatIf(8, rows, events[:1], {r: r for r in range(8)}, list(range(8)))
+    assert lone.mesh().shape == [8]
