@@ -227,7 +227,8 @@ def test_pictures_are_their_shown_size():
 def test_sweep_size():
     """The sweep covers every view kind, meshes 1-D to 4-D up to 32 x 32 and 8 x 8 x 8, tensor ranks 0-4."""
     kinds = {n.split("/")[0] for n in VIEWS}
-    assert kinds == {"MeshView", "TensorView", "ReshardView", "PipelineView", "CommView", "RollCallView"}
+    assert kinds == {"MeshView", "TensorView", "ReshardView", "PipelineView", "CommView", "RollCallView",
+                     "WhatIfView"}
     assert len(VIEWS) >= 50
     assert {len(shape) for _, shape, _, _ in TENSORS} == {0, 1, 2, 3, 4}
     assert {m.ndim for m in MESHES.values()} == {1, 2, 3, 4}

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import inspect
 import re
-import threading
 
 import torch
 import torch.distributed as tdist
@@ -150,258 +149,21 @@ def queue_backward_callback(fn) -> None:
     torch.autograd.Variable._execution_engine.queue_callback(fn)
 
 
-def fake_tensor_type():
-    from torch._subclasses.fake_tensor import FakeTensor
+# -- simulated ranks: tensors without storage (meshviz/compat/simulated.py) ---------------------------------
 
-    return FakeTensor
-
-
-# -- simulated ranks: tensors without storage --------------------------------------------------------------
-
-def fake_tensor_mode_type():
-    """torch's FakeTensorMode (a simulated rank's tensors are its fake tensors: shapes, dtypes, no storage)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    return FakeTensorMode
-
-
-def fake_data_errors() -> tuple[type, type]:
-    """(what a fake tensor raises when asked for a value, what it raises for an output whose shape depends on
-    values)."""
-    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
-
-    return DataDependentOutputException, DynamicOutputShapeException
-
-
-def fresh_fake_outputs(mode) -> None:
-    """Make ``mode`` wrap each op's output in a new fake tensor without remembering it: the memo's weak reference
-    would keep ``Module.to(dtype)`` from swapping a fake parameter ("Cannot swap t1 because it has weakref
-    associated with it"), and a kernel's output is always fresh."""
-    import types
-
-    FakeTensor = fake_tensor_type()
-
-    def from_meta_and_device(self, fake_mode, t, device, pytype=None, dispatch_keys=None):
-        return FakeTensor(fake_mode, t, device, pytype=pytype, dispatch_keys=dispatch_keys)
-
-    conv = mode.fake_tensor_converter
-    conv.from_meta_and_device = types.MethodType(from_meta_and_device, conv)
-
-
-def may_keep_values(mode, t: torch.Tensor, limit: int) -> bool:
-    """Whether a fake tensor made from real data ``t`` (``torch.tensor([...])``) keeps its values, as
-    FakeTensorMode does for one element (``may_turn_const``), here for up to ``limit`` elements."""
-    return (t.numel() <= limit and t.layout == torch.strided and not mode.is_our_fake(t)
-            and t.device.type != "meta")
-
-
-def known_values(t: torch.Tensor) -> torch.Tensor | None:
-    """The values a tensor holds: itself when real, the values a fake tensor kept (small data), else None."""
-    FakeTensor = fake_tensor_type()
-    if isinstance(t, FakeTensor):
-        return t.constant
-    if t.device.type == "meta" or type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
-        return None
-    return t
-
-
-def clear_dtensor_caches() -> None:
-    """Forget DTensor's sharding decisions on this thread: they hold the DeviceMesh of the rank that made them, and
-    a DeviceMesh compares equal to another rank's over the same ids on the same thread."""
-    from torch.distributed.tensor import DTensor
-
-    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
-    native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)  # torch 2.13+: its C++ cache
-    if native is not None:
-        native()
-
-
-class _SharedDecisions:
-    """Stands in for one of DTensor's ways to a sharding decision (``propagate_op_sharding``, its Python cache, and
-    ``propagate_op_sharding_non_cached``, where its C++ cache sends a miss): where ``when()`` holds, a decision
-    another rank made for the same op, mesh shape and axis names, placements and shapes is taken, moved onto this
-    rank's DeviceMesh, instead of being searched again (a search is the slowest part of a DTensor op's first call).
-    Which ids the mesh holds does not enter a decision (DTensor's strategies read a mesh's sizes only), so the
-    stages of a pipeline, meshes of one shape over other ranks, share theirs too."""
-
-    def __init__(self, cached, when, memo: dict, mesh_keys: dict):
-        self.cached = cached
-        self.when = when
-        self.memo = memo
-        self.mesh_keys = mesh_keys
-
-    def __call__(self, op_schema):
-        if not self.when():
-            return self.cached(op_schema)
-        try:
-            key, mesh = self._key(op_schema)
-            hash(key)
-        except (TypeError, ValueError):
-            return self._search(op_schema)
-        if mesh is None:
-            return self._search(op_schema)
-        # the decision holds this rank's local view of the op (a reshape's local sizes): alike for every rank of
-        # the mesh where every layout splits evenly, and for every rank outside it
-        key = (key, mesh.get_coordinate() is None)
-        hit = self.memo.get(key)
-        if hit is not None:
-            return _rebase(hit, mesh)
-        out = self._search(op_schema)
-        if _all_even(op_schema) and _all_even(out):
-            self.memo[key] = out
-        return out
-
-    def _search(self, op_schema):
-        _propagating.depth = getattr(_propagating, "depth", 0) + 1
-        try:
-            return self.cached(op_schema)
-        finally:
-            _propagating.depth -= 1
-
-    def cache_clear(self):
-        return self.cached.cache_clear()
-
-    def _mesh_key(self, dm):
-        key = self.mesh_keys.get(id(dm))
-        if key is None or key[0] is not dm:
-            key = (dm, (tuple(dm.mesh.shape), dm.mesh_dim_names, dm.device_type))
-            self.mesh_keys[id(dm)] = key
-        return key[1]
-
-    def _key(self, op_schema):
-        from torch.distributed.tensor._dtensor_spec import DTensorSpec
-
-        meshes = []
-
-        def walk(x):
-            if isinstance(x, DTensorSpec):
-                meshes.append(x.mesh)
-                return ("spec", self._mesh_key(x.mesh), tuple(x.placements), x.tensor_meta)
-            if isinstance(x, (list, tuple)):
-                return tuple(walk(y) for y in x)
-            if isinstance(x, dict):
-                return tuple(sorted((k, walk(v)) for k, v in x.items()))
-            return x
-
-        key = (op_schema.op, walk(op_schema.args_schema), walk(op_schema.kwargs_schema))
-        mesh = meshes[0] if meshes and all(m is meshes[0] for m in meshes) else None
-        return key, mesh
-
-
-_propagating = threading.local()
-
-
-def _all_even(x) -> bool:
-    """Every DTensorSpec in ``x`` splits its tensor evenly (so every rank of its mesh holds a block of one shape)."""
-    import dataclasses
-
-    from torch.distributed.tensor._dtensor_spec import DTensorSpec
-
-    if isinstance(x, DTensorSpec):
-        if x.tensor_meta is None:
-            return False
-        ways: dict[int, int] = {}
-        for axis, p in enumerate(x.placements):
-            dim = getattr(p, "dim", None)
-            if dim is not None and p.is_shard():
-                ways[dim] = ways.get(dim, 1) * x.mesh.size(axis) * int(getattr(p, "split_factor", 1))
-        shape = x.tensor_meta.shape
-        return all(shape[d] % k == 0 for d, k in ways.items())
-    if isinstance(x, (list, tuple)):
-        return all(_all_even(y) for y in x)
-    if isinstance(x, dict):
-        return all(_all_even(y) for y in x.values())
-    if dataclasses.is_dataclass(x) and not isinstance(x, type):
-        return all(_all_even(getattr(x, f.name)) for f in dataclasses.fields(x)
-                   if f.name in ("output_spec", "redistribute_schema", "args_schema", "kwargs_schema"))
-    return True
-
-
-def in_sharding_propagation() -> bool:
-    """Whether the calling thread is inside a DTensor sharding decision that :func:`share_dtensor_decisions` sees
-    (its tensors are global-shape stand-ins, no memory of the rank's)."""
-    return getattr(_propagating, "depth", 0) > 0
-
-
-def _rebase(x, mesh):
-    """``x`` (an OutputSharding and what it holds) with every DTensorSpec on ``mesh``."""
-    import dataclasses
-
-    from torch.distributed.tensor._dtensor_spec import DTensorSpec
-    from torch.distributed.tensor._op_schema import OpSchema, OutputSharding
-
-    if isinstance(x, DTensorSpec):
-        return x if x.mesh is mesh else dataclasses.replace(x, mesh=mesh)
-    if isinstance(x, OutputSharding):
-        return dataclasses.replace(x, output_spec=_rebase(x.output_spec, mesh),
-                                   redistribute_schema=_rebase(x.redistribute_schema, mesh))
-    if isinstance(x, OpSchema):
-        return dataclasses.replace(x, args_schema=_rebase(x.args_schema, mesh),
-                                   kwargs_schema=_rebase(x.kwargs_schema, mesh))
-    if isinstance(x, tuple):
-        return tuple(_rebase(y, mesh) for y in x)
-    if isinstance(x, list):
-        return [_rebase(y, mesh) for y in x]
-    if isinstance(x, dict):
-        return {k: _rebase(v, mesh) for k, v in x.items()}
-    return x
-
-
-_DECISIONS: tuple[dict, dict] = ({}, {})  # the decisions shared, and DeviceMesh -> its key
-
-
-def share_dtensor_decisions(when=None) -> None:
-    """From now on (``when`` None: no longer), ranks for which ``when()`` holds share DTensor's sharding decisions
-    (see :class:`_SharedDecisions`): a decision depends on the op, the mesh's shape, the placements and the shapes,
-    never on which rank makes it (every rank of an SPMD program must make the same one)."""
-    from torch.distributed.tensor import DTensor
-
-    prop = DTensor._op_dispatcher.sharding_propagator
-    memo, mesh_keys = _DECISIONS  # kept from one run of simulated ranks to the next: decisions are pure
-    if len(memo) > 50000:
-        memo.clear()
-        mesh_keys.clear()
-    for name in ("propagate_op_sharding", "propagate_op_sharding_non_cached"):
-        current = getattr(prop, name)
-        if isinstance(current, _SharedDecisions):
-            current = current.cached
-        if when is None:
-            if name in prop.__dict__:
-                setattr(prop, name, current) if name == "propagate_op_sharding" else delattr(prop, name)
-        else:
-            setattr(prop, name, _SharedDecisions(current, when, memo, mesh_keys))
-
-
-_ddp_verify: list = []  # DDP's own parameter check, while install_fake_ddp has replaced it
-
-
-def install_fake_ddp() -> None:
-    """Let DDP wrap a module of fake parameters: its constructor checks that every rank's parameters have one shape by
-    writing their sizes into a tensor from C++, which a fake tensor cannot hold; that check is skipped for fake
-    parameters (a simulated rank has no peers to compare with) and kept for every other. Undo with
-    :func:`uninstall_fake_ddp`."""
-    import torch.nn.parallel.distributed as ddp
-
-    if _ddp_verify:
-        return
-    real = ddp._verify_param_shape_across_processes
-    FakeTensor = fake_tensor_type()
-
-    def verify(process_group, tensors, logger=None):
-        if any(isinstance(t, FakeTensor) for t in tensors):
-            return None
-        return real(process_group, tensors, logger)
-
-    _ddp_verify.append(real)
-    ddp._verify_param_shape_across_processes = verify
-
-
-def uninstall_fake_ddp() -> None:
-    import torch.nn.parallel.distributed as ddp
-
-    if _ddp_verify:
-        ddp._verify_param_shape_across_processes = _ddp_verify.pop()
-
+from .simulated import (  # noqa: E402
+    clear_dtensor_caches,
+    fake_data_errors,
+    fake_tensor_mode_type,
+    fake_tensor_type,
+    fresh_fake_outputs,
+    in_sharding_propagation,
+    install_fake_ddp,
+    known_values,
+    may_keep_values,
+    share_dtensor_decisions,
+    uninstall_fake_ddp,
+)
 
 # -- pipelining -------------------------------------------------------------------------------------------
 
