@@ -1,21 +1,100 @@
-"""The op layer's rules: which ops meshviz runs otherwise than by torch DTensor's rule, and how."""
+"""The op layer's rules: one contract (the inputs' placements in, the placements to run them in and the outputs'
+out), each declared where its op is registered."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from .. import compat
+from ..core.mesh import ProcessMesh
 from ..core.partial import summed
-from ..core.placements import Partial, Replicate, Shard
+from ..core.placements import Partial, Placement, Replicate, Shard
 from .autograd import local_block_of
-from .dtensor import DistTensor, make_dtensor
+from .dtensor import DistTensor, make_dist
 
-__all__ = ["CORRECTED", "PADDLE_RULES", "LOCAL_RULES", "RANDOM_RULES", "DEFAULT_RULE_OPS", "RULES"]
+__all__ = ["TensorSpec", "Strategy", "Rule", "RULES", "register", "rule_of", "merged"]
 
 aten = torch.ops.aten
-# torch DTensor's rule gives a wrong value for these (checked against the dense run): they run as torch's own
-# decomposition into ops whose rules are right. The why, per op, is in the README's op table.
-CORRECTED = {
+
+
+class TensorSpec:
+    """What a rule sees of a dist tensor: its mesh, placements and global shape (no data, no process group)."""
+
+    __slots__ = ("mesh", "placements", "shape", "dtype")
+
+    def __init__(self, mesh: ProcessMesh, placements, shape, dtype=None):
+        self.mesh, self.placements, self.shape, self.dtype = mesh, list(placements), tuple(shape), dtype
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def __repr__(self) -> str:
+        return f"TensorSpec({list(self.shape)}, [{', '.join(map(repr, self.placements))}])"
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """A rule's answer: the placements each dist input is resharded to first (None: left as it is) and, for a rule
+    that runs the op on each rank's blocks, the placements of each output (None: torch DTensor's rule names them)."""
+
+    inputs: tuple
+    outputs: tuple | None = None
+
+    def __repr__(self) -> str:
+        def show(pls):
+            return "-" if pls is None else "[" + ", ".join(map(repr, pls)) + "]"
+        outs = "torch" if self.outputs is None else ", ".join(map(show, self.outputs))
+        return f"Strategy({', '.join(map(show, self.inputs))} -> {outs})"
+
+
+@dataclass(frozen=True)
+class Rule:
+    """How meshviz runs one op, otherwise than by torch DTensor's rule. ``kind``:
+
+    * ``corrected``: torch's rule gives a wrong value; the op runs as torch's decomposition (``why`` says how);
+    * ``random``: ``fn(func, args, kwargs)`` runs it: every rank draws what the dense op draws, keeps its block;
+    * ``paddle``: ``fn(args, kwargs) -> Strategy`` with inputs only: Paddle's rule lays the inputs out, torch's
+      rule then names the outputs;
+    * ``local``: ``fn(args, kwargs) -> Strategy`` with outputs: every rank runs the op on its own blocks;
+    * ``default``: Paddle's default rule: inputs Replicate, the op on whole tensors, outputs Replicate.
+
+    ``fn`` sees each dist tensor as a :class:`TensorSpec`; it returns None where the op runs by torch's rule.
+    """
+
+    op: object
+    kind: str
+    fn: Callable | None = None
+    why: str = ""
+
+
+RULES: dict = {}  # aten op -> Rule
+
+
+def register(kind: str, *ops, why: str = ""):
+    """Declare ``fn`` as the ``kind`` rule of ``ops`` (a decorator; with no function, as ``register(...)(None)``)."""
+
+    def deco(fn):
+        for op in ops:
+            RULES[op] = Rule(op, kind, fn, why)
+        return fn
+
+    return deco
+
+
+def rule_of(func) -> Rule | None:
+    return RULES.get(func)
+
+
+# -- corrected: torch's rule gives a wrong value (checked against the dense run); the why is in the README's op table
+
+for _op, _why in {
     aten.mse_loss.default: "reduction='mean' averages each rank's block mean (Partial(avg)): wrong on uneven shards",
     aten.mse_loss_backward.default: "scales by the local element count, not the global one",
     aten.smooth_l1_loss.default: "reduction='mean' averages each rank's block mean: wrong on uneven shards",
@@ -28,14 +107,17 @@ CORRECTED = {
     aten.nll_loss_forward.default: "reduction='mean' averages block means (Partial(avg)): wrong where the ranks "
                                    "hold different counts of ignore_index labels",
     aten.linalg_vector_norm.default: "its norm-Partial output is read as Partial(sum): the blocks' norms get added",
-}
+}.items():
+    register("corrected", _op, why=_why)(None)
 
 
-def _merged(tensors, skip_dim=None) -> list:
+# -- paddle: Paddle's SPMD rule lays the inputs out where torch's differs
+
+def merged(tensors, skip_dim=None) -> list[Placement]:
     """Paddle's ShardingMergeForTensors: along each mesh axis the first input that shards a dim decides, and every
     input is made to shard that dim there (``skip_dim``, the dim an op joins along, is never kept sharded); an axis
     where every input is the same Partial stays Partial, one where only some are goes Replicate."""
-    mesh_ndim = tensors[0]._pmesh.ndim
+    mesh_ndim = tensors[0].mesh.ndim
     out, used = [], set()
     for axis in range(mesh_ndim):
         pls = [t.placements[axis] for t in tensors]
@@ -57,34 +139,42 @@ def _join_rule(joins_dim: bool):
     cannot turn a Shard into a Partial); cat never keeps the dim it joins along sharded."""
 
     def rule(args, kwargs):
-        dists = [t for t in args[0] if isinstance(t, DistTensor)]
+        dists = [t for t in args[0] if isinstance(t, TensorSpec)]
         if not dists or dists[0].dim() == 0:
             return None
         dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
-        want = _merged(dists, dim % dists[0].dim() if joins_dim else None)
+        want = merged(dists, dim % dists[0].dim() if joins_dim else None)
         if len(dists) < len(args[0]):  # a dense input joins as Replicate: a Partial axis would count it k times
             want = summed(want)
-        return [want] * len(dists)
+        return Strategy(tuple([want] * len(dists)))
 
     return rule
 
 
+register("paddle", aten.stack.default)(_join_rule(joins_dim=False))
+register("paddle", aten.cat.default)(_join_rule(joins_dim=True))
+
+
+@register("paddle", aten.cumsum.default)
 def _scan_rule(args, kwargs):
     """cumsum: Paddle's rule keeps the scanned dim whole (torch's scans each block on its own)."""
     x = args[0]
     dim = (args[1] if len(args) > 1 else kwargs["dim"]) % max(x.dim(), 1)
     if not any(isinstance(p, Shard) and p.dim == dim for p in x.placements):
         return None
-    return [[Replicate() if isinstance(p, Shard) and p.dim == dim else p for p in x.placements]]
+    return Strategy(([Replicate() if isinstance(p, Shard) and p.dim == dim else p for p in x.placements],))
 
 
+# -- local: every rank runs the op on its own blocks
+
+@register("local", aten.gather.default)
 def _gather_local(args, kwargs):
     """gather (take_along_axis), Paddle's rule: the gathered dim whole, the index laid out as the input on the other
     dims, a Partial input giving a Partial output; then every rank gathers from its own block. (torch's rule may
     shard the gathered dim for a masked Partial whose mask lives on a cached placement: built for the whole index,
     shared by ranks that are threads.)"""
     x, dim, index = args[0], args[1], args[2]
-    if not isinstance(x, DistTensor) or not isinstance(index, DistTensor) or kwargs.get("sparse_grad"):
+    if not isinstance(x, TensorSpec) or not isinstance(index, TensorSpec) or kwargs.get("sparse_grad"):
         return None
     dim %= max(x.dim(), 1)
     want_x, want_i = [], []
@@ -95,28 +185,19 @@ def _gather_local(args, kwargs):
         else:
             want_x.append(p if isinstance(p, Partial) else Replicate())
             want_i.append(Replicate())
-    return [want_x, want_i], want_x
+    return Strategy((want_x, want_i), (want_x,))
 
 
-# ops whose output placements follow Paddle's SPMD rule where torch's differ: op -> the rule's input placements
-PADDLE_RULES: dict = {
-    aten.stack.default: _join_rule(joins_dim=False),
-    aten.cat.default: _join_rule(joins_dim=True),
-    aten.cumsum.default: _scan_rule,
-}
+# -- random: the dense op's draw on every rank, each keeping its block
 
-# ops Paddle's rule lets every rank run on its own blocks: op -> (the inputs' placements, the output's)
-LOCAL_RULES: dict = {
-    aten.gather.default: _gather_local,
-}
-
+@register("random", aten.native_dropout.default)
 def _dropout(func, args, kwargs):
     """native_dropout: every rank draws the whole mask, as the dense op draws it, and keeps its block. Replicas get
     one mask, the blocks of a sharded tensor are blocks of the dense run's mask, and the ranks' generators move
     alike (a per-block draw would leave them apart after an uneven block)."""
     x, p, train = args[0], args[1], args[2] if len(args) > 2 else kwargs.get("train")
     x = x._resolved()
-    local = compat.dtensor_local(x._dtensor)
+    local = x._local
     if train is False:
         return None
     p1m = 1.0 - p
@@ -124,32 +205,20 @@ def _dropout(func, args, kwargs):
     blk = local_block_of(mask, x._pmesh, summed(x.placements))  # every summand is scaled by the same mask
     out = local * blk * (0.0 if p1m == 0 else 1.0 / p1m)
     pl = x.placements
-    return (DistTensor(make_dtensor(out, x._pmesh, pl, tuple(x.shape)), x._pmesh),
-            DistTensor(make_dtensor(blk.bool(), x._pmesh, pl, tuple(x.shape)), x._pmesh))
+    return make_dist(out, x._pmesh, pl, tuple(x.shape)), make_dist(blk.bool(), x._pmesh, pl, tuple(x.shape))
 
 
+@register("random", aten.normal_.default, aten.uniform_.default, aten.bernoulli_.float)
 def _fill(func, args, kwargs):
     """An in-place random fill (normal_, uniform_, bernoulli_): the whole tensor drawn on every rank as the dense
     op draws it, each rank keeping its block; a Partial axis becomes Replicate (the fill replaces the value)."""
     t = args[0]._resolved()
     pl = summed(t.placements)
-    local = compat.dtensor_local(t._dtensor)
+    local = t._local
     full = func(torch.empty(tuple(t.shape), dtype=t.dtype, device=local.device), *args[1:], **kwargs)
-    return args[0]._hold(DistTensor(make_dtensor(local_block_of(full, t._pmesh, pl), t._pmesh, pl, tuple(t.shape)),
-                                    t._pmesh))
+    return args[0]._hold(make_dist(local_block_of(full, t._pmesh, pl), t._pmesh, pl, tuple(t.shape)))
 
 
-# random ops: the dense op's draw on every rank, each keeping its block
-RANDOM_RULES: dict = {
-    aten.native_dropout.default: _dropout,
-    aten.normal_.default: _fill,
-    aten.uniform_.default: _fill,
-    aten.bernoulli_.float: _fill,
-}
+# -- default: ops meshviz runs by Paddle's default rule on purpose (ops torch has no rule for join them as met)
 
-# ops meshviz runs by Paddle's default rule (inputs made Replicate, output Replicate) on purpose
-DEFAULT_RULE_OPS: dict = {}
-
-RULES = {"corrected": CORRECTED, "paddle": PADDLE_RULES, "local": LOCAL_RULES, "random": RANDOM_RULES,
-         "default": DEFAULT_RULE_OPS}
-
+_ = (compat, DistTensor)  # the rules above see TensorSpecs; the runners, dist tensors
