@@ -10,7 +10,9 @@ import torch.distributed as tdist
 from ... import trace
 from ...core.placements import Replicate, Shard
 from ...core.sharding import SHARDED
+from ..autograd import run_reshards
 from ..dtensor import DistTensor
+from .blocks import step_on_blocks
 from .engine import Zero
 
 __all__ = ["PlacedZero", "StateView", "sharded_placements"]
@@ -90,6 +92,7 @@ class PlacedZero(Zero):
         self._reshard, self._place = reshard, place
         self._shadow: dict = {}  # param -> sharded leaf the inner optimizer updates (os, os_g)
         self._of_shadow: dict = {}  # that leaf -> the user's param
+        self._full: dict = {}  # p_g_os: param -> the placements it had before it was sharded (its forward's)
         if level is not None:
             self._setup_sharding()
 
@@ -114,6 +117,7 @@ class PlacedZero(Zero):
                 with torch.no_grad():
                     sharded = self._reshard(p.detach(), p.process_mesh, pl)
                 if self.level == "p_g_os":
+                    self._full[p] = list(p.placements)
                     p._hold(sharded)  # the parameter itself now lives sharded
                     new_params.append(p)
                 else:
@@ -132,6 +136,11 @@ class PlacedZero(Zero):
                 p.name, level, SHARDED[level], tuple(p.shape), group=group, mesh=mesh.to_dict(),
                 placements=tuple(repr(q) for q in (self._sharded(p) or p.placements)),
                 tensor_id=p.tensor_id).to_event())
+
+    @property
+    def full_placements(self) -> dict:
+        """p_g_os: each sharded parameter -> the placements its forward uses it in (gathered along the axis)."""
+        return dict(self._full)
 
     @property
     def state(self):
@@ -166,24 +175,37 @@ class PlacedZero(Zero):
 
     @torch.no_grad()
     def _sync_grads(self) -> None:
-        reshard = self._reshard
+        """Every gradient reduced to the layout its step needs: the all-reduces along one mesh line go as one
+        collective per bucket (each gradient keeps its own reshard events); os then keeps this rank's part."""
         shadows = {id(s) for s in self._shadow.values()}
-        for group in self._inner_opt.param_groups:
-            for q in group["params"]:
-                if isinstance(q, DistTensor) and q.grad is not None and id(q) not in shadows:
-                    want = list(q.placements)
-                    if list(q.grad.placements) != want:
-                        q.grad = reshard(q.grad, q.process_mesh, want)  # Partial grads reduced once, here
+        todo = [q for group in self._inner_opt.param_groups for q in group["params"]
+                if isinstance(q, DistTensor) and q.grad is not None and id(q) not in shadows
+                and q.grad.placements != q.placements]
+        for q, g in zip(todo, run_reshards([q.grad for q in todo], [q.placements for q in todo])):
+            q.grad = g  # Partial grads reduced once, here
+        live = []
         for p, shadow in self._shadow.items():
             if p.grad is None:
                 shadow.grad = None
-                continue
-            g = p.grad
-            if self.level == "os":
-                g = reshard(g, p.process_mesh, p.placements)  # full gradient kept, then this rank's part
-            shadow.grad = reshard(g, shadow.process_mesh, shadow.placements)
+            else:
+                live.append((p, shadow))
+        if self.level == "os":  # the full gradient kept, then this rank's part
+            full = [(p, p.grad) for p, _ in live if p.grad.placements == p.placements]
+            moving = [(p, p.grad) for p, _ in live if p.grad.placements != p.placements]
+            reduced = run_reshards([g for _, g in moving], [p.placements for p, _ in moving])
+            by_id = {id(p): g for p, g in full}
+            by_id.update({id(p): g for (p, _), g in zip(moving, reduced)})
+            for p, _shadow in live:
+                p.grad = by_id[id(p)]
+        for p, shadow in live:
+            shadow.grad = self._reshard(p.grad, shadow.process_mesh, shadow.placements)
             if self.level != "os":
                 p.grad = None
+
+    def _inner_step(self, closure):
+        if closure is not None:
+            return self._inner_opt.step(closure)
+        return step_on_blocks(self._inner_opt)
 
     def _clip(self):
         clip = self.__dict__.get("_grad_clip") or getattr(self._inner_opt, "_grad_clip", None)
