@@ -16,6 +16,7 @@ __all__ = [
     # torch.distributed
     "new_group_in_order", "all_gather_single", "reduce_scatter_single", "abort_process_group",
     "reset_group_count", "resolve_process_group", "device_mesh_without_backend", "dtensor_local", "dtensor_from_local",
+    "dtensor_layout",
     # tensor subclasses and dispatch
     "NoDTensorRule", "DTensorDecision", "dtensor_special_ops", "dtensor_decision", "is_mask_partial",
     "dtensor_converts_partial_kinds", "dispatch_modes_active",
@@ -105,24 +106,36 @@ def dtensor_local(dt) -> torch.Tensor:
 _specs: dict = {}  # (id(mesh), placements, shape, stride, dtype) -> (mesh, DTensorSpec)
 
 
-def dtensor_from_local(local: torch.Tensor, device_mesh, placements: tuple, shape, stride):
+def dtensor_from_local(local: torch.Tensor, device_mesh, placements: tuple, shape, stride, layout=None):
     """``DTensor.from_local(local, device_mesh, placements, run_check=False, shape=shape, stride=stride)`` for a
     ``local`` without autograd history: the DTensor built directly on a DTensorSpec reused across calls (from_local
-    goes through an autograd Function and builds a fresh spec each time: most of a small reshard's fixed cost)."""
+    goes through an autograd Function and builds a fresh spec each time: most of a small reshard's fixed cost).
+    ``layout``: a layout only torch can name, as :func:`dtensor_layout` gave it (placements and their order)."""
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
     if local.device.type != device_mesh.device_type and local.device.type != "meta":
         local = local.to(device_mesh.device_type)
-    key = (id(device_mesh), placements, tuple(shape), tuple(stride), local.dtype)
+    key = (id(device_mesh), placements, tuple(shape), tuple(stride), local.dtype, layout)
     hit = _specs.get(key)
     if hit is None or hit[0] is not device_mesh:
         if len(_specs) >= 4096:
             _specs.clear()
-        spec = DTensorSpec(device_mesh, placements, tensor_meta=TensorMeta(torch.Size(shape), tuple(stride),
-                                                                           local.dtype))
+        meta = TensorMeta(torch.Size(shape), tuple(stride), local.dtype)
+        if layout is None:
+            spec = DTensorSpec(device_mesh, placements, tensor_meta=meta)
+        else:
+            spec = DTensorSpec(device_mesh, layout[0], tensor_meta=meta, shard_order=layout[1],
+                               use_strided_shard_as_shard_order=layout[2])
         hit = _specs[key] = (device_mesh, spec)
     return DTensor(local.view_as(local), hit[1], requires_grad=False)
+
+
+def dtensor_layout(spec_or_dtensor) -> tuple:
+    """A DTensor's (or DTensorSpec's) layout in full: its placements and the order in which the shards of one
+    tensor dim nest (``_StridedShard`` layouts need it to be rebuilt)."""
+    spec = getattr(spec_or_dtensor, "_spec", spec_or_dtensor)
+    return tuple(spec.placements), spec.shard_order, spec.use_strided_shard_as_shard_order
 
 
 # -- DTensor's sharding decisions ------------------------------------------------------------------------------
@@ -144,8 +157,9 @@ class DTensorDecision:
     ``op``: the op DTensor runs on the blocks (a rewrite, e.g. ``squeeze.dims``, or the op itself);
     ``local_args(tensors)``: the ``(args, kwargs)`` DTensor runs ``op`` with, given the blocks of the tensor
     arguments in order, or None where they are the call's own arguments with each tensor replaced by its block;
-    ``outputs``: per output (a flat list in the op's return order), ``(torch placements, shape, stride, dtype)``,
-    or None for a non-tensor output; ``single``: the op returns one tensor (not a tuple)."""
+    ``outputs``: per output (a flat list in the op's return order), ``(torch placements, shape, stride, dtype,
+    layout)`` (:func:`dtensor_layout`), or None for a non-tensor output; ``single``: the op returns one tensor
+    (not a tuple)."""
 
     __slots__ = ("wanted", "op", "local_args", "outputs", "single")
 
@@ -229,7 +243,7 @@ def dtensor_decision(op, args, kwargs) -> DTensorDecision:
     for s in ([spec] if single else spec):
         if isinstance(s, DTensorSpec) and s.tensor_meta is not None:
             m = s.tensor_meta
-            outputs.append((tuple(s.placements), tuple(m.shape), tuple(m.stride), m.dtype))
+            outputs.append((tuple(s.placements), tuple(m.shape), tuple(m.stride), m.dtype, dtensor_layout(s)))
         else:
             outputs.append(None)
     return DTensorDecision(wanted, run_op, local_args, outputs, single)

@@ -99,6 +99,10 @@ def from_torch_placements(placements) -> list[Placement]:
     return out
 
 
+def _torch_only(dt: DTensor) -> tuple | None:
+    return compat.dtensor_layout(dt) if torch_only_axes(dt) else None
+
+
 def torch_only_axes(dt: DTensor) -> list[int]:
     """Mesh axes on which ``dt`` lies in a way only torch can name (``_StridedShard``)."""
     return [i for i, p in enumerate(dt.placements) if paddle_placement(p) is None]
@@ -170,9 +174,10 @@ def make_dist(local: torch.Tensor, mesh: ProcessMesh, placements, shape, require
 
 
 def new_dist(local: torch.Tensor, mesh: ProcessMesh, placements: tuple, shape, stride, requires_grad: bool = False,
-             dt: DTensor | None = None) -> "DistTensor":
+             dt: DTensor | None = None, tpl: tuple | None = None) -> "DistTensor":
     """The dist tensor whose block is ``local`` (used as is), laid out as meshviz ``placements`` (a tuple) on
-    ``mesh``, with global ``shape`` and ``stride``; ``dt``: the DTensor it stands for, when there is one already."""
+    ``mesh``, with global ``shape`` and ``stride``; ``dt``: the DTensor it stands for, when there is one already;
+    ``tpl``: a layout only torch can name (``compat.dtensor_layout``)."""
     r = compat.make_wrapper_subclass(DistTensor, shape, strides=stride, dtype=local.dtype, device=local.device,
                                      requires_grad=requires_grad)
     r._local = local
@@ -180,6 +185,8 @@ def new_dist(local: torch.Tensor, mesh: ProcessMesh, placements: tuple, shape, s
     r._pmesh = mesh
     if dt is not None:
         r._dt = dt
+    if tpl is not None:
+        r._tpl = tpl
     return r
 
 
@@ -194,7 +201,7 @@ class DistTensor(torch.Tensor):
     _mpl: tuple
     # what most tensors never set (an instance sets its own)
     _dt: DTensor | None = None  # the DTensor it stands for, once built or when torch made it
-    _torch_only = False  # laid out in a way only torch can name (``_StridedShard``): ``_dt`` holds it
+    _tpl: tuple | None = None  # a layout only torch can name (``_StridedShard``): ``compat.dtensor_layout``
     _mv_id_: int | None = None  # numbered when first asked (:attr:`tensor_id`)
     _mv_name: str | None = None
     _mv_grad_hook = None  # the op layer's hook giving the gradient Paddle's placements
@@ -206,10 +213,14 @@ class DistTensor(torch.Tensor):
                 placements=None):
         mesh = process_mesh if process_mesh is not None else process_mesh_of(dtensor.device_mesh)
         pl = tuple(placements) if placements is not None else tuple(from_torch_placements(dtensor.placements))
-        r = new_dist(compat.dtensor_local(dtensor), mesh, pl, dtensor.shape, dtensor.stride(), requires_grad,
-                     dt=dtensor if placements is None or representable(pl) else None)
-        r._torch_only = bool(torch_only_axes(dtensor))
-        return r
+        return new_dist(compat.dtensor_local(dtensor), mesh, pl, dtensor.shape, dtensor.stride(), requires_grad,
+                        dt=dtensor if placements is None or representable(pl) else None, tpl=_torch_only(dtensor))
+
+    @property
+    def _torch_only(self) -> bool:
+        """Laid out in a way only torch can name (``_StridedShard``: a view merging a sharded dim into one before
+        it); its placements read as Paddle's rule for that view reads them."""
+        return self._tpl is not None
 
     @property
     def _dtensor(self) -> DTensor:
@@ -217,16 +228,18 @@ class DistTensor(torch.Tensor):
         if dt is None:
             local = self._local
             kind = local.device.type if local.device.type != "meta" else block_device_type(local)
-            pl = self._mpl if representable(self._mpl) else summed(self._mpl)
-            dt = self._dt = compat.dtensor_from_local(local, device_mesh_for(self._pmesh, kind),
-                                                      to_torch_placements(pl), self.shape, self.stride())
+            own = self._tpl
+            tpl = own[0] if own is not None else to_torch_placements(
+                self._mpl if representable(self._mpl) else summed(self._mpl))
+            dt = self._dt = compat.dtensor_from_local(local, device_mesh_for(self._pmesh, kind), tpl, self.shape,
+                                                      self.stride(), layout=own)
         return dt
 
     @_dtensor.setter
     def _dtensor(self, dt: DTensor) -> None:
         self._dt, self._local = dt, compat.dtensor_local(dt)
         self._mpl = tuple(from_torch_placements(dt.placements))
-        self._torch_only = bool(torch_only_axes(dt))
+        self._tpl = _torch_only(dt)
         self._mv_key = None
 
     @property
@@ -270,14 +283,14 @@ class DistTensor(torch.Tensor):
     def _hold(self, other: "DistTensor") -> "DistTensor":
         """This tensor, now holding ``other``'s block and layout: what an in-place op that ran on a re-laid-out
         copy (or a sharding stage) leaves in the caller's tensor."""
-        self._local, self._mpl, self._dt, self._torch_only = other._local, other._mpl, other._dt, other._torch_only
+        self._local, self._mpl, self._dt, self._tpl = other._local, other._mpl, other._dt, other._tpl
         self._mv_key = None
         return self
 
     def _resolved(self) -> "DistTensor":
         """This tensor with a block that its :attr:`placements` describe: an axis only torch can name is
         all-gathered by torch (its collective is seen, as every one inside an op is). No autograd."""
-        if not self._torch_only:
+        if self._tpl is None:
             return self
         dt = self._dtensor
         odd = torch_only_axes(dt)

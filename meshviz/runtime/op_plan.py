@@ -83,7 +83,7 @@ def layout_number(t: DistTensor) -> int:
     local = t._local
     mesh = t._pmesh
     key = (mesh, t._mpl, t.shape, t.stride(), t.dtype, local.shape, local.stride(), local.device.type,
-           t._torch_only, mesh.coordinate(_rank()))
+           t._tpl, mesh.coordinate(_rank()))
     n = _LAYOUTS.get(key)
     if n is None:
         if len(_LAYOUTS) >= _MAX_ENTRIES:
@@ -353,9 +353,10 @@ def decide(func, args, kwargs, skip_random: bool = False) -> Decision:
         moves = tuple(None if m is None else tuple(m) for m in p.strategy.inputs)
     d = Decision(p.how, moves=moves, inplace=inplace, hooks=hooks)
     d.member = _spec_list(sargs, skwargs)[0].mesh.contains(_rank())
-    if func in METADATA_OPS and isinstance(args[0], DistTensor) and not args[0]._torch_only:
-        t = args[0]  # the output is the input's block, laid out as it is (mixed Partials included)
-        d.how, d.op, d.single, d.outputs = "local", func, True, [(t._mpl, tuple(t.shape), t.stride(), t.dtype)]
+    if func in METADATA_OPS and isinstance(args[0], DistTensor):
+        t = args[0]  # the output is the input's block, laid out as it is (mixed Partials, torch's own layouts)
+        d.how, d.op, d.single, d.outputs = "local", func, True, [(t._mpl, tuple(t.shape), t.stride(), t.dtype,
+                                                                   t._tpl)]
     elif p.how == "local":
         d.whole, d.op, d.nested = True, func, _nested(args, kwargs)
         d.outputs, d.single = _out_specs_of(probe(func, args, kwargs), p.strategy.outputs)
@@ -378,7 +379,7 @@ def _out_specs_of(stand_in, placements) -> tuple:
     for i, o in enumerate(outs):
         if isinstance(o, torch.Tensor):
             pl = tuple(placements[min(i, len(placements) - 1)])
-            specs.append((pl, tuple(o.shape), dtensor.contiguous_stride(o.shape), o.dtype))
+            specs.append((pl, tuple(o.shape), dtensor.contiguous_stride(o.shape), o.dtype, None))
         else:
             specs.append(None)
     return specs, single
@@ -387,8 +388,7 @@ def _out_specs_of(stand_in, placements) -> tuple:
 def ask_torch(d: Decision, func, args, kwargs, dists) -> None:
     """Complete ``d`` (how ``torch``) with torch DTensor's rule for the inputs as laid out now: ``local`` where the
     rule moves nothing and names plain placements, ``default`` where torch has no rule, else DTensor runs it."""
-    if (func in compat.dtensor_special_ops() or any(t._torch_only for t in dists)
-            or any(isinstance(v, torch.Tensor) for v in kwargs.values())):
+    if func in compat.dtensor_special_ops() or any(isinstance(v, torch.Tensor) for v in kwargs.values()):
         return
     dm = dists[0]._dtensor.device_mesh
     tensors: list = []
@@ -436,10 +436,11 @@ def ask_torch(d: Decision, func, args, kwargs, dists) -> None:
         if o is None:
             outputs.append(None)
             continue
-        tpl, shape, stride, dtype = o
-        if any(type(p) not in _PLAIN for p in tpl):
-            return  # a layout only torch can name (_StridedShard, _MaskPartial): DTensor keeps it
-        outputs.append((tuple(from_torch_placements(tpl)), shape, stride, dtype))
+        tpl, shape, stride, dtype, layout = o
+        if any(compat.is_mask_partial(p) for p in tpl):
+            return  # torch's embedding mask: DTensor keeps it until meshviz applies it
+        own = None if all(type(p) in _PLAIN for p in tpl) else layout  # _StridedShard: only torch names it
+        outputs.append((tuple(from_torch_placements(tpl)), shape, stride, dtype, own))
     d.how, d.op, d.local_args, d.outputs, d.single = "local", got.op, got.local_args, outputs, got.single
     d.nested = _nested(args, kwargs)
 

@@ -188,6 +188,19 @@ def _gather_local(args, kwargs):
     return Strategy((want_x, want_i), (want_x,))
 
 
+@register("local", aten.triu.default, aten.tril.default)
+def _triangle_local(args, kwargs):
+    """triu / tril, Paddle's tril_triu rule: the last two dims whole (which elements are kept depends on their global
+    row and column), the batch dims kept as they lie, a Partial kept (the op is linear); then every rank keeps the
+    triangle of its own block. (torch's rule gathers the whole tensor.)"""
+    x = args[0]
+    if not isinstance(x, TensorSpec) or x.dim() < 2:
+        return None
+    last = {x.dim() - 2, x.dim() - 1}
+    want = [Replicate() if isinstance(p, Shard) and p.dim in last else p for p in x.placements]
+    return Strategy((want,), (want,))
+
+
 # -- random: the dense op's draw on every rank, each keeping its block
 
 @register("random", aten.native_dropout.default)

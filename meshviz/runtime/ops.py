@@ -170,15 +170,15 @@ def _run_local(d: Decision, func, args, kwargs, dists, moved: bool = False, firs
     if d.inplace:
         self = args[0]
         spec = d.outputs[0]
-        if spec is not None and spec[0] != self._mpl:
-            self._mpl, self._dt, self._mv_key = spec[0], None, None
+        if spec is not None and (spec[0] != self._mpl or spec[4] != self._tpl):
+            self._mpl, self._tpl, self._dt, self._mv_key = spec[0], spec[4], None, None
         return self
     keys = d.out_keys
     if d.single:
         spec = d.outputs[0]
         if spec is None or not isinstance(out, torch.Tensor):
             return out
-        r = new_dist(out, mesh, spec[0], spec[1], spec[2])
+        r = new_dist(out, mesh, spec[0], spec[1], spec[2], tpl=spec[4])
         if keys is not None:
             r._mv_key = keys[0]
         else:
@@ -189,7 +189,7 @@ def _run_local(d: Decision, func, args, kwargs, dists, moved: bool = False, firs
         if spec is None or not isinstance(o, torch.Tensor):
             res.append(o)
             continue
-        r = new_dist(o, mesh, spec[0], spec[1], spec[2])
+        r = new_dist(o, mesh, spec[0], spec[1], spec[2], tpl=spec[4])
         if keys is not None:
             r._mv_key = keys[i]
         res.append(r)

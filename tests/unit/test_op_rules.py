@@ -82,6 +82,24 @@ def test_gather_rule_on_simulated_ranks_gives_the_dense_value(mesh):
                                    err_msg=f"{pls}")
 
 
+@pytest.mark.parametrize("op", ["triu", "tril"])
+def test_triangle_rules_on_simulated_ranks_give_the_dense_value(op):
+    """triu / tril keep the batch dims as they lie and make the last two whole (Paddle's tril_triu rule)."""
+    rule, fn = RULES[getattr(aten, op).default].fn, getattr(torch, op)
+    x = np.random.default_rng(1).standard_normal((3, 5, 4)).astype(np.float32)
+    one = [Shard(0), Shard(1), Shard(2), R, P]
+    for pls in itertools.product(one, repeat=M2.ndim):
+        if len({p.dim for p in pls if isinstance(p, Shard)}) < sum(isinstance(p, Shard) for p in pls):
+            continue
+        got = rule((spec(M2, pls, x.shape), 1), {})
+        (want,), (out,) = got.inputs, got.outputs
+        assert want == [R if isinstance(p, Shard) and p.dim >= 1 else p for p in pls] == out
+        blocks = initial_locals(x, M2, want)
+        outs = {r: fn(torch.from_numpy(b), 1).numpy() for r, b in blocks.items()}
+        np.testing.assert_allclose(assemble(outs, x.shape, M2, out), fn(torch.from_numpy(x), 1).numpy(),
+                                   err_msg=f"{pls}")
+
+
 def test_plan_precedence():
     x = spec(M1, [Shard(0)], (4, 6))
     # refused: item() of a block, inputs on two meshes, mixed Partial reductions entering an op
