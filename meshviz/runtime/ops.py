@@ -17,7 +17,7 @@ from ..core.partial import summed
 from ..core.placements import Partial, Replicate, Shard
 from . import dtensor, rollcall
 from .autograd import run_reshard
-from .dtensor import DistTensor, from_torch_placements, make_dist, new_dist
+from .dtensor import DistTensor, from_torch_placements, make_dist, new_dist, representable
 from .op_plan import (
     METADATA_OPS,
     Decision,
@@ -64,7 +64,7 @@ def dispatch(func, args, kwargs):
 def _grad_hooks(dists) -> None:
     for t in dists:
         if t._mv_grad_hook is None and t.requires_grad:
-            t._mv_grad_hook = t.register_hook(_GradLike(t._pmesh, t._mpl))
+            t._mv_grad_hook = t.register_hook(_hook_for(t))
 
 
 def _run(d: Decision, func, args, kwargs, dists, moved: bool = False):
@@ -359,16 +359,30 @@ class _GradLike:
         self.mesh, self.placements = mesh, placements
 
     def __call__(self, grad):
-        if not isinstance(grad, DistTensor) or grad._pmesh != self.mesh or grad._pl is not None:
+        if type(grad) is not DistTensor:
             return grad
-        if grad._mpl == self.placements:
+        have = grad._mpl
+        if have == self.placements or grad._pmesh != self.mesh or not representable(have):
             return grad
-        want = grad_like(self.placements, grad._mpl)
-        if tuple(want) == grad._mpl:
+        want = grad_like(self.placements, have)
+        if tuple(want) == have:
             return grad
         out = redistribute(grad, want, "grad")
         out._mv_grad_hook = grad._mv_grad_hook
         return out
+
+
+_HOOKS: dict = {}  # (mesh, placements) -> its hook (one object per layout)
+
+
+def _hook_for(t: DistTensor) -> _GradLike:
+    key = (t._pmesh, t._mpl)
+    h = _HOOKS.get(key)
+    if h is None:
+        if len(_HOOKS) >= 4096:
+            _HOOKS.clear()
+        h = _HOOKS[key] = _GradLike(t._pmesh, t._mpl)
+    return h
 
 
 def _note(func, rule: str, ref: DistTensor, why: str) -> None:

@@ -197,8 +197,8 @@ class PlacedZero(Zero):
             by_id.update({id(p): g for (p, _), g in zip(moving, reduced)})
             for p, _shadow in live:
                 p.grad = by_id[id(p)]
-        for p, shadow in live:
-            shadow.grad = self._reshard(p.grad, shadow.process_mesh, shadow.placements)
+        for (p, shadow), g in zip(live, run_reshards([p.grad for p, _ in live], [s.placements for _, s in live])):
+            shadow.grad = g
             if self.level != "os":
                 p.grad = None
 
@@ -214,8 +214,9 @@ class PlacedZero(Zero):
 
     @torch.no_grad()
     def _gather(self) -> None:
-        for p, shadow in self._shadow.items():
-            full = self._reshard(shadow.detach(), p.process_mesh, p.placements)
+        """The stepped shards back into the parameters (the all-gathers along one mesh line as one collective)."""
+        items = list(self._shadow.items())
+        for (p, _), full in zip(items, run_reshards([s.detach() for _, s in items], [p.placements for p, _ in items])):
             p._hold(full)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
