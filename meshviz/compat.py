@@ -1,4 +1,4 @@
-"""The one module through which meshviz touches private torch and ipyparallel symbols (torch 2.11 to 2.13)."""
+"""The one module through which meshviz touches private torch and ipyparallel symbols (torch 2.11 to 2.15)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ __all__ = [
     # torch.distributed
     "new_group_in_order", "all_gather_single", "reduce_scatter_single", "abort_process_group",
     "reset_group_count", "resolve_process_group", "device_mesh_without_backend", "dtensor_local", "dtensor_from_local",
-    "dtensor_layout",
+    "dtensor_layout", "linear_keeps_split_batch_dims",
     # tensor subclasses and dispatch
     "NoDTensorRule", "DTensorDecision", "dtensor_special_ops", "dtensor_decision", "is_mask_partial",
     "dtensor_converts_partial_kinds", "dispatch_modes_active",
@@ -25,7 +25,7 @@ __all__ = [
     "flatten_dense_tensors", "unflatten_dense_tensors", "fake_tensor_type", "amp_unscale_",
     "queue_backward_callback",
     # pipelining
-    "PIPELINE_STAGE_METHODS", "PIPELINE_STAGE_SETUP", "pipeline_order", "action_fields",
+    "PIPELINE_STAGE_METHODS", "pipeline_setup_calls", "pipeline_neighbor_init_ops", "pipeline_order", "action_fields",
     # ranks as threads
     "install_thread_worlds", "uninstall_thread_worlds", "backend_plugins", "no_dispatch_modes",
     # ipyparallel
@@ -39,7 +39,7 @@ def _version(text: str) -> tuple[int, int]:
 
 
 TORCH_VERSION = _version(torch.__version__)
-SUPPORTED_TORCH = ((2, 11), (2, 12), (2, 13))
+SUPPORTED_TORCH = ((2, 11), (2, 12), (2, 13), (2, 14), (2, 15))
 
 # -- torch.distributed ----------------------------------------------------------------------------------------
 
@@ -268,6 +268,13 @@ def dispatch_modes_active() -> bool:
     return torch._C._len_torch_dispatch_stack() > 0
 
 
+def linear_keeps_split_batch_dims() -> bool:
+    """Whether DTensor runs a Linear over an activation split on a batch dim other than the first (``[s, b, h]``
+    with ``b`` split) without gathering it: torch 2.13 and later (the flattened batch is a ``_StridedShard``);
+    torch 2.11 and 2.12 gather the activation first, so such plans put the split batch dim first."""
+    return TORCH_VERSION >= (2, 13)
+
+
 # -- tensor subclasses and dispatch ---------------------------------------------------------------------------
 
 disabled_torch_function_impl = torch._C._disabled_torch_function_impl
@@ -295,10 +302,20 @@ PIPELINE_STAGE_METHODS = ("get_fwd_recv_ops", "get_bwd_recv_ops", "get_fwd_send_
                           "forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
 
 
-# what a schedule calls on its stages before the first step; each may exchange neighbours' metadata or a dummy
-# tensor over point-to-point ops on the stage's device (the last two are torch 2.13's warm-up votes)
-PIPELINE_STAGE_SETUP = ("_get_init_p2p_neighbors_ops", "_prepare_forward_infra", "_prepare_backward_infra",
-                        "_warmup_forward_vote", "_warmup_backward_result")
+def pipeline_setup_calls() -> tuple[str, ...]:
+    """The PipelineStage methods a schedule calls before the first step that may exchange metadata or a dummy tensor
+    with the neighbours over point-to-point ops on the stage's device: the infra set-ups (torch 2.11 to 2.15) and
+    the warm-up votes (torch 2.13 and 2.14 only)."""
+    calls = ("_prepare_forward_infra", "_prepare_backward_infra")
+    if (2, 13) <= TORCH_VERSION < (2, 15):
+        calls += ("_warmup_forward_vote", "_warmup_backward_result")
+    return calls
+
+
+def pipeline_neighbor_init_ops() -> str | None:
+    """The PipelineStage method returning the point-to-point ops that send each neighbour a dummy tensor before the
+    first step (torch 2.11 to 2.14); None on torch 2.15, which sends none."""
+    return "_get_init_p2p_neighbors_ops" if TORCH_VERSION < (2, 15) else None
 
 
 def pipeline_order(schedule) -> dict:
@@ -440,11 +457,8 @@ def _slot(module: str, cls: str, name: str):
 def _stage_methods():
     from torch.distributed.pipelining import PipelineStage
 
-    for m in PIPELINE_STAGE_METHODS + PIPELINE_STAGE_SETUP[:3]:
+    for m in PIPELINE_STAGE_METHODS + pipeline_setup_calls() + tuple(filter(None, [pipeline_neighbor_init_ops()])):
         getattr(PipelineStage, m)
-    if TORCH_VERSION >= (2, 13):
-        for m in PIPELINE_STAGE_SETUP[3:]:
-            getattr(PipelineStage, m)
 
 
 def _action_fields():

@@ -134,3 +134,40 @@ def px_magic_names_the_rank(cluster):
     assert res.error_in_exec is None
     assert cluster.view.pull("z", block=True) == [0, 10, 20]
     return shell
+
+
+PX_STAGGERED = ("%%px --stream\nimport time\nimport torch.distributed as tdist\nr = tdist.get_rank()\n"
+                "time.sleep(0.3 * (tdist.get_world_size() - 1 - r))  # the last rank prints first\n"
+                "print('rank', r, 'done')\n")
+
+
+def px_output_in_rank_order(cluster, n: int) -> None:
+    """%%px output comes rank by rank whatever order the ranks print in: at the end in a terminal, and in a
+    notebook in one display updated while the cell runs, in rank order at every update."""
+    import re
+
+    pytest.importorskip("IPython")
+    from IPython.core.interactiveshell import InteractiveShell
+    from IPython.utils.capture import capture_output
+
+    shell = InteractiveShell.instance()
+    cluster.activate()
+    with capture_output() as cap:
+        res = shell.run_cell(PX_STAGGERED)
+    assert res.error_in_exec is None, res.error_in_exec
+    assert re.findall(r"\[stdout:(\d+)\]", cap.stdout) == [str(r) for r in range(n)], cap.stdout
+    assert [ln for ln in cap.stdout.splitlines() if ln.startswith("rank")] == [f"rank {r} done" for r in range(n)]
+    shell.kernel = object()  # what a notebook's shell has: the output is shown live
+    try:
+        with capture_output() as cap:
+            res = shell.run_cell(PX_STAGGERED)
+    finally:
+        del shell.kernel
+    assert res.error_in_exec is None, res.error_in_exec
+    texts = [o.data["text/plain"] for o in cap.outputs]
+    assert len(texts) >= 2, texts  # shown while the ranks print, not only at the end
+    for text in texts:
+        seen = [int(r) for r in re.findall(r"\[stdout:(\d+)\]", text)]
+        assert seen == sorted(seen), texts
+    assert re.findall(r"rank (\d+) done", texts[-1]) == [str(r) for r in range(n)]
+    assert cap.stdout == ""

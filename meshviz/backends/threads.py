@@ -198,6 +198,13 @@ class ThreadGroup(tdist.ProcessGroup):
     def __repr__(self) -> str:
         return f"ThreadGroup({self._name!r}, ranks={self.ranks}, rank={self.me})"
 
+    # the group is its own backend on every device: torch asks a group's backend whether it coalesces
+    # (batch_isend_irecv does for any ProcessGroup since torch 2.14); sends here are buffered one by one
+    supports_coalescing = False
+
+    def _get_backend(self, device=None):
+        return self
+
     # -- the meeting -----------------------------------------------------------------------------------------
     def _meet(self, op: str, data, work: Callable[[list], None], result=()) -> _Work:
         c = self.comms

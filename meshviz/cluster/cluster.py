@@ -306,16 +306,17 @@ class Cluster:
         outcomes = self._finish(job, timeout)
         return [o.value for o in outcomes]
 
-    def _finish(self, job, timeout) -> list[RankOutcome]:
+    def _finish(self, job, timeout, tick=None) -> list[RankOutcome]:
         """Wait for ``job`` (stopping the other ranks when one fails), then its outcomes; RankError if any failed.
-        ``job`` may be what ``view`` returned for code started on it directly."""
+        ``job`` may be what ``view`` returned for code started on it directly; ``tick()`` is called while waiting
+        (about every 50 ms: %px shows the ranks' output so far)."""
         job = self._ranks.as_job(job)
         since = len(self.failures)
         t0 = time.time()
         watch = HangWatch(self, self.hang_after)
         self.rollcalls = watch.shown
         try:
-            self._wait(job, timeout, since, watch)
+            self._wait(job, timeout, since, watch, tick)
         finally:
             outcomes = job.outcomes()
             watch.close(all(o.status == "ok" for o in outcomes))
@@ -340,7 +341,7 @@ class Cluster:
                 base = None
         return blame_rollcall(base, reports, self.ranks, self._control.dead)
 
-    def _wait(self, job: Job, timeout, since: int = 0, watch: HangWatch | None = None) -> None:
+    def _wait(self, job: Job, timeout, since: int = 0, watch: HangWatch | None = None, tick=None) -> None:
         control, ranks = self._control, self._ranks
         deadline = None if timeout is None else time.monotonic() + timeout
         interrupted_at = None
@@ -361,6 +362,8 @@ class Cluster:
                     if pending:
                         ranks.interrupt(pending)
                     stragglers_told = True
+            if tick is not None:
+                tick()
             if watch is not None and watch.tick() is not None:
                 # ranks sit in different collectives at one sequence number: they will never meet
                 control.abort(None)

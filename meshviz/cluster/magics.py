@@ -1,11 +1,12 @@
-"""``%px`` / ``%%px`` for a Cluster: ipyparallel's magics, with failures reported by rank."""
+"""``%px`` / ``%%px`` for a Cluster: ipyparallel's magics, with failures reported by rank and output in rank order."""
 
 from __future__ import annotations
 
 import sys
-from contextlib import nullcontext
 
 from ipyparallel.client.magics import ParallelMagics
+
+from .rank_output import RankOrderedOutput
 
 __all__ = ["RankMagics"]
 
@@ -37,19 +38,20 @@ class RankMagics(ParallelMagics):
         if save_name:
             self.shell.user_ns[save_name] = result
         error = None
+        # ranks print in any order (and engines' output arrives in any order): show it rank by rank, live in a
+        # notebook when streaming, at the end otherwise
+        ordered = RankOrderedOutput(result, cluster) if stream_output else None
         try:
-            cm = result.stream_output() if stream_output else nullcontext()
-            with cm:
-                try:
-                    cluster._finish(result, None)
-                except Exception as e:  # RankError, shown after the outputs
-                    error = e
-                    if stream_output:
-                        error.streamed = True
-                if result.done():
-                    result.wait_for_output(1)
+            try:
+                cluster._finish(result, None, tick=ordered.update if ordered is not None else None)
+            except Exception as e:  # RankError, shown after the outputs
+                error = e
+            if result.done():
+                result.wait_for_output(1)
         finally:
-            if not stream_output:
+            if ordered is not None:
+                ordered.finish(groupby)
+            else:
                 result.display_outputs(groupby)
             sys.stdout.flush()
         if error is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -37,8 +38,9 @@ def chunk(n: int, k: int, i: int) -> tuple[int, int]:
 
 
 def pad_placements(placements, mesh: ProcessMesh) -> list:
-    """``placements`` as a list of one per mesh axis: a short list is padded with Replicate (as Paddle does), a long
-    one raises ``ValueError``."""
+    """``placements`` as a list of one per mesh axis: a short list is padded with Replicate (as Paddle does); a long
+    one drops trailing Replicates with a warning (Paddle drops them silently) and raises ``ValueError`` for any
+    other placement past the mesh's axes."""
     if placements is None:
         raise ValueError("placements must be a list with at most one placement per mesh axis")
     try:
@@ -46,10 +48,16 @@ def pad_placements(placements, mesh: ProcessMesh) -> list:
     except TypeError:
         raise ValueError(f"placements must be a list, got {placements!r}") from None
     if len(placements) > mesh.ndim:
-        raise ValueError(
-            f"got {len(placements)} placements {placements} for a {mesh.ndim}-D mesh {mesh.shape}; "
-            f"give at most one per mesh axis (missing ones are Replicate)"
-        )
+        extra = placements[mesh.ndim:]
+        if not all(isinstance(parse_placement(p) if isinstance(p, str) else p, Replicate) for p in extra):
+            raise ValueError(
+                f"got {len(placements)} placements {placements} for a {mesh.ndim}-D mesh {mesh.shape}; "
+                f"give at most one per mesh axis (missing ones are Replicate; only trailing Replicates may be extra)"
+            )
+        warnings.warn(f"{len(placements)} placements {placements} for a {mesh.ndim}-D mesh {mesh.shape}: the "
+                      f"{len(extra)} trailing Replicate{'s' if len(extra) > 1 else ''} past its axes are dropped",
+                      stacklevel=3)
+        return placements[:mesh.ndim]
     return placements + [Replicate()] * (mesh.ndim - len(placements))
 
 

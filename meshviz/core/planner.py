@@ -119,7 +119,7 @@ class Plan:
         head = f"reshard {list(self.shape)}: {src} -> {dst}"
         if self.cross_mesh:
             head += f" (mesh {self.src_mesh.shape} -> {self.dst_mesh.shape})"
-        lines = [head] + [f"  {i}. {s.describe()}" for i, s in enumerate(self.steps)]
+        lines = [head] + [f"  {i}. {s.describe()}" for i, s in enumerate(self.steps, 1)]  # step 1 of n, as drawn
         if not self.steps:
             lines.append("  (nothing to do)")
         return "\n".join(lines)

@@ -6,7 +6,8 @@ from dataclasses import dataclass, field
 
 from .. import rank_context
 from ..core.mesh import ProcessMesh, set_group_getter
-from ..runtime.world import get_rank, init_parallel_env
+from ..runtime import groups
+from ..runtime.world import get_rank, get_world_size, init_parallel_env
 from .collective import Group, new_group
 
 __all__ = ["axis_group"]
@@ -28,13 +29,18 @@ def axis_group(mesh: ProcessMesh, axis: int) -> Group | None:
 
     Every line of the axis gets its group the first time, on every rank in the same order, so that ranks on
     different lines do not wait for each other. A rank outside the mesh gets None; on a 1-D mesh it gets the
-    mesh's group, of which it is not a member (as Paddle's ``new_group`` gives it).
+    mesh's group, of which it is not a member (as Paddle's ``new_group`` gives it). A line naming ranks the world
+    lacks (a mesh larger than the world) still gets its group, as in Paddle; a collective on it raises.
     """
     init_parallel_env()
     key = (tuple(mesh.shape), tuple(mesh.process_ids), axis)
     lines = _state().lines
     if key not in lines:
-        lines[key] = {line: new_group(list(line)) for line in mesh.axis_groups(axis)}
+        world = get_world_size()
+        lines[key] = {
+            line: new_group(list(line)) if max(line) < world
+            else groups.register(sorted(line), None, missing=[r for r in line if r >= world])
+            for line in mesh.axis_groups(axis)}
     line = mesh.axis_group_of(get_rank(), axis)
     if line is None:
         return next(iter(lines[key].values())) if mesh.ndim == 1 else None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..core.mesh import ProcessMesh
 from ..core.placements import Replicate, Shard
@@ -10,7 +11,7 @@ from ..core.sharding import STAGES
 from ..runtime.devices import device
 from ..runtime.dtensor import DistTensor
 from ..runtime.world import init_parallel_env
-from ..runtime.zero import PlacedZero, sharded_placements
+from ..runtime.zero import PlacedZero, dist_params_for_dist_grads, grads_as_params, sharded_placements
 from .api import dtensor_from_local, reshard, shard_tensor
 from .shard_scaler import shard_scaler
 
@@ -195,6 +196,18 @@ def shard_optimizer(optimizer, shard_fn=None, gradient_accumulation_steps: int =
     updates, so a loop that accumulates k micro-batches calls ``step()`` once per k."""
     return _ShardOptimizer(optimizer, shard_fn, gradient_accumulation_steps)
 
+
+
+def _plain_optimizer_step(optimizer, args, kwargs) -> None:
+    """Any torch optimizer's step, as Paddle's optimizer steps: a dense parameter whose gradient is a dist tensor
+    becomes a dist parameter, Replicate on the gradient's mesh, and Partial gradients are reduced once first
+    (an optimizer from shard_optimizer has done both before its inner optimizer steps)."""
+    if dist_params_for_dist_grads(optimizer, shard_tensor) or any(
+            isinstance(p, DistTensor) for group in optimizer.param_groups for p in group["params"]):
+        grads_as_params(optimizer, reshard)
+
+
+register_optimizer_step_pre_hook(_plain_optimizer_step)
 
 
 class ShardDataloader:

@@ -242,8 +242,12 @@ Check = Callable[[Call, Group, "int | None"], bool]
 
 
 def membership(call: Call, g: Group, seq: int | None) -> bool:
-    """Every peer is a global rank of the group (ValueError on members and non-members alike, before any
-    communication); a non-member takes no part."""
+    """Every peer is a global rank of the group and every rank of the group is in the world (ValueError on members
+    and non-members alike, before any communication); a non-member takes no part."""
+    if g.missing:
+        raise ValueError(f"{call.op.value} on group {g.ranks}: the world has no rank{'s' if len(g.missing) > 1 else ''}"
+                         f" {', '.join(map(str, g.missing))} (a mesh naming more ranks than were started gives such "
+                         f"a group; it cannot communicate)")
     for what, r in (call.peers or {}).items():
         check_peer(what, r, g.ranks)
     return g.rank >= 0

@@ -21,7 +21,7 @@ class Group:
     ``new_group`` sorts ``ranks`` as Paddle does; a mesh line keeps the mesh's order.
     """
 
-    def __init__(self, rank: int, id: int, ranks, pg=None, name: str | None = None):
+    def __init__(self, rank: int, id: int, ranks, pg=None, name: str | None = None, missing=()):
         self.rank = rank
         self.id = id
         self.ranks = list(ranks)
@@ -30,6 +30,7 @@ class Group:
         self.process_group = pg
         self.name = name or f"_default_pg{id}"
         self._backend: str | None = None
+        self.missing = tuple(missing)  # ranks the world lacks: the group exists, communicating on it fails
 
     @property
     def world_size(self) -> int:
@@ -95,11 +96,12 @@ def world_group() -> Group:
     return g
 
 
-def register(ranks, pg) -> Group:
-    """A new Paddle group over ``ranks`` with the next id (every rank registers the same groups in one order)."""
+def register(ranks, pg, missing=()) -> Group:
+    """A new Paddle group over ``ranks`` with the next id (every rank registers the same groups in one order);
+    ``missing``: its ranks the world lacks (no process group, as Paddle's lazily made one, until it is used)."""
     me = tdist.get_rank()
     gid = next(_state().ids)
-    g = Group(ranks.index(me) if me in ranks else -1, gid, ranks, pg)
+    g = Group(ranks.index(me) if me in ranks else -1, gid, ranks, pg, missing=missing)
     _state().paddle[gid] = g
     return g
 

@@ -18,7 +18,7 @@ from ..core.partial import summed
 from ..core.placements import Partial, Replicate, Shard
 from . import dtensor
 from .dtensor import DistTensor, from_torch_placements, make_dtensor, representable
-from .op_rules import RULES, Strategy, TensorSpec
+from .op_rules import RULES, Strategy, TensorSpec, partial_meets_shard
 
 __all__ = ["tree_map", "call_key", "Plan", "plan", "Decision", "decide", "ask_torch", "remember", "decisions",
            "clear_decisions", "layout_number", "probe", "as_replicate", "writes_self", "name_of", "METADATA_OPS"]
@@ -56,6 +56,8 @@ def tree_map(fn, tree):
 METADATA_OPS = {aten.detach.default, aten.alias.default}
 # ops torch runs on each block as it lies, whatever the layout
 _LOCAL_COPIES = METADATA_OPS | {aten.clone.default, aten._to_copy.default}
+# views: a dim sharded by several mesh axes is made whole on the inner axes first
+_VIEWS = {aten.view.default, aten._unsafe_view.default}
 # in-place ops that are linear in self, which torch runs right on each summand of a Partial self
 _LINEAR_INPLACE = {aten.add_.Tensor, aten.sub_.Tensor, aten.mul_.Scalar, aten.mul_.Tensor, aten.div_.Scalar,
                    aten.neg_.default, aten.zero_.default, aten.copy_.default}
@@ -200,7 +202,8 @@ def plan(func, args, kwargs) -> Plan:
        Partial reductions entering any op but a metadata one;
     2. the op's ``random`` rule (every rank draws what the dense op draws), then its ``corrected`` rule (torch's
        decomposition);
-    3. the op's ``local`` or ``paddle`` rule, when it answers; its ``default`` rule;
+    3. the op's ``local`` or ``paddle`` rule, when it answers; its ``default`` rule; a pointwise op without a rule
+       of its own gets :func:`~meshviz.runtime.op_rules.partial_meets_shard`;
     4. the layouts torch needs: a dim sharded unevenly by several mesh axes has its inner axes made Replicate, and
        an in-place op that is not linear gets a Partial self summed first;
     5. torch DTensor's rule (``torch``): the op then runs on each rank's blocks where that rule moves nothing, by
@@ -222,7 +225,7 @@ def plan(func, args, kwargs) -> Plan:
             if not representable(d.placements):
                 return Plan("refuse", why=(f"{func}: a tensor with mixed Partial reductions {d.placements} cannot "
                                            f"enter an op; dist.reshard it first"))
-    rule = RULES.get(func)
+    rule, got = RULES.get(func), None
     if rule is not None:
         if rule.kind == "random":
             return Plan("random")
@@ -231,15 +234,16 @@ def plan(func, args, kwargs) -> Plan:
         if rule.kind == "default":
             return Plan("default", note=("default", rule.why or "Paddle's default rule"))
         got = rule.fn(args, kwargs)
-        if got is not None:
-            if rule.kind == "local":
-                return Plan("local", got)
-            return Plan("torch", got)
-    moves = [None] * len(dists)
-    changed = False
+        if got is not None and rule.kind == "local":
+            return Plan("local", got)
+    elif len(dists) > 1 and torch.Tag.pointwise in func.tags:
+        got = partial_meets_shard(args, kwargs)
+    # a paddle rule's layouts, then those torch needs on top of them
+    moves = list(got.inputs) if got is not None else [None] * len(dists)
+    changed = got is not None
     if func not in _LOCAL_COPIES:
         for i, d in enumerate(dists):
-            even = _even_for_torch(d)
+            even = _even_for_torch(d, func in _VIEWS, moves[i])
             if even is not None:
                 moves[i], changed = even, True
     first = args[0] if args else None
@@ -251,10 +255,12 @@ def plan(func, args, kwargs) -> Plan:
     return Plan("torch", Strategy(tuple(moves)) if changed else None)
 
 
-def _even_for_torch(t: TensorSpec):
+def _even_for_torch(t: TensorSpec, view: bool = False, pl=None):
     """A dim sharded by several mesh axes that does not split evenly over them: torch DTensor gathers such a
-    tensor wrongly (its own ``full_tensor`` included), so the inner axes go Replicate first, by meshviz's planner."""
-    pl = t.placements
+    tensor wrongly (its own ``full_tensor`` included), so the inner axes go Replicate first, by meshviz's planner.
+    So too before a ``view`` of such a dim, even or not (torch 2.15 splits it into blocks of the wrong size).
+    ``pl``: the placements a rule gave it (else its own)."""
+    pl = t.placements if pl is None else pl
     if t.mesh.ndim < 2:
         return None
     dims = [p.dim for p in pl if isinstance(p, Shard)]
@@ -266,28 +272,23 @@ def _even_for_torch(t: TensorSpec):
         ways = 1
         for i in axes:
             ways *= t.mesh.shape[i]
-        if len(axes) > 1 and t.shape[dim] % ways:
+        if len(axes) > 1 and (t.shape[dim] % ways or view):
             for i in axes[1:]:
                 want[i] = Replicate()
-    return None if want == pl else want
-
-
-def writes_self(func) -> bool:
-    hit = _WRITES_SELF.get(func)
-    if hit is None:
-        hit = _WRITES_SELF[func] = _schema_writes_self(func)
-    return hit
+    return None if want == list(pl) else want
 
 
 _WRITES_SELF: dict = {}
 
 
-def _schema_writes_self(func) -> bool:
-    schema = getattr(func, "_schema", None)
-    if schema is None or not schema.arguments:
-        return False
-    info = schema.arguments[0].alias_info
-    return info is not None and info.is_write
+def writes_self(func) -> bool:
+    """Whether ``func`` writes its first argument (its schema says so), cached per op."""
+    hit = _WRITES_SELF.get(func)
+    if hit is None:
+        schema = getattr(func, "_schema", None)
+        info = schema.arguments[0].alias_info if schema is not None and schema.arguments else None
+        hit = _WRITES_SELF[func] = info is not None and info.is_write
+    return hit
 
 
 # -- the decision: the plan and torch's rule, made once per call key --------------------------------------------------

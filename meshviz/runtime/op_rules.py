@@ -8,14 +8,14 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import compat
 from ..core.mesh import ProcessMesh
 from ..core.partial import summed
 from ..core.placements import Partial, Placement, Replicate, Shard
 from .autograd import local_block_of
-from .dtensor import DistTensor, make_dist
+from .dtensor import make_dist
 
-__all__ = ["TensorSpec", "Strategy", "Rule", "RULES", "register", "rule_of", "merged"]
+__all__ = ["TensorSpec", "Strategy", "Rule", "RULES", "CANONICAL_ARGS", "register", "canonical", "rule_of",
+           "merged", "partial_meets_shard"]
 
 aten = torch.ops.aten
 
@@ -75,6 +75,7 @@ class Rule:
 
 
 RULES: dict = {}  # aten op -> Rule
+CANONICAL_ARGS: dict = {}  # id(aten op) -> (args, kwargs) -> (args, kwargs) in the one spelling every torch reads
 
 
 def register(kind: str, *ops, why: str = ""):
@@ -83,6 +84,18 @@ def register(kind: str, *ops, why: str = ""):
     def deco(fn):
         for op in ops:
             RULES[op] = Rule(op, kind, fn, why)
+        return fn
+
+    return deco
+
+
+def canonical(*ops):
+    """Declare ``fn(args, kwargs) -> (args, kwargs)`` as the spelling ``ops``' arguments are put in before anything
+    reads them (every torch version reads that spelling alike)."""
+
+    def deco(fn):
+        for op in ops:
+            CANONICAL_ARGS[id(op)] = fn
         return fn
 
     return deco
@@ -165,6 +178,64 @@ def _scan_rule(args, kwargs):
     return Strategy(([Replicate() if isinstance(p, Shard) and p.dim == dim else p for p in x.placements],))
 
 
+@register("paddle", aten.native_layer_norm_backward.default)
+def _norm_backward_rule(args, kwargs):
+    """native_layer_norm_backward, Paddle's layer_norm_grad rule: the scale and bias whole (a forward sees them
+    gathered; the backward gets them as they lie, which torch before 2.13 takes for whole)."""
+    weight, bias = args[5], args[6]
+    want = [None for a in args[:5] if isinstance(a, TensorSpec)]
+    for a in (weight, bias):
+        if isinstance(a, TensorSpec):
+            want.append([Replicate()] * a.mesh.ndim)
+    return Strategy(tuple(want))
+
+
+def partial_meets_shard(args, kwargs):
+    """A pointwise op whose Partial input meets a sharded one on a mesh axis, Paddle's elementwise rule: the Partial
+    input is reduce-scattered to that shard (to Replicate where its shape differs), so no input has to turn from
+    Shard into Partial (torch before 2.13 cannot). None where no axis has both. (Every pointwise op without a rule
+    of its own gets this one.)"""
+    dists = [a for a in args if isinstance(a, TensorSpec)]
+    if len(dists) < 2:
+        return None
+    want = [list(t.placements) for t in dists]
+    changed = False
+    for axis in range(dists[0].mesh.ndim):
+        shard = next((t for t in dists if isinstance(t.placements[axis], Shard)), None)
+        if shard is None:
+            continue
+        for t, w in zip(dists, want):
+            if isinstance(w[axis], Partial):
+                w[axis] = shard.placements[axis] if t.shape == shard.shape else Replicate()
+                changed = True
+    return Strategy(tuple(w if w != t.placements else None for t, w in zip(dists, want))) if changed else None
+
+
+@register("paddle", aten.div.Tensor, aten.div.Tensor_mode, aten.div_.Tensor)
+def _div_rule(args, kwargs):
+    """div: the divisor summed first (a quotient is linear in the dividend only; torch 2.11 divides summand by
+    summand), then the elementwise rule."""
+    dists = [a for a in args if isinstance(a, TensorSpec)]
+    got = partial_meets_shard(args, kwargs)
+    want = list(got.inputs) if got is not None else [None] * len(dists)
+    divisor = args[1] if len(args) > 1 else None
+    if not isinstance(divisor, TensorSpec) or not any(isinstance(p, Partial) for p in divisor.placements):
+        return Strategy(tuple(want)) if any(w is not None for w in want) else None
+    i = 1 if isinstance(args[0], TensorSpec) else 0  # x / x: the same tensor twice, the second is the divisor
+    want[i] = summed(want[i] or divisor.placements)
+    return Strategy(tuple(want))
+
+
+@canonical(aten.stack.default)
+def _stack_dim(args, kwargs):
+    """stack's dim counted from the front (torch 2.11's rule places the shards of a stack on dim -1 one dim off)."""
+    tensors = args[0]
+    dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
+    if dim >= 0 or not tensors:
+        return args, kwargs
+    return (tensors, dim % (tensors[0].dim() + 1), *args[2:]), {k: v for k, v in kwargs.items() if k != "dim"}
+
+
 # -- local: every rank runs the op on its own blocks
 
 @register("local", aten.gather.default)
@@ -186,6 +257,70 @@ def _gather_local(args, kwargs):
             want_x.append(p if isinstance(p, Partial) else Replicate())
             want_i.append(Replicate())
     return Strategy((want_x, want_i), (want_x,))
+
+
+@register("local", aten.index_select.default)
+def _index_select_local(args, kwargs):
+    """index_select, Paddle's rule: the input's selected dim whole; on a mesh axis where the input is whole and the
+    index split, the output's selected dim is split alike; the input's other shards and Partials pass through.
+    Each rank selects from its own block. (torch 2.11's rule gives a wrong value for a Partial input.)"""
+    x, dim, index = args[0], args[1], args[2]
+    if not isinstance(x, TensorSpec):
+        return None
+    dim %= max(x.dim(), 1)
+    idx_pl = index.placements if isinstance(index, TensorSpec) else [Replicate()] * x.mesh.ndim
+    want_x, want_i, out = [], [], []
+    for p, q in zip(x.placements, idx_pl):
+        p = Replicate() if isinstance(p, Shard) and p.dim == dim else p
+        keep = isinstance(p, Replicate) and isinstance(q, Shard)
+        want_x.append(p)
+        want_i.append(q if keep else Replicate())
+        out.append(Shard(dim) if keep else p)
+    return Strategy((want_x, want_i) if isinstance(index, TensorSpec) else (want_x,), (out,))
+
+
+@register("local", aten.index_add.default)
+def _index_add_local(args, kwargs):
+    """index_add (index_select's backward): the index whole and the source's indexed dim whole; where the source
+    is split on another dim, self is split alike, where both are the same Partial the sum stays pending; else both
+    go whole. Each rank adds its source block into its self block. (torch 2.11's rule leaves the source split.)"""
+    self, dim, index, source = args[0], args[1], args[2], args[3]
+    if not isinstance(self, TensorSpec) or not isinstance(source, TensorSpec) or kwargs.get("alpha", 1) != 1:
+        return None
+    dim %= max(self.dim(), 1)
+    want_self, want_src = [], []
+    for p, q in zip(self.placements, source.placements):
+        if isinstance(q, Shard) and q.dim != dim:
+            want_self.append(q)
+            want_src.append(q)
+        elif isinstance(q, Partial) and p == q:
+            want_self.append(p)
+            want_src.append(q)
+        else:
+            want_self.append(Replicate())
+            want_src.append(Replicate())
+    index_want = ([Replicate()] * self.mesh.ndim,) if isinstance(index, TensorSpec) else ()
+    return Strategy((want_self, *index_want, want_src), (want_self,))
+
+
+@register("local", aten.argmax.default, aten.argmin.default)
+def _arg_reduce_local(args, kwargs):
+    """argmax / argmin, Paddle's reduction rule: the reduced dim whole (a Partial input summed first: the index of
+    a sum is not found from its summands), every other dim kept as it lies; each rank runs on its own block.
+    (torch 2.14+'s rule names a sharded output for an input it gathered whole.)"""
+    x = args[0]
+    dim = args[1] if len(args) > 1 else kwargs.get("dim")
+    keepdim = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
+    if not isinstance(x, TensorSpec):
+        return None
+    if dim is None or x.dim() == 0:
+        whole = [Replicate()] * x.mesh.ndim
+        return Strategy((whole,), (whole,))
+    dim %= x.dim()
+    want = [Replicate() if isinstance(p, Partial) or (isinstance(p, Shard) and p.dim == dim) else p
+            for p in x.placements]
+    out = [Shard(p.dim - 1) if isinstance(p, Shard) and p.dim > dim and not keepdim else p for p in want]
+    return Strategy((want,), (out,))
 
 
 @register("local", aten.triu.default, aten.tril.default)
@@ -234,4 +369,3 @@ def _fill(func, args, kwargs):
 
 # -- default: ops meshviz runs by Paddle's default rule on purpose (ops torch has no rule for join them as met)
 
-_ = (compat, DistTensor)  # the rules above see TensorSpecs; the runners, dist tensors

@@ -33,7 +33,7 @@ from .op_plan import (
     tree_map,
     writes_self,
 )
-from .op_rules import RULES
+from .op_rules import CANONICAL_ARGS, RULES
 
 __all__ = ["dispatch", "decisions", "redistribute", "grad_like"]
 
@@ -46,6 +46,9 @@ def _rank() -> int:
 
 def dispatch(func, args, kwargs):
     """Run ``func`` on ``args`` holding dist tensors; the single place meshviz decides an op's placements."""
+    canon = CANONICAL_ARGS.get(id(func))
+    if canon is not None:
+        args, kwargs = canon(args, kwargs)
     dists: list = []
     key = call_key(func, args, kwargs, dists)
     try:

@@ -9,26 +9,49 @@ import os
 import threading
 import time
 
-from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-__all__ = ["View", "Live", "Replayer", "as_events", "new_figure", "fig_png", "target_mesh", "plan_ops"]
+from .sheet import DPI, Block, new_figure
 
-DPI = 90
-STATIC_DPI = 72  # the picture stored in notebooks beside the widget
+__all__ = ["View", "Live", "Replayer", "as_events", "new_figure", "fig_png", "png_size", "image_box", "set_image",
+           "target_mesh", "plan_ops", "DPI", "STATIC_DPI"]
 
-
-def new_figure(width: float, height: float) -> Figure:
-    """A figure of its own (no pyplot state), safe to build on any thread."""
-    fig = Figure(figsize=(width, height), dpi=DPI)
-    FigureCanvasAgg(fig)
-    return fig
+STATIC_DPI = DPI  # the picture stored in notebooks beside the widget: the same size as the widget's
 
 
 def fig_png(fig: Figure, dpi: int = DPI) -> bytes:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=dpi)
     return buf.getvalue()
+
+
+def png_size(data: bytes) -> tuple[int, int]:
+    """(width, height) in pixels of a PNG."""
+    return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+
+
+def _image_layout(data: bytes) -> dict:
+    w, h = png_size(data)
+    return dict(width=f"{w}px", height=f"{h}px", max_width="none", min_width=f"{w}px", flex="0 0 auto")
+
+
+def image_box(data: bytes):
+    """(box, image): the picture at its own size, one image pixel per CSS pixel (never stretched, never shrunk),
+    in a box as wide as the output area that scrolls when the picture is wider."""
+    import ipywidgets as w
+
+    image = w.Image(value=data, format="png", layout=w.Layout(**_image_layout(data)))
+    box = w.Box([image], layout=w.Layout(overflow="auto", max_width="100%", flex="0 0 auto"))
+    box.add_class("meshviz-picture")
+    return box, image
+
+
+def set_image(image, data: bytes) -> None:
+    """Show ``data`` in ``image`` (from image_box) at its own size."""
+    for k, v in _image_layout(data).items():
+        if getattr(image.layout, k) != v:
+            setattr(image.layout, k, v)
+    image.value = data
 
 
 def as_events(source):
@@ -155,9 +178,6 @@ class Live:
 class View:
     """A picture of something meshviz knows about; shows as a widget, a PNG, or one line of text."""
 
-    width = 9.0
-    height = 4.0
-
     def __init__(self, source=None, interval: float = 0.15):
         self._lock = threading.RLock()
         self._widget = None
@@ -176,11 +196,9 @@ class View:
                 self._live = Live(self, live, interval)
 
     # -- to override ------------------------------------------------------------------------------
-    def _draw(self, fig: Figure) -> None:
+    def _block(self) -> Block:
+        """The picture, laid out in inches (sheet.Block): its size is what it needs, never stretched."""
         raise NotImplementedError
-
-    def _size(self) -> tuple[float, float]:
-        return self.width, self.height
 
     def _ingest(self, events) -> None:
         """Take new events (from a source); subclasses keep what they draw."""
@@ -192,14 +210,12 @@ class View:
     # -- rendering --------------------------------------------------------------------------------
     def figure(self) -> Figure:
         with self._lock:
-            fig = new_figure(*self._size())
-            self._draw(fig)
-            return fig
+            return self._block().figure()
 
     def png(self, dpi: int = DPI) -> bytes:
         return fig_png(self.figure(), dpi)
 
-    def save(self, path, dpi: int = 110) -> str:
+    def save(self, path, dpi: int = DPI) -> str:
         """Write the picture to ``path`` (.png, .svg or .pdf by suffix); returns the path."""
         self.figure().savefig(os.fspath(path), dpi=dpi)
         return os.fspath(path)
@@ -220,19 +236,20 @@ class View:
         if self._widget is None:
             import ipywidgets as w
 
-            self._image = w.Image(value=self._widget_png(), format="png", layout=w.Layout(max_width="100%"))
+            box, self._image = image_box(self._widget_png())
             self._status = w.HTML(value=self._status_html())
-            self._widget = w.VBox(self._controls() + [self._image, self._status])
+            self._widget = w.VBox(self._controls() + [box, self._status])
+            self._widget.add_class("meshviz-view")
         return self._widget
 
     def _widget_png(self) -> bytes:
         return self.png()
 
     def _status_html(self) -> str:
-        text = html.escape(repr(self))
+        """What the widget says under its picture: only what went wrong (the repr is for the console)."""
         if self._error:
-            text += f' <span style="color:#b00">{html.escape(self._error)}</span>'
-        return f"<code>{text}</code>"
+            return f'<span style="color:#b00">{html.escape(self._error)}</span>'
+        return ""
 
     def _refresh(self) -> None:
         """Redraw the widget's picture (any thread); a view without a widget only counts."""
@@ -241,7 +258,7 @@ class View:
             try:
                 self.redraws += 1
                 if self._image is not None:
-                    self._image.value = self._widget_png()
+                    set_image(self._image, self._widget_png())
                     self._status.value = self._status_html()
             finally:
                 self._busy = False

@@ -1,4 +1,4 @@
-"""Drawing primitives on matplotlib axes: a mesh as a grid of cells, a tensor's index space cut into blocks."""
+"""Drawing primitives as blocks of known size: a mesh as a grid of cells, a tensor's index space cut into blocks."""
 
 from __future__ import annotations
 
@@ -6,15 +6,42 @@ import math
 
 import numpy as np
 from matplotlib.collections import LineCollection
+from matplotlib.lines import Line2D
 from matplotlib.patches import Rectangle
 
-from .style import EMPTY
+from .sheet import (
+    MIN_FONT,
+    Block,
+    Panel,
+    elide,
+    index_ticks,
+    line_height,
+    text_block,
+    text_size,
+    text_width,
+    vstack,
+    wrap,
+)
+from .style import EMPTY, LABEL, TICK, TITLE
 
-__all__ = ["mesh_panels", "draw_mesh", "draw_blocks", "MAX_CELL_TEXT", "MAX_SAMPLES"]
+__all__ = ["mesh_panels", "mesh_block", "tensor_block", "legend_block", "block_image", "MAX_CELL_TEXT", "MAX_SAMPLES",
+           "MAX_W", "ids_text"]
 
 MAX_CELL_TEXT = 256  # above this many cells, ids are left out (the picture stays cheap)
 MAX_SAMPLES = 384  # pixels per side a tensor picture samples at most
 MAX_FACETS = 16
+MAX_W = 8.4  # inches of content (806 px, 826 with the margins): a notebook output area at 1280 px, file browser open
+_TICKPAD = 3.5 / 72  # tick length + pad, inches
+_LABELPAD = 3 / 72
+
+
+def ids_text(ids, limit: int = 8) -> str:
+    """A list of process ids, the first and last few when it is long: '[0, 1, 2, …, 63] (64 ranks)'."""
+    ids = [int(i) for i in ids]
+    if len(ids) <= limit:
+        return "[" + ", ".join(map(str, ids)) + "]"
+    head = ", ".join(map(str, ids[: limit - 2]))
+    return f"[{head}, …, {ids[-1]}] ({len(ids)} ranks)"
 
 
 def mesh_panels(mesh, max_facets: int = MAX_FACETS):
@@ -35,101 +62,162 @@ def mesh_panels(mesh, max_facets: int = MAX_FACETS):
 
 
 def _panel_rgb(cell_rgb, idx, ndim):
-    if cell_rgb is None:
-        return None
     if ndim == 1:
         return cell_rgb[None, :]
     return cell_rgb[idx] if idx else cell_rgb
 
 
-def draw_mesh(fig, spec, mesh, cell_rgb=None, *, hatched=(), devices=None, groups_axis=None, title=None,
-              text_extra=None, max_facets: int = MAX_FACETS):
-    """Draw ``mesh`` into ``spec`` (a SubplotSpec); returns the axes. ``cell_rgb``: colours, shape mesh.shape+(3,)."""
+def _x_margin() -> float:
+    """Below an axes: tick labels and the axis label."""
+    return _TICKPAD + line_height(TICK) + _LABELPAD + line_height(LABEL)
+
+
+def _y_margin(tick_labels) -> float:
+    """Left of an axes: the axis label, then the widest tick label."""
+    widest = max((text_width(t, TICK) for t in tick_labels), default=0.0)
+    return line_height(LABEL) + _LABELPAD + widest + _TICKPAD + 0.02
+
+
+def _fit_label(candidates, size, room):
+    for c in candidates:
+        if text_width(c, size) <= room:
+            return c
+    return candidates[-1]
+
+
+def _index_labels(panel, xticks, yticks, xlabel, ylabel, centre=0.0):
+    """Tick labels (indices, at index + ``centre``) and axis labels beside a panel, where an Axes would put them."""
+    below, left = -_TICKPAD * 72, -_TICKPAD * 72
+    y1 = panel.ylim[1]
+    for i in xticks:
+        panel.text(i + centre, y1, str(i), TICK, dy=below, ha="center", va="top")
+    if xlabel:
+        down = below - (line_height(TICK) * 72 if len(xticks) else 0) - _LABELPAD * 72
+        panel.text((panel.xlim[0] + panel.xlim[1]) / 2, y1, xlabel, LABEL, dy=down, ha="center", va="top")
+    x0 = panel.xlim[0]
+    for i in yticks:
+        panel.text(x0, i + centre, str(i), TICK, dx=left, ha="right", va="center")
+    if ylabel:
+        widest = max((text_width(str(i), TICK) for i in yticks), default=0.0)
+        dx = left - (widest + _LABELPAD) * 72 if len(yticks) else -_LABELPAD * 72
+        panel.text(x0, (panel.ylim[0] + panel.ylim[1]) / 2, ylabel, LABEL, dx=dx, ha="right", va="center",
+                   rotation=90)
+
+
+def mesh_block(mesh, cell_rgb=None, *, hatched=(), devices=None, groups_axis=None, title=None, text_extra=None,
+               max_w: float = MAX_W, max_facets: int = MAX_FACETS) -> Block:
+    """The mesh as a grid of cells (faceted over leading axes beyond two), ids (and ``devices``, ``text_extra``)
+    in the cells when they fit, ``title`` above, wrapped; facets beyond ``max_facets`` summarized on a line below."""
     panels = mesh_panels(mesh, max_facets)
-    n = len(panels)
-    ncols = min(n, 4)
-    nrows = math.ceil(n / ncols)
-    gs = spec.subgridspec(nrows, ncols, wspace=0.25, hspace=0.45)
     ids = mesh.ids
     names = mesh.dim_names
+    n_all = int(np.prod(ids.shape[:-2])) if ids.ndim > 2 else 1
     if cell_rgb is None:
         cell_rgb = np.broadcast_to(np.array([0.74, 0.84, 0.95]), ids.shape + (3,))
-    total_cells = sum(p[2].size for p in panels)
-    show_text = total_cells <= MAX_CELL_TEXT
-    hatched = set(int(r) for r in hatched)
-    axes = []
-    for k, (ptitle, idx, ids2) in enumerate(panels):
-        ax = fig.add_subplot(gs[k // ncols, k % ncols])
-        axes.append(ax)
-        rgb = _panel_rgb(cell_rgb, idx, ids.ndim)
-        rows, cols = ids2.shape
-        ax.imshow(rgb, interpolation="nearest", aspect="equal", extent=(-0.5, cols - 0.5, rows - 0.5, -0.5))
-        if rows * cols <= 16384:  # cell borders as one collection: cheap for big meshes
-            segs = [((j - 0.5, -0.5), (j - 0.5, rows - 0.5)) for j in range(1, cols)]
-            segs += [((-0.5, i - 0.5), (cols - 0.5, i - 0.5)) for i in range(1, rows)]
-            ax.add_collection(LineCollection(segs, colors="white", linewidths=1.5 if rows * cols <= 256 else 0.5))
-        step_x = max(1, cols // 8)
-        step_y = max(1, rows // 8)
-        ax.set_xticks(np.arange(0, cols, step_x))
-        ax.set_yticks(np.arange(0, rows, step_y))
-        ax.tick_params(labelsize=7, length=2)
-        if ids.ndim == 1:
-            ax.set_yticks([])
-            ax.set_xlabel(f"{names[0]} ({ids.shape[0]})", fontsize=8)
-        else:
-            ax.set_xlabel(f"{names[-1]} ({ids.shape[-1]})", fontsize=8)
-            ax.set_ylabel(f"{names[-2]} ({ids.shape[-2]})", fontsize=8)
-        if ptitle:
-            ax.set_title(ptitle, fontsize=8)
-        if show_text:
-            fs = 10 if total_cells <= 16 else 8 if total_cells <= 64 else 6
-            for (i, j), r in np.ndenumerate(ids2):
+    rows, cols = panels[0][2].shape
+    total = sum(p[2].size for p in panels)
+    labels: dict = {}
+    if total <= MAX_CELL_TEXT:
+        for _, _, ids2 in panels:
+            for r in ids2.ravel():
                 r = int(r)
-                label = str(r)
+                lines = [str(r)]
                 if devices and r in devices:
-                    label += "\n" + str(devices[r])
+                    lines.append(str(devices[r]))
                 if text_extra and r in text_extra:
-                    label += "\n" + str(text_extra[r])
-                ax.text(j, i, label, ha="center", va="center", fontsize=fs if "\n" not in label else fs - 2,
-                        color="black")
-        if hatched and total_cells <= 4096:
-            for (i, j), r in np.ndenumerate(ids2):
-                if int(r) in hatched:
-                    ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, hatch="xx", linewidth=0,
-                                           edgecolor=(0.2, 0.2, 0.2, 0.5)))
-        if groups_axis is not None:
-            _draw_groups(ax, ids.ndim, groups_axis, rows, cols)
-    if len(panels) < int(np.prod(ids.shape[:-2])) if ids.ndim > 2 else False:
-        axes[-1].text(1.02, 0.5, f"... {int(np.prod(ids.shape[:-2])) - len(panels)} more panels",
-                      transform=axes[-1].transAxes, fontsize=7, va="center")
+                    lines.append(str(text_extra[r]))
+                labels[r] = "\n".join(lines)
+    one_line = all("\n" not in s for s in labels.values())
+    fs = (9.0 if total <= 16 else 8.0) if one_line else MIN_FONT
+    one_d = ids.ndim == 1
+    yticks_all = [] if one_d else [str(i) for i in range(rows)]
+    left = 0.04 if one_d else _y_margin(yticks_all)
+    bottom = _x_margin()
+    top = line_height(TITLE) + 0.04 if ids.ndim > 2 else 0.0
+    room = max_w - left - 0.06
+    if labels:
+        cw = max(text_size(s, fs)[0] for s in labels.values()) + 0.1
+        ch = max(text_size(s, fs)[1] for s in labels.values()) + 0.08
+        cell = max(cw, ch, 0.3)
+        if cols * cell > room:
+            labels = {}
+    if not labels:  # a row of ranks may use the width; a grid stays about 3 inches
+        cell = min(0.3, room / cols) if one_d else min(0.2, 3.2 / max(rows, cols))
+    cell = min(cell, room / cols)
+    gw, gh = cols * cell, rows * cell
+    xlabel = f"{names[-1]} ({ids.shape[-1]})"
+    ylabel = "" if one_d else _fit_label([f"{names[-2]} ({ids.shape[-2]})", names[-2]], LABEL, max(gh, 0.9))
+    over = max(0.0, (text_width(ylabel, LABEL) - gh) / 2) if ylabel else 0.0
+    facet_w = max(left + gw + 0.06, left + text_width(xlabel, LABEL) + 0.06)
+    titles = [elide(t, TITLE, facet_w) for t, _, _ in panels]
+    facet_h = top + over + gh + max(bottom, over + 0.02)
+    gap = 0.2
+    n = len(panels)
+    ncols = max(1, min(n, int((max_w + gap) // (facet_w + gap))))
+    nrows = math.ceil(n / ncols)
+    grid_w = ncols * facet_w + (ncols - 1) * gap
+    grid_h = nrows * facet_h + (nrows - 1) * 0.1
+    more = n_all - len(panels)
+    width = grid_w
     if title:
-        if len(axes) == 1:
-            axes[0].set_title(title, fontsize=9)
-        else:
-            fig.text(*_spec_top(fig, spec), title, ha="center", va="bottom", fontsize=9)
-    return axes
+        width = max(width, min(text_width(title, TITLE), max(grid_w, 2.2), max_w))
+    parts = []
+    if title:
+        parts.append(text_block(title, TITLE, width=width))
+    tx = np.asarray(index_ticks(cols, gw, TICK, True))
+    ty = [] if one_d else index_ticks(rows, gh, TICK, False)
+    hatched = set(int(r) for r in hatched)
+
+    def paint_grid(sheet, x0, y0):
+        for k, (_, idx, ids2) in enumerate(panels):
+            fx = x0 + (k % ncols) * (facet_w + gap)
+            fy = y0 + (k // ncols) * (facet_h + 0.1)
+            panel = Panel(sheet, fx + left, fy + top + over, gw, gh, (-0.5, cols - 0.5), (-0.5, rows - 0.5))
+            panel.image(_panel_rgb(cell_rgb, idx, ids.ndim))
+            if rows * cols <= 16384:  # cell borders as one collection: cheap for big meshes
+                segs = [((j - 0.5, -0.5), (j - 0.5, rows - 0.5)) for j in range(1, cols)]
+                segs += [((-0.5, i - 0.5), (cols - 0.5, i - 0.5)) for i in range(1, rows)]
+                panel.add(LineCollection(segs, colors="white", linewidths=1.5 if cell >= 0.2 else 0.5))
+            panel.frame(edgecolor="black", linewidth=0.8)
+            _index_labels(panel, tx, ty, xlabel, ylabel)
+            if titles[k]:
+                sheet.text(fx + left + gw / 2, fy + top + over - 0.03, titles[k], TITLE, ha="center", va="bottom")
+            for (i, j), r in np.ndenumerate(ids2):
+                s = labels.get(int(r))
+                if s is not None:
+                    panel.text(j, i, s, fs, ha="center", va="center", color="black")
+                if hatched and total <= 4096 and int(r) in hatched:
+                    panel.add(Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, hatch="xx", linewidth=0,
+                                        edgecolor=(0.2, 0.2, 0.2, 0.5)))
+            if groups_axis is not None:
+                _draw_groups(panel, ids.ndim, groups_axis, rows, cols)
+
+    parts.append(Block(grid_w, grid_h, paint_grid, mid=None))
+    notes = []
+    if groups_axis is not None and ids.ndim > 2 and groups_axis < ids.ndim - 2:
+        notes.append("groups: the same cell across panels")
+    if more > 0:
+        notes.append(f"… {more} more panels")
+    for note in notes:
+        parts.append(text_block(note, MIN_FONT, width=max(width, text_width(note, MIN_FONT))))
+    out = vstack(parts, gap=0.06)
+    head = parts[0].h + 0.06 if title else 0.0
+    out.mid = head + top + over + gh / 2 if nrows == 1 else out.h / 2
+    return out
 
 
-def _spec_top(fig, spec):
-    pos = spec.get_position(fig)
-    return (pos.x0 + pos.x1) / 2, pos.y1 + 0.01
-
-
-def _draw_groups(ax, ndim, axis, rows, cols):
+def _draw_groups(panel, ndim, axis, rows, cols):
     """Lines through the cells that talk: one per line of the mesh along ``axis`` (within this panel)."""
     kw = dict(color="black", alpha=0.55, linewidth=2.5, marker="o", markersize=3, solid_capstyle="round")
     off = 0.3  # beside the ids, not over them
     if ndim == 1 or axis == ndim - 1:
         if cols > 1:
             for i in range(rows):
-                ax.plot([0, cols - 1], [i + off, i + off], **kw)
+                panel.add(Line2D([0, cols - 1], [i + off, i + off], **kw))
     elif axis == ndim - 2:
         if rows > 1:
             for j in range(cols):
-                ax.plot([j + off, j + off], [0, rows - 1], **kw)
-    else:
-        ax.text(0.5, -0.02, "groups: the same cell across panels", transform=ax.transAxes, ha="center",
-                va="top", fontsize=6)
+                panel.add(Line2D([j + off, j + off], [0, rows - 1], **kw))
 
 
 def _samples(n: int, maxs: int):
@@ -208,55 +296,131 @@ def _fmt_value(v) -> str:
     return str(v)
 
 
-def draw_blocks(ax, shape, blocks, colours, *, values=None, labels=None, faded=(), title=None,
-                max_numbers: int = 144, maxs: int = MAX_SAMPLES):
-    """Draw a tensor's index space with ``blocks[k]`` filled with ``colours[k]``; returns the index image.
+VALUE_FONT = 7.5
 
-    ``values``: a dense array of ``shape`` (NaN where unknown) whose numbers are written in the cells when the
-    tensor is small. ``faded``: indices of blocks drawn pale (the identity summands of a Partial).
-    """
+
+def tensor_block(shape, blocks, colours, *, values=None, labels=None, faded=(), title=None, note=None,
+                 max_w: float = 2.6, max_h: float = 2.6, title_lines: int = 1, max_numbers: int = 144,
+                 maxs: int = MAX_SAMPLES) -> Block:
+    """A tensor's index space (leading dims as rows, the last dim as columns) with ``blocks[k]`` filled with
+    ``colours[k]``; its numbers in the cells when ``values`` (dense, NaN where unknown) is given and they fit,
+    else ``labels[k]`` in block k where it fits. ``faded``: blocks drawn pale (the identity summands of a Partial).
+    ``note``: a red line under it. The block's ``mid`` is the middle of its axes."""
     shape = tuple(int(s) for s in shape)
-    img, xedges, yedges = block_image(shape, blocks, maxs)
-    colours = np.asarray(colours, dtype=float).reshape(-1, 3)
-    pal = np.vstack([colours, EMPTY[None, :]]) if len(colours) else EMPTY[None, :]
-    pal = pal.copy()
-    for k in faded:
-        pal[k] = pal[k] * 0.3 + 0.7
-    rgb = pal[img]  # -1 picks the last row: EMPTY
     rows, cols = _view_shape(shape)
-    ax.imshow(rgb, interpolation="nearest", aspect="auto" if rows * 4 < cols or cols * 4 < rows else "equal",
-              extent=(0, cols, rows, 0))
-    segs = _boundaries(img, xedges, yedges)
-    if segs:
-        ax.add_collection(LineCollection(segs, colors="black", linewidths=1.2))
-    ax.add_patch(Rectangle((0, 0), cols, rows, fill=False, edgecolor="black", linewidth=1.2))
-    ax.set_xlim(0, cols)
-    ax.set_ylim(rows, 0)
-    ax.tick_params(labelsize=7, length=2)
     nd = len(shape)
-    ax.set_xlabel(f"dim {nd - 1} ({cols})" if nd else "scalar", fontsize=8)
+    strs = None
+    if values is not None and rows * cols <= max_numbers:
+        v2 = np.asarray(values, dtype=float).reshape(rows, cols)
+        strs = [[_fmt_value(v) for v in row] for row in v2]
+        cw = max(0.2, max(text_width(s, VALUE_FONT) for row in strs for s in row) + 0.08)
+        ch = max(0.2, line_height(VALUE_FONT) + 0.04)
+        if cols * cw > max_w or rows * ch > max_h:
+            strs = None
+        else:
+            w, h = cols * cw, rows * ch
+    if strs is None:
+        side = min(max_w, max_h, 2.2)
+        unit = min(0.28, side / max(rows, cols))
+        w, h = max(0.45, cols * unit), max(0.3, rows * unit)
+        w, h = min(w, max_w), min(h, max_h)
+    xt = index_ticks(cols, w, TICK, True)
+    yt = index_ticks(rows, h, TICK, False) if nd >= 2 else []
+    left = _y_margin([str(i) for i in yt]) if nd >= 2 else 0.04
+    xlabel = f"dim {nd - 1} ({cols})" if nd else "scalar"
+    ylabel = ""
     if nd >= 2:
-        ax.set_ylabel(f"dim 0 ({shape[0]})" if nd == 2 else f"dims 0..{nd - 2} ({rows} rows)", fontsize=8)
-    else:
-        ax.set_yticks([])
-    if cols <= 16:
-        ax.set_xticks(np.arange(cols) + 0.5, [str(i) for i in range(cols)])
-    if rows <= 16 and nd >= 2:
-        ax.set_yticks(np.arange(rows) + 0.5, [str(i) for i in range(rows)])
-    small = values is not None and rows * cols <= max_numbers and rows <= maxs and cols <= maxs
-    if small:
-        v2 = np.asarray(values).reshape(rows, cols)
-        fs = 9 if rows * cols <= 36 else 7 if rows * cols <= 80 else 6
-        for (i, j), v in np.ndenumerate(v2):
-            ax.text(j + 0.5, i + 0.5, _fmt_value(v), ha="center", va="center", fontsize=fs)
-    elif labels is not None and len(blocks) <= 24:
-        ys = (yedges[:-1] + yedges[1:]) / 2
-        xs = (xedges[:-1] + xedges[1:]) / 2
-        for k, lab in enumerate(labels):
-            where = np.argwhere(img == k)
-            if lab and len(where):
-                ax.text(xs[where[:, 1]].mean(), ys[where[:, 0]].mean(), lab, ha="center", va="center",
-                        fontsize=7, bbox=dict(boxstyle="round,pad=0.15", fc=(1, 1, 1, 0.7), lw=0))
+        cands = [f"dim 0 ({shape[0]})", "dim 0", "d0"] if nd == 2 else \
+            [f"dims 0..{nd - 2} ({rows} rows)", f"dims 0..{nd - 2}", f"d0..{nd - 2}"]
+        ylabel = _fit_label(cands, LABEL, h + 0.3)
+    over = max(0.0, (text_width(ylabel, LABEL) - h) / 2) if ylabel else 0.0
+    bw = left + max(w, text_width(xlabel, LABEL)) + 0.06
+    tlines: list[str] = []
     if title:
-        ax.set_title(title, fontsize=9)
-    return img
+        bw = max(bw, min(text_width(title, TITLE) + 0.02, max(bw, 2.0)))
+        tlines = wrap(title, TITLE, bw - 0.02)
+    nlines = max(len(tlines), title_lines if title else 0)
+    top = nlines * line_height(TITLE) + (0.06 if nlines else 0.0) + over
+    bottom = max(_x_margin(), over + 0.02)
+    nlines_note = wrap(note, MIN_FONT, bw) if note else []
+    bh = top + h + bottom + len(nlines_note) * line_height(MIN_FONT)
+    img, xedges, yedges = block_image(shape, blocks, maxs)
+
+    inset = max(0.0, (bw - 0.06 - left - max(w, text_width(xlabel, LABEL))) / 2)  # axes centred under the title
+
+    def paint(sheet, x, y):
+        for i, ln in enumerate(tlines):
+            sheet.text(x + bw / 2, y + i * line_height(TITLE), ln, TITLE, ha="center")
+        panel = Panel(sheet, x + inset + left, y + top, w, h, (0, cols), (0, rows))
+        cols_ = np.asarray(colours, dtype=float).reshape(-1, 3)
+        pal = np.vstack([cols_, EMPTY[None, :]]) if len(cols_) else EMPTY[None, :]
+        pal = pal.copy()
+        for k in faded:
+            pal[k] = pal[k] * 0.3 + 0.7
+        panel.image(pal[img])
+        segs = _boundaries(img, xedges, yedges)
+        if segs:
+            panel.add(LineCollection(segs, colors="black", linewidths=1.2))
+        panel.frame(edgecolor="black", linewidth=1.2)
+        _index_labels(panel, xt, yt, xlabel, ylabel, centre=0.5)
+        if strs is not None:
+            for i, row in enumerate(strs):
+                for j, s in enumerate(row):
+                    if s:
+                        panel.text(j + 0.5, i + 0.5, s, VALUE_FONT, ha="center", va="center")
+        elif labels is not None and len(blocks) <= 24:
+            ys = (yedges[:-1] + yedges[1:]) / 2
+            xs = (xedges[:-1] + xedges[1:]) / 2
+            for k, lab in enumerate(labels):
+                where = np.argwhere(img == k)
+                if not lab or not len(where):
+                    continue
+                r0, r1 = where[:, 0].min(), where[:, 0].max() + 1
+                c0, c1 = where[:, 1].min(), where[:, 1].max() + 1
+                if len(where) != (r1 - r0) * (c1 - c0):
+                    continue  # not one rectangle (blocks interleaved in the flattened view): no room to say
+                bw_in = (xedges[c1] - xedges[c0]) / cols * w
+                bh_in = (yedges[r1] - yedges[r0]) / rows * h
+                tw, th = text_size(lab, MIN_FONT)
+                if tw + 0.06 <= bw_in and th + 0.04 <= bh_in:
+                    panel.text(xs[c0:c1].mean(), ys[r0:r1].mean(), lab, MIN_FONT, ha="center", va="center",
+                               bbox=dict(boxstyle="round,pad=0.1", fc=(1, 1, 1, 0.7), lw=0))
+        for i, ln in enumerate(nlines_note):
+            sheet.text(x + inset, y + top + h + bottom + i * line_height(MIN_FONT), ln, MIN_FONT, color="#a00")
+
+    return Block(bw, bh, paint, mid=top + h / 2)
+
+
+def legend_block(entries, size: float = LABEL, max_w: float | None = None) -> Block:
+    """A legend: (label, style) entries, style a dict of patch keywords (facecolor, edgecolor, hatch) or
+    ``{"line": colour}`` for a line; one column, or rows that wrap at ``max_w`` inches."""
+    sw, lh = 0.22, line_height(size)
+    items = [(label, style, sw + 0.06 + text_width(label, size)) for label, style in entries]
+    rows: list[list] = [[]]
+    x = 0.0
+    for it in items:
+        if max_w is None:
+            rows.append([it])
+            continue
+        if rows[-1] and x + it[2] > max_w:
+            rows.append([])
+            x = 0.0
+        rows[-1].append(it)
+        x += it[2] + 0.2
+    rows = [r for r in rows if r]
+    w = max((sum(it[2] for it in r) + 0.2 * (len(r) - 1) for r in rows), default=0.0)
+    h = lh * len(rows)
+
+    def paint(sheet, x0, y0):
+        for i, row in enumerate(rows):
+            x = x0
+            y = y0 + i * lh
+            for label, style, width in row:
+                if "line" in style:
+                    sheet.line(x, y + lh / 2, x + sw, y + lh / 2, color=style["line"], linewidth=1.5)
+                else:
+                    sheet.rect(x, y + lh * 0.15, sw, lh * 0.7, linewidth=0.6, **style)
+                sheet.text(x + sw + 0.06, y + lh / 2, label, size, va="center")
+                x += width + 0.2
+
+    return Block(w, h, paint, mid=h / 2)

@@ -9,12 +9,34 @@ import numpy as np
 
 from ..core import ProcessMesh, plan_reshard
 from ..core.placements import placements_str
-from .base import STATIC_DPI, fig_png
+from .base import STATIC_DPI, fig_png, image_box, set_image
 from .mesh_view import MeshView
 from .reshard_view import ReshardView, _groups_text
 from .style import fmt_bytes, parse_ids, parse_ints, parse_placements
 
 __all__ = ["Explorer", "explore", "plan_table"]
+
+_FIELDS = [  # (parameter, label, a hint under the field)
+    ("mesh_shape", "mesh shape", ""),
+    ("ids", "process ids", "blank: 0..n-1; 'reversed'; or a list"),
+    ("dim_names", "axis names", ""),
+    ("shape", "tensor shape", ""),
+    ("src", "source", "e.g. S(0), R, P(sum): one per axis"),
+    ("dst", "target", ""),
+    ("target_ids", "target ids", "blank: the same mesh; else another one"),
+]
+_PLACEHOLDER = {"ids": "0..n-1", "target_ids": "same mesh"}
+MESH_W = 5.4  # inches the explorer's mesh picture takes (518 px): beside the controls at 1280 px
+RESHARD_W = 8.4
+# what a bad input left is greyed; the hints sit under their fields
+_CSS = """<style>
+.meshviz-explorer-controls { padding-right: 12px; box-sizing: border-box; }
+.meshviz-explorer-controls .widget-text { width: 100%; }
+.meshviz-hint { font-size: 11px; line-height: 14px; color: #666; margin: -2px 0 4px 92px; }
+.meshviz-error { color: #b00; font-size: 12px; line-height: 16px; margin: 4px 0; overflow-wrap: anywhere; }
+.meshviz-plan { overflow-x: auto; max-width: 100%; }
+.meshviz-stale { opacity: 0.35; filter: grayscale(1); pointer-events: none; }
+</style>"""
 
 
 def plan_table(plan) -> str:
@@ -79,10 +101,10 @@ class Explorer:
             return self
         self.error = None
         self.plan = plan
-        self.mesh_view = MeshView(mesh, title=f"mesh {mesh.shape} {mesh.dim_names}")
+        self.mesh_view = MeshView(mesh, title=f"mesh {mesh.shape} {mesh.dim_names}", max_width=MESH_W)
         if tgt != mesh:
             self.mesh_view.set_within(mesh.process_ids)
-        self.reshard_view = ReshardView(plan)
+        self.reshard_view = ReshardView(plan, max_width=RESHARD_W)
         self._show()
         self.last_redraw_s = time.perf_counter() - t0
         return self
@@ -103,30 +125,34 @@ class Explorer:
         if self._w is None:
             import ipywidgets as w
 
-            lay = w.Layout(width="230px")
-            style = {"description_width": "90px"}
-            self._inputs = {
-                "mesh_shape": w.Text(value=str(self.params["mesh_shape"]), description="mesh shape"),
-                "ids": w.Text(value=str(self.params["ids"]), description="process ids",
-                              placeholder="blank = 0..n-1, 'reversed', or a list"),
-                "dim_names": w.Text(value=str(self.params["dim_names"]), description="axis names"),
-                "shape": w.Text(value=str(self.params["shape"]), description="tensor shape"),
-                "src": w.Text(value=str(self.params["src"]), description="source"),
-                "dst": w.Text(value=str(self.params["dst"]), description="target"),
-                "target_ids": w.Text(value=str(self.params["target_ids"]), description="target ids",
-                                     placeholder="blank = same mesh"),
-            }
-            for k, box in self._inputs.items():
-                box.continuous_update = False
-                box.layout = lay
-                box.style = style
-                box.observe(self._on_change(k), names="value")
+            self._inputs = {}
+            rows = []
+            for key, label, hint in _FIELDS:
+                box = w.Text(value=str(self.params[key]), description=label, continuous_update=False,
+                             placeholder=_PLACEHOLDER.get(key, ""),
+                             layout=w.Layout(width="100%"), style={"description_width": "88px"})
+                box.observe(self._on_change(key), names="value")
+                self._inputs[key] = box
+                rows.append(box)
+                if hint:
+                    rows.append(w.HTML(f'<div class="meshviz-hint">{html.escape(hint)}</div>'))
             self._err = w.HTML()
-            self._mesh_img = w.Image(format="png")
-            self._plan_html = w.HTML()
-            self._rv_box = w.VBox()
-            controls = w.VBox(list(self._inputs.values()) + [self._err])
-            self._w = w.VBox([w.HBox([controls, self._mesh_img]), self._plan_html, self._rv_box])
+            controls = w.VBox(rows + [self._err], layout=w.Layout(flex="0 0 270px", width="270px"))
+            controls.add_class("meshviz-explorer-controls")
+            self._mesh_box, self._mesh_img = image_box(b"")
+            self._plan_html = w.HTML(layout=w.Layout(flex="0 0 auto"))
+            self._rv_box = w.VBox(layout=w.Layout(max_width="100%", flex="0 0 auto"))
+            # the pictures scroll inside a column at most 85% of the window high: looking through them never
+            # scrolls the controls away (an output area cannot keep them in view by itself)
+            self._pictures = w.VBox([self._mesh_box, self._plan_html, self._rv_box],
+                                    layout=w.Layout(flex="1 1 480px", min_width="0", max_width="100%",
+                                                    max_height="85vh", overflow="auto"))
+            self._pictures.add_class("meshviz-explorer-pictures")
+            body = w.Box([controls, self._pictures],
+                          layout=w.Layout(display="flex", flex_flow="row wrap", align_items="flex-start",
+                                          width="100%"))
+            self._w = w.VBox([w.HTML(_CSS), body], layout=w.Layout(width="100%"))
+            self._w.add_class("meshviz-explorer")
             self._show()
         return self._w
 
@@ -139,11 +165,14 @@ class Explorer:
         if self._w is None:
             return
         if self.error is not None:
-            self._err.value = f'<span style="color:#b00">{html.escape(self.error)}</span>'
+            self._err.value = (f'<div class="meshviz-error">{html.escape(self.error)}</div>'
+                               '<div class="meshviz-hint">the pictures show the last input that worked</div>')
+            self._pictures.add_class("meshviz-stale")
             return
         self._err.value = ""
-        self._mesh_img.value = self.mesh_view.png()
-        self._plan_html.value = plan_table(self.plan)
+        self._pictures.remove_class("meshviz-stale")
+        set_image(self._mesh_img, self.mesh_view.png())
+        self._plan_html.value = f'<div class="meshviz-plan">{plan_table(self.plan)}</div>'
         self._rv_box.children = [self.reshard_view.widget]
 
     def _ipython_display_(self):

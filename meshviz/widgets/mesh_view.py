@@ -6,7 +6,7 @@ import numpy as np
 
 from ..core import ProcessMesh
 from .base import View, target_mesh
-from .draw import draw_mesh
+from .draw import MAX_W, mesh_block
 from .style import GREY
 
 __all__ = ["MeshView", "as_mesh"]
@@ -29,12 +29,14 @@ class MeshView(View):
 
     ``devices``: rank -> device string (or a list indexed by rank); taken from ``source.devices`` for a Cluster.
     ``source``: events; the view then follows the mesh of the latest ``placed``/``reshard`` event and greys ranks
-    outside it.
+    outside it. ``max_width``: the most inches the picture takes (at 96 px each); facets wrap to it.
     """
 
-    def __init__(self, mesh, within=None, devices=None, title: str | None = None, source=None, interval=0.15):
+    def __init__(self, mesh, within=None, devices=None, title: str | None = None, source=None, interval=0.15,
+                 max_width: float = MAX_W):
         self.mesh = as_mesh(mesh)
         self.title = title
+        self.max_width = max_width
         if devices is None and source is not None and hasattr(source, "devices"):
             devices = source.devices
         if devices is not None and not isinstance(devices, dict):
@@ -76,15 +78,6 @@ class MeshView(View):
                 tgt = target_mesh(e) if e.kind == "reshard" else None
                 self.set_within(tgt or e.mesh)
 
-    def _size(self):
-        nd = self.mesh.ndim
-        if nd <= 2:
-            rows, cols = (1, self.mesh.shape[0]) if nd == 1 else self.mesh.shape
-            w = min(9.0, max(3.0, 0.7 * cols + 1.5))
-            return w, min(7.0, max(1.8, 0.6 * rows + 1.3))
-        n = min(16, int(np.prod(self.mesh.shape[:-2])))
-        return min(11.0, 3.0 * min(n, 4) + 0.5), 2.6 * -(-n // 4) + 0.5
-
     def cell_rgb(self) -> np.ndarray:
         rgb = np.broadcast_to(_CELL, tuple(self.mesh.shape) + (3,)).copy()
         if self._within is not None:
@@ -93,10 +86,9 @@ class MeshView(View):
                     rgb[c] = GREY
         return rgb
 
-    def _draw(self, fig) -> None:
-        spec = fig.add_gridspec(1, 1, left=0.1, right=0.95, top=0.85, bottom=0.15)[0]
-        title = self.title or self._heading()
-        draw_mesh(fig, spec, self.mesh, self.cell_rgb(), devices=self.devices, title=title)
+    def _block(self):
+        return mesh_block(self.mesh, self.cell_rgb(), devices=self.devices, title=self.title or self._heading(),
+                          max_w=self.max_width)
 
     def _heading(self) -> str:
         dims = " × ".join(f"{n}={s}" for n, s in zip(self.mesh.dim_names, self.mesh.shape))

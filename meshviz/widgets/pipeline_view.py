@@ -6,12 +6,14 @@ from collections import defaultdict
 
 import numpy as np
 from matplotlib.collections import LineCollection
-from matplotlib.lines import Line2D
-from matplotlib.patches import Patch
+from matplotlib.ticker import MaxNLocator
 
 from ..core.schedule import bubble_formula, schedule_orders
 from ..trace import Compute, Event, Recv, Send
 from .base import View
+from .draw import MAX_W, legend_block
+from .sheet import Block, line_height, text_block, text_width, vstack
+from .style import LABEL, TICK, TITLE
 
 __all__ = ["PipelineView", "synthetic_schedule"]
 
@@ -19,6 +21,13 @@ PHASE_COLOUR = {"F": (0.55, 0.75, 0.95), "B": (0.96, 0.63, 0.36), "W": (0.6, 0.8
 MAX_ARROWS = 2000
 FANCY_ARROWS = 80  # above this many transfers, arrows become plain lines (annotations are slow to draw)
 MAX_LABELS = 400
+MAX_AXES_W = 16.0  # inches a timeline may grow to so its blocks can carry their micro-batch numbers (it scrolls)
+
+
+def _shade(colour, chunk: int) -> tuple:
+    """A phase's colour for a virtual-stage chunk: darker for each later chunk."""
+    k = 1.0 - 0.18 * chunk
+    return tuple(min(1.0, c * k) for c in colour)
 
 
 def synthetic_schedule(stages: int = 4, micro_batches: int = 8, schedule: str = "1F1B", chunks: int = 1,
@@ -94,8 +103,6 @@ class PipelineView(View):
     cross-mesh ``reshard_step`` send/recv, collectives): ``PipelineView(events)``, ``PipelineView(source=cluster)``, or
     ``PipelineView.synthetic(stages=4, micro_batches=8, schedule='1F1B')``.
     """
-
-    width = 11.0
 
     def __init__(self, events=None, source=None, schedule: str | None = None, interval: float = 0.15):
         self.schedule = schedule
@@ -202,15 +209,27 @@ class PipelineView(View):
         return bubble_formula(p, m, self.chunks)
 
     # -- drawing ----------------------------------------------------------------------------------
-    def _size(self):
-        return self.width, max(2.2, 0.55 * max(1, len(self.ranks)) + 1.6)
+    def _legend(self) -> list:
+        entries = []
+        chunks = max((b["chunk"] or 0 for b in self.blocks), default=0) + 1
+        for k, lab in (("F", "forward"), ("B", "backward"), ("W", "weight grad")):
+            if not any(b["phase"] == k for b in self.blocks):
+                continue
+            for c in range(chunks):
+                name = lab if chunks == 1 else f"{lab}, chunk {c}"
+                entries.append((name, dict(facecolor=_shade(PHASE_COLOUR[k], c), edgecolor="black")))
+        if any(t["how"] == "reshard" for t in self.transfers):
+            entries.append(("reshard send/recv", {"line": "#c0392b"}))
+        if any(t["how"] == "p2p" for t in self.transfers):
+            entries.append(("send/recv", {"line": "#444"}))
+        if self.comms:
+            entries.append(("collective", dict(facecolor="#555", edgecolor="#555")))
+        return entries
 
-    def _draw(self, fig) -> None:
+    def _block(self) -> Block:
         ranks = self.ranks
         if not ranks:
-            fig.text(0.5, 0.5, "waiting for pipeline events (compute, send/recv)…", ha="center", va="center")
-            return
-        ax = fig.add_axes((0.12, 0.2, 0.86, 0.62))
+            return text_block("waiting for pipeline events (compute, send/recv)…", TITLE)
         row = {r: i for i, r in enumerate(ranks)}
         times = [b["start"] for b in self.blocks] + [t["start"] for t in self.transfers] + \
                 [c["start"] for c in self.comms]
@@ -218,44 +237,51 @@ class PipelineView(View):
         t1 = max([b["end"] for b in self.blocks] + [t["end"] for t in self.transfers] + [c["end"] for c in self.comms])
         span = max(t1 - t0, 1e-9)
         unit, scale = ("s", 1.0) if span >= 1 else ("ms", 1e3) if span >= 1e-3 else ("µs", 1e6)
-        by = defaultdict(list)
-        for b in self.blocks:
-            shade = 1.0 - 0.18 * (b["chunk"] or 0)
-            col = tuple(min(1.0, c * shade) for c in PHASE_COLOUR.get(b["phase"], (0.7, 0.7, 0.7)))
-            by[(b["rank"], col)].append(((b["start"] - t0) * scale, (b["end"] - b["start"]) * scale))
-        for (r, col), bars in by.items():
-            ax.broken_barh(bars, (row[r] - 0.38, 0.76), facecolors=[col], edgecolors="black", linewidth=0.5)
-        if len(self.blocks) <= MAX_LABELS:
-            for b in self.blocks:
-                if b["micro_batch"] is not None:
-                    ax.text(((b["start"] + b["end"]) / 2 - t0) * scale, row[b["rank"]], str(b["micro_batch"]),
-                            ha="center", va="center", fontsize=7 if len(self.blocks) < 120 else 5)
-        for c in self.comms:
-            ax.broken_barh([((c["start"] - t0) * scale, max((c["end"] - c["start"]) * scale, span * scale * 0.002))],
-                           (row.get(c["rank"], 0) + 0.38, 0.12), facecolors=["#555"])
-        self._draw_transfers(ax, row, t0, scale)
         st = self.stages
-        labels = []
-        for r in ranks:
-            s = st.get(r)
-            labels.append(f"rank {r}" + (f" · stage {','.join(map(str, s))}" if s else ""))
-        ax.set_yticks(range(len(ranks)), labels, fontsize=8)
-        ax.set_ylim(len(ranks) - 0.5, -0.5)
-        ax.set_xlim(0, span * scale * 1.01)
-        ax.set_xlabel(f"time ({unit}, measured from the events)", fontsize=8)
-        ax.tick_params(labelsize=7)
-        ax.grid(axis="x", alpha=0.3)
-        fig.text(0.12, 0.93, self._headline(), fontsize=9.5, va="bottom")
-        handles = [Patch(facecolor=PHASE_COLOUR[k], edgecolor="black", linewidth=0.5, label=lab)
-                   for k, lab in (("F", "forward"), ("B", "backward"), ("W", "weight grad"))
-                   if any(b["phase"] == k for b in self.blocks)]
-        if any(t["how"] == "reshard" for t in self.transfers):
-            handles.append(Line2D([], [], color="#c0392b", label="reshard send/recv"))
-        if any(t["how"] == "p2p" for t in self.transfers):
-            handles.append(Line2D([], [], color="#444", label="send/recv"))
-        if handles:
-            ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=len(handles),
-                      fontsize=7, frameon=False)
+        labels = [f"rank {r}" + (f" · stage {','.join(map(str, st[r]))}" if st.get(r) else "") for r in ranks]
+        left = max(text_width(s, TICK) for s in labels) + 3.5 / 72 + 0.06
+        numbered = [b for b in self.blocks if b["micro_batch"] is not None and b["end"] > b["start"]]
+        ax_w = min(7.2, MAX_W - left - 0.1)
+        if numbered and len(self.blocks) <= MAX_LABELS:  # wide enough that most blocks can carry their number
+            need = text_width(str(max(b["micro_batch"] for b in numbered)), TICK) + 0.05
+            short = float(np.percentile([b["end"] - b["start"] for b in numbered], 10))
+            ax_w = max(ax_w, min(MAX_AXES_W, need * span / short))
+        row_h = 0.34
+        ax_h = row_h * len(ranks)
+        width = left + ax_w + 0.15
+        head = text_block(self._headline(), TITLE, width=width)
+        below = 3.5 / 72 + line_height(TICK) + 2 / 72 + line_height(LABEL) + 0.08
+        legend = legend_block(self._legend(), LABEL, max_w=width)
+
+        def paint(sheet, x, y):
+            ax = sheet.axes(x + left, y, ax_w, ax_h)
+            by = defaultdict(list)
+            for b in self.blocks:
+                col = _shade(PHASE_COLOUR.get(b["phase"], (0.7, 0.7, 0.7)), b["chunk"] or 0)
+                by[(b["rank"], col)].append(((b["start"] - t0) * scale, (b["end"] - b["start"]) * scale))
+            for (r, col), bars in by.items():
+                ax.broken_barh(bars, (row[r] - 0.38, 0.76), facecolors=[col], edgecolors="black", linewidth=0.5)
+            if len(self.blocks) <= MAX_LABELS:
+                for b in numbered:
+                    s = str(b["micro_batch"])
+                    if (b["end"] - b["start"]) / span * ax_w >= text_width(s, TICK) + 0.03:
+                        ax.text(((b["start"] + b["end"]) / 2 - t0) * scale, row[b["rank"]], s, ha="center",
+                                va="center", fontsize=TICK)
+            for c in self.comms:
+                ax.broken_barh([((c["start"] - t0) * scale, max((c["end"] - c["start"]) * scale,
+                                                                 span * scale * 0.002))],
+                               (row.get(c["rank"], 0) + 0.38, 0.12), facecolors=["#555"])
+            self._draw_transfers(ax, row, t0, scale)
+            ax.set_yticks(range(len(ranks)), labels, fontsize=TICK)
+            ax.set_ylim(len(ranks) - 0.5, -0.5)
+            ax.set_xlim(0, span * scale * 1.01)
+            ax.xaxis.set_major_locator(MaxNLocator(nbins=max(2, int(ax_w / 0.8))))
+            ax.set_xlabel(f"time ({unit}, measured from the events)", fontsize=LABEL, labelpad=2)
+            ax.tick_params(labelsize=TICK, length=2, pad=1.5)
+            ax.grid(axis="x", alpha=0.3)
+
+        body = Block(width, ax_h + below, paint)
+        return vstack([head, body, legend], gap=0.1)
 
     def _draw_transfers(self, ax, row, t0, scale):
         """Arrows from the sender's row at send time to the receiver's row at arrival; many: one line collection."""

@@ -7,15 +7,19 @@ import numpy as np
 from ..core import ProcessMesh, parse_placement
 from ..core.placements import placements_str
 from ..core.planner import Plan, apply_step, initial_locals, plan_reshard
-from .base import View, fig_png, new_figure, plan_ops, target_mesh
+from .base import View, fig_png, plan_ops, target_mesh
+from .draw import MAX_W, ids_text
 from .mesh_view import as_mesh
-from .style import fmt_bytes
-from .tensor_view import TensorState, draw_tensor_state, state_panels, tensor_state
+from .sheet import Block, spacer, text_block, text_width, vstack
+from .style import HEAD, LABEL, TITLE, fmt_bytes
+from .tensor_view import TensorState, tensor_state, tensor_state_block
 
-__all__ = ["ReshardView", "step_caption"]
+__all__ = ["ReshardView", "step_caption", "step_verb"]
 
 MAX_SIM = 200_000  # simulate values per rank only when numel x ranks stays below this
 MAX_BOARD_STEPS = 8
+ROW_W = 10.0  # inches a layout row may take before summands are counted instead of drawn
+_BLUE = "#1f4e9a"
 _VERB = {
     "all_reduce": "all-reduce: every rank of a group gets the {reduce} of the group",
     "all_gather": "all-gather: every rank of a group gets all blocks of dim {dim}",
@@ -52,19 +56,24 @@ def step_caption(step, i: int | None = None, n: int | None = None) -> str:
     return f"{head}{step.op} {where} · groups {_groups_text(step)} · {fmt_bytes(step.bytes)}/rank"
 
 
+def step_verb(step) -> str:
+    """What a step does, in words ('all-reduce: every rank of a group gets the sum of the group')."""
+    return _VERB.get(step.op, step.op).format(reduce=step.reduce.short if step.reduce is not None else "",
+                                              dim=step.dim, dst_dim=step.dst_dim)
+
+
 class ReshardView(View):
     """``ReshardView(shape, src_mesh, src_placements, dst_mesh=None, dst_placements=..., value=None)``, or
     ``ReshardView(plan)``, or ``ReshardView(source=events_or_cluster)`` (follows ``reshard``/``reshard_step``).
 
     ``steps`` are the planner's steps and ``states`` the layout (and, for small tensors, every rank's values,
     simulated with the planner's own ``apply_step`` or taken from the events) before and after each step.
+    ``max_width``: the inches a row of pictures may take; a Partial shows as many summands as fit, the rest counted.
     """
-
-    width = 10.0
 
     def __init__(self, shape=None, src_mesh=None, src_placements=None, dst_mesh=None, dst_placements=None,
                  value=None, plan: Plan | None = None, itemsize: int = 4, name: str | None = None, source=None,
-                 plan_id=None, interval=0.15):
+                 plan_id=None, interval=0.15, max_width: float = ROW_W):
         if isinstance(shape, Plan):
             plan, shape = shape, None
         if plan is None and shape is not None:
@@ -75,6 +84,7 @@ class ReshardView(View):
             plan = plan_reshard(shape, src_mesh, [parse_placement(p) for p in src_placements], dst_mesh,
                                 [parse_placement(p) for p in dst_placements], itemsize)
         self.name = self._given_name = name
+        self.max_width = max_width
         self.plan: Plan | None = None
         self.states: list[TensorState] = []
         self.frame = 0
@@ -87,6 +97,7 @@ class ReshardView(View):
         self._value = value
         if plan is not None:
             self._set_plan(plan, value)
+            self.frame = self.opening_frame()
         super().__init__(source=source, interval=interval)
 
     # -- data -------------------------------------------------------------------------------------
@@ -97,6 +108,15 @@ class ReshardView(View):
     @property
     def n_frames(self) -> int:
         return len(self.steps) + 1
+
+    def opening_frame(self) -> int:
+        """The frame that tells most: a transfer between meshes, the only step of a one-step plan, else the
+        overview (frame 0: the source layout and every step listed)."""
+        steps = self.steps
+        for i, s in enumerate(steps):
+            if s.op == "send_recv":
+                return i + 1
+        return 1 if len(steps) == 1 else 0
 
     def _set_plan(self, plan: Plan, value=None, locals0: dict | None = None, ran: bool = False):
         self.plan = plan
@@ -138,6 +158,8 @@ class ReshardView(View):
                 src = ProcessMesh.from_dict(e.mesh)
                 dst = ProcessMesh.from_dict(target_mesh(e) or e.mesh)
                 plan = plan_reshard(e.shape_before, src, e.placements_before, dst, e.placements_after, 1)
+                if not plan.steps and self.plan is not None and self.plan.steps and self.plan_id is None:
+                    continue  # a reshard with nothing to do: the last one that moved data stays on show
                 itemsize = max(1, round(e.bytes / plan.total_bytes)) if plan.total_bytes and e.bytes else 4
                 if itemsize != 1:
                     plan = plan_reshard(e.shape_before, src, e.placements_before, dst, e.placements_after, itemsize)
@@ -152,7 +174,7 @@ class ReshardView(View):
                 if ops is not None and list(ops) != plan.ops:
                     self.mismatch.append(f"event lists {ops}, planner says {plan.ops}")
                 if self.follow:
-                    self.frame = 0
+                    self.frame = self.opening_frame()
             elif e.kind == "reshard_step" and self.plan is not None and e.step is not None:
                 if getattr(self, "_cur_id", (None, None))[0] != e.plan_id:
                     continue
@@ -198,19 +220,13 @@ class ReshardView(View):
         head = f"reshard {self.name + ' ' if self.name else ''}{list(p.shape)}: {placements_str(p.src_placements)}"
         head += f" → {placements_str(p.dst_placements)}"
         if p.cross_mesh:
-            head += f"  (mesh {p.src_mesh.process_ids} → {p.dst_mesh.process_ids})"
+            head += f"  (mesh {ids_text(p.src_mesh.process_ids)} → {ids_text(p.dst_mesh.process_ids)})"
         return head + f" · {len(p.steps)} step{'s' if len(p.steps) != 1 else ''}, {fmt_bytes(p.total_bytes)}/rank"
 
     def _state_title(self, i) -> str:
         st = self.states[i]
         where = "before" if i == 0 else ("after" if i == len(self.steps) else f"after step {i}")
         return f"{where}: {placements_str(st.placements)} on mesh {st.mesh.shape}"
-
-    def _slots(self, states) -> int:
-        return max(3, max(state_panels(s) for s in states))
-
-    def _width(self, states) -> float:
-        return max(self.width, 3.2 * self._slots(states) + 0.6)
 
     @staticmethod
     def _transfer_labels(step):
@@ -223,75 +239,69 @@ class ReshardView(View):
             inn[t] = f"←{s}"
         return out, inn
 
-    def frame_figure(self, f: int):
-        """The picture of frame ``f``: 0 is the source layout, f > 0 shows step f with the layout before and after."""
+    def _rows(self, pairs) -> list[Block]:
+        """One layout row per (state index, text_extra, groups_axis), their meshes given one width so they line up."""
+        def build(mesh_w=None):
+            return [tensor_state_block(self.states[i], groups_axis=g, mesh_title=self._state_title(i), text_extra=x,
+                                       max_w=self.max_width, mesh_w=mesh_w) for i, x, g in pairs]
+        rows = build()
+        widest = max(r.mesh_w for r in rows)
+        if any(abs(r.mesh_w - widest) > 1e-6 for r in rows):
+            rows = build(widest)
+        return rows
+
+    @staticmethod
+    def _width(rows, texts) -> float:
+        """The picture's width: its widest row, or its text up to MAX_W (text wraps to it)."""
+        w = max(r.w for r in rows)
+        return max(w, min(MAX_W, max(text_width(t, s, f) for t, s, f in texts)))
+
+    def _frame_block(self, f: int) -> Block:
         f = max(0, min(int(f), len(self.steps)))
         if self.plan is None:
-            fig = new_figure(4, 1.5)
-            fig.text(0.5, 0.5, "waiting for a reshard…", ha="center", va="center")
-            return fig
+            return text_block("waiting for a reshard…", TITLE)
+        head = self._heading()
         if f == 0:
-            st = self.states[0]
-            lines = [self._heading()] + [("✓ " if i in self.ran else "  ") + step_caption(s, i, len(self.steps))
-                                         for i, s in enumerate(self.steps)]
-            if not self.steps:
-                lines.append("  nothing to do")
-            h = 3.3 + 0.22 * len(lines)
-            fig = new_figure(self._width([st]), h)
-            top = 1 - (0.22 * len(lines) + 0.2) / h
-            spec = fig.add_gridspec(1, 1, left=0.06, right=0.97, top=top - 0.06, bottom=0.1)[0]
-            for k, line in enumerate(lines):
-                fig.text(0.02, 1 - (0.12 + 0.22 * k) / h, line, fontsize=10 if k == 0 else 8.5,
-                         family="monospace" if k else None, va="top")
-            draw_tensor_state(fig, spec, st, title=None, mesh_title=self._state_title(0), slots=self._slots([st]))
-            return fig
+            lines = [("✓ " if i in self.ran else "  ") + step_caption(s, i, len(self.steps))
+                     for i, s in enumerate(self.steps)] or ["  nothing to do: the layouts are the same"]
+            rows = self._rows([(0, None, None)])
+            w = self._width(rows, [(head, HEAD, None)] + [(ln, LABEL, "monospace") for ln in lines])
+            steps = text_block(lines, LABEL, width=w, family="monospace", indent="      ")
+            return vstack([text_block(head, HEAD, width=w), steps, spacer(0, 0.05)] + rows, gap=0.08)
         step = self.steps[f - 1]
-        before, after = self.states[f - 1], self.states[f]
-        slots = self._slots([before, after])
-        fig = new_figure(self._width([before, after]), 7.2)
-        fig.text(0.02, 0.985, self._heading(), fontsize=10, va="top")
         ran = " ✓ ran" if (f - 1) in self.ran else ""
-        fig.text(0.02, 0.945, step_caption(step, f - 1, len(self.steps)) + ran, fontsize=9, va="top",
-                 color="#1f4e9a", fontweight="bold")
-        verb = _VERB.get(step.op, step.op).format(reduce=step.reduce.short if step.reduce else "", dim=step.dim,
-                                                   dst_dim=step.dst_dim)
-        fig.text(0.02, 0.91, verb, fontsize=8.5, va="top", style="italic")
-        gs = fig.add_gridspec(2, 1, left=0.06, right=0.97, top=0.82, bottom=0.07, hspace=0.55)
+        caption = step_caption(step, f - 1, len(self.steps)) + ran
         out, inn = self._transfer_labels(step)
-        draw_tensor_state(fig, gs[0], before, groups_axis=step.axis, mesh_title=self._state_title(f - 1),
-                          slots=slots, text_extra=out)
-        draw_tensor_state(fig, gs[1], after, mesh_title=self._state_title(f), slots=slots, text_extra=inn)
-        return fig
+        rows = self._rows([(f - 1, out, step.axis), (f, inn, None)])
+        verb = step_verb(step)
+        w = self._width(rows, [(head, HEAD, None), (caption, TITLE, None), (verb, LABEL, None)])
+        return vstack([text_block(head, HEAD, width=w),
+                       text_block(caption, TITLE, width=w, color=_BLUE, weight="bold"),
+                       text_block(verb, LABEL, width=w, style="italic"), spacer(0, 0.05), rows[0],
+                       spacer(0, 0.05), rows[1]], gap=0.08)
 
-    def _draw(self, fig) -> None:  # pragma: no cover - figure() is overridden
-        raise NotImplementedError
-
-    def figure(self):
-        """The storyboard: the source layout, then each step with the layout after it."""
+    def frame_figure(self, f: int):
+        """The picture of frame ``f``: 0 is the source layout, f > 0 shows step f with the layout before and after."""
         with self._lock:
-            if self.plan is None:
-                return self.frame_figure(0)
-            steps = self.steps[:MAX_BOARD_STEPS]
-            rows = len(steps) + 1
-            slots = self._slots(self.states[:rows])
-            w = self._width(self.states[:rows])
-            row_h = 3.3
-            h = row_h * rows + 0.5
-            fig = new_figure(w, h)
-            fig.text(0.02, 1 - 0.12 / h, self._heading(), fontsize=10, va="top")
-            gs = fig.add_gridspec(rows, 1, left=0.06, right=0.97, top=1 - 0.75 / h, bottom=0.35 / h, hspace=0.75)
-            for i in range(rows):
-                step = self.steps[i - 1] if i else None
-                cap = step_caption(step, i - 1, len(self.steps)) if step else "before"
-                _, inn = self._transfer_labels(step)
-                pos = gs[i].get_position(fig)
-                fig.text(0.02, pos.y1 + 0.35 / h, cap, fontsize=8.5, va="bottom",
-                         color="#1f4e9a" if i else "black", fontweight="bold")
-                draw_tensor_state(fig, gs[i], self.states[i], mesh_title=self._state_title(i), slots=slots,
-                                  text_extra=inn)
-            if len(self.steps) > MAX_BOARD_STEPS:
-                fig.text(0.5, 0.005, f"… {len(self.steps) - MAX_BOARD_STEPS} more steps", ha="center", fontsize=8)
-            return fig
+            return self._frame_block(f).figure()
+
+    def _block(self) -> Block:
+        """The storyboard: the source layout, then each step with the layout after it."""
+        if self.plan is None:
+            return self._frame_block(0)
+        steps = self.steps[:MAX_BOARD_STEPS]
+        caps = ["before"] + [step_caption(s, i, len(self.steps)) for i, s in enumerate(steps)]
+        rows = self._rows([(i, self._transfer_labels(self.steps[i - 1] if i else None)[1], None)
+                           for i in range(len(steps) + 1)])
+        head = self._heading()
+        w = self._width(rows, [(head, HEAD, None)] + [(c, TITLE, None) for c in caps])
+        parts = [text_block(head, HEAD, width=w)]
+        for i, (cap, row) in enumerate(zip(caps, rows)):
+            parts += [spacer(0, 0.1), text_block(cap, TITLE, width=w, weight="bold", color=_BLUE if i else "black"),
+                      row]
+        if len(self.steps) > MAX_BOARD_STEPS:
+            parts.append(text_block(f"… {len(self.steps) - MAX_BOARD_STEPS} more steps", LABEL, width=w))
+        return vstack(parts, gap=0.08)
 
     def frame_png(self, f: int) -> bytes:
         if f not in self._cache:

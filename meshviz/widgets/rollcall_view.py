@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import textwrap
-
 import numpy as np
-from matplotlib.patches import Patch
 
 from ..core import ProcessMesh
 from ..trace.status import RankStatus, RollCall
 from .base import View
-from .draw import draw_mesh
+from .draw import MAX_W, legend_block, mesh_block
 from .mesh_view import as_mesh
+from .sheet import Block, hstack, text_block, text_width, vstack
+from .style import LABEL
 
 __all__ = ["RollCallView", "STATE_COLOUR"]
 
@@ -79,33 +78,18 @@ class RollCallView(View):
             out[s.rank] = text
         return out
 
-    def _wrapped(self) -> list[str]:
-        return [w for ln in self.lines for w in textwrap.wrap(ln, 110, subsequent_indent="    ")] or [
-            "no rank waits in a collective"]
-
-    _LINE = 0.16  # inches per line of text below the ranks
-
-    def _size(self):
-        rows = 1 if self.mesh.ndim == 1 else self.mesh.shape[0]
-        return 9.0, 1.5 + 0.6 * rows + self._LINE * len(self._wrapped())
-
-    def _draw(self, fig) -> None:
-        wrapped = self._wrapped()
-        h = fig.get_figheight()
-        text_h = (self._LINE * len(wrapped) + 0.15) / h
-        spec = fig.add_gridspec(1, 1, left=0.08, right=0.75, top=1 - 0.35 / h, bottom=text_h + 0.45 / h)[0]
-        culprits = self.rollcall.culprits()
-        draw_mesh(fig, spec, self.mesh, self.cell_rgb(), hatched=culprits, text_extra=self.labels(),
-                  title=self.title or "roll-call")
-        handles = [Patch(facecolor=STATE_COLOUR[k], edgecolor="grey", label=k.replace("_", " "))
+    def _block(self) -> Block:
+        entries = [(k.replace("_", " "), dict(facecolor=STATE_COLOUR[k], edgecolor="grey"))
                    for k in ("idle", "running", "in_collective", "dead", "unknown")]
-        handles.append(Patch(facecolor=_MISMATCH, edgecolor="grey", label="mismatch"))
-        handles.append(Patch(facecolor="white", edgecolor="grey", hatch="xx", label="to blame"))
-        fig.legend(handles=handles, loc="upper right", fontsize=7, frameon=False, bbox_to_anchor=(0.99, 0.9))
-        y = text_h
-        for ln in wrapped:
-            fig.text(0.02, y, ln, fontsize=7.5, family="monospace", va="top")
-            y -= self._LINE / h
+        entries += [("mismatch", dict(facecolor=_MISMATCH, edgecolor="grey")),
+                    ("to blame", dict(facecolor="white", edgecolor="grey", hatch="xx"))]
+        legend = legend_block(entries, LABEL)
+        mesh = mesh_block(self.mesh, self.cell_rgb(), hatched=self.rollcall.culprits(), text_extra=self.labels(),
+                          title=self.title or "roll-call", max_w=MAX_W - legend.w - 0.3)
+        top = hstack([mesh, legend], gap=0.3)
+        lines = self.lines or ["no rank waits in a collective"]
+        width = max(top.w, min(MAX_W, max(text_width(ln, LABEL, "monospace") for ln in lines)))
+        return vstack([top, text_block(lines, LABEL, width=width, family="monospace")], gap=0.15)
 
     def __repr__(self) -> str:
         counts: dict = {}

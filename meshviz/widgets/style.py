@@ -8,8 +8,13 @@ import re
 import numpy as np
 from matplotlib import colormaps
 
-__all__ = ["GREY", "EMPTY", "block_colours", "fmt_bytes", "parse_ints", "parse_placements", "parse_ids"]
+__all__ = ["GREY", "EMPTY", "TICK", "LABEL", "TITLE", "HEAD", "block_colours", "fmt_bytes", "parse_ints",
+           "parse_placements", "parse_ids"]
 
+TICK = 7.0  # points, at 96 px per inch: tick labels (9.3 px)
+LABEL = 7.5  # axis labels, legends, captions
+TITLE = 8.5  # panel titles
+HEAD = 9.5  # a picture's heading
 GREY = np.array([0.86, 0.86, 0.86])  # ranks outside the mesh of interest
 EMPTY = np.array([1.0, 1.0, 1.0])
 _TAB = np.array(colormaps["tab20"].colors)[[0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19]]

@@ -11,11 +11,12 @@ from ..core.layout import dense_to_local
 from ..core.placements import placements_str
 from ..core.planner import assemble
 from .base import View, plan_ops, target_mesh
-from .draw import draw_blocks, draw_mesh
+from .draw import MAX_W, mesh_block, tensor_block
 from .mesh_view import as_mesh
-from .style import GREY, block_colours
+from .sheet import Block, hstack, spacer, text_block, text_size, text_width, vstack
+from .style import GREY, HEAD, TITLE, block_colours
 
-__all__ = ["TensorView", "TensorState", "tensor_state", "draw_tensor_state", "state_panels"]
+__all__ = ["TensorView", "TensorState", "tensor_state", "tensor_state_block"]
 
 MAX_SUMMAND_PANELS = 4
 MAX_VALUE_NUMEL = 4096  # values are simulated per rank only for tensors this small
@@ -133,70 +134,80 @@ def _rank_list(ranks, limit=6) -> str:
     return s + (",…" if len(ranks) > limit else "")
 
 
-def state_panels(st: TensorState) -> int:
-    """Panels ``draw_tensor_state`` uses: the mesh, then one tensor (or the summands and their reduction)."""
-    return 2 if not st.is_partial else 2 + min(len(st.summands), MAX_SUMMAND_PANELS)
+def _slot(text: str, size: float, bold: bool = True) -> Block:
+    """An operator between panels ('+', '=', '+ … 3 more'), centred on their axes."""
+    w, h = text_size(text, size, weight="bold" if bold else "normal")
+
+    def paint(sheet, x, y):
+        sheet.text(x + 0.06 + w / 2, y + h / 2, text, size, ha="center", va="center",
+                   fontweight="bold" if bold else "normal")
+
+    return Block(w + 0.12, h, paint, mid=h / 2)
 
 
-def draw_tensor_state(fig, spec, st: TensorState, *, title=None, world=None, groups_axis=None, show_mesh=True,
-                      mesh_title=None, slots: int | None = None, text_extra=None):
-    """Draw [mesh | blocks] (or [mesh | summand + summand ... = value] for Partial) into ``spec``.
+def _empty_note(st: TensorState) -> str | None:
+    if not st.empty:
+        return None
+    return f"empty block on rank{'s' if len(st.empty) > 1 else ''} {_rank_list(st.empty, 8)}"
 
-    ``slots``: the width to lay out for (so rows of a storyboard line up); unused slots stay blank.
-    """
+
+def tensor_state_block(st: TensorState, *, world=None, groups_axis=None, mesh_title=None, text_extra=None,
+                       max_w: float = 10.0, mesh_w: float | None = None) -> Block:
+    """[mesh | blocks], or for a Partial [mesh | summand + summand ... = value], side by side within ``max_w``
+    inches (as many summands as fit, the rest counted); ``mesh_w``: the width to give the mesh (rows line up)."""
     cols = st.colours
-    k = len(st.summands)
-    shown = min(k, MAX_SUMMAND_PANELS)
-    n_tensor = 1 if not st.is_partial else shown + 1
-    widths = ([1.0] if show_mesh else []) + [1.0] * n_tensor
-    if slots is not None and slots > len(widths):
-        widths.append(float(slots - len(widths)))
-    gs = spec.subgridspec(1, len(widths), width_ratios=widths, wspace=0.35)
-    col = 0
-    if show_mesh:
-        hatched = st.empty
-        extra = {r: "zeros" if f == "zero" else "ones" for r, f in st.fills.items() if f != "value"} \
-            if st.mesh.size <= 64 else {}
-        for r, t in (text_extra or {}).items():
-            extra[r] = (extra[r] + " " + t) if r in extra else t
-        draw_mesh(fig, gs[0, 0], world or st.mesh, st.cell_rgb(world), hatched=hatched, groups_axis=groups_axis,
-                  title=mesh_title, text_extra=extra or None)
-        col = 1
+    hatched = st.empty
+    extra = {r: "zeros" if f == "zero" else "ones" for r, f in st.fills.items() if f != "value"} \
+        if st.mesh.size <= 64 else {}
+    for r, t in (text_extra or {}).items():
+        extra[r] = (extra[r] + " " + t) if r in extra else t
+    mesh = mesh_block(world or st.mesh, st.cell_rgb(world), hatched=hatched, groups_axis=groups_axis,
+                      title=mesh_title, text_extra=extra or None, max_w=min(4.2, max_w / 2))
+    if mesh_w is not None and mesh_w > mesh.w:
+        mesh = Block(mesh_w, mesh.h, mesh.paint, mesh.mid)
+    gap = 0.3
+    budget = max_w - mesh.w - gap
     labels = [_rank_list(st.blocks[b]) for b in st.order]
     if not st.is_partial:
-        ax = fig.add_subplot(gs[0, col])
-        draw_blocks(ax, st.shape, st.order, cols, values=st.dense(), labels=labels, title=title)
-        _note_empty(ax, st)
-        return
-    sym = _OP_SYMBOL.get(st.reduce, "⊕")
+        panel = tensor_block(st.shape, st.order, cols, values=st.dense(), labels=labels, note=_empty_note(st),
+                             max_w=max(1.2, min(3.4, budget)), max_h=2.8)
+        row = hstack([mesh, panel], gap=gap, align="mid")
+        row.mesh_w = mesh.w  # type: ignore[attr-defined]
+        return row
+    k = len(st.summands)
+    sym = _OP_SYMBOL.get(st.reduce or "", "⊕")
+    sym_size = 12.0 if len(sym) == 1 else TITLE
+    op = _slot(sym, sym_size)
+    eq = _slot("=", 12.0)
+    shown = min(k, MAX_SUMMAND_PANELS)
+    while True:
+        more = _slot(f"{sym} … {k - shown} more", TITLE) if k > shown else None
+        fixed = (shown - 1) * op.w + eq.w + (more.w if more else 0.0)
+        pw = (budget - fixed) / (shown + 1)
+        if pw >= 1.3 or shown <= 2:
+            break
+        shown -= 1
+    pw = max(1.2, min(2.6, pw))
+    parts: list = [mesh, spacer(gap - 0.12)]
     for j in range(shown):
-        ax = fig.add_subplot(gs[0, col + j])
         holders = st.summand_ranks[j]
         faded = [i for i, b in enumerate(st.order)
                  if all(st.fills.get(r) != "value" for r in st.summands[j].get(b, ()))]
         slabels = [_rank_list(st.summands[j].get(b, ())) for b in st.order]
-        draw_blocks(ax, st.shape, st.order, cols, values=st.dense(set(holders)), labels=slabels, faded=faded,
-                    title=f"summand {j}: ranks {_rank_list(holders, 4)}")
-        if j < shown - 1 or k > shown:
-            ax.text(1.12, 0.5, sym if j < shown - 1 else f"{sym} …{k - shown} more", transform=ax.transAxes,
-                    fontsize=13 if len(sym) == 1 else 9, ha="center", va="center", fontweight="bold")
-    ax = fig.add_subplot(gs[0, col + shown])
-    value = st.value()
-    dense_cols = cols
-    draw_blocks(ax, st.shape, st.order, dense_cols, values=value, labels=None,
-                title=f"= {st.reduce}(summands)" if len(sym) > 1 else "= reduced value")
-    ax.set_ylabel("")
-    ax.text(-0.16, 0.5, "=", transform=ax.transAxes, fontsize=14, ha="center", va="center", fontweight="bold")
-    if title:
-        pos = spec.get_position(fig)
-        fig.text((pos.x0 + pos.x1) / 2, pos.y1 + 0.02, title, ha="center", va="bottom", fontsize=9)
-    _note_empty(ax, st)
-
-
-def _note_empty(ax, st: TensorState):
-    if st.empty:
-        ax.text(0.0, -0.22, f"empty block on rank{'s' if len(st.empty) > 1 else ''} {_rank_list(st.empty, 8)}",
-                transform=ax.transAxes, fontsize=7, color="#a00", va="top")
+        parts.append(tensor_block(st.shape, st.order, cols, values=st.dense(set(holders)), labels=slabels,
+                                  faded=faded, title=f"summand {j}: ranks {_rank_list(holders, 4)}", max_w=pw,
+                                  max_h=2.6))
+        if j < shown - 1:
+            parts.append(op)
+    if k > shown:
+        parts.append(more)
+    parts.append(eq)
+    title = f"{st.reduce} of the summands" if len(sym) > 1 else "reduced value"
+    parts.append(tensor_block(st.shape, st.order, cols, values=st.value(), title=title, note=_empty_note(st),
+                              max_w=pw, max_h=2.6))
+    row = hstack(parts, gap=0.0, align="mid")
+    row.mesh_w = mesh.w  # type: ignore[attr-defined]
+    return row
 
 
 class TensorView(View):
@@ -264,25 +275,15 @@ class TensorView(View):
             self._rank_values[e.rank] = np.asarray(e.values, dtype=float).reshape(e.local_shape)
             self.state.locals = dict(self._rank_values)
 
-    def _size(self):
+    def _block(self) -> Block:
         if self.state is None:
-            return 4.0, 1.5
-        panels = 1 + (1 if not self.state.is_partial else min(len(self.state.summands), MAX_SUMMAND_PANELS) + 1)
-        return min(14.0, 3.3 * panels + 0.6), 3.6
-
-    def _draw(self, fig) -> None:
-        if self.state is None:
-            fig.text(0.5, 0.5, "waiting for a placed tensor…", ha="center", va="center", fontsize=10)
-            return
-        spec = fig.add_gridspec(1, 1, left=0.07, right=0.97, top=0.8, bottom=0.2)[0]
+            return text_block("waiting for a placed tensor…", TITLE)
         st = self.state
         head = f"{self.name + ' ' if self.name else ''}{list(st.shape)} {placements_str(st.placements)}"
         if st.is_partial:
             head += f"  — Partial: the tensor is the {st.reduce} of {len(st.summands)} summands"
-        draw_tensor_state(fig, spec, st, title=head if st.is_partial else None, world=self.world,
-                          mesh_title="mesh (cell colour = block)")
-        if not st.is_partial:
-            fig.suptitle(head, fontsize=10)
+        row = tensor_state_block(st, world=self.world, mesh_title="mesh (cell colour = block)")
+        return vstack([text_block(head, HEAD, width=max(row.w, min(text_width(head, HEAD), MAX_W))), row], gap=0.12)
 
     def __repr__(self) -> str:
         if self.state is None:
@@ -290,4 +291,4 @@ class TensorView(View):
         st = self.state
         extra = f", {len(st.summands)} summands" if st.is_partial else ""
         return (f"<TensorView {list(st.shape)} {placements_str(st.placements)} on mesh {st.mesh.shape}: "
-                f"{len(st.order)} blocks{extra}>")
+                f"{len(st.order)} block{'s' if len(st.order) != 1 else ''}{extra}>")

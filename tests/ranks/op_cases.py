@@ -565,6 +565,9 @@ def run_sweep(mesh_name: str, keys, seed: int = 0, timeout: float = 600.0) -> li
             out.append((mesh_name, key, st, detail))
         if crash is None:
             break
+        if done and out[-1][2] == "crashed" and not out[-1][3].startswith("compare"):
+            start += done  # every rank recorded the crash: the case after it has not run
+            continue
         key = keys[start + done]
         details = [r[done][2] for r in per_rank if len(r) > done]
         out.append((mesh_name, key, "crashed", details[0] if details else crash))

@@ -4,13 +4,13 @@ import numpy as np
 import pytest
 import torch
 
+from meshviz import compat
 from meshviz.testing import run_ranks
 from tests.models import LlamaForCausalLM, LlamaPretrainingCriterion, llama_batches_with_ignored
 
 STEPS = 3
 CLIP_NORM = 0.5  # below the tiny Llama's gradient norm at every step, so the clipping acts
-# torch before 2.13: DTensor cannot flatten [s, b, h] with the batch split for a Linear, so the MLP sees [b, s, h]
-MLP_TRANSPOSE = tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 13)
+MLP_TRANSPOSE = not compat.linear_keeps_split_batch_dims()
 
 
 def _optimizer(name, params):

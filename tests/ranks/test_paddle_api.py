@@ -26,7 +26,10 @@ def short_lists():
     u = dist.shard_tensor(torch.arange(5.0), dist.ProcessMesh([[0, 1, 2, 3]], ["a", "b"]), [dist.Replicate(),
                                                                                           dist.Shard(0)])
     out["uneven_local_shape"] = u._local_shape
-    for bad in ([dist.Shard(0), dist.Replicate(), dist.Replicate()],):
+    with pytest.warns(UserWarning, match="trailing Replicate past its axes are dropped"):
+        long = dist.shard_tensor(a, mesh, [dist.Shard(0), dist.Replicate(), dist.Replicate()])
+    out["long"] = (long.placements, long._local_value().clone())
+    for bad in ([dist.Shard(0), dist.Replicate(), dist.Shard(1)],):
         for call in (lambda: dist.shard_tensor(a, mesh, bad), lambda: dist.reshard(t, mesh, bad),
                      lambda: dist.dtensor_from_local(blk, mesh, bad)):
             with pytest.raises(ValueError, match="at most one per mesh axis"):
@@ -57,6 +60,8 @@ def test_short_placement_lists_pad_with_replicate_and_local_shape():
         assert shape == [6, 4] and pl == [Shard(0), Replicate()]
         torch.testing.assert_close(full, a)
         assert out["uneven_local_shape"] == [[2], [2], [1], [0]][r]
+        assert out["long"][0] == [Shard(0), Replicate()]
+        torch.testing.assert_close(out["long"][1], a[3 * row:3 * row + 3])
         pl, local = out["co_default"]
         assert pl == [Shard(0), Shard(0)]
         torch.testing.assert_close(local, a[r:r + 1])
@@ -92,6 +97,7 @@ def _reference_plain(kind, steps=3):
 
 
 def plain_model(kind, mesh_ids, stage=0, steps=3):
+    """stage None: the plain torch optimizer itself, not wrapped by shard_optimizer."""
     import meshviz.distributed as dist
 
     dist.init_parallel_env()
@@ -99,8 +105,13 @@ def plain_model(kind, mesh_ids, stage=0, steps=3):
     mesh = dist.ProcessMesh(mesh_ids, dim_names=names)
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 3)  # a plain model: nothing sharded
-    shard_fn = {0: None, 1: dist.ShardingStage1, 2: dist.ShardingStage2, 3: dist.ShardingStage3}[stage]
-    opt = dist.shard_optimizer(_make_opt(kind, model.parameters()), shard_fn and shard_fn("dp", mesh))
+    if stage is None:
+        opt = _make_opt(kind, model.parameters())
+        opt.clear_grad = opt.zero_grad
+    else:
+        shard_fn = {0: None, 1: dist.ShardingStage1, 2: dist.ShardingStage2, 3: dist.ShardingStage3}[stage]
+        opt = dist.shard_optimizer(_make_opt(kind, model.parameters()), shard_fn and shard_fn("dp", mesh))
+    grads = []
     x, y = _batches()
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8)
     loader = dist.shard_dataloader(loader, mesh, shard_dims="dp")
@@ -109,6 +120,7 @@ def plain_model(kind, mesh_ids, stage=0, steps=3):
         for xb, yb in loader:
             loss = ((model(xb) - yb) ** 2).mean()
             loss.backward()
+            grads.append([p.grad.placements for p in model.parameters()])
             opt.step()
             opt.clear_grad()
             losses.append(dist.unshard_dtensor(loss).item())
@@ -118,13 +130,16 @@ def plain_model(kind, mesh_ids, stage=0, steps=3):
             "same_objects": stage in (1, 2) or all(a is b for a, b in zip(model.parameters(),
                                                                           opt.param_groups[0]["params"])),
             "state": sorted(repr(opt.state[p]["exp_avg"].placements) for p in model.parameters()
-                            if "exp_avg" in opt.state[p])}
+                            if "exp_avg" in opt.state[p]), "grads": grads}
 
 
 @pytest.mark.parametrize("kind,mesh_ids,stage", [("sgd", [0, 1], 0), ("adamw", [[0, 1], [2, 3]], 0),
-                                                 ("adamw", [0, 1], 1), ("adamw", [[0, 1], [2, 3]], 3)])
+                                                 ("adamw", [0, 1], 1), ("adamw", [[0, 1], [2, 3]], 3),
+                                                 ("sgd", [0, 1], None), ("adamw", [[0, 1], [2, 3]], None)])
 def test_shard_optimizer_over_a_plain_model_matches_one_process(kind, mesh_ids, stage):
-    from meshviz.core.placements import Replicate, Shard
+    """Also a plain torch optimizer (stage None): Paddle 3.3.1 (2 ranks, Linear(4, 3), SGD, a Shard(0) batch) gives
+    Partial(sum) gradients and, after the step, dist parameters, Replicate, with the one-process values."""
+    from meshviz.core.placements import Partial, Replicate, Shard
 
     losses, w, b = _reference_plain(kind)
     n = len(torch.tensor(mesh_ids).flatten())
@@ -140,6 +155,8 @@ def test_shard_optimizer_over_a_plain_model_matches_one_process(kind, mesh_ids, 
         else:
             assert out["dist"] == [(True, rep, True)] * 2
         assert out["same_objects"]
+        # the batch is split on dp (mesh axis 0): the gradients are its Partial sums, whatever reduces them later
+        assert out["grads"][0] == [[Partial()] + rep[1:]] * 2
         if kind == "adamw":
             want = "[S(0)]" if ndim == 1 else "[S(0), R]"
             assert out["state"] == ([want] * 2 if stage else ["[R, R]"] * 2)
@@ -275,3 +292,31 @@ def test_opt_state_by_the_users_parameter_under_sharding_stages(stage):
             torch.testing.assert_close(got["exp_avg_sq"], want["exp_avg_sq"], rtol=1e-5, atol=1e-6)
             assert got["step"] == float(want["step"])
             torch.testing.assert_close(got["w"], w, rtol=1e-5, atol=1e-6)
+
+
+# -- a mesh naming more ranks than the world ----------------------------------------------------------------------
+
+
+def bigger_mesh():
+    import meshviz.distributed as dist
+
+    dist.init_parallel_env()
+    mesh = dist.ProcessMesh([[0, 1], [2, 3]], dim_names=["dp", "mp"])
+    dp, mp = mesh.get_group(dim_name="dp"), mesh.get_group(dim_name="mp")
+    out = {"dp": (dp.ranks, dp.rank, dp.nranks), "mp": (mp.ranks, mp.rank)}
+    with pytest.raises(ValueError, match=r"all_reduce on group \[\d, \d\]: the world has no rank [23]"):
+        dist.all_reduce(torch.ones(2), group=dp)
+    t = torch.full((2,), float(dist.get_rank() + 1))
+    dist.all_reduce(t, group=mp)  # the group the world holds works, after the error as before it
+    out["mp_sum"] = t.tolist()
+    return out
+
+
+def test_a_mesh_larger_than_the_world_gives_its_groups_and_fails_only_to_communicate_on_them():
+    # Paddle 3.3.1 returns the dp group of ProcessMesh([[0, 1], [2, 3]]) on 2 ranks (gloo then waits for ranks 2
+    # and 3 forever when the group is made; meshviz makes none and says so at the first collective)
+    res = run_ranks(bigger_mesh, 2, timeout=60)
+    for r, out in enumerate(res):
+        assert out["dp"] == ([r, r + 2], 0, 2)
+        assert out["mp"] == ([0, 1], r)
+        assert out["mp_sum"] == [3.0, 3.0]

@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 import torch
 
+from meshviz import compat
 from meshviz.testing import run_ranks
 from tests.models import LlamaForCausalLM, llama_batches, llama_loss
 
 STEPS = 3
-# torch before 2.13: DTensor cannot flatten [s, b, h] with the batch split for a Linear, so the MLP sees [b, s, h]
-MLP_TRANSPOSE = tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 13)
+MLP_TRANSPOSE = not compat.linear_keeps_split_batch_dims()
 COL_LINEAR = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "lm_head")
 ROW_LINEAR = ("o_proj", "down_proj")
 

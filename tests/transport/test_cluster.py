@@ -143,6 +143,10 @@ def test_interrupt_unblocks_ranks_stuck_in_a_collective(cluster, tmp_path):
     assert ar.stdout == [f"{float(N)}\n"] * N
 
 
+def test_px_output_comes_in_rank_order(cluster):
+    checks.px_output_in_rank_order(cluster, N)
+
+
 def test_px_magic_names_the_rank(cluster):
     checks.px_magic_names_the_rank(cluster)
 

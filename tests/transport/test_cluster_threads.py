@@ -194,6 +194,10 @@ def test_mismatched_shapes_are_named_before_any_data_moves(cluster):
     assert ar.stdout == ["[3.0, 3.0]\n"] * N
 
 
+def test_px_output_comes_in_rank_order(cluster):
+    checks.px_output_in_rank_order(cluster, N)
+
+
 def test_px_magic_names_the_rank(cluster):
     shell = checks.px_magic_names_the_rank(cluster)
     res = shell.run_cell("%%px --targets 1\nonly_one = 1\n")

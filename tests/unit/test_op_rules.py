@@ -100,6 +100,51 @@ def test_triangle_rules_on_simulated_ranks_give_the_dense_value(op):
                                    err_msg=f"{pls}")
 
 
+def _valid(pls) -> bool:
+    dims = [p.dim for p in pls if isinstance(p, Shard)]
+    return len(dims) == len(set(dims))
+
+
+@pytest.mark.parametrize("op", ["index_select", "argmax", "argmin"])
+def test_reduction_and_index_rules_on_simulated_ranks_give_the_dense_value(op):
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((4, 6)).astype(np.float32)
+    index = np.array([3, 0, 2, 2, 1])
+    rule = RULES[getattr(aten, op).default].fn
+    for dim, pls in itertools.product((0, 1), itertools.product([Shard(0), Shard(1), R, P], repeat=M2.ndim)):
+        if not _valid(pls):
+            continue
+        if op == "index_select":
+            for ipl in ([R, R], [R, Shard(0)], [Shard(0), R]):
+                got = rule((spec(M2, pls, x.shape), dim, spec(M2, ipl, index.shape, torch.int64)), {})
+                (wx, wi), (out,) = got.inputs, got.outputs
+                xs, ids = initial_locals(x, M2, wx), initial_locals(index, M2, wi)
+                outs = {r: torch.index_select(torch.from_numpy(xs[r]), dim, torch.from_numpy(ids[r])).numpy()
+                        for r in xs}
+                want = np.take(x, index, axis=dim)
+                np.testing.assert_allclose(assemble(outs, want.shape, M2, out), want, err_msg=f"{pls} {ipl} {dim}")
+        else:
+            got = rule((spec(M2, pls, x.shape), dim), {})
+            (wx,), (out,) = got.inputs, got.outputs
+            xs = initial_locals(x, M2, wx)
+            fn = getattr(torch, op)
+            outs = {r: fn(torch.from_numpy(xs[r]), dim).numpy() for r in xs}
+            want = fn(torch.from_numpy(x), dim).numpy()
+            np.testing.assert_array_equal(assemble(outs, want.shape, M2, out), want, err_msg=f"{pls} {dim}")
+
+
+def test_pointwise_ops_reduce_a_partial_that_meets_a_shard():
+    s0, p = spec(M1, [Shard(0)], (4, 6)), spec(M1, [P], (4, 6))
+    assert plan(aten.mul.Tensor, (s0, p), {}).strategy == Strategy((None, [Shard(0)]))
+    assert plan(aten.mul.Tensor, (s0, spec(M1, [P], (6,))), {}).strategy == Strategy((None, [R]))
+    assert plan(aten.mul.Tensor, (p, p), {}).strategy is None  # no shard on the axis: torch's rule
+    # div sums its divisor first (a quotient is linear in the dividend only)
+    assert plan(aten.div.Tensor, (spec(M1, [R], (4, 6)), p), {}).strategy == Strategy((None, [R]))
+    # the layouts torch needs still apply on top: a dim split unevenly by both axes goes whole on the inner one
+    got = plan(aten.pow.Tensor_Tensor, (spec(M2, [Shard(0), P], (5, 3)), spec(M2, [Shard(0), Shard(0)], (3,))), {})
+    assert got.strategy == Strategy(([Shard(0), R], [Shard(0), R]))
+
+
 def test_plan_precedence():
     x = spec(M1, [Shard(0)], (4, 6))
     # refused: item() of a block, inputs on two meshes, mixed Partial reductions entering an op

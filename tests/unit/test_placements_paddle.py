@@ -16,14 +16,20 @@ from meshviz.core.planner import assemble, plan_reshard, simulate
 M2 = ProcessMesh([[0, 1], [2, 3]], ["x", "y"])
 
 
-def test_short_lists_pad_with_replicate_and_long_ones_raise():
+def test_short_lists_pad_with_replicate_and_long_ones_drop_trailing_replicates():
     assert normalize_placements([4, 4], M2, [Shard(0)]) == (Shard(0), Replicate())
     assert normalize_placements([4, 4], M2, []) == (Replicate(), Replicate())
     assert pad_placements(["S(1)"], M2) == ["S(1)", Replicate()]
+    # Paddle 3.3.1 keeps [Shard(0)] of [Shard(0), Replicate(), Replicate()] on a 1-D mesh (silently)
+    with pytest.warns(UserWarning, match="2 trailing Replicates past its axes are dropped"):
+        assert normalize_placements([4, 4], ProcessMesh([0, 1]), [Shard(0), Replicate(), "R"]) == (Shard(0),)
+    with pytest.warns(UserWarning, match="1 trailing Replicate past"):
+        assert plan_reshard([4, 4], M2, [Shard(0)], M2, [Replicate()] * 3).steps[0].op == "all_gather"
+    # ... and raises for anything else past the mesh's axes
     with pytest.raises(ValueError, match="3 placements .* at most one per mesh axis"):
-        normalize_placements([4, 4], M2, [Shard(0), Replicate(), Replicate()])
-    with pytest.raises(ValueError, match="at most one"):
-        plan_reshard([4, 4], M2, [Shard(0)], M2, [Replicate()] * 3)
+        normalize_placements([4, 4], M2, [Shard(0), Replicate(), Shard(1)])
+    with pytest.raises(ValueError, match="only trailing Replicates may be extra"):
+        plan_reshard([4, 4], M2, [Shard(0)], M2, [Replicate(), Replicate(), Partial()])
 
 
 def test_shard_co_shard_order_is_a_value_like_paddles():

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
+
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ... import compat
 from ...backends import threads as thread_backend
@@ -11,14 +14,37 @@ from .program import shape_str
 __all__ = ["DispatchRecorder", "graph_from_records"]
 
 
+class _Ref:
+    """A tensor in a record, by identity and shape only. A record holding the tensor would keep every tensor the
+    step made alive, and keep an optimizer from swapping a parameter for a dist one in place (a plain model fed
+    dist batches, at its first step). ``token`` tells tensors apart for the step's lifetime (ids of freed
+    tensors are reused); ``key`` is the id the tensor had, by which parameters are named."""
+
+    __slots__ = ("token", "key", "shape")
+
+    def __init__(self, token: int, t: torch.Tensor):
+        self.token, self.key, self.shape = token, id(t), shape_str(t)
+
+
 class DispatchRecorder(compat.TorchDispatchMode):
     """Records the aten and c10d ops one real step runs on this rank (on local blocks; subclasses desugar)."""
 
     def __init__(self):
         super().__init__()
         self.records = []
+        self._tokens = WeakIdKeyDictionary()  # by identity: a tensor's == compares values
+        self._count = itertools.count()
+
+    def _ref(self, x):
+        if not isinstance(x, torch.Tensor):
+            return x
+        token = self._tokens.get(x)
+        if token is None:
+            token = self._tokens[x] = next(self._count)
+        return _Ref(token, x)
 
     def _observe(self, func, tensors) -> None:
+        tensors = [self._ref(t) for t in tensors]
         self.records.append((func, (tensors,), {}, tensors))
 
     # a thread group's calls (ranks as threads) do not pass the dispatcher: they are shown to this recorder
@@ -41,7 +67,7 @@ class DispatchRecorder(compat.TorchDispatchMode):
             return NotImplemented
         out = func(*args, **kwargs)
         if getattr(func, "namespace", None) != "profiler" and func is not torch.ops.aten.detach.default:
-            self.records.append((func, args, kwargs, out))
+            self.records.append((func, *compat.tree_map(self._ref, (args, kwargs, out))))
         return out
 
 
@@ -52,27 +78,26 @@ def graph_from_records(records, names: dict) -> torch.fx.Graph:
     counter = [0]
 
     def node_for(x):
-        if not isinstance(x, torch.Tensor):
+        if not isinstance(x, _Ref):
             return x
-        key = id(x)
-        if key not in env:
-            nm = names.get(key)
+        if x.token not in env:
+            nm = names.get(x.key)
             if nm is None:
                 nm = f"in{counter[0]}"
                 counter[0] += 1
             n = g.placeholder(nm.replace(".", "_"))
-            n.meta["shape"] = shape_str(x)
-            env[key] = n
-        return env[key]
+            n.meta["shape"] = x.shape
+            env[x.token] = n
+        return env[x.token]
 
     last = None
     for func, args, kwargs, out in records:
         node = g.call_function(func, compat.tree_map(node_for, tuple(args)), compat.tree_map(node_for, dict(kwargs)))
         flat, _ = compat.tree_flatten(out)
-        tensors = [t for t in flat if isinstance(t, torch.Tensor)]
-        node.meta["shape"] = ", ".join(shape_str(t) for t in tensors)
+        tensors = [t for t in flat if isinstance(t, _Ref)]
+        node.meta["shape"] = ", ".join(t.shape for t in tensors)
         for t in tensors:
-            env[id(t)] = node
+            env[t.token] = node
         last = node
     g.output(last)
     return g

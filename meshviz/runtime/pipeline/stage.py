@@ -9,7 +9,7 @@ import torch.distributed as tdist
 from torch.distributed.pipelining import PipelineStage
 
 from ... import trace
-from ...compat import PIPELINE_STAGE_SETUP
+from ...compat import pipeline_setup_calls
 from ...trace import Compute, Event, Recv, Send
 from ..devices import needs_host_p2p, p2p_through_host, staged_recv, staged_send
 
@@ -39,7 +39,8 @@ class TracedStage(PipelineStage):
             meter.watch(submodule)
         self._via_host = needs_host_p2p(torch.empty(0, device=device), group)  # gloo between CUDA tensors
 
-    # -- set-up: torch's stage sends a dummy tensor to each neighbour and exchanges shapes on its device -------
+    # -- set-up: torch's stage sends a dummy tensor to each neighbour (compat.pipeline_neighbor_init_ops) and
+    # exchanges shapes on its device -------------------------------------------------------------------------
     def _get_init_p2p_neighbors_ops(self):
         return self._host_staged(super()._get_init_p2p_neighbors_ops())  # the dummy received is not kept
 
@@ -170,6 +171,5 @@ def _set_up_through_host(name):
     return method
 
 
-for _name in PIPELINE_STAGE_SETUP[1:]:
-    if hasattr(PipelineStage, _name):
-        setattr(TracedStage, _name, _set_up_through_host(_name))
+for _name in pipeline_setup_calls():
+    setattr(TracedStage, _name, _set_up_through_host(_name))

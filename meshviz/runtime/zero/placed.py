@@ -15,7 +15,7 @@ from ..dtensor import DistTensor
 from .blocks import step_on_blocks
 from .engine import Zero
 
-__all__ = ["PlacedZero", "StateView", "sharded_placements"]
+__all__ = ["PlacedZero", "StateView", "sharded_placements", "dist_params_for_dist_grads", "grads_as_params"]
 
 
 def sharded_placements(p: DistTensor, axis, mesh=None) -> list | None:
@@ -39,6 +39,45 @@ def sharded_placements(p: DistTensor, axis, mesh=None) -> list | None:
         return None
     pl[i] = Shard(free[0])
     return pl
+
+
+@torch.no_grad()
+def dist_params_for_dist_grads(optimizer, place) -> list:
+    """Every dense parameter of ``optimizer`` whose gradient is a dist tensor (a plain model fed dist batches)
+    becomes a dist tensor, in place, Replicate on the gradient's mesh, as Paddle's update makes it; its states
+    follow. ``place(dense, mesh, placements)`` makes the dist tensors. Returns the parameters it changed."""
+    made = []
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            g = p.grad
+            if isinstance(p, DistTensor) or not isinstance(g, DistTensor):
+                continue
+            mesh = g.process_mesh
+            rep = [Replicate()] * mesh.ndim
+            value = place(p.detach().to(g.device), mesh, rep)
+            new = torch.nn.Parameter(value, requires_grad=p.requires_grad)
+            p.grad = None
+            torch.utils.swap_tensors(p, new)
+            p.grad = g
+            st = optimizer.state.get(p)
+            for k, v in (st or {}).items():
+                if torch.is_tensor(v) and not isinstance(v, DistTensor) and v.dim() > 0:
+                    st[k] = place(v, mesh, rep)
+            made.append(p)
+    return made
+
+
+@torch.no_grad()
+def grads_as_params(optimizer, reshard=None, skip=frozenset()) -> None:
+    """Every dist parameter's gradient laid out as the parameter (Partial gradients reduced once, before the
+    update reads them), but for those whose id is in ``skip``: the all-reduces along one mesh line run as one
+    collective per bucket, each gradient with the events of its own reshard (``reshard`` is not needed for that;
+    it stays for callers that pass theirs)."""
+    todo = [q for group in optimizer.param_groups for q in group["params"]
+            if isinstance(q, DistTensor) and q.grad is not None and id(q) not in skip
+            and q.grad.placements != q.placements]
+    for q, g in zip(todo, run_reshards([q.grad for q in todo], [q.placements for q in todo])):
+        q.grad = g
 
 
 class StateView(MutableMapping):
@@ -148,28 +187,8 @@ class PlacedZero(Zero):
         of the parameter; ``opt.state[p]`` finds it)."""
         return StateView(self._inner_opt.state, self._shadow, self._of_shadow)
 
-    @torch.no_grad()
     def _prepare(self) -> None:
-        """A dense parameter whose gradient is a dist tensor (a plain model fed dist batches) becomes a dist tensor,
-        in place, Replicate on the gradient's mesh, as Paddle's update makes it; its states follow."""
-        made = []
-        for group in self._inner_opt.param_groups:
-            for p in group["params"]:
-                g = p.grad
-                if isinstance(p, DistTensor) or not isinstance(g, DistTensor):
-                    continue
-                mesh = g.process_mesh
-                rep = [Replicate()] * mesh.ndim
-                value = self._place(p.detach().to(g.device), mesh, rep)
-                new = torch.nn.Parameter(value, requires_grad=p.requires_grad)
-                p.grad = None
-                torch.utils.swap_tensors(p, new)
-                p.grad = g
-                st = self._inner_opt.state.get(p)
-                for k, v in (st or {}).items():
-                    if torch.is_tensor(v) and not isinstance(v, DistTensor) and v.dim() > 0:
-                        st[k] = self._place(v, mesh, rep)
-                made.append(p)
+        made = dist_params_for_dist_grads(self._inner_opt, self._place)
         if made and self.level is not None:
             self._setup_sharding(only=made)
 
@@ -177,12 +196,7 @@ class PlacedZero(Zero):
     def _sync_grads(self) -> None:
         """Every gradient reduced to the layout its step needs: the all-reduces along one mesh line go as one
         collective per bucket (each gradient keeps its own reshard events); os then keeps this rank's part."""
-        shadows = {id(s) for s in self._shadow.values()}
-        todo = [q for group in self._inner_opt.param_groups for q in group["params"]
-                if isinstance(q, DistTensor) and q.grad is not None and id(q) not in shadows
-                and q.grad.placements != q.placements]
-        for q, g in zip(todo, run_reshards([q.grad for q in todo], [q.placements for q in todo])):
-            q.grad = g  # Partial grads reduced once, here
+        grads_as_params(self._inner_opt, self._reshard, skip={id(s) for s in self._shadow.values()})
         live = []
         for p, shadow in self._shadow.items():
             if p.grad is None:

@@ -1,0 +1,75 @@
+"""The README's table from the test command's JUnit files: torch version x tier -> passed / failed, op sweep."""
+
+import argparse
+import re
+import sys
+import xml.etree.ElementTree as ET
+from collections import Counter
+
+__all__ = ["main", "tally"]
+
+TIERS = ("unit", "ranks", "transport", "notebooks", "notebooks (engines)")
+
+
+def _tier(case: ET.Element, engines: bool) -> str:
+    where = (case.get("classname") or "") + "/" + (case.get("file") or "") + "/" + (case.get("name") or "")
+    if "notebooks" in where or ".ipynb" in where:
+        return "notebooks (engines)" if engines else "notebooks"
+    for tier in ("unit", "ranks", "transport"):
+        if f"tests.{tier}." in where or f"tests/{tier}/" in where:
+            return tier
+    return "other"
+
+
+def tally(path: str) -> tuple[dict, list]:
+    """tier -> Counter(passed, failed, skipped); the op sweep's figures recorded in the file."""
+    engines = "engines" in path
+    per: dict = {}
+    sweeps = []
+    for case in ET.parse(path).getroot().iter("testcase"):
+        c = per.setdefault(_tier(case, engines), Counter())
+        if case.find("failure") is not None or case.find("error") is not None:
+            c["failed"] += 1
+        elif case.find("skipped") is not None:
+            c["skipped"] += 1
+        else:
+            c["passed"] += 1
+        for prop in case.iter("property"):
+            if prop.get("name") == "op_sweep":
+                sweeps.append(prop.get("value"))
+    return per, sweeps
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("files", nargs="+", help="JUnit files named torch-VERSION[-engines].xml")
+    a = ap.parse_args(argv)
+    rows: dict = {}
+    sweeps: dict = {}
+    for path in a.files:
+        m = re.search(r"torch-(\d+(?:\.\d+)*)", path)
+        version = m.group(1) if m else path
+        per, sw = tally(path)
+        rows.setdefault(version, {}).update(per)
+        sweeps.setdefault(version, []).extend(sw)
+    tiers = [t for t in TIERS + ("other",) if any(t in r for r in rows.values())]
+    print("| torch | " + " | ".join(tiers) + " | op sweep (wrong, crashed) |")
+    print("|---" * (len(tiers) + 2) + "|")
+    bad = 0
+    for version in sorted(rows, key=lambda v: tuple(int(x) for x in v.split(".") if x.isdigit())):
+        cells = []
+        for t in tiers:
+            c = rows[version].get(t)
+            if c is None:
+                cells.append("not run")
+                continue
+            bad += c["failed"]
+            text = f"{c['passed']} passed" + (f", {c['failed']} failed" if c["failed"] else "")
+            cells.append(text + (f", {c['skipped']} skipped" if c["skipped"] else ""))
+        sweep = "; ".join(re.sub(r"^ops x placements x meshes: ", "", s) for s in sweeps[version]) or "not run"
+        print(f"| {version} | " + " | ".join(cells) + f" | {sweep} |")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
