@@ -45,6 +45,13 @@ def run(size: int, repeat: int, rounds: int):
     tx = DTensor.from_local(mx._local_value().detach(), dm, [TS(0)]).requires_grad_()
     tw = DTensor.from_local(mw._local_value().detach(), dm, [TR()]).requires_grad_()
 
+    mmask = dist.shard_tensor(x > 0, mesh, [dist.Shard(0)])
+    tmask = DTensor.from_local(mmask._local_value(), dm, [TS(0)])
+
+    def by_hand():  # DTensor has no rule for masked_select: gather both, select, Replicate (Paddle's default rule)
+        out = tx.full_tensor().masked_select(tmask.full_tensor())
+        return DTensor.from_local(out, dm, [TR()], run_check=False)
+
     def step(a, b):
         def f():
             a.grad = b.grad = None
@@ -56,6 +63,7 @@ def run(size: int, repeat: int, rounds: int):
         "matmul S(0) @ R": (lambda: mx @ mw, lambda: tx @ tw),
         "sum over the sharded dim": (lambda: mx.sum(0), lambda: tx.sum(0)),
         "fwd+bwd relu(x @ w).sum()": (step(mx, mw), step(tx, tw)),
+        "masked_select (no torch rule)": (lambda: mx.masked_select(mmask), by_hand),
     }
     out = {}
     for name, (m, t) in cases.items():
