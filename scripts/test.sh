@@ -4,7 +4,10 @@
 # ipyparallel engines, launch, devices, the browser) and the notebooks with their ranks as threads
 # (MESHVIZ_RANKS=threads, as on Binder; the transport tier's tests do not see it); then three notebooks again with
 # ipyparallel engines as ranks, and the Binder check (a fresh environment from binder/, 01 and 06 under a 2 GiB
-# memory limit). MESHVIZ_TEST_ENGINES=0 / MESHVIZ_BINDER_CHECK=0 leave those out.
+# memory limit). Then every tier again on the oldest and the newest supported torch (MESHVIZ_TORCH_MATRIX,
+# default "2.11.0 2.15.0"), each in its own venv kept between runs (scripts/torch_venv.sh), and the table of torch
+# version x tier (scripts/test_table.py). Every part runs even when an earlier one failed; the exit status says
+# whether any did. MESHVIZ_TEST_ENGINES=0 / MESHVIZ_BINDER_CHECK=0 / MESHVIZ_TORCH_MATRIX= leave those out.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh --test
@@ -16,12 +19,44 @@ export MESHVIZ_STRICT_DEVICES="${MESHVIZ_STRICT_DEVICES:-1}"  # every tensor int
 .venv/bin/ruff check meshviz tests bench scripts examples  # lint (pyproject's [tool.ruff])
 .venv/bin/lint-imports  # the layer contract (pyproject's [tool.importlinter])
 .venv/bin/mypy  # types of the pure core and the trace (pyproject's [tool.mypy])
+
+OUT=artifacts/tests
+rm -rf "$OUT" && mkdir -p "$OUT"
+TORCH=$(.venv/bin/python -c "import torch; print(torch.__version__.split('+')[0])")
+MATRIX="${MESHVIZ_TORCH_MATRIX-2.11.0 2.15.0}"
+for v in $MATRIX; do  # the other releases' venvs are made (downloads, mostly) while the main run goes
+  bash scripts/torch_venv.sh "$v" > "$OUT/venv-$v.path" 2> "$OUT/venv-$v.log" &
+  echo $! > "$OUT/venv-$v.pid"
+done
+
+status=0
 MESHVIZ_RANKS=threads .venv/bin/python -m pytest tests/unit tests/ranks tests/transport notebooks --nbval \
-  -p no:cacheprovider --durations=25 "$@"
+  -p no:cacheprovider --durations=25 --junitxml="$OUT/torch-$TORCH.xml" "$@" || status=1
 if [ "${MESHVIZ_TEST_ENGINES:-1}" != "0" ]; then  # a Cluster's default ranks: one ipyparallel engine each
   MESHVIZ_RANKS=engines .venv/bin/python -m pytest --nbval -p no:cacheprovider notebooks/00_quickstart.ipynb \
-    notebooks/03_data_parallel.ipynb notebooks/11_debugging_hangs.ipynb "$@"
+    notebooks/03_data_parallel.ipynb notebooks/11_debugging_hangs.ipynb --junitxml="$OUT/torch-$TORCH-engines.xml" \
+    "$@" || status=1
 fi
 if [ "${MESHVIZ_BINDER_CHECK:-1}" != "0" ]; then
-  .venv/bin/python scripts/binder_check.py
+  .venv/bin/python scripts/binder_check.py || status=1
 fi
+
+# the oldest and the newest torch, one after the other: every tier again (the browser and engines included)
+for v in $MATRIX; do
+  if ! wait "$(cat "$OUT/venv-$v.pid")"; then
+    echo "torch $v: its venv could not be made:" && tail -n 20 "$OUT/venv-$v.log"
+    status=1
+    continue
+  fi
+  venv=$(cat "$OUT/venv-$v.path")
+  if CUDA_VISIBLE_DEVICES= MESHVIZ_RANKS=threads "$venv/bin/python" -m pytest tests/unit tests/ranks tests/transport \
+      notebooks --nbval -p no:cacheprovider -q --durations=10 --junitxml="$OUT/torch-$v.xml" "$@" \
+      > "$OUT/torch-$v.log" 2>&1; then
+    echo "torch $v: $(tail -n 1 "$OUT/torch-$v.log")"
+  else
+    echo "torch $v: tests failed ($OUT/torch-$v.log):" && tail -n 60 "$OUT/torch-$v.log"
+    status=1
+  fi
+done
+.venv/bin/python scripts/test_table.py "$OUT"/torch-*.xml || status=1
+exit $status

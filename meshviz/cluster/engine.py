@@ -30,6 +30,14 @@ def _debug(*args) -> None:
             print(f"{time.time():.3f}", *args, file=fh)
 
 
+def _ipython():
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return None
+    return get_ipython()
+
+
 def _summary(value: BaseException) -> str:
     text = f"{type(value).__name__}: {value}"
     return text if len(text) <= 500 else text[:497] + "..."
@@ -146,16 +154,14 @@ class _EngineState:
 
     # -- IPython hooks ------------------------------------------------------------------------------------------
     def _install_hooks(self) -> None:
-        try:
-            from IPython import get_ipython
-        except ImportError:
-            return
-        ip = get_ipython()
+        self._custom_tb = None
+        ip = _ipython()
         if ip is None:
             return
         ip.events.register("pre_run_cell", self._pre)
         ip.events.register("post_run_cell", self._post)
         ip.set_custom_exc((Exception, KeyboardInterrupt), self._on_exception)
+        self._custom_tb = ip.CustomTB
 
     def _uninstall_hooks(self) -> None:
         from IPython import get_ipython
@@ -171,6 +177,10 @@ class _EngineState:
         ip.set_custom_exc((), None)
 
     def _pre(self, *_):
+        ip = _ipython()
+        if ip is not None and ip.CustomTB != self._custom_tb:  # unregistered (see _on_exception): back again
+            ip.set_custom_exc((Exception, KeyboardInterrupt), self._on_exception)
+            self._custom_tb = ip.CustomTB
         self.cell += 1
         self.running = True
         self._rollcall.current().start(self.cell)
@@ -184,14 +194,34 @@ class _EngineState:
         self.sink.flush(1.0)
 
     def _on_exception(self, shell, etype, value, tb, tb_offset=None):
+        # IPython unregisters a handler that raises, and the cluster's interrupt (SIGINT) may land in this one:
+        # it must never raise, or this rank's later failures would go unreported and its peers wait forever
         aborts = self.abort_pending or _broke_process_group(value)
-        self.report_failure(value, aborts)
-        if aborts:
-            # cascade: peers blocked on this rank fail now instead of at the timeout. Gloo closes its sockets
-            # only when the group is freed, and the traceback's frames hold the pending work (and so the group).
-            traceback.clear_frames(tb)
-            self._abort()
-        return shell.showtraceback((etype, value, tb), tb_offset=tb_offset)
+        reported = aborted = False
+        for _ in range(3):  # a SIGINT landing here interrupts a step: it is taken again
+            try:
+                if not reported:
+                    self.report_failure(value, aborts)
+                    reported = True
+                if aborts and not aborted:
+                    # cascade: peers blocked on this rank fail now instead of at the timeout. Gloo closes its
+                    # sockets only when the group is freed, and the traceback's frames hold the pending work.
+                    try:
+                        traceback.clear_frames(tb)
+                    except RuntimeError:  # a frame still executing
+                        pass
+                    self._abort()
+                    aborted = True
+                break
+            except KeyboardInterrupt:
+                _debug("failure handler interrupted")
+            except BaseException as e:
+                _debug("failure handler", _summary(e))
+                break
+        try:
+            return shell.showtraceback((etype, value, tb), tb_offset=tb_offset)
+        except BaseException:
+            return None
 
     def report_failure(self, value: BaseException, aborts: bool = False) -> None:
         """Tell the client this rank failed: the error, its traceback, the collective it came out of (the

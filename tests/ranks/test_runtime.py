@@ -370,7 +370,7 @@ def bad_inputs():
     errors = []
     for fn, pattern in [
         (lambda: dist.shard_tensor(a, mesh, [dist.Shard(2)]), r"Shard\(2\) is out of range"),
-        (lambda: dist.shard_tensor(a, mesh, [dist.Shard(0), dist.Replicate()]), "2 placements"),
+        (lambda: dist.shard_tensor(a, mesh, [dist.Shard(0), dist.Shard(1)]), "2 placements"),
         (lambda: dist.ProcessMesh([0, 0]), "distinct"),
         (lambda: dist.ProcessMesh([0, -1]), "non-negative"),
         (lambda: dist.shard_tensor(a, dist.ProcessMesh([0, 5]), [dist.Shard(0)]), "only 2 ranks"),
@@ -382,6 +382,10 @@ def bad_inputs():
         with pytest.raises(ValueError, match=pattern):
             fn()
         errors.append(pattern)
+    # a trailing Replicate past the mesh's axes is dropped, as Paddle drops it (with a warning)
+    with pytest.warns(UserWarning, match="trailing Replicate"):
+        t = dist.shard_tensor(a, mesh, [dist.Shard(0), dist.Replicate()])
+    assert t.placements == [dist.Shard(0)] and list(t._local_value().shape) == [1, 3]
     # a Partial value read on one rank would be a summand, not the value
     with pytest.raises(ValueError, match="unshard_dtensor"):
         dist.shard_tensor(torch.ones(2), mesh, [dist.Shard(0)]).sum().item()

@@ -267,3 +267,32 @@ def test_views_draw_a_roll_call_and_a_comm_table():
     assert isinstance(cv, CommView) and cv.png().startswith(b"\x89PNG")
     assert repr(cv) == "<CommView 3 rows, 176 B per rank>"
     assert len(CommView(_comm_events(), cell=4).table) == 1
+
+
+def test_an_engine_reports_its_failure_when_an_interrupt_lands_in_the_report():
+    """IPython drops an exception handler that raises: the cluster's SIGINT landing while a rank reports its own
+    failure must neither escape the handler (its later failures would go unreported and its peers wait forever)
+    nor lose the report."""
+    from types import SimpleNamespace
+
+    from meshviz.cluster.engine import _EngineState
+
+    sent, calls = [], {"report": 0, "abort": 0}
+
+    def report(value, aborts):
+        calls["report"] += 1
+        if calls["report"] == 1:
+            raise KeyboardInterrupt  # the interrupt arrives during the first try
+        sent.append((str(value), aborts))
+
+    def abort():
+        calls["abort"] += 1
+        if calls["abort"] == 1:
+            raise KeyboardInterrupt
+
+    shown = []
+    me = SimpleNamespace(abort_pending=True, report_failure=report, _abort=abort)
+    shell = SimpleNamespace(showtraceback=lambda exc, tb_offset=None: shown.append(exc[1]))
+    err = RuntimeError("Timed out waiting 2000ms")
+    assert _EngineState._on_exception(me, shell, RuntimeError, err, None) is None
+    assert sent == [("Timed out waiting 2000ms", True)] and calls == {"report": 2, "abort": 2} and shown == [err]
