@@ -144,13 +144,15 @@ def _batch(batch, seq, rank_slice=None):
     return ids, labels
 
 
-def _rank(dp, mp, batch, seq, sp, level, rounds, steps):
+def _rank(dp, mp, batch, seq, sp, level, rounds, steps, size=None):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import parallelize_module
 
     import meshviz.distributed as dist
 
+    if size is not None:  # the model's size, set in each rank (ranks may be fresh processes)
+        Config.layers, Config.hidden, Config.ffn = size
     dist.init_parallel_env()
     rank = dist.get_rank()
     ids, labels = _batch(batch, seq)
@@ -196,15 +198,45 @@ def _rank(dp, mp, batch, seq, sp, level, rounds, steps):
     torch.distributed.all_reduce(first_th)
     first_th = first_th.item() / (dp * mp)
     times = {"meshviz": [], "torch": []}
+    cpu = {"meshviz": [], "torch": []}  # this process's CPU time: what load from other jobs does not inflate
     for _ in range(rounds):
         for name, fn in (("meshviz", mv_step), ("torch", th_step)):  # interleaved: drifting load hits both
             torch.distributed.barrier()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             for _ in range(steps):
                 fn()
+            c1 = time.process_time()
             torch.distributed.barrier()
             times[name].append((time.perf_counter() - t0) / steps)
-    return {"times": times, "first": (first_mv, first_th)}
+            cpu[name].append((c1 - c0) / steps)
+    return {"times": times, "cpu": cpu, "first": (first_mv, first_th)}
+
+
+def _measure(a, dp, mp, sp, level, size):
+    res = run_ranks(_rank, dp * mp, dp, mp, a.batch, a.seq, sp, level, a.rounds, a.steps, size, timeout=1800,
+                    collective_timeout=300)
+    per_round = {k: [max(r["times"][k][i] for r in res) for i in range(a.rounds)] for k in ("meshviz", "torch")}
+    med = {k: statistics.median(v) for k, v in per_round.items()}
+    ratios = [m / t for m, t in zip(per_round["meshviz"], per_round["torch"])]
+    # CPU time per step summed over the ranks, median over the rounds
+    cpu = {k: statistics.median(sum(r["cpu"][k][i] for r in res) for i in range(a.rounds)) for k in per_round}
+    return res[0]["first"], per_round, med, ratios, cpu
+
+
+def _grow(a):
+    """How the ratio grows: 3 model sizes at 2 ranks (mp=2) and 4 ranks (dp=2 x mp=2), sequence parallel on."""
+    sizes = [(2, 64, 256), (2, 128, 512), (4, 256, 1024)]
+    print(f"how cost grows: batch {a.batch} x seq {a.seq}, sequence parallel, level {a.level} where dp > 1; "
+          f"{a.rounds} rounds of {a.steps} steps; median ms/step of the slowest rank, per-round ratio range")
+    print(f"{'layers x hidden (ffn)':>22} {'ranks':>12} {'meshviz':>9} {'torch':>9} {'ratio':>6} {'range':>10}"
+          f" {'CPU ms meshviz':>15} {'torch':>7} {'ratio':>6}")
+    for size in sizes:
+        for dp, mp in ((1, 2), (2, 2)):
+            _, _, med, ratios, cpu = _measure(a, dp, mp, True, a.level if dp > 1 else 0, size)
+            print(f"{f'{size[0]} x {size[1]} ({size[2]})':>22} {f'dp={dp} x mp={mp}':>12} "
+                  f"{med['meshviz'] * 1e3:9.1f} {med['torch'] * 1e3:9.1f} {med['meshviz'] / med['torch']:6.2f} "
+                  f"{f'{min(ratios):.2f}-{max(ratios):.2f}':>10} {cpu['meshviz'] * 1e3:15.1f} "
+                  f"{cpu['torch'] * 1e3:7.1f} {cpu['meshviz'] / cpu['torch']:6.2f}", flush=True)
 
 
 def main():
@@ -213,26 +245,30 @@ def main():
     ap.add_argument("--mp", type=int, default=2)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--layers", type=int, default=Config.layers)
+    ap.add_argument("--hidden", type=int, default=Config.hidden)
+    ap.add_argument("--ffn", type=int, default=None, help="default: 4 x hidden")
     ap.add_argument("--level", type=int, default=3, help="meshviz sharding_level (3 is what FSDP2 does)")
     ap.add_argument("--no-sp", action="store_true", help="without sequence parallel")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--grow", action="store_true", help="the ratio at 3 model sizes, at 2 and 4 ranks")
     a = ap.parse_args()
+    if a.grow:
+        return _grow(a)
     sp = not a.no_sp
-    print(f"Llama: {Config.layers} layers, hidden {Config.hidden}, ffn {Config.ffn}, {Config.heads} heads, vocab "
+    size = (a.layers, a.hidden, a.ffn or 4 * a.hidden)
+    print(f"Llama: {size[0]} layers, hidden {size[1]}, ffn {size[2]}, {Config.heads} heads, vocab "
           f"{Config.vocab}; batch {a.batch} x seq {a.seq}; mesh dp={a.dp} x mp={a.mp}, sequence parallel {sp}; "
           f"meshviz sharding_level {a.level}; {a.rounds} rounds of {a.steps} steps, median")
-    res = run_ranks(_rank, a.dp * a.mp, a.dp, a.mp, a.batch, a.seq, sp, a.level, a.rounds, a.steps, timeout=1800,
-                    collective_timeout=300)
-    mv_first, th_first = res[0]["first"]
+    (mv_first, th_first), per_round, med, ratios, cpu = _measure(a, a.dp, a.mp, sp, a.level, size)
     print(f"first-step loss: meshviz {mv_first:.6f}, torch {th_first:.6f}")
-    per_round = {k: [max(r["times"][k][i] for r in res) for i in range(a.rounds)] for k in ("meshviz", "torch")}
-    med = {k: statistics.median(v) for k, v in per_round.items()}
-    ratios = [m / t for m, t in zip(per_round["meshviz"], per_round["torch"])]
     for k, v in per_round.items():
         print(f"{k:>8}: median {med[k] * 1e3:8.1f} ms/step  (min {min(v) * 1e3:.1f}, max {max(v) * 1e3:.1f})")
     print(f"ratio meshviz / torch: {med['meshviz'] / med['torch']:.2f} (per-round ratios {min(ratios):.2f}.."
           f"{max(ratios):.2f})")
+    print(f"CPU time per step, all ranks: meshviz {cpu['meshviz'] * 1e3:.1f} ms, torch {cpu['torch'] * 1e3:.1f} ms, "
+          f"ratio {cpu['meshviz'] / cpu['torch']:.2f}")
 
 
 if __name__ == "__main__":

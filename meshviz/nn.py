@@ -76,9 +76,7 @@ def _dist_sq_share(grads, dev) -> torch.Tensor:
 
 def _scale_(g, coef: float) -> None:
     if _is_dist(g):
-        from . import compat
-
-        compat.dtensor_local(g._dtensor).mul_(coef)  # every placement scales blockwise (Partial summands too)
+        g._local.mul_(coef)  # every placement scales blockwise (Partial summands too)
     else:
         g.mul_(coef)
 

@@ -16,8 +16,10 @@ __all__ = [
     # torch.distributed
     "new_group_in_order", "all_gather_single", "reduce_scatter_single", "abort_process_group",
     "reset_group_count", "resolve_process_group", "device_mesh_without_backend", "dtensor_local", "dtensor_from_local",
-    "linear_keeps_split_batch_dims",
+    "dtensor_layout", "linear_keeps_split_batch_dims",
     # tensor subclasses and dispatch
+    "NoDTensorRule", "DTensorDecision", "dtensor_special_ops", "dtensor_decision", "is_mask_partial",
+    "dtensor_converts_partial_kinds", "dispatch_modes_active",
     "disabled_torch_function_impl", "make_wrapper_subclass", "TorchDispatchMode", "tree_map", "tree_flatten",
     "tree_unflatten",
     "flatten_dense_tensors", "unflatten_dense_tensors", "fake_tensor_type", "amp_unscale_",
@@ -108,24 +110,59 @@ def dtensor_local(dt) -> torch.Tensor:
 _specs: dict = {}  # (id(mesh), placements, shape, stride, dtype) -> (mesh, DTensorSpec)
 
 
-def dtensor_from_local(local: torch.Tensor, device_mesh, placements: tuple, shape, stride):
+def dtensor_from_local(local: torch.Tensor, device_mesh, placements: tuple, shape, stride, layout=None):
     """``DTensor.from_local(local, device_mesh, placements, run_check=False, shape=shape, stride=stride)`` for a
     ``local`` without autograd history: the DTensor built directly on a DTensorSpec reused across calls (from_local
-    goes through an autograd Function and builds a fresh spec each time: most of a small reshard's fixed cost)."""
+    goes through an autograd Function and builds a fresh spec each time: most of a small reshard's fixed cost).
+    ``layout``: a layout only torch can name, as :func:`dtensor_layout` gave it (placements and their order)."""
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
     if local.device.type != device_mesh.device_type and local.device.type != "meta":
         local = local.to(device_mesh.device_type)
-    key = (id(device_mesh), placements, tuple(shape), tuple(stride), local.dtype)
+    key = (id(device_mesh), placements, tuple(shape), tuple(stride), local.dtype, layout)
     hit = _specs.get(key)
     if hit is None or hit[0] is not device_mesh:
         if len(_specs) >= 4096:
             _specs.clear()
-        spec = DTensorSpec(device_mesh, placements, tensor_meta=TensorMeta(torch.Size(shape), tuple(stride),
-                                                                           local.dtype))
+        meta = TensorMeta(torch.Size(shape), tuple(stride), local.dtype)
+        if layout is None:
+            spec = DTensorSpec(device_mesh, placements, tensor_meta=meta)
+        else:
+            spec = DTensorSpec(device_mesh, layout[0], tensor_meta=meta, shard_order=layout[1],
+                               use_strided_shard_as_shard_order=layout[2])
         hit = _specs[key] = (device_mesh, spec)
     return DTensor(local.view_as(local), hit[1], requires_grad=False)
+
+
+# -- DTensor's sharding decisions (meshviz/compat/decisions.py) ------------------------------------------------
+
+from .decisions import (  # noqa: E402
+    DTensorDecision,
+    NoDTensorRule,
+    dtensor_decision,
+    dtensor_layout,
+    dtensor_special_ops,
+)
+
+
+def is_mask_partial(p) -> bool:
+    """A Partial that torch's row-sharded embedding leaves (``_MaskPartial``): its blocks still hold the rows of
+    indices another rank owns until they are masked."""
+    from torch.distributed.tensor.placement_types import _MaskPartial
+
+    return isinstance(p, _MaskPartial)
+
+
+def dtensor_converts_partial_kinds() -> bool:
+    """Whether DTensor turns one Partial reduction into another inside an op (``P(avg) + P(sum)``): torch 2.13 and
+    later do; 2.11 and 2.12 raise."""
+    return TORCH_VERSION >= (2, 13)
+
+
+def dispatch_modes_active() -> bool:
+    """Whether a Python dispatch mode is on the calling thread's stack."""
+    return torch._C._len_torch_dispatch_stack() > 0
 
 
 def linear_keeps_split_batch_dims() -> bool:

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 import torch.distributed as tdist
 
-from .. import compat, trace
+from .. import trace
 from ..core.layout import local_block, normalize_placements, pad_placements
 from ..core.mesh import ProcessMesh
 from ..core.placements import Replicate, Shard
@@ -58,7 +58,7 @@ def _as_tensor(data, dtype=None) -> torch.Tensor:
 def _emit_placed(t: DistTensor, how: str) -> None:
     if not trace.active():
         return
-    local = compat.dtensor_local(t._dtensor)
+    local = t._local
     trace.emit(trace.Event(
         kind="placed", name=t.name, tensor_id=t.tensor_id, op=how, mesh=t.process_mesh.to_dict(),
         placements_after=[repr(p) for p in t.placements], shape_after=list(t.shape),

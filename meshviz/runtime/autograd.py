@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as tdist
 
-from .. import compat
 from ..core.layout import local_block
 from ..core.mesh import ProcessMesh
 from ..core.partial import partial_fill, summed
@@ -13,9 +12,10 @@ from ..core.placements import Replicate
 from ..core.planner import plan_reshard
 from . import dtensor
 from .dtensor import DistTensor, make_dist
-from .reshard import run_plan
+from .reshard import run_plan, run_plans
 
-__all__ = ["place", "from_local", "to_local", "plan_of", "run_reshard", "reshard", "unshard", "local_block_of"]
+__all__ = ["place", "from_local", "to_local", "plan_of", "run_reshard", "run_reshards", "reshard", "unshard",
+           "local_block_of"]
 
 
 def _rank() -> int:
@@ -47,7 +47,7 @@ class _Shard(torch.autograd.Function):
         if grad is None:
             return None, None, None
         full = reshard(grad, ctx.mesh, [Replicate()] * ctx.mesh.ndim)
-        local = compat.dtensor_local(full._dtensor)
+        local = full._local
         if not ctx.mesh.contains(_rank()):
             local = torch.zeros(ctx.shape, dtype=grad.dtype, device=grad.device)
         return local, None, None
@@ -66,14 +66,14 @@ class _FromLocal(torch.autograd.Function):
         want = summed(ctx.placements)
         if list(grad.placements) != want or grad.process_mesh != ctx.mesh:
             grad = reshard(grad, ctx.mesh, want)
-        return compat.dtensor_local(grad._dtensor), None, None, None
+        return grad._local, None, None, None
 
 
 class _ToLocal(torch.autograd.Function):
     @staticmethod
     def forward(ctx, t):
         ctx.mesh, ctx.placements, ctx.shape = t.process_mesh, t.placements, t.shape
-        local = compat.dtensor_local(t._resolved()._dtensor)
+        local = t._resolved()._local
         return local.view_as(local)
 
     @staticmethod
@@ -120,7 +120,7 @@ class _Reshard(torch.autograd.Function):
 def run_reshard(t: DistTensor, mesh: ProcessMesh, placements, name=None) -> DistTensor:
     t = t._resolved()
     plan = plan_of(t, mesh, placements)
-    local = compat.dtensor_local(t._dtensor)
+    local = t._local
     rank = _rank()
     src_has = t.process_mesh.contains(rank)
     new = run_plan(plan, local if src_has else None, rank, dtype=t.dtype, device=local.device,
@@ -129,6 +129,27 @@ def run_reshard(t: DistTensor, mesh: ProcessMesh, placements, name=None) -> Dist
         new = local.new_empty(0)
     out = make_dist(new, mesh, plan.dst_placements, t.shape)
     out.name = name
+    return out
+
+
+def run_reshards(ts, placements_list, names=None) -> list:
+    """``run_reshard(t, t.process_mesh, placements)`` for each tensor (no autograd), the all-reduces (and even
+    all-gathers) along one mesh line coalesced into one collective per bucket, each tensor with its own events."""
+    rank = _rank()
+    ts = [t._resolved() for t in ts]
+    names = names if names is not None else [t.name for t in ts]
+    plans = [plan_of(t, t.process_mesh, pl) for t, pl in zip(ts, placements_list)]
+    locals_ = [t._local if t.process_mesh.contains(rank) else None for t in ts]
+    news = run_plans(plans, locals_, rank, names, [t.tensor_id for t in ts], [t.dtype for t in ts],
+                     [t._local.device for t in ts])
+    out = []
+    for t, plan, new, name in zip(ts, plans, news, names):
+        mesh = plan.dst_mesh
+        if new is None or not mesh.contains(rank):
+            new = t._local.new_empty(0)
+        r = make_dist(new, mesh, plan.dst_placements, t.shape)
+        r.name = name
+        out.append(r)
     return out
 
 

@@ -23,7 +23,7 @@ from .comm import dtensor_reduce_op, from_dtensor_reduce_op
 from .devices import device
 
 __all__ = ["DistTensor", "to_torch_placements", "from_torch_placements", "paddle_placement", "make_dtensor",
-           "make_dist", "set_op_layer", "set_local_functions", "torch_only_axes"]
+           "make_dist", "new_dist", "contiguous_stride", "set_op_layer", "set_local_functions", "torch_only_axes"]
 
 _pmesh_of: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # DeviceMesh -> ProcessMesh
 @dataclass
@@ -99,6 +99,10 @@ def from_torch_placements(placements) -> list[Placement]:
     return out
 
 
+def _torch_only(dt: DTensor) -> tuple | None:
+    return compat.dtensor_layout(dt) if torch_only_axes(dt) else None
+
+
 def torch_only_axes(dt: DTensor) -> list[int]:
     """Mesh axes on which ``dt`` lies in a way only torch can name (``_StridedShard``)."""
     return [i for i, p in enumerate(dt.placements) if paddle_placement(p) is None]
@@ -120,7 +124,8 @@ def process_mesh_of(dm) -> ProcessMesh:
     return pm
 
 
-def _contiguous_stride(shape) -> tuple:
+def contiguous_stride(shape) -> tuple:
+    """The strides of a contiguous tensor of ``shape``."""
     stride, acc = [], 1
     for s in reversed(list(shape)):
         stride.append(acc)
@@ -149,43 +154,104 @@ def make_dtensor(local: torch.Tensor, mesh: ProcessMesh, placements, shape, devi
     if not representable(placements):
         placements = summed(placements)
     return compat.dtensor_from_local(local.detach(), dm, to_torch_placements(placements), shape,
-                                     _contiguous_stride(shape))
+                                     contiguous_stride(shape))
+
+
+def _on_block_device(local: torch.Tensor) -> torch.Tensor:
+    want = block_device_type(local)
+    if local.device.type != want and local.device.type != "meta":
+        return local.to(want)
+    return local
 
 
 def make_dist(local: torch.Tensor, mesh: ProcessMesh, placements, shape, requires_grad: bool = False):
-    pl = list(placements)
-    return DistTensor(make_dtensor(local, mesh, pl, shape), mesh, requires_grad=requires_grad,
-                      placements=None if representable(pl) else pl)
+    """A dist tensor holding ``local`` (no autograd history) as this rank's block of a ``shape`` tensor."""
+    shape = tuple(shape)
+    to_torch_placements(placements)  # raises for a layout torch DTensor cannot hold
+    local = _on_block_device(local.detach())
+    # the mesh's groups (collectives every rank joins) are made when its first tensor is, in program order
+    device_mesh_for(mesh, local.device.type if local.device.type != "meta" else block_device_type(local))
+    return new_dist(local, mesh, tuple(placements), shape, contiguous_stride(shape), requires_grad)
+
+
+def new_dist(local: torch.Tensor, mesh: ProcessMesh, placements: tuple, shape, stride, requires_grad: bool = False,
+             dt: DTensor | None = None, tpl: tuple | None = None) -> "DistTensor":
+    """The dist tensor whose block is ``local`` (used as is), laid out as meshviz ``placements`` (a tuple) on
+    ``mesh``, with global ``shape`` and ``stride``; ``dt``: the DTensor it stands for, when there is one already;
+    ``tpl``: a layout only torch can name (``compat.dtensor_layout``)."""
+    r = compat.make_wrapper_subclass(DistTensor, shape, strides=stride, dtype=local.dtype, device=local.device,
+                                     requires_grad=requires_grad)
+    r._local = local
+    r._mpl = placements
+    r._pmesh = mesh
+    if dt is not None:
+        r._dt = dt
+    if tpl is not None:
+        r._tpl = tpl
+    return r
 
 
 class DistTensor(torch.Tensor):
-    """A distributed tensor: global ``shape``, ``placements`` on ``process_mesh``, this rank's block locally."""
+    """A distributed tensor: global ``shape``, ``placements`` on ``process_mesh``, this rank's block locally.
 
-    _dtensor: DTensor
+    It holds the block (``_local``) and meshviz's placements itself; the torch DTensor it stands for is built when
+    something asks for it (``_dtensor``), or kept when torch made the tensor with a layout only torch can name."""
+
     _pmesh: ProcessMesh
+    _local: torch.Tensor
+    _mpl: tuple
+    # what most tensors never set (an instance sets its own)
+    _dt: DTensor | None = None  # the DTensor it stands for, once built or when torch made it
+    _tpl: tuple | None = None  # a layout only torch can name (``_StridedShard``): ``compat.dtensor_layout``
+    _mv_id_: int | None = None  # numbered when first asked (:attr:`tensor_id`)
+    _mv_name: str | None = None
+    _mv_grad_hook = None  # the op layer's hook giving the gradient Paddle's placements
+    _mv_key: int | None = None  # the layout's number in the op layer's decision cache, made on first use
     __torch_function__ = compat.disabled_torch_function_impl
 
     @staticmethod
     def __new__(cls, dtensor: DTensor, process_mesh: ProcessMesh | None = None, requires_grad: bool = False,
                 placements=None):
-        r = compat.make_wrapper_subclass(
-            cls, dtensor.shape, strides=dtensor.stride(), dtype=dtensor.dtype,
-            device=dtensor.device, requires_grad=requires_grad,
-        )
-        r._dtensor = dtensor
-        r._pmesh = process_mesh if process_mesh is not None else process_mesh_of(dtensor.device_mesh)
-        r._mv_id = next(_state().ids)
-        r._mv_name = None
-        r._pl = placements  # set only when torch DTensor cannot hold them (mixed Partial reductions)
-        r._mv_grad_hook = None  # the op layer's hook giving the gradient Paddle's placements
-        return r
+        mesh = process_mesh if process_mesh is not None else process_mesh_of(dtensor.device_mesh)
+        pl = tuple(placements) if placements is not None else tuple(from_torch_placements(dtensor.placements))
+        return new_dist(compat.dtensor_local(dtensor), mesh, pl, dtensor.shape, dtensor.stride(), requires_grad,
+                        dt=dtensor if placements is None or representable(pl) else None, tpl=_torch_only(dtensor))
+
+    @property
+    def _torch_only(self) -> bool:
+        """Laid out in a way only torch can name (``_StridedShard``: a view merging a sharded dim into one before
+        it); its placements read as Paddle's rule for that view reads them."""
+        return self._tpl is not None
+
+    @property
+    def _dtensor(self) -> DTensor:
+        dt = self._dt
+        if dt is None:
+            local = self._local
+            kind = local.device.type if local.device.type != "meta" else block_device_type(local)
+            own = self._tpl
+            tpl = own[0] if own is not None else to_torch_placements(
+                self._mpl if representable(self._mpl) else summed(self._mpl))
+            dt = self._dt = compat.dtensor_from_local(local, device_mesh_for(self._pmesh, kind), tpl, self.shape,
+                                                      self.stride(), layout=own)
+        return dt
+
+    @_dtensor.setter
+    def _dtensor(self, dt: DTensor) -> None:
+        self._dt, self._local = dt, compat.dtensor_local(dt)
+        self._mpl = tuple(from_torch_placements(dt.placements))
+        self._tpl = _torch_only(dt)
+        self._mv_key = None
+
+    @property
+    def _pl(self):
+        """The placements when torch DTensor cannot hold them (mixed Partial reductions), else None."""
+        return None if representable(self._mpl) else list(self._mpl)
 
     # -- Paddle's dist attributes -----------------------------------------------------------------
     @property
     def placements(self) -> list[Placement]:
-        if self._pl is not None:
-            return list(self._pl)
-        return from_torch_placements(self._dtensor.placements)
+        return list(self._mpl)
 
     @property
     def process_mesh(self) -> ProcessMesh:
@@ -203,12 +269,12 @@ class DistTensor(torch.Tensor):
 
     @property
     def local_shape(self) -> list[int]:
-        if torch_only_axes(self._dtensor):
+        if self._torch_only:
             coord = self._pmesh.coordinate(tdist.get_rank() if tdist.is_initialized() else 0)
             if coord is None:
                 return [0]
             return [b - a for a, b in local_block(tuple(self.shape), self._pmesh, self.placements, coord)]
-        return list(compat.dtensor_local(self._dtensor).shape)
+        return list(self._local.shape)
 
     @property
     def _local_shape(self) -> list[int]:
@@ -218,20 +284,32 @@ class DistTensor(torch.Tensor):
     def _hold(self, other: "DistTensor") -> "DistTensor":
         """This tensor, now holding ``other``'s block and layout: what an in-place op that ran on a re-laid-out
         copy (or a sharding stage) leaves in the caller's tensor."""
-        self._dtensor, self._pl = other._dtensor, other._pl
+        self._local, self._mpl, self._dt, self._tpl = other._local, other._mpl, other._dt, other._tpl
+        self._mv_key = None
         return self
 
     def _resolved(self) -> "DistTensor":
         """This tensor with a block that its :attr:`placements` describe: an axis only torch can name is
         all-gathered by torch (its collective is seen, as every one inside an op is). No autograd."""
-        odd = torch_only_axes(self._dtensor)
-        if not odd:
+        if self._tpl is None:
             return self
         dt = self._dtensor
+        odd = torch_only_axes(dt)
         dt = dt.redistribute(dt.device_mesh, [TReplicate() if i in odd else p for i, p in enumerate(dt.placements)])
         out = DistTensor(dt, self._pmesh)
         out._mv_id, out._mv_name = self._mv_id, self._mv_name
         return out
+
+    @property
+    def _mv_id(self) -> int:
+        n = self._mv_id_
+        if n is None:
+            n = self._mv_id_ = next(_state().ids)
+        return n
+
+    @_mv_id.setter
+    def _mv_id(self, n: int) -> None:
+        self._mv_id_ = n
 
     @property
     def name(self) -> str | None:
@@ -257,7 +335,7 @@ class DistTensor(torch.Tensor):
         )
 
     def __repr__(self, *, tensor_contents=None) -> str:  # never communicates
-        local = compat.dtensor_local(self._dtensor)
+        local = self._local
         rank = tdist.get_rank() if tdist.is_initialized() else 0
         where = "" if self._pmesh.contains(rank) else " (not in mesh)"
         return (

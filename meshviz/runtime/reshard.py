@@ -19,7 +19,7 @@ from . import groups, rollcall
 from .comm import Call, CollectiveOp, all_to_all_flat, divide_, reduction, run
 from .devices import staged_recv, staged_send
 
-__all__ = ["run_plan", "run_step"]
+__all__ = ["run_plan", "run_step", "run_plans"]
 
 @dataclass
 class ReshardState:
@@ -272,6 +272,35 @@ def run_step(step: Step, local, rank: int, dtype, device):
     raise ValueError(f"unknown step {step.op}")
 
 
+def _plan_event(plan: Plan, local, name, tensor_id, plan_id) -> None:
+    trace.emit(trace.Event(
+        kind="reshard", name=name, tensor_id=tensor_id, plan_id=plan_id, mesh=plan.src_mesh.to_dict(),
+        placements_before=[repr(p) for p in plan.src_placements],
+        placements_after=[repr(p) for p in plan.dst_placements],
+        shape_before=list(plan.shape), shape_after=list(plan.shape), bytes=plan.total_bytes,
+        local_shape=None if local is None else list(local.shape),
+        values=None if local is None else trace.small_values(local),
+        payload=trace.ReshardPlan(target_mesh=plan.dst_mesh.to_dict(), ops=tuple(plan.ops)),
+    ))
+
+
+def _step_event(plan: Plan, i: int, step: Step, part, local, t0, name, tensor_id, plan_id, issued,
+                rank) -> None:
+    here, module, backward = issued
+    trace.emit(trace.Event(
+        kind="reshard_step", op=step.op, name=name, tensor_id=tensor_id, plan_id=plan_id, step=i,
+        start=t0, mesh=step.mesh.to_dict(), axis=step.axis,
+        group=[list(p) for p in part] if step.op == "send_recv" else list(part),
+        bytes=step_received(step, rank, plan.itemsize), placements_before=[repr(p) for p in step.before],
+        placements_after=[repr(p) for p in step.after], shape_before=list(plan.shape),
+        shape_after=list(plan.shape), local_shape=None if local is None else list(local.shape),
+        values=None if local is None else trace.small_values(local),
+        payload=trace.ReshardStep(dim=step.dim, dst_dim=step.dst_dim,
+                                  reduce=None if step.reduce is None else step.reduce.short,
+                                  where=here, module=module, backward=backward),
+    ))
+
+
 def run_plan(plan: Plan, local, rank: int, *, dtype=None, device=None, name=None, tensor_id=None):
     """Run every step of ``plan`` on this rank, emitting one ``reshard_step`` event per step it took part in (its
     ``bytes``: what this rank received in the step)."""
@@ -280,33 +309,123 @@ def run_plan(plan: Plan, local, rank: int, *, dtype=None, device=None, name=None
     tracing = trace.active()
     plan_id = next(_state().plan_ids) if tracing else None
     if tracing:
-        trace.emit(trace.Event(
-            kind="reshard", name=name, tensor_id=tensor_id, plan_id=plan_id, mesh=plan.src_mesh.to_dict(),
-            placements_before=[repr(p) for p in plan.src_placements],
-            placements_after=[repr(p) for p in plan.dst_placements],
-            shape_before=list(plan.shape), shape_after=list(plan.shape), bytes=plan.total_bytes,
-            local_shape=None if local is None else list(local.shape),
-            values=None if local is None else trace.small_values(local),
-            payload=trace.ReshardPlan(target_mesh=plan.dst_mesh.to_dict(), ops=tuple(plan.ops)),
-        ))
-    if tracing:
+        _plan_event(plan, local, name, tensor_id, plan_id)
         module, backward = rollcall.issuer()
-        here = rollcall.where()
+        issued = (rollcall.where(), module, backward)
     for i, step in enumerate(plan.steps):
         part = step.group_of(rank)
         t0 = time.time()
         local = run_step(step, local, rank, dtype, device)
         if tracing and part is not None:
-            trace.emit(trace.Event(
-                kind="reshard_step", op=step.op, name=name, tensor_id=tensor_id, plan_id=plan_id, step=i,
-                start=t0, mesh=step.mesh.to_dict(), axis=step.axis,
-                group=[list(p) for p in part] if step.op == "send_recv" else list(part),
-                bytes=step_received(step, rank, plan.itemsize), placements_before=[repr(p) for p in step.before],
-                placements_after=[repr(p) for p in step.after], shape_before=list(plan.shape),
-                shape_after=list(plan.shape), local_shape=None if local is None else list(local.shape),
-                values=None if local is None else trace.small_values(local),
-                payload=trace.ReshardStep(dim=step.dim, dst_dim=step.dst_dim,
-                                          reduce=None if step.reduce is None else step.reduce.short,
-                                          where=here, module=module, backward=backward),
-            ))
+            _step_event(plan, i, step, part, local, t0, name, tensor_id, plan_id, issued, rank)
     return local
+
+
+_FUSABLE = ("all_reduce", "all_gather", "reduce_scatter")
+_BUCKET_BYTES = 25 << 20  # as DDP's buckets
+
+
+def _fusable(plan: Plan, rank: int) -> tuple | None:
+    """What lets plans run as one collective: one step, an all-reduce, an all-gather or a sum / mean
+    reduce-scatter that splits its dim evenly, on a line of several ranks this rank is in; their signature."""
+    if len(plan.steps) != 1:
+        return None
+    step = plan.steps[0]
+    if step.op not in _FUSABLE or step.mesh.mesh.shape[step.axis] == 1 or not step.mesh.contains(rank):
+        return None
+    if step.op != "all_reduce":
+        if plan.shape[step.dim] % step.mesh.shape[step.axis]:
+            return None
+        if step.op == "reduce_scatter" and step.reduce not in (ReduceType.kRedSum, ReduceType.kRedAvg):
+            return None
+    return step.op, step.mesh, step.axis, step.reduce
+
+
+def run_plans(plans, locals_, rank: int, names, tensor_ids, dtypes, devices) -> list:
+    """Run many plans on this rank: those that all-reduce, all-gather or reduce-scatter along the same mesh line go
+    as one collective per bucket of about 25 MB (as DDP buckets gradients), the others one by one; every tensor gets
+    the events its own :func:`run_plan` would emit (one plan, one step each)."""
+    out: list = [None] * len(plans)
+    groups_: dict = {}
+    for i, (plan, local) in enumerate(zip(plans, locals_)):
+        sig = _fusable(plan, rank) if local is not None else None
+        if sig is None:
+            out[i] = run_plan(plan, local, rank, dtype=dtypes[i], device=devices[i], name=names[i],
+                              tensor_id=tensor_ids[i])
+            continue
+        groups_.setdefault((sig, local.dtype, local.device), []).append(i)
+    for (sig, _dtype, _device), members in groups_.items():
+        bucket, size = [], 0
+        for i in members:
+            bucket.append(i)
+            size += locals_[i].numel() * locals_[i].element_size()
+            if size >= _BUCKET_BYTES:
+                _run_bucket(sig, bucket, plans, locals_, out, rank, names, tensor_ids)
+                bucket, size = [], 0
+        if bucket:
+            _run_bucket(sig, bucket, plans, locals_, out, rank, names, tensor_ids)
+    return out
+
+
+def _run_bucket(sig, bucket, plans, locals_, out, rank, names, tensor_ids) -> None:
+    if len(bucket) == 1:
+        i = bucket[0]
+        out[i] = run_plan(plans[i], locals_[i], rank, name=names[i], tensor_id=tensor_ids[i])
+        return
+    op, mesh, axis, _reduce = sig
+    step = plans[bucket[0]].steps[0]
+    tracing = trace.active()
+    ids = {}
+    if tracing:
+        for i in bucket:
+            ids[i] = next(_state().plan_ids)
+            _plan_event(plans[i], locals_[i], names[i], tensor_ids[i], ids[i])
+        module, backward = rollcall.issuer()
+        issued = (rollcall.where(), module, backward)
+    t0 = time.time()
+    line, _ = groups.axis_group(mesh, axis, rank)
+    group = groups.line_group(line)
+    k = len(line)
+    if op == "all_reduce":
+        flat = _all_reduce(step, torch.cat([locals_[i].reshape(-1) for i in bucket]), group)
+        at = 0
+        for i in bucket:
+            n = locals_[i].numel()
+            out[i] = flat[at:at + n].view(locals_[i].shape)
+            at += n
+    elif op == "all_gather":  # rank j's block of every tensor, its dim first, then the blocks put side by side
+        moved = [locals_[i].movedim(plans[i].steps[0].dim, 0) for i in bucket]
+        src = torch.cat([m.reshape(-1) for m in moved])
+        gathered = src.new_empty((k, src.numel()))
+        run(Call(CollectiveOp.ALL_GATHER, group,
+                 lambda g: compat.all_gather_single(gathered.view(-1), src, group=g.process_group),
+                 tensors=(src,), nbytes=src.numel() * src.element_size() * k, traced=False))
+        at = 0
+        for i, m in zip(bucket, moved):
+            n, d = m.numel(), plans[i].steps[0].dim
+            whole = gathered[:, at:at + n].reshape((k * m.shape[0],) + tuple(m.shape[1:]))
+            if whole._base is not None:  # a view would keep the whole bucket of every rank alive
+                whole = whole.clone(memory_format=torch.contiguous_format)
+            out[i] = whole.movedim(0, d).contiguous() if d else whole
+            at += n
+    else:  # reduce-scatter: rank j's chunk of every tensor packed j-th, each rank keeps its own chunks, reduced
+        moved = [locals_[i].movedim(plans[i].steps[0].dim, 0) for i in bucket]
+        src = torch.cat([m.reshape(k, -1) for m in moved], dim=1).reshape(-1)
+        mine = src.new_empty(src.numel() // k)
+        red, finish = reduction(step.reduce, group)
+        run(Call(CollectiveOp.REDUCE_SCATTER, group,
+                 lambda g: compat.reduce_scatter_single(mine, src, op=red, group=g.process_group),
+                 tensors=(src,), traced=False))
+        if finish is not None:
+            finish(mine)
+        at = 0
+        for i, m in zip(bucket, moved):
+            n, d = m.numel() // k, plans[i].steps[0].dim
+            part = mine[at:at + n].view((m.shape[0] // k,) + tuple(m.shape[1:]))
+            out[i] = part.movedim(0, d).contiguous() if d else part
+            at += n
+    if tracing:
+        for i in bucket:
+            part = step.group_of(rank)
+            _step_event(plans[i], 0, plans[i].steps[0], part, out[i], t0, names[i], tensor_ids[i], ids[i], issued,
+                        rank)

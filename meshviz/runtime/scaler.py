@@ -96,7 +96,7 @@ class LossScaler:
         for p in self._params(optimizer):
             if p.grad is None:
                 continue
-            local = compat.dtensor_local(p.grad._dtensor) if isinstance(p.grad, DistTensor) else p.grad
+            local = p.grad._local if isinstance(p.grad, DistTensor) else p.grad
             if local.numel() and not torch.isfinite(local).all():
                 bad.fill_(1.0)
             p.grad.mul_(1.0 / self._scale)

@@ -258,7 +258,7 @@ class DistModel:
             if isinstance(p, DTensor):
                 loc = compat.dtensor_local(p)
             elif is_dist_tensor(p):
-                loc = compat.dtensor_local(p._dtensor)
+                loc = p._local
             names[id(loc)] = n
             names[id(p)] = n
         return names

@@ -15,6 +15,7 @@ __all__ = ["set_mesh", "get_mesh", "create_mesh"]
 class AutoParallelState:
     mesh: ProcessMesh | None = None  # the global mesh
     model_done: bool = False  # parallelize_model ran on this rank
+    parallelized: tuple | None = None  # (the model parallelize made last, whether it has no pipeline stages)
 
 
 AUTO_PARALLEL = rank_context.slot("auto_parallel", AutoParallelState)

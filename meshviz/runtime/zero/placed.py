@@ -10,7 +10,9 @@ import torch.distributed as tdist
 from ... import trace
 from ...core.placements import Replicate, Shard
 from ...core.sharding import SHARDED
+from ..autograd import run_reshards
 from ..dtensor import DistTensor
+from .blocks import step_on_blocks
 from .engine import Zero
 
 __all__ = ["PlacedZero", "StateView", "sharded_placements", "dist_params_for_dist_grads", "grads_as_params"]
@@ -66,15 +68,16 @@ def dist_params_for_dist_grads(optimizer, place) -> list:
 
 
 @torch.no_grad()
-def grads_as_params(optimizer, reshard, skip=frozenset()) -> None:
+def grads_as_params(optimizer, reshard=None, skip=frozenset()) -> None:
     """Every dist parameter's gradient laid out as the parameter (Partial gradients reduced once, before the
-    update reads them), but for those whose id is in ``skip``."""
-    for group in optimizer.param_groups:
-        for q in group["params"]:
-            if isinstance(q, DistTensor) and q.grad is not None and id(q) not in skip:
-                want = list(q.placements)
-                if list(q.grad.placements) != want:
-                    q.grad = reshard(q.grad, q.process_mesh, want)
+    update reads them), but for those whose id is in ``skip``: the all-reduces along one mesh line run as one
+    collective per bucket, each gradient with the events of its own reshard (``reshard`` is not needed for that;
+    it stays for callers that pass theirs)."""
+    todo = [q for group in optimizer.param_groups for q in group["params"]
+            if isinstance(q, DistTensor) and q.grad is not None and id(q) not in skip
+            and q.grad.placements != q.placements]
+    for q, g in zip(todo, run_reshards([q.grad for q in todo], [q.placements for q in todo])):
+        q.grad = g
 
 
 class StateView(MutableMapping):
@@ -128,6 +131,7 @@ class PlacedZero(Zero):
         self._reshard, self._place = reshard, place
         self._shadow: dict = {}  # param -> sharded leaf the inner optimizer updates (os, os_g)
         self._of_shadow: dict = {}  # that leaf -> the user's param
+        self._full: dict = {}  # p_g_os: param -> the placements it had before it was sharded (its forward's)
         if level is not None:
             self._setup_sharding()
 
@@ -152,6 +156,7 @@ class PlacedZero(Zero):
                 with torch.no_grad():
                     sharded = self._reshard(p.detach(), p.process_mesh, pl)
                 if self.level == "p_g_os":
+                    self._full[p] = list(p.placements)
                     p._hold(sharded)  # the parameter itself now lives sharded
                     new_params.append(p)
                 else:
@@ -172,6 +177,11 @@ class PlacedZero(Zero):
                 tensor_id=p.tensor_id).to_event())
 
     @property
+    def full_placements(self) -> dict:
+        """p_g_os: each sharded parameter -> the placements its forward uses it in (gathered along the axis)."""
+        return dict(self._full)
+
+    @property
     def state(self):
         """The inner optimizer's state, keyed by the user's parameters (an os/os_g state lives on a sharded shadow
         of the parameter; ``opt.state[p]`` finds it)."""
@@ -184,18 +194,32 @@ class PlacedZero(Zero):
 
     @torch.no_grad()
     def _sync_grads(self) -> None:
-        reshard = self._reshard
-        grads_as_params(self._inner_opt, reshard, skip={id(s) for s in self._shadow.values()})
+        """Every gradient reduced to the layout its step needs: the all-reduces along one mesh line go as one
+        collective per bucket (each gradient keeps its own reshard events); os then keeps this rank's part."""
+        grads_as_params(self._inner_opt, self._reshard, skip={id(s) for s in self._shadow.values()})
+        live = []
         for p, shadow in self._shadow.items():
             if p.grad is None:
                 shadow.grad = None
-                continue
-            g = p.grad
-            if self.level == "os":
-                g = reshard(g, p.process_mesh, p.placements)  # full gradient kept, then this rank's part
-            shadow.grad = reshard(g, shadow.process_mesh, shadow.placements)
+            else:
+                live.append((p, shadow))
+        if self.level == "os":  # the full gradient kept, then this rank's part
+            full = [(p, p.grad) for p, _ in live if p.grad.placements == p.placements]
+            moving = [(p, p.grad) for p, _ in live if p.grad.placements != p.placements]
+            reduced = run_reshards([g for _, g in moving], [p.placements for p, _ in moving])
+            by_id = {id(p): g for p, g in full}
+            by_id.update({id(p): g for (p, _), g in zip(moving, reduced)})
+            for p, _shadow in live:
+                p.grad = by_id[id(p)]
+        for (p, shadow), g in zip(live, run_reshards([p.grad for p, _ in live], [s.placements for _, s in live])):
+            shadow.grad = g
             if self.level != "os":
                 p.grad = None
+
+    def _inner_step(self, closure):
+        if closure is not None:
+            return self._inner_opt.step(closure)
+        return step_on_blocks(self._inner_opt)
 
     def _clip(self):
         clip = self.__dict__.get("_grad_clip") or getattr(self._inner_opt, "_grad_clip", None)
@@ -204,8 +228,9 @@ class PlacedZero(Zero):
 
     @torch.no_grad()
     def _gather(self) -> None:
-        for p, shadow in self._shadow.items():
-            full = self._reshard(shadow.detach(), p.process_mesh, p.placements)
+        """The stepped shards back into the parameters (the all-gathers along one mesh line as one collective)."""
+        items = list(self._shadow.items())
+        for (p, _), full in zip(items, run_reshards([s.detach() for _, s in items], [p.placements for p, _ in items])):
             p._hold(full)
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -9,6 +9,7 @@ import torch
 from ....core.mesh import ProcessMesh
 from ....runtime import groups
 from ....runtime.world import init_parallel_env
+from ....runtime.zero import gather_per_unit
 from ..interface import _state, get_mesh, set_mesh
 from .parallel_base import param_holders, remap_optimizer, shard_all_params
 from .pipeline_parallel import (
@@ -154,11 +155,22 @@ def _parallelize(model, optimizer, config, who):
         raise ValueError(f"{who}: the optimizer already holds state (it has stepped); create it from the model's "
                          f"parameters and pass it before training")
     model = prepared.apply()
+    _state().parallelized = (model, prepared.spec is None)
     if optimizer is not None:
         remap_optimizer(optimizer, {k: getattr(*hold[0]) for k, hold in holders.items()})
         level, dim = prepared.dp if prepared.dp is not None else (None, "dp")
         optimizer = shard_optimizer_with(optimizer, level, dim, mesh)
+        _gather_per_layer(optimizer)
     return model, optimizer
+
+
+def _gather_per_layer(optimizer) -> None:
+    """Sharding level 3 on a model without pipeline stages: each layer gathers its parameters once before its
+    forward (FSDP2's units), instead of every op gathering the weights it reads."""
+    model, whole = _state().parallelized or (None, False)
+    full = getattr(optimizer, "full_placements", None)
+    if model is not None and whole and full:
+        gather_per_unit(model, full)
 
 
 def _begin(config, mesh, who: str, needs_a_part: bool = True) -> bool:
@@ -221,4 +233,6 @@ def parallelize_optimizer(optimizer, mesh=None, config=None):
     mesh = _need_mesh()
     dp_config = config.get("dp_config")
     level, dim = check_dp_config(dp_config, mesh) if dp_config is not None else (None, "dp")
-    return shard_optimizer_with(optimizer, level, dim, mesh)
+    optimizer = shard_optimizer_with(optimizer, level, dim, mesh)
+    _gather_per_layer(optimizer)
+    return optimizer
