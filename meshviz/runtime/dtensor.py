@@ -175,12 +175,12 @@ def make_dist(local: torch.Tensor, mesh: ProcessMesh, placements, shape, require
 
 
 def new_dist(local: torch.Tensor, mesh: ProcessMesh, placements: tuple, shape, stride, requires_grad: bool = False,
-             dt: DTensor | None = None, tpl: tuple | None = None) -> "DistTensor":
+             dt: DTensor | None = None, tpl: tuple | None = None, device=None) -> "DistTensor":
     """The dist tensor whose block is ``local`` (used as is), laid out as meshviz ``placements`` (a tuple) on
     ``mesh``, with global ``shape`` and ``stride``; ``dt``: the DTensor it stands for, when there is one already;
     ``tpl``: a layout only torch can name (``compat.dtensor_layout``)."""
-    r = compat.make_wrapper_subclass(DistTensor, shape, strides=stride, dtype=local.dtype, device=local.device,
-                                     requires_grad=requires_grad)
+    r = compat.make_wrapper_subclass(DistTensor, shape, strides=stride, dtype=local.dtype,
+                                     device=local.device if device is None else device, requires_grad=requires_grad)
     r._local = local
     r._mpl = placements
     r._pmesh = mesh

@@ -349,6 +349,9 @@ def run_plans(plans, locals_, rank: int, names, tensor_ids, dtypes, devices) -> 
     groups_: dict = {}
     for i, (plan, local) in enumerate(zip(plans, locals_)):
         sig = _fusable(plan, rank) if local is not None else None
+        if sig is not None and ((dtypes[i] is not None and dtypes[i] != local.dtype)
+                                or (devices[i] is not None and torch.device(devices[i]) != local.device)):
+            sig = None  # the result goes elsewhere (a meta-device parameter's gradient, another dtype): its own run
         if sig is None:
             out[i] = run_plan(plan, local, rank, dtype=dtypes[i], device=devices[i], name=names[i],
                               tensor_id=tensor_ids[i])

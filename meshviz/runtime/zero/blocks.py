@@ -13,7 +13,8 @@ __all__ = ["step_on_blocks"]
 
 
 def _lies_alike(p: DistTensor, t) -> bool:
-    return type(t) is DistTensor and t._mpl == p._mpl and t._local.shape == p._local.shape and t._pmesh == p._pmesh
+    return (type(t) is DistTensor and t._mpl == p._mpl and t._local.shape == p._local.shape and t._pmesh == p._pmesh
+            and t._local.device == p._local.device)  # a meta-device model's blocks (simulated ranks) do not
 
 
 def _blockwise(optimizer) -> bool:

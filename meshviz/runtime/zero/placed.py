@@ -11,7 +11,7 @@ from ... import trace
 from ...core.placements import Replicate, Shard
 from ...core.sharding import SHARDED
 from ..autograd import run_reshards
-from ..dtensor import DistTensor
+from ..dtensor import DistTensor, new_dist
 from .blocks import step_on_blocks
 from .engine import Zero
 
@@ -115,6 +115,14 @@ class StateView(MutableMapping):
         return repr(dict(self.items()))
 
 
+def _like(g, p):
+    """``g`` as a gradient ``p`` accepts: a parameter built on the meta device (simulated ranks) names that device
+    while its gradients' blocks lie elsewhere."""
+    if g is None or g.device == p.device or not isinstance(g, DistTensor):
+        return g
+    return new_dist(g._local, g._pmesh, g._mpl, tuple(g.shape), g.stride(), device=p.device)
+
+
 class PlacedZero(Zero):
     """Step ``inner``, whose parameters are dist tensors, sharding at ``level`` along mesh axis ``axis``.
 
@@ -210,9 +218,9 @@ class PlacedZero(Zero):
             by_id = {id(p): g for p, g in full}
             by_id.update({id(p): g for (p, _), g in zip(moving, reduced)})
             for p, _shadow in live:
-                p.grad = by_id[id(p)]
+                p.grad = _like(by_id[id(p)], p)
         for (p, shadow), g in zip(live, run_reshards([p.grad for p, _ in live], [s.placements for _, s in live])):
-            shadow.grad = g
+            shadow.grad = _like(g, shadow)
             if self.level != "os":
                 p.grad = None
 
