@@ -154,7 +154,7 @@ def _run_local(d: Decision, func, args, kwargs, dists, moved: bool = False, firs
     ref = dists[0]
     mesh = ref._pmesh
     if not d.member:
-        return _empty_outputs(d, args, mesh, ref)
+        return _empty_outputs(d, args, kwargs, mesh, ref)
     if d.local_args is not None:
         tensors: list = []
         tree_map(lambda x: tensors.append(x._local if type(x) is DistTensor else x)
@@ -202,12 +202,15 @@ def _run_local(d: Decision, func, args, kwargs, dists, moved: bool = False, firs
     return type(out)(res) if isinstance(out, tuple) else res
 
 
-def _empty_outputs(d: Decision, args, mesh, ref):
-    """A rank outside the mesh holds an empty block of each output."""
+def _empty_outputs(d: Decision, args, kwargs, mesh, ref):
+    """A rank outside the mesh holds an empty block of each output (on the device the op names, as ``to_empty``'s
+    ``empty_like(p, device=...)`` does)."""
+    device = kwargs.get("device") or ref.device
+
     def empty(spec):
         if spec is None:
             return None
-        return make_dist(torch.empty(0, dtype=spec[3], device=ref.device), mesh, spec[0], spec[1])
+        return make_dist(torch.empty(0, dtype=spec[3], device=device), mesh, spec[0], spec[1])
 
     if d.inplace:
         return args[0]

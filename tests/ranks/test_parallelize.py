@@ -487,34 +487,43 @@ def test_global_mesh_is_fleet_auto_mesh():
         dist.to_distributed(LlamaForCausalLM(), None, None, device_num=4)
 
 
-def meta_then_to_empty(meta):
+def meta_then_to_empty(meta, pp=False):
     """The tiny Llama built on the meta device (nothing allocated), parallelized, then each rank's blocks made
     with ``to_empty``; or built on the CPU. The layouts a step sees, and the loss after a step from the same
-    weights."""
+    weights; with ``pp``, two stages (a rank's blocks of the other stage's parameters are empty, on the device
+    ``to_empty`` names too)."""
     import meshviz.distributed as dist
 
-    mesh = dist.ProcessMesh([[0, 1], [2, 3]], dim_names=["dp", "mp"])
+    mesh = dist.ProcessMesh([[0, 1], [2, 3]], dim_names=["pp" if pp else "dp", "mp"])
     dist.auto_parallel.set_mesh(mesh)
+    config = {"mp_config": {"parallelize_plan": _plan(False)}}
+    if pp:
+        config["pp_config"] = {"split_spec": "llama.layers"}
     torch.manual_seed(0)
-    model = LlamaForCausalLM()
+    model = LlamaForCausalLM(num_layers=2 if pp else 1)
     if meta:
         with torch.device("meta"):
-            model = LlamaForCausalLM()
-    model, _ = dist.parallelize(model, None, config={"mp_config": {"parallelize_plan": _plan(False)}})
+            model = LlamaForCausalLM(num_layers=2 if pp else 1)
+    model, _ = dist.parallelize(model, None, config=config)
     if meta:
         model.to_empty(device="cpu")
+    devices = sorted({p._local.device.type for p in model.parameters()})
     torch.manual_seed(1)
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(torch.randn(p.shape) * 0.1)
-    ids = dist.shard_tensor(torch.arange(16).reshape(4, 4) % 16, mesh, [dist.Shard(0), dist.Replicate()])
+    first = mesh.get_mesh_with_dim("pp", 0) if pp else mesh
+    ids = dist.shard_tensor(torch.arange(16).reshape(4, 4) % 16, first,
+                            [dist.Replicate()] if pp else [dist.Shard(0), dist.Replicate()])
     emb = model.llama.embed_tokens(ids)
     logits = model(ids)
-    return [repr(emb.placements), repr(logits.placements), dist.unshard_dtensor(logits).sum().item()]
+    return [repr(emb.placements), repr(logits.placements), dist.unshard_dtensor(logits).sum().item(), devices]
 
 
-def test_a_model_built_on_the_meta_device_trains_as_one_built_on_the_cpu():
-    cpu, meta = run_ranks(meta_then_to_empty, 4, False), run_ranks(meta_then_to_empty, 4, True)
-    assert cpu[0][:2] == ["[S(0), R]", "[S(0), R]"]
+@pytest.mark.parametrize("pp", [False, True], ids=["dp_mp", "pp_mp"])
+def test_a_model_built_on_the_meta_device_trains_as_one_built_on_the_cpu(pp):
+    cpu, meta = run_ranks(meta_then_to_empty, 4, False, pp), run_ranks(meta_then_to_empty, 4, True, pp)
+    assert cpu[0][:2] == (["[R]", "[R]"] if pp else ["[S(0), R]", "[S(0), R]"])
     for a, b in zip(cpu, meta):
         assert a[:2] == b[:2] and a[2] == pytest.approx(b[2], rel=1e-6)
+        assert b[3] == ["cpu"]
