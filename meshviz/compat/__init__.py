@@ -132,7 +132,7 @@ def dtensor_from_local(local: torch.Tensor, device_mesh, placements: tuple, shap
             spec = DTensorSpec(device_mesh, layout[0], tensor_meta=meta, shard_order=layout[1],
                                use_strided_shard_as_shard_order=layout[2])
         hit = _specs[key] = (device_mesh, spec)
-    return DTensor(local.view_as(local), hit[1], requires_grad=False)
+    return DTensor(local, hit[1], requires_grad=False)
 
 
 # -- DTensor's sharding decisions (meshviz/compat/decisions.py) ------------------------------------------------

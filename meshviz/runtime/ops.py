@@ -18,7 +18,7 @@ from ..core.placements import Partial, Replicate, Shard
 from ..core.traffic import received
 from . import dtensor, rollcall
 from .autograd import run_reshard
-from .dtensor import DistTensor, from_torch_placements, make_dist, new_dist, representable
+from .dtensor import DistTensor, contiguous_stride, from_torch_placements, make_dist, new_dist, representable
 from .op_plan import (
     METADATA_OPS,
     Decision,
@@ -210,7 +210,7 @@ def _empty_outputs(d: Decision, args, kwargs, mesh, ref):
     def empty(spec):
         if spec is None:
             return None
-        return make_dist(torch.empty(0, dtype=spec[3], device=device), mesh, spec[0], spec[1])
+        return new_dist(torch.empty(0, dtype=spec[3], device=device), mesh, spec[0], spec[1], contiguous_stride(spec[1]))
 
     if d.inplace:
         return args[0]
