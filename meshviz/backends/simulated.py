@@ -98,6 +98,13 @@ class SimulatedGroup(tdist.ProcessGroup):
     def __repr__(self) -> str:
         return f"SimulatedGroup({self._name!r}, ranks={self.ranks}, rank={self.me})"
 
+    # the group is its own backend on every device: torch 2.14+'s batch_isend_irecv asks a group's backend
+    # whether it coalesces (as for thread ranks' groups)
+    supports_coalescing = False
+
+    def _get_backend(self, device=None):
+        return self
+
     # -- collectives -----------------------------------------------------------------------------------------
     def allreduce(self, tensors, opts=None):
         rop = opts.reduceOp if opts is not None else tdist.ReduceOp.SUM
