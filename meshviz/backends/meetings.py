@@ -1,4 +1,5 @@
-"""The pieces a thread group's calls are made of: meetings, posted receives, works, and the reductions."""
+"""The pieces a thread group's calls are made of (a group's identity, meetings, posted receives, works, the
+reductions); simulated groups share the identity and the works."""
 
 from __future__ import annotations
 
@@ -7,7 +8,48 @@ from collections.abc import Callable
 import torch
 import torch.distributed as tdist
 
-__all__: list[str] = []  # private to meshviz.backends.threads
+__all__: list[str] = []  # private to meshviz.backends.threads and .simulated
+
+
+class _InProcessGroup(tdist.ProcessGroup):
+    """A c10d group of ranks in this process: its identity (``BACKEND``: the backend name it reports; ``LABEL``:
+    its repr's name). It is its own backend on every device: torch asks a group's backend whether it coalesces
+    (batch_isend_irecv does for any ProcessGroup since torch 2.14); its sends are buffered one by one."""
+
+    BACKEND = ""
+    LABEL = ""
+    supports_coalescing = False
+
+    def __init__(self, group_rank: int, size: int, name: str, ranks: list[int]):
+        super().__init__(group_rank, size)
+        self._group_rank = group_rank
+        self._size = size
+        self._name = name
+        self.ranks = ranks  # global ranks in group order
+        self.me = ranks[group_rank]
+
+    def size(self) -> int:
+        return self._size
+
+    def rank(self) -> int:
+        return self._group_rank
+
+    def getBackendName(self) -> str:
+        return self.BACKEND
+
+    @property
+    def group_name(self) -> str:
+        return self._name
+
+    @property
+    def pg_name(self) -> str:
+        return self._name
+
+    def __repr__(self) -> str:
+        return f"{self.LABEL}({self._name!r}, ranks={self.ranks}, rank={self.me})"
+
+    def _get_backend(self, device=None):
+        return self
 
 
 # -- meetings, receives and works ------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as tdist
 
 from .. import compat, rank_context
-from .meetings import _Work
+from .meetings import _InProcessGroup, _Work
 
 __all__ = ["BACKEND", "SimulatedGroup", "register", "watch_reads"]
 
@@ -60,43 +60,20 @@ def _put(dst, src) -> None:
             d.copy_(s.reshape(d.shape) if s.numel() == d.numel() else s.reshape(-1)[: d.numel()].reshape(d.shape))
 
 
-class SimulatedGroup(tdist.ProcessGroup):
+class SimulatedGroup(_InProcessGroup):
     """One simulated rank's handle on a group. Every call returns a finished work at once and sends nothing: the
     rank's peers are not running. A tensor with values (a real one, or a small one a simulated rank keeps values
     for) ends as if every peer had held what this rank holds: a SUM all-reduce multiplies it by the group size,
     an all-gather repeats this rank's block, a broadcast leaves it as it is. Tensors of shapes only are left alone."""
 
-    def __init__(self, group_rank: int, size: int, name: str, ranks: list[int]):
-        super().__init__(group_rank, size)
-        self._group_rank = group_rank
-        self._size = size
-        self._name = name
-        self.ranks = ranks  # global ranks in group order
-        self.me = ranks[group_rank]
-
-    # -- identity --------------------------------------------------------------------------------------------
-    def size(self) -> int:
-        return self._size
+    BACKEND = BACKEND
+    LABEL = "SimulatedGroup"
 
     def rank(self) -> int:
         cb = SIMULATED.get().on_read
         if cb is not None:
             cb(sys._getframe(1))
         return self._group_rank
-
-    def getBackendName(self) -> str:
-        return BACKEND
-
-    @property
-    def group_name(self) -> str:
-        return self._name
-
-    @property
-    def pg_name(self) -> str:
-        return self._name
-
-    def __repr__(self) -> str:
-        return f"SimulatedGroup({self._name!r}, ranks={self.ranks}, rank={self.me})"
 
     # -- collectives -----------------------------------------------------------------------------------------
     def allreduce(self, tensors, opts=None):

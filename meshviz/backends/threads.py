@@ -13,7 +13,7 @@ import torch
 import torch.distributed as tdist
 
 from .. import compat, rank_context
-from .meetings import _Meeting, _pieces, _put, _Recv, _reduce, _splits, _Work
+from .meetings import _InProcessGroup, _Meeting, _pieces, _put, _Recv, _reduce, _splits, _Work
 
 __all__ = ["BACKEND", "Scheduler", "ThreadComms", "ThreadGroup", "RankStopped", "observers", "join", "register"]
 
@@ -160,50 +160,20 @@ class ThreadComms:
 
 # -- the process group -------------------------------------------------------------------------------------------
 
-class ThreadGroup(tdist.ProcessGroup):
+class ThreadGroup(_InProcessGroup):
     """One rank's handle on one group of a :class:`ThreadComms` (torch creates one per rank per group, as for
     gloo). Collectives meet by (group name, call number): every member must make the same calls in the same
     order, as with any backend; a mismatch is an error on every member. Sends are buffered and never block;
     receives wait (handing the baton on) until a matching send."""
 
+    BACKEND = BACKEND
+    LABEL = "ThreadGroup"
+
     def __init__(self, comms: "ThreadComms", group_rank: int, size: int, name: str, ranks: list[int]):
-        super().__init__(group_rank, size)
+        super().__init__(group_rank, size, name, ranks)
         self.comms = comms
-        self._group_rank = group_rank
-        self._size = size
-        self._name = name
-        self.ranks = ranks  # global ranks in group order
-        self.me = ranks[group_rank]
         self.seq = 0
         comms.groups.add(self)
-
-    # -- identity --------------------------------------------------------------------------------------------
-    def size(self) -> int:
-        return self._size
-
-    def rank(self) -> int:
-        return self._group_rank
-
-    def getBackendName(self) -> str:
-        return BACKEND
-
-    @property
-    def group_name(self) -> str:
-        return self._name
-
-    @property
-    def pg_name(self) -> str:
-        return self._name
-
-    def __repr__(self) -> str:
-        return f"ThreadGroup({self._name!r}, ranks={self.ranks}, rank={self.me})"
-
-    # the group is its own backend on every device: torch asks a group's backend whether it coalesces
-    # (batch_isend_irecv does for any ProcessGroup since torch 2.14); sends here are buffered one by one
-    supports_coalescing = False
-
-    def _get_backend(self, device=None):
-        return self
 
     # -- the meeting -----------------------------------------------------------------------------------------
     def _meet(self, op: str, data, work: Callable[[list], None], result=()) -> _Work:
