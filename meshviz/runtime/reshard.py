@@ -422,10 +422,13 @@ def _run_bucket(sig, bucket, plans, locals_, out, rank, names, tensor_ids) -> No
         if finish is not None:
             finish(mine)
         at = 0
+        copied = any(plans[i].steps[0].dim for i in bucket)
         for i, m in zip(bucket, moved):
             n, d = m.numel() // k, plans[i].steps[0].dim
             part = mine[at:at + n].view((m.shape[0] // k,) + tuple(m.shape[1:]))
-            out[i] = part.movedim(0, d).contiguous() if d else part
+            # a part laid out anew owns its storage; then so does every part, or the views would keep the whole
+            # chunk alive beside the copies
+            out[i] = part.movedim(0, d).contiguous() if d else part.clone() if copied else part
             at += n
     if tracing:
         for i in bucket:

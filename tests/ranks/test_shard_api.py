@@ -306,11 +306,16 @@ def tp_stages(stage):
     for _ in range(3):
         (torch.matmul((torch.matmul(x, p0) + bias).relu(), p1) ** 2).mean().backward()
         opt.step()
+        held = {id(q): q for q in [p0, p1, bias] + [q for g in opt.param_groups for q in g["params"]]}
+        blocks = [q.grad._local_value() for q in held.values() if q.grad is not None]
+        # the storage the gradients keep alive against their own bytes (a view of a bucket keeps all of it)
+        kept = (sum({b.untyped_storage()._cdata: b.untyped_storage().nbytes() for b in blocks}.values()),
+                sum(b.numel() * b.element_size() for b in blocks))
         opt.clear_grad()
     states = [repr(st["exp_avg"].placements) for st in opt.state.values() if "exp_avg" in st]
     return {"w0": dist.unshard_dtensor(p0).detach(), "w1": dist.unshard_dtensor(p1).detach(),
             "bias": dist.unshard_dtensor(bias).detach(), "states": sorted(states),
-            "params": [repr(p.placements) for p in (p0, p1, bias)]}
+            "params": [repr(p.placements) for p in (p0, p1, bias)], "kept": kept}
 
 
 def _ref_tp(steps=3):
@@ -335,6 +340,7 @@ def test_sharding_stages_shard_a_tensor_parallel_weight_on_its_next_dim(stage):
         for got, want in zip((out["w0"], out["w1"], out["bias"]), ref):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
         assert out["states"] == states
+        assert out["kept"][0] == out["kept"][1] > 0
         if stage == 3:
             assert out["params"] == ["[S(0), S(1)]", "[S(1), S(0)]", "[R, S(0)]"]
         else:
