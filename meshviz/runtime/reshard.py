@@ -19,7 +19,7 @@ from . import groups, rollcall
 from .comm import Call, CollectiveOp, all_to_all_flat, divide_, reduction, run
 from .devices import staged_recv, staged_send
 
-__all__ = ["run_plan", "run_step", "run_plans"]
+__all__ = ["run_plan", "run_step", "run_plans", "BUCKET_BYTES"]
 
 @dataclass
 class ReshardState:
@@ -322,7 +322,7 @@ def run_plan(plan: Plan, local, rank: int, *, dtype=None, device=None, name=None
 
 
 _FUSABLE = ("all_reduce", "all_gather", "reduce_scatter")
-_BUCKET_BYTES = 25 << 20  # as DDP's buckets
+BUCKET_BYTES = 25 << 20  # as DDP's buckets
 
 
 def _fusable(plan: Plan, rank: int) -> tuple | None:
@@ -341,10 +341,11 @@ def _fusable(plan: Plan, rank: int) -> tuple | None:
     return step.op, step.mesh, step.axis, step.reduce
 
 
-def run_plans(plans, locals_, rank: int, names, tensor_ids, dtypes, devices) -> list:
+def run_plans(plans, locals_, rank: int, names, tensor_ids, dtypes, devices, into=None) -> list:
     """Run many plans on this rank: those that all-reduce, all-gather or reduce-scatter along the same mesh line go
     as one collective per bucket of about 25 MB (as DDP buckets gradients), the others one by one; every tensor gets
-    the events its own :func:`run_plan` would emit (one plan, one step each)."""
+    the events its own :func:`run_plan` would emit (one plan, one step each). ``into``: for each plan, a block the
+    result may be written into (where an all-gather bucket's result fits it, it is, and that block is returned)."""
     out: list = [None] * len(plans)
     groups_: dict = {}
     for i, (plan, local) in enumerate(zip(plans, locals_)):
@@ -362,15 +363,15 @@ def run_plans(plans, locals_, rank: int, names, tensor_ids, dtypes, devices) -> 
         for i in members:
             bucket.append(i)
             size += locals_[i].numel() * locals_[i].element_size()
-            if size >= _BUCKET_BYTES:
-                _run_bucket(sig, bucket, plans, locals_, out, rank, names, tensor_ids)
+            if size >= BUCKET_BYTES:
+                _run_bucket(sig, bucket, plans, locals_, out, rank, names, tensor_ids, into)
                 bucket, size = [], 0
         if bucket:
-            _run_bucket(sig, bucket, plans, locals_, out, rank, names, tensor_ids)
+            _run_bucket(sig, bucket, plans, locals_, out, rank, names, tensor_ids, into)
     return out
 
 
-def _run_bucket(sig, bucket, plans, locals_, out, rank, names, tensor_ids) -> None:
+def _run_bucket(sig, bucket, plans, locals_, out, rank, names, tensor_ids, into) -> None:
     if len(bucket) == 1:
         i = bucket[0]
         out[i] = run_plan(plans[i], locals_[i], rank, name=names[i], tensor_id=tensor_ids[i])
@@ -406,6 +407,14 @@ def _run_bucket(sig, bucket, plans, locals_, out, rank, names, tensor_ids) -> No
         at = 0
         for i, m in zip(bucket, moved):
             n, d = m.numel(), plans[i].steps[0].dim
+            dst = None if into is None else into[i]
+            if (dst is not None and dst.dtype == gathered.dtype and dst.device == gathered.device
+                    and dst.movedim(d, 0).shape == (k * m.shape[0],) + tuple(m.shape[1:])):
+                # straight into the block it replaces: no copy of the bucket beside it
+                dst.movedim(d, 0).unflatten(0, (k, m.shape[0])).copy_(gathered[:, at:at + n].view((k,) + m.shape))
+                out[i] = dst
+                at += n
+                continue
             whole = gathered[:, at:at + n].reshape((k * m.shape[0],) + tuple(m.shape[1:]))
             if whole._base is not None:  # a view would keep the whole bucket of every rank alive
                 whole = whole.clone(memory_format=torch.contiguous_format)

@@ -12,6 +12,7 @@ from ...core.placements import Replicate, Shard
 from ...core.sharding import SHARDED
 from ..autograd import run_reshards
 from ..dtensor import DistTensor, new_dist
+from ..reshard import BUCKET_BYTES
 from .blocks import step_on_blocks
 from .engine import Zero
 
@@ -238,10 +239,33 @@ class PlacedZero(Zero):
     def _gather(self) -> None:
         """The stepped shards back into the parameters (the all-gathers along one mesh line as one collective)."""
         items = list(self._shadow.items())
-        for (p, _), full in zip(items, run_reshards([s.detach() for _, s in items], [p.placements for p, _ in items])):
-            p._hold(full)
+        chunk: list = []
+        size = 0
+        for i, (p, _) in enumerate(items):  # a bucket at a time: the gathered bucket is freed before the next
+            chunk.append(items[i])
+            size += p._local.numel() * p._local.element_size()
+            if size >= BUCKET_BYTES or i == len(items) - 1:
+                fulls = run_reshards([s.detach() for _, s in chunk], [q.placements for q, _ in chunk],
+                                     into=[q for q, _ in chunk])
+                for (q, _), full in zip(chunk, fulls):
+                    if full is not None:
+                        _take(q, full)
+                chunk, size = [], 0
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._inner_opt.zero_grad(set_to_none=set_to_none)
         for p in self._shadow:
             p.grad = None
+
+
+def _take(p: DistTensor, full: DistTensor) -> None:
+    """``p`` holds ``full``'s values: copied into its own block where they lie alike (``full`` may be a view of a
+    gathered bucket, which then goes), else ``full``'s block and layout taken."""
+    a, b = p._local, full._local
+    if (p._mpl == full._mpl and p._tpl is None and full._tpl is None and a.shape == b.shape and a.dtype == b.dtype
+            and a.device == b.device):
+        a.copy_(b)
+    else:
+        p._hold(full)
+        if b._base is not None:  # a view would keep the gathered bucket alive
+            p._local, p._dt = b.clone(), None
