@@ -168,7 +168,9 @@ def make_dist(local: torch.Tensor, mesh: ProcessMesh, placements, shape, require
     """A dist tensor holding ``local`` (no autograd history) as this rank's block of a ``shape`` tensor."""
     shape = tuple(shape)
     to_torch_placements(placements)  # raises for a layout torch DTensor cannot hold
-    local = _on_block_device(local.detach())
+    if local.requires_grad or isinstance(local, torch.nn.Parameter):  # a fresh block needs no detach (a fake op)
+        local = local.detach()
+    local = _on_block_device(local)
     # the mesh's groups (collectives every rank joins) are made when its first tensor is, in program order
     device_mesh_for(mesh, local.device.type if local.device.type != "meta" else block_device_type(local))
     return new_dist(local, mesh, tuple(placements), shape, contiguous_stride(shape), requires_grad)
