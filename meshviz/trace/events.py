@@ -133,6 +133,9 @@ def small_values(tensor, limit: int = MAX_VALUES) -> list | None:
         head = flat[: min(n, limit)]
         if hasattr(head, "detach"):
             head = head.detach().cpu()
+            if head.is_complex():
+                return None
+            return head.tolist()  # Python ints, floats or bools already
         return [v if isinstance(v, (int, float, bool)) else float(v) for v in head.tolist()]
     except Exception:
         return None
