@@ -210,7 +210,8 @@ def _empty_outputs(d: Decision, args, kwargs, mesh, ref):
     def empty(spec):
         if spec is None:
             return None
-        return new_dist(torch.empty(0, dtype=spec[3], device=device), mesh, spec[0], spec[1], contiguous_stride(spec[1]))
+        return new_dist(torch.empty(0, dtype=spec[3], device=device), mesh, spec[0], spec[1],
+                        contiguous_stride(spec[1]))
 
     if d.inplace:
         return args[0]
