@@ -408,10 +408,11 @@ def _run_bucket(sig, bucket, plans, locals_, out, rank, names, tensor_ids, into)
         for i, m in zip(bucket, moved):
             n, d = m.numel(), plans[i].steps[0].dim
             dst = None if into is None else into[i]
-            if (dst is not None and dst.dtype == gathered.dtype and dst.device == gathered.device
-                    and dst.movedim(d, 0).shape == (k * m.shape[0],) + tuple(m.shape[1:])):
+            moved_dst = None if dst is None else dst.movedim(d, 0)
+            if (moved_dst is not None and dst.dtype == gathered.dtype and dst.device == gathered.device
+                    and moved_dst.shape == (k * m.shape[0],) + tuple(m.shape[1:])):
                 # straight into the block it replaces: no copy of the bucket beside it
-                dst.movedim(d, 0).unflatten(0, (k, m.shape[0])).copy_(gathered[:, at:at + n].view((k,) + m.shape))
+                moved_dst.unflatten(0, (k, m.shape[0])).copy_(gathered[:, at:at + n].view((k,) + m.shape))
                 out[i] = dst
                 at += n
                 continue

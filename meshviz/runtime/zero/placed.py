@@ -248,8 +248,8 @@ class PlacedZero(Zero):
                 fulls = run_reshards([s.detach() for _, s in chunk], [q.placements for q, _ in chunk],
                                      into=[q for q, _ in chunk])
                 for (q, _), full in zip(chunk, fulls):
-                    if full is not None:
-                        _take(q, full)
+                    if full is not None:  # None: gathered straight into q's block
+                        q._hold(full)
                 chunk, size = [], 0
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -257,15 +257,3 @@ class PlacedZero(Zero):
         for p in self._shadow:
             p.grad = None
 
-
-def _take(p: DistTensor, full: DistTensor) -> None:
-    """``p`` holds ``full``'s values: copied into its own block where they lie alike (``full`` may be a view of a
-    gathered bucket, which then goes), else ``full``'s block and layout taken."""
-    a, b = p._local, full._local
-    if (p._mpl == full._mpl and p._tpl is None and full._tpl is None and a.shape == b.shape and a.dtype == b.dtype
-            and a.device == b.device):
-        a.copy_(b)
-    else:
-        p._hold(full)
-        if b._base is not None:  # a view would keep the gathered bucket alive
-            p._local, p._dt = b.clone(), None
