@@ -26,8 +26,8 @@ __all__ = [
     "queue_backward_callback",
     # simulated ranks: tensors without storage
     "fake_tensor_mode_type", "fake_data_errors", "fresh_fake_outputs", "may_keep_values", "known_values",
-    "clear_dtensor_caches", "install_fake_ddp", "uninstall_fake_ddp", "share_dtensor_decisions",
-    "in_sharding_propagation",
+    "clear_dtensor_caches", "empty_block", "FakeOps", "install_fake_ddp", "uninstall_fake_ddp",
+    "share_dtensor_decisions", "in_sharding_propagation",
     # pipelining
     "PIPELINE_STAGE_METHODS", "pipeline_setup_calls", "pipeline_neighbor_init_ops", "pipeline_order", "action_fields",
     # ranks as threads
@@ -189,7 +189,9 @@ def queue_backward_callback(fn) -> None:
 # -- simulated ranks: tensors without storage (meshviz/compat/simulated.py) ---------------------------------
 
 from .simulated import (  # noqa: E402
+    FakeOps,
     clear_dtensor_caches,
+    empty_block,
     fake_data_errors,
     fake_tensor_mode_type,
     fake_tensor_type,

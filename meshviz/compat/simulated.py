@@ -46,6 +46,105 @@ def fresh_fake_outputs(mode) -> None:
     conv.from_meta_and_device = types.MethodType(from_meta_and_device, conv)
 
 
+def empty_block(dtype: torch.dtype, device) -> torch.Tensor:
+    """``torch.empty(0, dtype=dtype, device=device)``: under a fake mode made as the mode would make it, without a
+    trip through its dispatch (a rank outside a mesh makes one for every output of every op; six times cheaper)."""
+    mode = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
+    if mode is None:
+        return torch.empty(0, dtype=dtype, device=device)
+    with torch._C._DisableTorchDispatch():
+        meta = torch.empty(0, dtype=dtype, device="meta")
+    return fake_tensor_type()(mode, meta, torch.device(device))
+
+
+class FakeOps:
+    """A cheaper cache of fake ops' outputs than FakeTensorMode's own (whose key reads some twenty properties of
+    every input): keyed by the op, each fake input's shape, stride, offset, dtype, device and storage size, and the
+    other arguments; it holds what the output was (an input written in place, a view of an input, or a new tensor)
+    and makes it again as the mode would. Only ops whose one output was one of those are remembered; any input with
+    values, from another mode, or an argument it cannot hash sends the call to the mode."""
+
+    LIMIT = 1 << 16
+    _SCALARS = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.memory_format, torch.layout)
+
+    def __init__(self) -> None:
+        self.entries: dict = {}
+        self._fake = fake_tensor_type()
+
+    def key(self, mode, func, args, kwargs):
+        """The call's key, or None where it must go to the mode."""
+        parts: list = [func, torch.get_default_dtype(), torch.is_inference_mode_enabled()]
+        for x in args:
+            if not self._part(mode, x, parts):
+                return None
+        for k, x in kwargs.items():
+            parts.append(k)
+            if isinstance(x, torch.Tensor) or not self._part(mode, x, parts):  # out=: written, not made
+                return None
+        return tuple(parts)
+
+    def _part(self, mode, x, parts: list) -> bool:
+        if isinstance(x, self._fake):
+            if x.fake_mode is not mode or x.constant is not None or x.is_complex() or x.layout != torch.strided \
+                    or x.is_neg():
+                return False
+            parts.append((x.shape, x.stride(), x.storage_offset(), x.dtype, x.fake_device,
+                          x.untyped_storage().nbytes()))
+            return True
+        if isinstance(x, torch.Tensor):
+            return False
+        if isinstance(x, (list, tuple)):
+            if not all(type(y) is int for y in x):
+                return False
+            parts.append(tuple(x))
+            return True
+        if type(x) in self._SCALARS:
+            parts.append((type(x), x))
+            return True
+        return False
+
+    def get(self, mode, key, args):
+        entry = self.entries.get(key)
+        if entry is None:
+            return None
+        kind, i = entry[0], entry[1]
+        if kind == "inplace":
+            return args[i]
+        shape, stride, offset, dtype, device = entry[2:]
+        with torch._C._DisableTorchDispatch():
+            meta = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
+            if kind == "view":
+                meta.set_(args[i].untyped_storage(), offset, shape, stride)
+        return self._fake(mode, meta, device)
+
+    def learn(self, key, func, args, out) -> None:
+        """Remember what ``func`` made (``out``) for calls like this one, where it is one the cache can make again."""
+        if type(out) is not self._fake or out.constant is not None or out.is_complex() \
+                or out.layout != torch.strided or out.requires_grad or out.is_neg():
+            return
+        if len(self.entries) >= self.LIMIT:
+            self.entries.clear()
+        tensors = [(i, a) for i, a in enumerate(args) if isinstance(a, self._fake)]
+        for i, a in tensors:
+            if out is a:  # written in place: remembered only where its layout stayed (not ``t_``, ``resize_``)
+                if key[3 + i] == (a.shape, a.stride(), a.storage_offset(), a.dtype, a.fake_device,
+                                  a.untyped_storage().nbytes()):
+                    self.entries[key] = ("inplace", i)
+                return
+        meta = (tuple(out.shape), out.stride(), out.storage_offset(), out.dtype, out.fake_device)
+        storage = out.untyped_storage()
+        for i, a in tensors:
+            if a.untyped_storage()._cdata == storage._cdata:
+                self.entries[key] = ("view", i, *meta)
+                return
+        if meta[2] != 0:
+            return
+        with torch._C._DisableTorchDispatch():
+            probe = torch.empty_strided(meta[0], meta[1], dtype=meta[3], device="meta")
+        if probe.untyped_storage().nbytes() == storage.nbytes():
+            self.entries[key] = ("new", None, *meta)
+
+
 def may_keep_values(mode, t: torch.Tensor, limit: int) -> bool:
     """Whether a fake tensor made from real data ``t`` (``torch.tensor([...])``) keeps its values, as
     FakeTensorMode does for one element (``may_turn_const``), here for up to ``limit`` elements."""

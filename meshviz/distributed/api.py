@@ -8,7 +8,7 @@ import numpy as np
 import torch
 import torch.distributed as tdist
 
-from .. import trace
+from .. import compat, trace
 from ..core.layout import local_block, normalize_placements, pad_placements
 from ..core.mesh import ProcessMesh
 from ..core.placements import Replicate, Shard
@@ -123,7 +123,7 @@ def dtensor_from_local(local_tensor, mesh: ProcessMesh, placements, shape=None):
         shape = _global_shape(local, mesh, placements)
     pl = _check(mesh, placements, tuple(shape))
     if not mesh.contains(_rank()):
-        local = local.new_empty(0)
+        local = compat.empty_block(local.dtype, local.device)
     else:
         want = [b - a for a, b in local_block(shape, mesh, pl, mesh.coordinate(_rank()))]
         if list(local.shape) != want:
@@ -222,7 +222,7 @@ def local_map(func, out_placements, in_placements=None, process_mesh=None, resha
             if not outside:
                 return dtensor_from_local(o, mesh, p)
             shape = _global_shape(o, mesh, pad_placements(p, mesh))
-            return dtensor_from_local(torch.empty(0, dtype=o.dtype, device=device()), mesh, p, shape=shape)
+            return dtensor_from_local(compat.empty_block(o.dtype, device()), mesh, p, shape=shape)
 
         res = [place(o, p) if p is not None and isinstance(o, torch.Tensor) else o for o, p in zip(outs, out_pls)]
         return res[0] if single else type(out)(res)

@@ -115,6 +115,9 @@ class WatchedEnv(dict):
 
 _VALUE_ERROR, _SHAPE_ERROR = compat.fake_data_errors()
 _FAKE = compat.fake_tensor_type()
+_DEVICE = torch.ops.prim.device.default
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_OPS = compat.FakeOps()  # shared by every simulated rank: a key holds no rank's tensors
 
 
 def _tensor_args(args, kwargs) -> list:
@@ -152,7 +155,8 @@ class SimulatedTensors(compat.fake_tensor_mode_type()):  # type: ignore[misc]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if self.layouts is not None and any(t is not _FAKE and t is not torch.Tensor for t in types):
+        sub = any(t is not _FAKE and t is not torch.Tensor for t in types)
+        if sub and self.layouts is not None:
             self.layouts.note(args)
         if all(t is not _FAKE for t in types):
             real = self._real(func, args, kwargs)
@@ -160,6 +164,18 @@ class SimulatedTensors(compat.fake_tensor_mode_type()):  # type: ignore[misc]
                 if self.ledger is not None and self._depth == 0 and not compat.in_sharding_propagation():
                     self.ledger.saw(real)
                 return real
+        if sub and any(not issubclass(t, _FAKE) and t not in _PLAIN for t in types):
+            return NotImplemented  # a subclass (a dist tensor) runs the op first, as FakeTensorMode would let it
+        if func is _DEVICE:  # asked for each fake input by much of torch's C++: answered as the mode would
+            t = args[0]
+            return torch.device("meta") if t.fake_mode.in_kernel_invocation else t.fake_device
+        key = _OPS.key(self, func, args, kwargs)
+        if key is not None:
+            out = _OPS.get(self, key, args)
+            if out is not None:
+                if self.ledger is not None and self._depth == 0 and not compat.in_sharding_propagation():
+                    self.ledger.saw(out)
+                return out
         self._depth += 1
         try:
             out = super().__torch_dispatch__(func, types, args, kwargs)
@@ -172,6 +188,8 @@ class SimulatedTensors(compat.fake_tensor_mode_type()):  # type: ignore[misc]
             out = self._largest(func, args, kwargs)
         finally:
             self._depth -= 1
+        if key is not None:
+            _OPS.learn(key, func, args, out)
         # an op the fake kernel runs inside another (a decomposition's steps; the first call only, the next ones hit
         # its cache) is no allocation of the rank's: a real kernel makes only the outer op's output
         if self.ledger is not None and self._depth == 0 and out is not NotImplemented \

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as tdist
 
+from .. import compat
 from ..core.layout import local_block
 from ..core.mesh import ProcessMesh
 from ..core.partial import partial_fill, summed
@@ -25,7 +26,7 @@ def _rank() -> int:
 def local_block_of(dense: torch.Tensor, mesh: ProcessMesh, placements) -> torch.Tensor:
     coord = mesh.coordinate(_rank())
     if coord is None:
-        return dense.detach().new_empty(0)
+        return compat.empty_block(dense.dtype, dense.device)
     blk = local_block(dense.shape, mesh, placements, coord)
     local = dense.detach()[tuple(slice(a, b) for a, b in blk)]
     fill = partial_fill(placements, coord)
@@ -126,7 +127,7 @@ def run_reshard(t: DistTensor, mesh: ProcessMesh, placements, name=None) -> Dist
     new = run_plan(plan, local if src_has else None, rank, dtype=t.dtype, device=local.device,
                    name=name, tensor_id=t.tensor_id)
     if new is None or not mesh.contains(rank):
-        new = local.new_empty(0)
+        new = compat.empty_block(local.dtype, local.device)
     out = make_dist(new, mesh, plan.dst_placements, t.shape)
     out.name = name
     return out
@@ -151,7 +152,7 @@ def run_reshards(ts, placements_list, names=None, into=None) -> list:
             continue
         mesh = plan.dst_mesh
         if new is None or not mesh.contains(rank):
-            new = t._local.new_empty(0)
+            new = compat.empty_block(t._local.dtype, t._local.device)
         r = make_dist(new, mesh, plan.dst_placements, t.shape)
         r.name = name
         out.append(r)

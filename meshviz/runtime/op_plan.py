@@ -462,7 +462,7 @@ def as_replicate(x: torch.Tensor, ref: DistTensor, dm):
 
 
 def _local_for_replicate(x: torch.Tensor, mesh: ProcessMesh) -> torch.Tensor:
-    return x.detach() if mesh.contains(_rank()) else x.detach().new_empty(0)
+    return x.detach() if mesh.contains(_rank()) else compat.empty_block(x.dtype, x.device)
 
 
 def _meta_of(x: DistTensor) -> torch.Tensor:

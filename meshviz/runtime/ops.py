@@ -210,7 +210,7 @@ def _empty_outputs(d: Decision, args, kwargs, mesh, ref):
     def empty(spec):
         if spec is None:
             return None
-        return new_dist(torch.empty(0, dtype=spec[3], device=device), mesh, spec[0], spec[1],
+        return new_dist(compat.empty_block(spec[3], device), mesh, spec[0], spec[1],
                         contiguous_stride(spec[1]))
 
     if d.inplace:
@@ -304,7 +304,7 @@ def _default_rule(d: Decision, func, args, kwargs, ref: DistTensor):
     if not mesh.contains(_rank()):
         stand_in = probe(func, args, kwargs)
         return _into_self(func, args, _tree_map(
-            lambda x: make_dist(torch.empty(0, dtype=x.dtype, device=ref.device), mesh, rep, x.shape)
+            lambda x: make_dist(compat.empty_block(x.dtype, ref.device), mesh, rep, x.shape)
             if isinstance(x, torch.Tensor) else x, stand_in))
 
     def whole(x):
