@@ -7,6 +7,7 @@ import sys
 
 import torch
 import torch.distributed as tdist
+from torch.distributed.tensor import DTensor
 
 from .. import compat
 from .ledger import Ledger
@@ -38,8 +39,6 @@ class Layouts:
                 self._one(x)
 
     def _one(self, x) -> None:
-        from torch.distributed.tensor import DTensor
-
         from ..runtime.dtensor import DistTensor, process_mesh_of
 
         if isinstance(x, DistTensor):

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from .. import compat, rank_context
 
@@ -170,11 +171,9 @@ def _local(t):
     """The plain tensor that owns ``t``'s storage (a dist tensor's block, a DTensor's local tensor)."""
     if t is None:
         return None
-    from torch.distributed.tensor import DTensor
-
-    inner = getattr(t, "_dtensor", None)
-    if inner is not None:
-        t = inner
+    local = getattr(t, "_local", None)  # a dist tensor's block (asking for its DTensor would build one)
+    if isinstance(local, torch.Tensor):
+        return local
     return compat.dtensor_local(t) if isinstance(t, DTensor) else t
 
 
