@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 from .payloads import PAYLOAD_OF, Payload, payload_from_dict
 from .state import trace_state
 
-__all__ = ["Event", "KINDS", "MAX_VALUES", "small_values", "to_json", "from_json", "now"]
+__all__ = ["Event", "EventTemplate", "KINDS", "MAX_VALUES", "small_values", "to_json", "from_json", "now"]
 
 P = TypeVar("P", bound=Payload)
 
@@ -103,6 +103,33 @@ class Event:
         if isinstance(p, dict):
             kw["payload"] = payload_from_dict(p, kw.get("kind") or "")
         return cls(**kw)
+
+
+class EventTemplate:
+    """The fields of an event that stay the same from call to call (a reshard plan's, one of its steps'), checked
+    once: :meth:`stamp` makes each call's Event of them and the fields that change, as ``Event(...)`` would, at a
+    fraction of its cost. Stamped events share the template's lists and dicts: events are records, read, never
+    changed."""
+
+    __slots__ = ("_fields",)
+
+    def __init__(self, **fields) -> None:
+        proto = Event(seq=-1, **fields)  # checks kind and payload; takes no number from the rank's count
+        self._fields = dict(proto.__dict__)
+
+    def stamp(self, seq: int, **changes) -> Event:
+        """A new Event numbered ``seq`` (the next of the rank's count, which the caller takes), started now unless
+        ``changes`` gives ``start``."""
+        d = self._fields.copy()
+        d["seq"] = seq
+        d["start"] = time.time()
+        d.update(changes)
+        ev = _new_event(Event)
+        ev.__dict__ = d
+        return ev
+
+
+_new_event = object.__new__
 
 
 _defaults: dict[str, Payload] = {}  # payloads are frozen: one default instance per kind serves every event
