@@ -111,25 +111,21 @@ class EventTemplate:
     fraction of its cost. Stamped events share the template's lists and dicts: events are records, read, never
     changed."""
 
-    __slots__ = ("_fields",)
+    __slots__ = ("_args",)
 
     def __init__(self, **fields) -> None:
         proto = Event(seq=-1, **fields)  # checks kind and payload; takes no number from the rank's count
-        self._fields = dict(proto.__dict__)
+        self._args = [getattr(proto, name) for name in _ORDER]
 
     def stamp(self, seq: int, **changes) -> Event:
         """A new Event numbered ``seq`` (the next of the rank's count, which the caller takes), started now unless
         ``changes`` gives ``start``."""
-        d = self._fields.copy()
-        d["seq"] = seq
-        d["start"] = time.time()
-        d.update(changes)
-        ev = _new_event(Event)
-        ev.__dict__ = d
-        return ev
-
-
-_new_event = object.__new__
+        args = self._args.copy()
+        args[_SEQ] = seq
+        args[_START] = time.time()
+        for name, v in changes.items():
+            args[_INDEX[name]] = v
+        return Event(*args)  # by position: the quickest way to an Event laid out as any other
 
 
 _defaults: dict[str, Payload] = {}  # payloads are frozen: one default instance per kind serves every event
@@ -168,7 +164,10 @@ def small_values(tensor, limit: int = MAX_VALUES) -> list | None:
         return None
 
 
-_NAMES = frozenset(f.name for f in dataclasses.fields(Event))
+_ORDER = tuple(f.name for f in dataclasses.fields(Event))
+_NAMES = frozenset(_ORDER)
+_INDEX = {name: i for i, name in enumerate(_ORDER)}
+_SEQ, _START = _INDEX["seq"], _INDEX["start"]
 
 
 def _default(o: Any):
