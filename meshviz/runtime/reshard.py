@@ -18,7 +18,7 @@ from ..trace.state import trace_state
 from . import groups
 from .comm import Call, CollectiveOp, all_to_all_flat, divide_, reduction, run
 from .devices import staged_recv, staged_send
-from .reshard_events import issued_now, plan_event, step_event, traced_plan
+from .reshard_events import UNKNOWN, issued_now, plan_event, step_event, traced_plan
 
 __all__ = ["run_plan", "run_step", "run_plans", "BUCKET_BYTES"]
 
@@ -287,13 +287,16 @@ def run_plan(plan: Plan, local, rank: int, *, dtype=None, device=None, name=None
     traced = traced_plan(plan, rank)
     plan_id = next(RESHARD.get(ctx).plan_ids)
     me = trace.my_rank(st)
-    plan_event(st, traced, me, local, name, tensor_id, plan_id)
+    known = plan_event(st, traced, me, local, name, tensor_id, plan_id)  # the values of the block going in
     issued = issued_now()
     for i, step in enumerate(plan.steps):
         t0 = time.time()
         local = run_step(step, local, rank, dtype, device)
-        if traced.parts[i] is not None:
-            step_event(st, traced, me, i, local, t0, name, tensor_id, plan_id, issued)
+        if traced.parts[i] is None:
+            known = UNKNOWN
+        else:
+            known = step_event(st, traced, me, i, local, t0, name, tensor_id, plan_id, issued,
+                               known if traced.keeps[i] else UNKNOWN)
     return local
 
 

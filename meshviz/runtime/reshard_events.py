@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from itertools import chain
+
 import torch
 
 from .. import trace
@@ -9,17 +11,18 @@ from ..core.planner import Plan
 from ..core.traffic import step_received
 from . import rollcall
 
-__all__ = ["Traced", "traced_plan", "plan_event", "step_event", "issued_now", "values_of"]
+__all__ = ["Traced", "UNKNOWN", "traced_plan", "plan_event", "step_event", "issued_now", "values_of"]
 
 
 def values_of(t) -> list | None:
-    """``trace.small_values(t)``, read with one reshape and one tolist where ``t`` is a plain tensor."""
-    if type(t) is torch.Tensor:
+    """``trace.small_values(t)``; of a small plain tensor of one or two dims, read with one tolist."""
+    if type(t) is torch.Tensor and not t.dtype.is_complex:
         try:
-            if t.is_complex():
-                return None
-            flat = t.reshape(-1)
-            return (flat if flat.shape[0] <= trace.MAX_VALUES else flat[: trace.MAX_VALUES]).tolist()
+            n = t.dim()
+            if n and t.numel() <= trace.MAX_VALUES:
+                if n == 1:
+                    return t.tolist()
+                return list(chain.from_iterable(t.tolist())) if n == 2 else t.reshape(-1).tolist()
         except Exception:
             pass
     return trace.small_values(t)
@@ -27,9 +30,10 @@ def values_of(t) -> list | None:
 
 class Traced:
     """What a plan's events carry on one rank that is the same at every run: the ``reshard`` event's fields, each
-    step's group (None where the rank has no part) and ``reshard_step`` fields, and its payloads per issuer."""
+    step's group (None where the rank has no part), whether it keeps the block (a line of one rank: the block's
+    values are those that went in), its ``reshard_step`` fields, and its payloads per issuer."""
 
-    __slots__ = ("plan", "head", "parts", "steps", "issued")
+    __slots__ = ("plan", "head", "parts", "keeps", "steps", "issued")
 
     def __init__(self, plan: Plan, rank: int):
         self.plan = plan  # held: the cache's key is its id
@@ -39,6 +43,7 @@ class Traced:
             placements_after=placements[1], shape_before=list(plan.shape), shape_after=list(plan.shape),
             bytes=plan.total_bytes, payload=trace.ReshardPlan(target_mesh=plan.dst_mesh.to_dict(), ops=tuple(plan.ops)))
         self.parts = [step.group_of(rank) for step in plan.steps]
+        self.keeps = [step.op != "send_recv" and step.mesh.shape[step.axis] == 1 for step in plan.steps]
         self.steps = [
             trace.EventTemplate(
                 kind="reshard_step", op=step.op, step=i, mesh=step.mesh.to_dict(), axis=step.axis,
@@ -75,19 +80,33 @@ def traced_plan(plan: Plan, rank: int) -> Traced:
     return t
 
 
-def plan_event(st, traced: Traced, me: int, local, name, tensor_id, plan_id) -> None:
+UNKNOWN = object()  # values not read yet
+
+
+def plan_event(st, traced: Traced, me: int, local, name, tensor_id, plan_id) -> list | None:
+    """Emit the ``reshard`` event; returns the values it read."""
+    values = None if local is None else values_of(local)
     trace.emit(traced.head.stamp(
         next(st.seq), rank=me, name=name, tensor_id=tensor_id, plan_id=plan_id,
-        local_shape=None if local is None else list(local.shape), values=None if local is None else values_of(local),
+        local_shape=None if local is None else list(local.shape), values=values,
     ), st)
+    return values
 
 
-def step_event(st, traced: Traced, me: int, i: int, local, t0, name, tensor_id, plan_id, issued) -> None:
+def step_event(st, traced: Traced, me: int, i: int, local, t0, name, tensor_id, plan_id, issued,
+               known=UNKNOWN) -> list | None:
+    """Emit step ``i``'s event; ``known``: the values of the block it made, where they are known (a step that keeps
+    the block has the values that went in). Returns the values."""
+    if known is UNKNOWN:
+        values = None if local is None else values_of(local)
+    else:
+        values = None if known is None else known.copy()
     trace.emit(traced.steps[i].stamp(
         next(st.seq), rank=me, name=name, tensor_id=tensor_id, plan_id=plan_id, start=t0,
-        local_shape=None if local is None else list(local.shape), values=None if local is None else values_of(local),
+        local_shape=None if local is None else list(local.shape), values=values,
         payload=traced.step_payload(i, issued),
     ), st)
+    return values
 
 
 def issued_now() -> tuple:
