@@ -1,7 +1,8 @@
 """Fixed per-call cost of shard_tensor and reshard against DTensor's distribute_tensor / redistribute, on CUDA.
 
 Tiny tensors, so what is measured is the cost of a call, not of moving data: a 1-rank mesh (NCCL) and, with
-``--ranks 2``, two ranks sharing the GPU (gloo). Also a traced reshard, and the price of tracing switched off.
+``--ranks 2``, two ranks sharing the GPU (gloo). Also a recorded reshard against the same one untraced (its ratio),
+and the price of tracing switched off.
 Run: .venv/bin/python bench/bench_gpu.py [--ranks 1 2] [--calls 2000] [--rounds 7] [--c10d]
 Without CUDA it says so and exits; ``--device cpu`` measures the same calls on the CPU (gloo).
 """
@@ -9,6 +10,7 @@ Without CUDA it says so and exits; ``--device cpu`` measures the same calls on t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import time
@@ -16,25 +18,29 @@ import time
 import torch
 
 
-def _rounds(fns: dict, calls: int, rounds: int, sync) -> dict:
-    """Median microseconds per call of each ``fns`` entry, the entries run alternately round by round."""
+def _rounds(fns: dict, calls: int, rounds: int, sync, around: dict | None = None) -> dict:
+    """Median microseconds per call of each ``fns`` entry, the entries run alternately round by round; ``around``:
+    for some entries, a context manager each of their rounds (and their warm-up) runs in."""
     import torch.distributed as tdist
 
+    around = around or {}
     times = {k: [] for k in fns}
-    for f in fns.values():
-        for _ in range(20):  # warm-up: groups, DeviceMeshes, caches
-            f()
+    for k, f in fns.items():
+        with around.get(k, contextlib.nullcontext)():
+            for _ in range(20):  # warm-up: groups, DeviceMeshes, caches
+                f()
     sync()
     for _ in range(rounds):
         for k, f in fns.items():
             if tdist.get_world_size() > 1:
                 tdist.barrier()
-            sync()
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                f()
-            sync()
-            times[k].append((time.perf_counter() - t0) / calls * 1e6)
+            with around.get(k, contextlib.nullcontext)():
+                sync()
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    f()
+                sync()
+                times[k].append((time.perf_counter() - t0) / calls * 1e6)
     return {k: (statistics.median(v), min(v), max(v)) for k, v in times.items()}
 
 
@@ -81,12 +87,12 @@ def measure(calls: int, rounds: int, c10d: bool = False):
         fns["c10d all_gather_into_tensor S(0)->R"] = lambda: all_gather_single(out, blk.reshape(-1))
         fns["c10d all_reduce P->R"] = lambda: tdist.all_reduce(x.clone())
     table = _rounds(fns, calls, rounds, sync)
-    # traced: every step emits events into a memory sink (cleared between rounds so it stays small)
+    # traced: a round's reshards recorded (trace.record keeps every event of the round, as a user's would), rounds
+    # alternating with the same reshard untraced
     d = dist.shard_tensor(x, mesh, [S0])
-    sink = trace.add_sink(trace.MemorySink())
-    traced = {"reshard S(0)->R, traced": lambda: (dist.reshard(d, mesh, [R]), sink.events.clear())}
-    table.update(_rounds(traced, calls, rounds, sync))
-    trace.remove_sink(sink)
+    traced = {"reshard S(0)->R, untraced": lambda: dist.reshard(d, mesh, [R]),
+              "reshard S(0)->R, traced": lambda: dist.reshard(d, mesh, [R])}
+    table.update(_rounds(traced, calls, rounds, sync, around={"reshard S(0)->R, traced": trace.record}))
     table.update(_rounds({"reshard S(0)->R, tracing off again": lambda: dist.reshard(d, mesh, [R])}, calls, rounds,
                          sync))
     return {"table": table, "device": str(dev), "backend": tdist.get_backend(), "ranks": n,
@@ -113,8 +119,11 @@ def _print(res: dict) -> None:
         if a not in compared:
             compared.add(a)
             print(f"| {a} | {t[a][0]:.1f} ({t[a][1]:.1f}-{t[a][2]:.1f}) | | |")
-    for k in ("reshard S(0)->R, traced", "reshard S(0)->R, tracing off again"):
-        print(f"| {k} | {t[k][0]:.1f} ({t[k][1]:.1f}-{t[k][2]:.1f}) | | |")
+    k, u = "reshard S(0)->R, traced", "reshard S(0)->R, untraced"
+    print(f"| {k} | {t[k][0]:.1f} ({t[k][1]:.1f}-{t[k][2]:.1f}) | untraced, same rounds: {t[u][0]:.1f} "
+          f"({t[u][1]:.1f}-{t[u][2]:.1f}) | {t[k][0] / t[u][0]:.2f} |")
+    k = "reshard S(0)->R, tracing off again"
+    print(f"| {k} | {t[k][0]:.1f} ({t[k][1]:.1f}-{t[k][2]:.1f}) | | |")
 
 
 def main(argv=None) -> int:

@@ -14,10 +14,11 @@ from ..core.layout import chunk, local_block
 from ..core.partial import partial_fill
 from ..core.placements import ReduceType
 from ..core.planner import Plan, Step
-from ..core.traffic import step_received
-from . import groups, rollcall
+from ..trace.state import trace_state
+from . import groups
 from .comm import Call, CollectiveOp, all_to_all_flat, divide_, reduction, run
 from .devices import staged_recv, staged_send
+from .reshard_events import UNKNOWN, issued_now, plan_event, step_event, traced_plan
 
 __all__ = ["run_plan", "run_step", "run_plans", "BUCKET_BYTES"]
 
@@ -272,52 +273,30 @@ def run_step(step: Step, local, rank: int, dtype, device):
     raise ValueError(f"unknown step {step.op}")
 
 
-def _plan_event(plan: Plan, local, name, tensor_id, plan_id) -> None:
-    trace.emit(trace.Event(
-        kind="reshard", name=name, tensor_id=tensor_id, plan_id=plan_id, mesh=plan.src_mesh.to_dict(),
-        placements_before=[repr(p) for p in plan.src_placements],
-        placements_after=[repr(p) for p in plan.dst_placements],
-        shape_before=list(plan.shape), shape_after=list(plan.shape), bytes=plan.total_bytes,
-        local_shape=None if local is None else list(local.shape),
-        values=None if local is None else trace.small_values(local),
-        payload=trace.ReshardPlan(target_mesh=plan.dst_mesh.to_dict(), ops=tuple(plan.ops)),
-    ))
-
-
-def _step_event(plan: Plan, i: int, step: Step, part, local, t0, name, tensor_id, plan_id, issued,
-                rank) -> None:
-    here, module, backward = issued
-    trace.emit(trace.Event(
-        kind="reshard_step", op=step.op, name=name, tensor_id=tensor_id, plan_id=plan_id, step=i,
-        start=t0, mesh=step.mesh.to_dict(), axis=step.axis,
-        group=[list(p) for p in part] if step.op == "send_recv" else list(part),
-        bytes=step_received(step, rank, plan.itemsize), placements_before=[repr(p) for p in step.before],
-        placements_after=[repr(p) for p in step.after], shape_before=list(plan.shape),
-        shape_after=list(plan.shape), local_shape=None if local is None else list(local.shape),
-        values=None if local is None else trace.small_values(local),
-        payload=trace.ReshardStep(dim=step.dim, dst_dim=step.dst_dim,
-                                  reduce=None if step.reduce is None else step.reduce.short,
-                                  where=here, module=module, backward=backward),
-    ))
-
-
 def run_plan(plan: Plan, local, rank: int, *, dtype=None, device=None, name=None, tensor_id=None):
     """Run every step of ``plan`` on this rank, emitting one ``reshard_step`` event per step it took part in (its
     ``bytes``: what this rank received in the step)."""
     dtype = dtype if dtype is not None else local.dtype
     device = device if device is not None else local.device
-    tracing = trace.active()
-    plan_id = next(_state().plan_ids) if tracing else None
-    if tracing:
-        _plan_event(plan, local, name, tensor_id, plan_id)
-        module, backward = rollcall.issuer()
-        issued = (rollcall.where(), module, backward)
+    ctx = rank_context.current()
+    st = trace_state(ctx)
+    if not st.sinks:
+        for step in plan.steps:
+            local = run_step(step, local, rank, dtype, device)
+        return local
+    traced = traced_plan(plan, rank)
+    plan_id = next(RESHARD.get(ctx).plan_ids)
+    me = trace.my_rank(st)
+    known = plan_event(st, traced, me, local, name, tensor_id, plan_id)  # the values of the block going in
+    issued = issued_now()
     for i, step in enumerate(plan.steps):
-        part = step.group_of(rank)
         t0 = time.time()
         local = run_step(step, local, rank, dtype, device)
-        if tracing and part is not None:
-            _step_event(plan, i, step, part, local, t0, name, tensor_id, plan_id, issued, rank)
+        if traced.parts[i] is None:
+            known = UNKNOWN
+        else:
+            known = step_event(st, traced, me, i, local, t0, name, tensor_id, plan_id, issued,
+                               known if traced.keeps[i] else UNKNOWN)
     return local
 
 
@@ -378,14 +357,16 @@ def _run_bucket(sig, bucket, plans, locals_, out, rank, names, tensor_ids, into)
         return
     op, mesh, axis, _reduce = sig
     step = plans[bucket[0]].steps[0]
-    tracing = trace.active()
-    ids = {}
+    st = trace_state()
+    tracing = bool(st.sinks)
+    ids, traced = {}, {}
     if tracing:
+        me = trace.my_rank(st)
         for i in bucket:
             ids[i] = next(_state().plan_ids)
-            _plan_event(plans[i], locals_[i], names[i], tensor_ids[i], ids[i])
-        module, backward = rollcall.issuer()
-        issued = (rollcall.where(), module, backward)
+            traced[i] = traced_plan(plans[i], rank)
+            plan_event(st, traced[i], me, locals_[i], names[i], tensor_ids[i], ids[i])
+        issued = issued_now()
     t0 = time.time()
     line, _ = groups.axis_group(mesh, axis, rank)
     group = groups.line_group(line)
@@ -442,6 +423,4 @@ def _run_bucket(sig, bucket, plans, locals_, out, rank, names, tensor_ids, into)
             at += n
     if tracing:
         for i in bucket:
-            part = step.group_of(rank)
-            _step_event(plans[i], 0, plans[i].steps[0], part, out[i], t0, names[i], tensor_ids[i], ids[i], issued,
-                        rank)
+            step_event(st, traced[i], me, 0, out[i], t0, names[i], tensor_ids[i], ids[i], issued)

@@ -210,13 +210,29 @@ def _format(frame) -> str:
     return place if name == "<module>" else f"{place} in {name}()"
 
 
+_IS_INTERNAL: dict[str, bool] = {}  # file name -> _internal(it)
+_WHERE: dict[tuple, str] = {}  # (code, line) -> _format of a frame there
+
+
 def where(frame=None) -> str | None:
     """The user's code ``frame`` (default: the caller's) is in: the innermost frame outside meshviz, torch and the
     standard library, as ``"line 3 of the cell"`` or ``"train.py:12 in step()"``."""
     f = sys._getframe(1) if frame is None else frame
     while f is not None:
-        if not _internal(f.f_code.co_filename):
-            return _format(f)
+        code = f.f_code
+        internal = _IS_INTERNAL.get(code.co_filename)
+        if internal is None:
+            if len(_IS_INTERNAL) >= 4096:
+                _IS_INTERNAL.clear()
+            internal = _IS_INTERNAL[code.co_filename] = _internal(code.co_filename)
+        if not internal:
+            key = (code, f.f_lineno)
+            place = _WHERE.get(key)
+            if place is None:
+                if len(_WHERE) >= 4096:
+                    _WHERE.clear()
+                place = _WHERE[key] = _format(f)
+            return place
         f = f.f_back
     return None
 

@@ -1,7 +1,7 @@
 """Events the runtime emits and the widgets draw, and where they go."""
 
 from .commtable import CommRow, CommTable, comm_table
-from .events import KINDS, MAX_VALUES, Event, from_json, small_values, to_json
+from .events import KINDS, MAX_VALUES, Event, EventTemplate, from_json, small_values, to_json
 from .ownership import Ownership
 from .payloads import (
     Collective,
@@ -25,6 +25,7 @@ from .recorder import (
     clear_sinks,
     emit,
     load_events,
+    my_rank,
     on_active,
     record,
     remove_sink,
@@ -37,9 +38,9 @@ from .recorder import (
 from .status import RankStatus, RollCall, Situation
 
 __all__ = [
-    "Event", "KINDS", "MAX_VALUES", "small_values", "to_json", "from_json", "Ownership",
+    "Event", "EventTemplate", "KINDS", "MAX_VALUES", "small_values", "to_json", "from_json", "Ownership",
     "Payload", "Placed", "ReshardPlan", "ReshardStep", "Issued", "Collective", "Send", "Recv", "Compute", "Mark",
     "Share", "OpRule", "RankStatus", "RollCall", "Situation", "CommRow", "CommTable", "comm_table",
     "active", "on_active", "emit", "span", "add_sink", "remove_sink", "clear_sinks", "sinks", "set_rank", "set_cell",
-    "MemorySink", "JSONLSink", "record", "replay", "load_events",
+    "my_rank", "MemorySink", "JSONLSink", "record", "replay", "load_events",
 ]

@@ -11,7 +11,7 @@ from typing import TextIO
 
 from ..rank_context import getenv
 from .events import Event, from_json, to_json
-from .state import trace_state
+from .state import TraceState, trace_state
 
 __all__ = [
     "active",
@@ -24,6 +24,7 @@ __all__ = [
     "clear_sinks",
     "sinks",
     "set_rank",
+    "my_rank",
     "MemorySink",
     "JSONLSink",
     "record",
@@ -74,18 +75,21 @@ def _changed(was: bool) -> None:
                 pass
 
 
-def _my_rank() -> int:
-    r = trace_state().rank
+def my_rank(st: TraceState | None = None) -> int:
+    """The rank events are stamped with (``st``: the rank's trace state, where the caller has it already)."""
+    r = (trace_state() if st is None else st).rank
     if r is not None:
         return r
     env = getenv("RANK")
     return int(env) if env is not None else 0
 
 
-def emit(event: Event) -> Event:
-    st = trace_state()
+def emit(event: Event, state: TraceState | None = None) -> Event:
+    """Send ``event`` to the sinks, stamped with this rank and cell; ``state``: the rank's trace state, where the
+    caller has it already."""
+    st = trace_state() if state is None else state
     if event.rank < 0:
-        event.rank = _my_rank()
+        event.rank = my_rank(st)
     if event.cell is None:
         event.cell = st.cell
     if event.end is None:

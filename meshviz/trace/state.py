@@ -26,5 +26,6 @@ class TraceState:
 TRACE = rank_context.slot("trace", TraceState)
 
 
-def trace_state() -> TraceState:
-    return TRACE.get()
+def trace_state(ctx: rank_context.RankContext | None = None) -> TraceState:
+    """The calling rank's trace state (or ``ctx``'s, where the caller has fetched its rank context already)."""
+    return TRACE.get(ctx)

@@ -1,0 +1,49 @@
+"""Event templates and the block values a traced reshard reads: the same events as built field by field."""
+
+import pytest
+import torch
+
+from meshviz import trace
+from meshviz.runtime.reshard_events import values_of
+from meshviz.trace import Event, EventTemplate
+from meshviz.trace.state import trace_state
+
+pytestmark = pytest.mark.timeout(60)
+
+FIELDS = dict(kind="reshard_step", op="all_gather", mesh={"shape": [2], "process_ids": [0, 1], "dim_names": ["x"]},
+              axis=0, group=[0, 1], bytes=64, placements_before=["S(0)"], placements_after=["R"],
+              shape_before=[4, 4], shape_after=[4, 4], step=0, payload=trace.ReshardStep(dim=0))
+
+
+def test_a_stamp_is_the_event_its_fields_make():
+    tpl = EventTemplate(**FIELDS)
+    ev = tpl.stamp(7, rank=1, name="w", tensor_id=3, plan_id=2, start=1.5, local_shape=[4, 4], values=[1.0, 2.0],
+                   payload=trace.ReshardStep(dim=0, where="x.py:1"))
+    want = Event(**{**FIELDS, "payload": trace.ReshardStep(dim=0, where="x.py:1")}, seq=7, rank=1, name="w",
+                 tensor_id=3, plan_id=2, start=1.5, local_shape=[4, 4], values=[1.0, 2.0])
+    assert type(ev) is Event and ev == want
+    assert ev.to_dict() == want.to_dict() and list(ev.to_dict()) == list(want.to_dict())  # same fields, same order
+    assert trace.to_json(ev) == trace.to_json(want)
+
+
+def test_a_template_takes_no_number_and_checks_its_kind_once():
+    before = next(trace_state().seq)
+    EventTemplate(**FIELDS).stamp(0)
+    assert next(trace_state().seq) == before + 1
+    with pytest.raises(ValueError, match="does not match"):
+        EventTemplate(**{**FIELDS, "kind": "reshard"})
+    ev = EventTemplate(kind="mark").stamp(0, name="m")
+    assert ev.payload == trace.Mark() and ev.start > 0 and ev.name == "m"
+
+
+@pytest.mark.parametrize("t", [
+    torch.randn(8, 8), torch.randn(3), torch.randn(()), torch.randn(4, 4, 4), torch.randn(100), torch.randn(9, 9),
+    torch.arange(12).reshape(3, 4), torch.ones(2, 3, dtype=torch.bool), torch.randn(3, 3, dtype=torch.complex64),
+    torch.randn(8, 8).t(), torch.randn(0, 3), torch.empty(0), torch.randn(4, 4, device="meta"),
+    torch.randn(4, 4, dtype=torch.bfloat16), torch.randn(4, 4, requires_grad=True),
+    torch.nn.Parameter(torch.randn(2, 2)), torch.randn(8, 8)[::2, 1:], torch.randn(2, 3, 4, 5),
+], ids=lambda t: f"{type(t).__name__}{list(t.shape)}{t.dtype}{t.device.type}")
+def test_a_blocks_values_read_quickly_are_small_values(t):
+    got, want = values_of(t), trace.small_values(t)
+    assert got == want and type(got) is type(want)
+    assert got is None or [type(v) for v in got] == [type(v) for v in want]
