@@ -46,15 +46,28 @@ def fresh_fake_outputs(mode) -> None:
     conv.from_meta_and_device = types.MethodType(from_meta_and_device, conv)
 
 
+def _fake(mode, shape, stride, dtype, device, view_of=None, offset: int = 0):
+    """A fake tensor of ``mode`` made as the mode makes an op's output (a meta tensor wrapped), without a trip
+    through its dispatch; ``view_of``: the fake tensor whose storage it views, from ``offset``."""
+    with torch._C._DisableTorchDispatch():
+        meta = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
+        if view_of is not None:
+            meta.set_(view_of.untyped_storage(), offset, shape, stride)
+    return fake_tensor_type()(mode, meta, device)
+
+
+def _layout(t) -> tuple:
+    """What a fake tensor's key holds of it: shape, stride, offset, dtype, device and storage size."""
+    return t.shape, t.stride(), t.storage_offset(), t.dtype, t.fake_device, t.untyped_storage().nbytes()
+
+
 def empty_block(dtype: torch.dtype, device) -> torch.Tensor:
     """``torch.empty(0, dtype=dtype, device=device)``: under a fake mode made as the mode would make it, without a
     trip through its dispatch (a rank outside a mesh makes one for every output of every op; six times cheaper)."""
     mode = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
     if mode is None:
         return torch.empty(0, dtype=dtype, device=device)
-    with torch._C._DisableTorchDispatch():
-        meta = torch.empty(0, dtype=dtype, device="meta")
-    return fake_tensor_type()(mode, meta, torch.device(device))
+    return _fake(mode, (0,), (1,), dtype, torch.device(device))
 
 
 class FakeOps:
@@ -88,8 +101,7 @@ class FakeOps:
             if x.fake_mode is not mode or x.constant is not None or x.is_complex() or x.layout != torch.strided \
                     or x.is_neg():
                 return False
-            parts.append((x.shape, x.stride(), x.storage_offset(), x.dtype, x.fake_device,
-                          x.untyped_storage().nbytes()))
+            parts.append(_layout(x))
             return True
         if isinstance(x, torch.Tensor):
             return False
@@ -111,11 +123,7 @@ class FakeOps:
         if kind == "inplace":
             return args[i]
         shape, stride, offset, dtype, device = entry[2:]
-        with torch._C._DisableTorchDispatch():
-            meta = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
-            if kind == "view":
-                meta.set_(args[i].untyped_storage(), offset, shape, stride)
-        return self._fake(mode, meta, device)
+        return _fake(mode, shape, stride, dtype, device, args[i] if kind == "view" else None, offset)
 
     def learn(self, key, func, args, out) -> None:
         """Remember what ``func`` made (``out``) for calls like this one, where it is one the cache can make again."""
@@ -127,8 +135,7 @@ class FakeOps:
         tensors = [(i, a) for i, a in enumerate(args) if isinstance(a, self._fake)]
         for i, a in tensors:
             if out is a:  # written in place: remembered only where its layout stayed (not ``t_``, ``resize_``)
-                if key[3 + i] == (a.shape, a.stride(), a.storage_offset(), a.dtype, a.fake_device,
-                                  a.untyped_storage().nbytes()):
+                if key[3 + i] == _layout(a):
                     self.entries[key] = ("inplace", i)
                 return
         meta = (tuple(out.shape), out.stride(), out.storage_offset(), out.dtype, out.fake_device)

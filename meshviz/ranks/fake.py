@@ -160,8 +160,7 @@ class SimulatedTensors(compat.fake_tensor_mode_type()):  # type: ignore[misc]
         if all(t is not _FAKE for t in types):
             real = self._real(func, args, kwargs)
             if real is not NotImplemented:
-                if self.ledger is not None and self._depth == 0 and not compat.in_sharding_propagation():
-                    self.ledger.saw(real)
+                self._count(real)
                 return real
         if sub and any(not issubclass(t, _FAKE) and t not in _PLAIN for t in types):
             return NotImplemented  # a subclass (a dist tensor) runs the op first, as FakeTensorMode would let it
@@ -172,8 +171,7 @@ class SimulatedTensors(compat.fake_tensor_mode_type()):  # type: ignore[misc]
         if key is not None:
             out = _OPS.get(self, key, args)
             if out is not None:
-                if self.ledger is not None and self._depth == 0 and not compat.in_sharding_propagation():
-                    self.ledger.saw(out)
+                self._count(out)
                 return out
         self._depth += 1
         try:
@@ -189,12 +187,16 @@ class SimulatedTensors(compat.fake_tensor_mode_type()):  # type: ignore[misc]
             self._depth -= 1
         if key is not None:
             _OPS.learn(key, func, args, out)
-        # an op the fake kernel runs inside another (a decomposition's steps; the first call only, the next ones hit
-        # its cache) is no allocation of the rank's: a real kernel makes only the outer op's output
-        if self.ledger is not None and self._depth == 0 and out is not NotImplemented \
-                and not compat.in_sharding_propagation():  # DTensor's global-shape stand-ins hold no memory
-            self.ledger.saw(out)
+        if out is not NotImplemented:
+            self._count(out)
         return out
+
+    def _count(self, out) -> None:
+        """The ledger counts what an op of the rank's made: not an op the fake kernel runs inside another (a
+        decomposition's steps; the first call only, the next ones hit its cache), since a real kernel makes only
+        the outer op's output, nor DTensor's global-shape stand-ins, which hold no memory."""
+        if self.ledger is not None and self._depth == 0 and not compat.in_sharding_propagation():
+            self.ledger.saw(out)
 
     def _real(self, func, args, kwargs):
         """``func`` run for real when it makes or works on index tensors only (NotImplemented otherwise)."""

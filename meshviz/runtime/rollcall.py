@@ -4,6 +4,7 @@ layer and read by another thread while the rank is blocked."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import re
 import sys
@@ -192,6 +193,7 @@ _CELL = re.compile(r"(ipykernel_\d+[/\\]\d+\.py$|^<ipython-input-|^<rank cell \d
 _INTERNAL: set = set()
 
 
+@functools.lru_cache(maxsize=4096)
 def _internal(filename: str) -> bool:
     if filename.startswith(_PKG) or filename.startswith("<frozen"):
         return True
@@ -205,13 +207,14 @@ def _internal(filename: str) -> bool:
 
 
 def _format(frame) -> str:
-    fn, line, name = frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name
+    return _place(frame.f_code, frame.f_lineno)
+
+
+@functools.lru_cache(maxsize=4096)
+def _place(code, line: int) -> str:
+    fn, name = code.co_filename, code.co_name
     place = f"line {line} of the cell" if _CELL.search(fn) else f"{os.path.basename(fn)}:{line}"
     return place if name == "<module>" else f"{place} in {name}()"
-
-
-_IS_INTERNAL: dict[str, bool] = {}  # file name -> _internal(it)
-_WHERE: dict[tuple, str] = {}  # (code, line) -> _format of a frame there
 
 
 def where(frame=None) -> str | None:
@@ -219,20 +222,8 @@ def where(frame=None) -> str | None:
     standard library, as ``"line 3 of the cell"`` or ``"train.py:12 in step()"``."""
     f = sys._getframe(1) if frame is None else frame
     while f is not None:
-        code = f.f_code
-        internal = _IS_INTERNAL.get(code.co_filename)
-        if internal is None:
-            if len(_IS_INTERNAL) >= 4096:
-                _IS_INTERNAL.clear()
-            internal = _IS_INTERNAL[code.co_filename] = _internal(code.co_filename)
-        if not internal:
-            key = (code, f.f_lineno)
-            place = _WHERE.get(key)
-            if place is None:
-                if len(_WHERE) >= 4096:
-                    _WHERE.clear()
-                place = _WHERE[key] = _format(f)
-            return place
+        if not _internal(f.f_code.co_filename):
+            return _format(f)
         f = f.f_back
     return None
 
