@@ -133,18 +133,19 @@ def run_reshard(t: DistTensor, mesh: ProcessMesh, placements, name=None) -> Dist
     return out
 
 
-def run_reshards(ts, placements_list, names=None, into=None) -> list:
+def run_reshards(ts, placements_list, names=None, into=None, own: bool = False) -> list:
     """``run_reshard(t, t.process_mesh, placements)`` for each tensor (no autograd), the all-reduces (and even
     all-gathers) along one mesh line coalesced into one collective per bucket, each tensor with its own events.
     ``into``: for each tensor, a dist tensor whose block the result may be written into; where it is, that entry of
-    the result is None (the block holds it)."""
+    the result is None (the block holds it). ``own``: the caller gives the inputs' blocks up (gradients it
+    replaces): a step that keeps a block (a line of one rank) hands it on uncopied."""
     rank = _rank()
     ts = [t._resolved() for t in ts]
     names = names if names is not None else [t.name for t in ts]
     plans = [plan_of(t, t.process_mesh, pl) for t, pl in zip(ts, placements_list)]
     locals_ = [t._local if t.process_mesh.contains(rank) else None for t in ts]
     news = run_plans(plans, locals_, rank, names, [t.tensor_id for t in ts], [t.dtype for t in ts],
-                     [t._local.device for t in ts], None if into is None else [d._local for d in into])
+                     [t._local.device for t in ts], None if into is None else [d._local for d in into], own)
     out = []
     for i, (t, plan, new, name) in enumerate(zip(ts, plans, news, names)):
         if into is not None and new is not None and new is into[i]._local:

@@ -93,28 +93,31 @@ def _all_gather(step: Step, local: torch.Tensor, group, coords) -> torch.Tensor:
 _CHUNK_BYTES = 4 << 20
 
 
-def _all_reduce(step: Step, local: torch.Tensor, group) -> torch.Tensor:
+def _all_reduce(step: Step, local: torch.Tensor, group, fresh: bool = False) -> torch.Tensor:
+    """``fresh``: ``local`` is the caller's to overwrite (a bucket, a block no one else holds): it is reduced in
+    place."""
     op, finish = reduction(step.reduce, group)
     src = local.contiguous()
     if group.backend == "simulated":  # nothing moves: the overlap chunks buy is nil, their ops are not
-        out = src.clone()
+        out = src if fresh else src.clone()
         run(Call(CollectiveOp.ALL_REDUCE, group,
                  lambda g: [tdist.all_reduce(out, op=op, group=g.process_group, async_op=True)],
                  tensors=(src,), traced=False))
         if finish is not None:
             finish(out)
         return out
-    out = torch.empty_like(src)
+    out = src if fresh else torch.empty_like(src)
     flat_out, flat_in = out.view(-1), src.view(-1)
     n = flat_out.numel()
     per = max(1, _CHUNK_BYTES // max(1, src.element_size()))
 
     def start(g):
         # copy the next chunk while the previous one is reduced: the result must be a new tensor, and this hides
-        # the copy (on gloo it even beats one in-place all_reduce of the whole tensor)
+        # the copy (on gloo chunks even beat one in-place all_reduce of the whole tensor)
         works = []
         for i in range(0, n, per):
-            flat_out[i : i + per].copy_(flat_in[i : i + per])
+            if not fresh:
+                flat_out[i : i + per].copy_(flat_in[i : i + per])
             works.append(tdist.all_reduce(flat_out[i : i + per], op=op, group=g.process_group, async_op=True))
         if n == 0:
             works.append(tdist.all_reduce(flat_out, op=op, group=g.process_group, async_op=True))
@@ -240,14 +243,16 @@ def _send_recv(step: Step, local: torch.Tensor | None, rank: int, dtype, device)
     return result
 
 
-def run_step(step: Step, local, rank: int, dtype, device):
-    """One step on this rank; returns the new local value (None: this rank holds nothing afterwards)."""
+def run_step(step: Step, local, rank: int, dtype, device, fresh: bool = False):
+    """One step on this rank; returns the new local value (None: this rank holds nothing afterwards). ``fresh``:
+    ``local`` is the caller's to give away (an earlier step made it): a step that keeps the block returns it
+    uncopied (values never change in place: another dist tensor may hold the same block)."""
     if step.op == "send_recv":
         return _send_recv(step, local, rank, dtype, device)
     if local is None or not step.mesh.contains(rank):
         return local
     if step.mesh.mesh.shape[step.axis] == 1:  # a line of one rank: every step keeps the block (a new tensor)
-        return local.clone()
+        return local if fresh else local.clone()
     coord, coords = _line_coords(step, rank)
     my_index = coord[step.axis]
     k = len(coords)
@@ -256,11 +261,11 @@ def run_step(step: Step, local, rank: int, dtype, device):
     if step.op == "zero_fill":
         fill = partial_fill(step.after, coord, step.axis)
         if fill == "value":
-            return local.clone()
+            return local if fresh else local.clone()
         return torch.zeros_like(local) if fill == "zero" else torch.ones_like(local)
     line, _ = groups.axis_group(step.mesh, step.axis, rank)
     if k == 1:
-        return local.clone()
+        return local if fresh else local.clone()
     group = groups.line_group(line)
     if step.op == "all_gather":
         return _all_gather(step, local, group, coords)
@@ -273,16 +278,19 @@ def run_step(step: Step, local, rank: int, dtype, device):
     raise ValueError(f"unknown step {step.op}")
 
 
-def run_plan(plan: Plan, local, rank: int, *, dtype=None, device=None, name=None, tensor_id=None):
+def run_plan(plan: Plan, local, rank: int, *, dtype=None, device=None, name=None, tensor_id=None,
+             own: bool = False):
     """Run every step of ``plan`` on this rank, emitting one ``reshard_step`` event per step it took part in (its
-    ``bytes``: what this rank received in the step)."""
+    ``bytes``: what this rank received in the step). ``own``: the caller gives ``local`` up (a gradient that is
+    replaced), so no step copies it to keep it; after the first step the block is the plan's anyway."""
     dtype = dtype if dtype is not None else local.dtype
     device = device if device is not None else local.device
     ctx = rank_context.current()
     st = trace_state(ctx)
     if not st.sinks:
         for step in plan.steps:
-            local = run_step(step, local, rank, dtype, device)
+            local = run_step(step, local, rank, dtype, device, own)
+            own = True
         return local
     traced = traced_plan(plan, rank)
     plan_id = next(RESHARD.get(ctx).plan_ids)
@@ -291,7 +299,7 @@ def run_plan(plan: Plan, local, rank: int, *, dtype=None, device=None, name=None
     issued = issued_now()
     for i, step in enumerate(plan.steps):
         t0 = time.time()
-        local = run_step(step, local, rank, dtype, device)
+        local = run_step(step, local, rank, dtype, device, own or i > 0)
         if traced.parts[i] is None:
             known = UNKNOWN
         else:
@@ -320,7 +328,7 @@ def _fusable(plan: Plan, rank: int) -> tuple | None:
     return step.op, step.mesh, step.axis, step.reduce
 
 
-def run_plans(plans, locals_, rank: int, names, tensor_ids, dtypes, devices, into=None) -> list:
+def run_plans(plans, locals_, rank: int, names, tensor_ids, dtypes, devices, into=None, own: bool = False) -> list:
     """Run many plans on this rank: those that all-reduce, all-gather or reduce-scatter along the same mesh line go
     as one collective per bucket of about 25 MB (as DDP buckets gradients), the others one by one; every tensor gets
     the events its own :func:`run_plan` would emit (one plan, one step each). ``into``: for each plan, a block the
@@ -334,7 +342,7 @@ def run_plans(plans, locals_, rank: int, names, tensor_ids, dtypes, devices, int
             sig = None  # the result goes elsewhere (a meta-device parameter's gradient, another dtype): its own run
         if sig is None:
             out[i] = run_plan(plan, local, rank, dtype=dtypes[i], device=devices[i], name=names[i],
-                              tensor_id=tensor_ids[i])
+                              tensor_id=tensor_ids[i], own=own)
             continue
         groups_.setdefault((sig, local.dtype, local.device), []).append(i)
     for (sig, _dtype, _device), members in groups_.items():
@@ -343,14 +351,14 @@ def run_plans(plans, locals_, rank: int, names, tensor_ids, dtypes, devices, int
             bucket.append(i)
             size += locals_[i].numel() * locals_[i].element_size()
             if size >= BUCKET_BYTES:
-                _run_bucket(sig, bucket, plans, locals_, out, rank, names, tensor_ids, into)
+                _run_bucket(sig, bucket, plans, locals_, out, rank, names, tensor_ids, into, own)
                 bucket, size = [], 0
         if bucket:
-            _run_bucket(sig, bucket, plans, locals_, out, rank, names, tensor_ids, into)
+            _run_bucket(sig, bucket, plans, locals_, out, rank, names, tensor_ids, into, own)
     return out
 
 
-def _run_bucket(sig, bucket, plans, locals_, out, rank, names, tensor_ids, into) -> None:
+def _run_bucket(sig, bucket, plans, locals_, out, rank, names, tensor_ids, into, own) -> None:
     if len(bucket) == 1:
         i = bucket[0]
         out[i] = run_plan(plans[i], locals_[i], rank, name=names[i], tensor_id=tensor_ids[i])
@@ -372,7 +380,7 @@ def _run_bucket(sig, bucket, plans, locals_, out, rank, names, tensor_ids, into)
     group = groups.line_group(line)
     k = len(line)
     if op == "all_reduce":
-        flat = _all_reduce(step, torch.cat([locals_[i].reshape(-1) for i in bucket]), group)
+        flat = _all_reduce(step, torch.cat([locals_[i].reshape(-1) for i in bucket]), group, fresh=True)
         at = 0
         for i in bucket:
             n = locals_[i].numel()

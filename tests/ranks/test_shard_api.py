@@ -419,3 +419,40 @@ def test_fleet_distributed_scaler_keeps_settings_and_skips_together():
         assert settings == (64.0, 3.0, 0.125, 5)
         assert skipped == ([1.0] * 4, 8.0)
         assert stepped == [0.5] * 4 and same
+
+
+def _grad_kept_uncopied():
+    import meshviz.distributed as dist
+
+    dist.init_parallel_env()
+    mesh = dist.ProcessMesh([[0, 1]], dim_names=["dp", "mp"])
+    g = torch.Generator().manual_seed(3)
+    w0, x = torch.randn(6, 8, generator=g), torch.randn(4, 6, generator=g)
+    w = dist.shard_tensor(torch.nn.Parameter(w0.clone()), mesh, [dist.Replicate(), dist.Shard(1)])
+    opt = dist.shard_optimizer(torch.optim.AdamW([w], lr=0.1))
+    (dist.shard_tensor(x, mesh, [dist.Shard(0), dist.Replicate()]) @ w).sum().backward()
+    placed, block = str(w.grad.placements), w.grad._local
+    opt.step()
+    # a reshard the caller keeps its input of copies the block, even on a line of one rank
+    p = dist.dtensor_from_local(torch.ones(6, 4), mesh, [dist.Partial(), dist.Shard(1)])
+    r = dist.reshard(p, mesh, [dist.Replicate(), dist.Shard(1)])
+    r._local.add_(1)
+    return (placed, str(w.grad.placements), w.grad._local.data_ptr() == block.data_ptr(), w.grad._local.clone(),
+            w.detach()._local.clone(), float(p._local.sum()))
+
+
+def test_a_gradient_reduced_over_a_line_of_one_rank_is_not_copied():
+    """The step reduces a Partial gradient to the parameter's layout; over a dp axis of one rank that keeps the block,
+    and the gradient it replaces is not copied (a copy of every weight a step), yet the update is torch's."""
+    g = torch.Generator().manual_seed(3)
+    w0, x = torch.randn(6, 8, generator=g), torch.randn(4, 6, generator=g)
+    w = torch.nn.Parameter(w0.clone())
+    opt = torch.optim.AdamW([w], lr=0.1)
+    (x @ w).sum().backward()
+    opt.step()
+    for rank, (placed, after, same, grad, block, kept) in enumerate(run_ranks(_grad_kept_uncopied, 2)):
+        assert (placed, after, same) == ("[P(sum), S(1)]", "[R, S(1)]", True)
+        cols = slice(4 * rank, 4 * rank + 4)
+        torch.testing.assert_close(grad, w.grad[:, cols])
+        torch.testing.assert_close(block, w.detach()[:, cols])
+        assert kept == 24.0

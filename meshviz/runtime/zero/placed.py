@@ -77,7 +77,7 @@ def grads_as_params(optimizer, reshard=None, skip=frozenset()) -> None:
     todo = [q for group in optimizer.param_groups for q in group["params"]
             if isinstance(q, DistTensor) and q.grad is not None and id(q) not in skip
             and q.grad.placements != q.placements]
-    for q, g in zip(todo, run_reshards([q.grad for q in todo], [q.placements for q in todo])):
+    for q, g in zip(todo, run_reshards([q.grad for q in todo], [q.placements for q in todo], own=True)):
         q.grad = g
 
 
@@ -215,12 +215,13 @@ class PlacedZero(Zero):
         if self.level == "os":  # the full gradient kept, then this rank's part
             full = [(p, p.grad) for p, _ in live if p.grad.placements == p.placements]
             moving = [(p, p.grad) for p, _ in live if p.grad.placements != p.placements]
-            reduced = run_reshards([g for _, g in moving], [p.placements for p, _ in moving])
+            reduced = run_reshards([g for _, g in moving], [p.placements for p, _ in moving], own=True)
             by_id = {id(p): g for p, g in full}
             by_id.update({id(p): g for (p, _), g in zip(moving, reduced)})
             for p, _shadow in live:
                 p.grad = _like(by_id[id(p)], p)
-        for (p, shadow), g in zip(live, run_reshards([p.grad for p, _ in live], [s.placements for _, s in live])):
+        moved = run_reshards([p.grad for p, _ in live], [s.placements for _, s in live], own=self.level != "os")
+        for (p, shadow), g in zip(live, moved):
             shadow.grad = _like(g, shadow)
             if self.level != "os":
                 p.grad = None

@@ -58,7 +58,7 @@ class _Gather(torch.autograd.Function):
     def backward(ctx, *grads):
         unit = ctx.unit
         todo = [i for i, g in enumerate(grads) if isinstance(g, DistTensor)]
-        moved = run_reshards([grads[i] for i in todo], [unit.params[i].placements for i in todo])
+        moved = run_reshards([grads[i] for i in todo], [unit.params[i].placements for i in todo], own=True)
         out: list = list(grads)
         for i, g in zip(todo, moved):
             out[i] = g
