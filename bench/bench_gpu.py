@@ -18,12 +18,13 @@ import time
 import torch
 
 
-def _rounds(fns: dict, calls: int, rounds: int, sync, around: dict | None = None) -> dict:
+def _rounds(fns: dict, calls: int, rounds: int, sync, around: dict | None = None, then: dict | None = None) -> dict:
     """Median microseconds per call of each ``fns`` entry, the entries run alternately round by round; ``around``:
-    for some entries, a context manager each of their rounds (and their warm-up) runs in."""
+    for some entries, a context manager each of their rounds (and their warm-up) runs in; ``then``: for some, what
+    runs after their calls, inside the timing (the trace's flush: deferred events are made there)."""
     import torch.distributed as tdist
 
-    around = around or {}
+    around, then = around or {}, then or {}
     times = {k: [] for k in fns}
     for k, f in fns.items():
         with around.get(k, contextlib.nullcontext)():
@@ -39,6 +40,8 @@ def _rounds(fns: dict, calls: int, rounds: int, sync, around: dict | None = None
                 t0 = time.perf_counter()
                 for _ in range(calls):
                     f()
+                if k in then:
+                    then[k]()
                 sync()
                 times[k].append((time.perf_counter() - t0) / calls * 1e6)
     return {k: (statistics.median(v), min(v), max(v)) for k, v in times.items()}
@@ -87,12 +90,13 @@ def measure(calls: int, rounds: int, c10d: bool = False):
         fns["c10d all_gather_into_tensor S(0)->R"] = lambda: all_gather_single(out, blk.reshape(-1))
         fns["c10d all_reduce P->R"] = lambda: tdist.all_reduce(x.clone())
     table = _rounds(fns, calls, rounds, sync)
-    # traced: a round's reshards recorded (trace.record keeps every event of the round, as a user's would), rounds
-    # alternating with the same reshard untraced
+    # traced: a round's reshards recorded (trace.record keeps every event of the round, as a user's would), the
+    # events it defers made inside the round's time, rounds alternating with the same reshard untraced
     d = dist.shard_tensor(x, mesh, [S0])
     traced = {"reshard S(0)->R, untraced": lambda: dist.reshard(d, mesh, [R]),
               "reshard S(0)->R, traced": lambda: dist.reshard(d, mesh, [R])}
-    table.update(_rounds(traced, calls, rounds, sync, around={"reshard S(0)->R, traced": trace.record}))
+    table.update(_rounds(traced, calls, rounds, sync, around={"reshard S(0)->R, traced": trace.record},
+                         then={"reshard S(0)->R, traced": trace.flush}))
     table.update(_rounds({"reshard S(0)->R, tracing off again": lambda: dist.reshard(d, mesh, [R])}, calls, rounds,
                          sync))
     return {"table": table, "device": str(dev), "backend": tdist.get_backend(), "ranks": n,

@@ -191,6 +191,7 @@ class _EngineState:
         self._rollcall.current().finish(note)
         if self.abort_pending:
             self._abort()
+        self._trace.flush()  # the cell's deferred events (a traced reshard's) go out with it
         self.sink.flush(1.0)
 
     def _on_exception(self, shell, etype, value, tb, tb_offset=None):
@@ -425,6 +426,8 @@ def stream_count(flush: bool = True) -> tuple[int, int]:
     """(rank, events handed to the stream so far), after flushing the queue."""
     if _state is None:
         return (-1, 0)
+    if flush:
+        _state._trace.flush()
     return (_state.rank, _state.sink.flush(2.0) if flush else _state.sink.sent)
 
 

@@ -11,6 +11,7 @@ import threading
 import time
 import types
 
+from .. import trace
 from ..rank_context import bound
 from ..ranks.patches import capture, route_streams, unroute_streams
 from ..trace.status import RankStatus
@@ -189,8 +190,6 @@ class Threads:
     def run_code(self, code: str, ranks=None, single: bool = False) -> RankResult:
         """Start ``code`` on ``ranks`` (all by default), each in its own namespace; returns the RankResult."""
         ranks = list(self.ranks) if ranks is None else ranks
-        from .. import trace
-
         body, last, _ = _compile(code)  # a syntax error is raised here, once
         outs = {r: _Output() for r in ranks}
 
@@ -260,6 +259,7 @@ class Threads:
                 self._report(r, e)
                 raise
             finally:
+                trace.flush()  # the cell's deferred events (a traced reshard's) go out with it
                 rec.finish()
 
         job = self.world.submit(guarded, ranks)
@@ -310,8 +310,6 @@ class Threads:
 
     # -- events -------------------------------------------------------------------------------------------------
     def set_tracing(self, on: bool) -> None:
-        from .. import trace
-
         for r in self.ranks:
             with bound(self.world.contexts[r]):
                 sink = self._sinks.get(r)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from itertools import chain
 
 import torch
@@ -14,10 +15,14 @@ from . import rollcall
 __all__ = ["Traced", "UNKNOWN", "traced_plan", "plan_event", "step_event", "issued_now", "values_of"]
 
 
-def values_of(t) -> list | None:
-    """``trace.small_values(t)``; of a small plain tensor of one or two dims, read with one tolist."""
+def values_of(t) -> list | torch.Tensor | None:
+    """``trace.small_values(t)``; of a small plain tensor of one or two dims, read with one tolist. Of a block on
+    an accelerator, a copy of its leading values there, read when the event is made (no wait for the device on
+    the reshard's path)."""
     if type(t) is torch.Tensor and not t.dtype.is_complex:
         try:
+            if t.device.type not in ("cpu", "meta"):
+                return t.detach().reshape(-1)[: trace.MAX_VALUES].clone()
             n = t.dim()
             if n and t.numel() <= trace.MAX_VALUES:
                 if n == 1:
@@ -84,29 +89,40 @@ UNKNOWN = object()  # values not read yet
 
 
 def plan_event(st, traced: Traced, me: int, local, name, tensor_id, plan_id) -> list | None:
-    """Emit the ``reshard`` event; returns the values it read."""
+    """Defer the ``reshard`` event (it is made at the trace's next flush, of what holds now); returns the values it
+    read."""
     values = None if local is None else values_of(local)
-    trace.emit(traced.head.stamp(
-        next(st.seq), rank=me, name=name, tensor_id=tensor_id, plan_id=plan_id,
-        local_shape=None if local is None else list(local.shape), values=values,
-    ), st)
+    now = time.time()
+    trace.defer(st, _plan_made, (traced, next(st.seq), now, me, st.cell, name, tensor_id, plan_id,
+                                 None if local is None else local.shape, values), now)
     return values
+
+
+def _listed(values):
+    return trace.small_values(values) if isinstance(values, torch.Tensor) else values
+
+
+def _plan_made(traced, seq, now, me, cell, name, tensor_id, plan_id, shape, values):
+    return traced.head.stamp_run(seq, now, now, me, cell, name, tensor_id, plan_id,
+                                 None if shape is None else list(shape), _listed(values))
 
 
 def step_event(st, traced: Traced, me: int, i: int, local, t0, name, tensor_id, plan_id, issued,
                known=UNKNOWN) -> list | None:
-    """Emit step ``i``'s event; ``known``: the values of the block it made, where they are known (a step that keeps
+    """Defer step ``i``'s event; ``known``: the values of the block it made, where they are known (a step that keeps
     the block has the values that went in). Returns the values."""
-    if known is UNKNOWN:
-        values = None if local is None else values_of(local)
-    else:
-        values = None if known is None else known.copy()
-    trace.emit(traced.steps[i].stamp(
-        next(st.seq), rank=me, name=name, tensor_id=tensor_id, plan_id=plan_id, start=t0,
-        local_shape=None if local is None else list(local.shape), values=values,
-        payload=traced.step_payload(i, issued),
-    ), st)
+    values = (None if local is None else values_of(local)) if known is UNKNOWN else known
+    now = time.time()
+    trace.defer(st, _step_made, (traced, i, known is not UNKNOWN, next(st.seq), t0, now, me, st.cell, name,
+                                 tensor_id, plan_id, None if local is None else local.shape, values, issued), now)
     return values
+
+
+def _step_made(traced, i, shared, seq, t0, now, me, cell, name, tensor_id, plan_id, shape, values, issued):
+    return traced.steps[i].stamp_run(
+        seq, t0, now, me, cell, name, tensor_id, plan_id, None if shape is None else list(shape),
+        values.copy() if shared and type(values) is list else _listed(values),  # each event owns its values
+        traced.step_payload(i, issued))
 
 
 def issued_now() -> tuple:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 import threading
@@ -16,6 +17,7 @@ from ..core.mesh import set_rank_getter
 from ..errors import RankError
 from ..rank_context import current as _rank_context
 from ..rank_context import getenv as _getenv
+from ..trace.state import trace_state
 from . import rendezvous, rollcall, watchdog
 from .devices import device, initial_device
 
@@ -114,6 +116,7 @@ def init_parallel_env(backend: str | None = None, timeout: float | None = None):
     path = _getenv("MESHVIZ_TRACE")
     if path and not any(isinstance(s, trace.JSONLSink) and s.path == path for s in trace.sinks()):
         trace.add_sink(trace.JSONLSink(path))
+        atexit.register(trace.flush, trace_state())  # the last deferred events reach the file
     st.set_up_for = tdist.group.WORLD
     return st.set_up_for
 

@@ -18,12 +18,15 @@ from .payloads import (
     Share,
 )
 from .recorder import (
+    FLUSH_AFTER,
     JSONLSink,
     MemorySink,
     active,
     add_sink,
     clear_sinks,
+    defer,
     emit,
+    flush,
     load_events,
     my_rank,
     on_active,
@@ -41,6 +44,6 @@ __all__ = [
     "Event", "EventTemplate", "KINDS", "MAX_VALUES", "small_values", "to_json", "from_json", "Ownership",
     "Payload", "Placed", "ReshardPlan", "ReshardStep", "Issued", "Collective", "Send", "Recv", "Compute", "Mark",
     "Share", "OpRule", "RankStatus", "RollCall", "Situation", "CommRow", "CommTable", "comm_table",
-    "active", "on_active", "emit", "span", "add_sink", "remove_sink", "clear_sinks", "sinks", "set_rank", "set_cell",
-    "my_rank", "MemorySink", "JSONLSink", "record", "replay", "load_events",
+    "active", "on_active", "emit", "defer", "flush", "FLUSH_AFTER", "span", "add_sink", "remove_sink", "clear_sinks",
+    "sinks", "set_rank", "set_cell", "my_rank", "MemorySink", "JSONLSink", "record", "replay", "load_events",
 ]

@@ -127,6 +127,17 @@ class EventTemplate:
             args[_INDEX[name]] = v
         return Event(*args)  # by position: the quickest way to an Event laid out as any other
 
+    def stamp_run(self, seq: int, start: float, end: float, rank: int, cell, name, tensor_id, plan_id, local_shape,
+                  values, payload=None) -> Event:
+        """:meth:`stamp` of the fields a reshard's run sets (``payload``: the template's where None)."""
+        args = self._args.copy()
+        args[_SEQ], args[_START], args[_END], args[_RANK], args[_CELL] = seq, start, end, rank, cell
+        args[_NAME], args[_TENSOR_ID], args[_PLAN_ID] = name, tensor_id, plan_id
+        args[_LOCAL_SHAPE], args[_VALUES] = local_shape, values
+        if payload is not None:
+            args[_PAYLOAD] = payload
+        return Event(*args)
+
 
 _defaults: dict[str, Payload] = {}  # payloads are frozen: one default instance per kind serves every event
 
@@ -167,7 +178,9 @@ def small_values(tensor, limit: int = MAX_VALUES) -> list | None:
 _ORDER = tuple(f.name for f in dataclasses.fields(Event))
 _NAMES = frozenset(_ORDER)
 _INDEX = {name: i for i, name in enumerate(_ORDER)}
-_SEQ, _START = _INDEX["seq"], _INDEX["start"]
+_SEQ, _START, _END, _RANK, _CELL = (_INDEX[k] for k in ("seq", "start", "end", "rank", "cell"))
+_NAME, _TENSOR_ID, _PLAN_ID, _LOCAL_SHAPE, _VALUES, _PAYLOAD = (
+    _INDEX[k] for k in ("name", "tensor_id", "plan_id", "local_shape", "values", "payload"))
 
 
 def _default(o: Any):

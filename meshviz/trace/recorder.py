@@ -18,6 +18,9 @@ __all__ = [
     "on_active",
     "set_cell",
     "emit",
+    "defer",
+    "flush",
+    "FLUSH_AFTER",
     "span",
     "add_sink",
     "remove_sink",
@@ -33,6 +36,8 @@ __all__ = [
 ]
 
 _lock = threading.Lock()
+FLUSH_AFTER = 0.05  # seconds a deferred event waits at most for the next one to flush it
+FLUSH_EVERY = 4096  # deferred events held at most
 _watchers: list[Callable[[bool], None]] = []
 _active_ranks = [0]  # rank contexts with a sink: module hooks stay while any rank traces
 
@@ -86,20 +91,58 @@ def my_rank(st: TraceState | None = None) -> int:
 
 def emit(event: Event, state: TraceState | None = None) -> Event:
     """Send ``event`` to the sinks, stamped with this rank and cell; ``state``: the rank's trace state, where the
-    caller has it already."""
+    caller has it already. Deferred events go first."""
     st = trace_state() if state is None else state
+    if st.pending:
+        flush(st)
     if event.rank < 0:
         event.rank = my_rank(st)
     if event.cell is None:
         event.cell = st.cell
     if event.end is None:
         event.end = time.time()
-    for sink in list(st.sinks):
+    _deliver(st.sinks, event)
+    return event
+
+
+def _deliver(sinks, event: Event) -> None:
+    for sink in list(sinks):
         try:
             sink(event)
         except Exception:  # a broken sink must never break training
             pass
-    return event
+
+
+def defer(st: TraceState, make: Callable[..., Event], args: tuple, now: float) -> None:
+    """An event made later, as ``make(*args)``, and handed to the sinks at the next flush: before any other event
+    this rank emits, when a sink is added or removed or a :class:`MemorySink` is read, at the end of an engine's
+    cell, once the oldest deferred event is ``FLUSH_AFTER`` seconds old, or on :func:`flush`. The hot path of a
+    traced reshard: ``args`` holds what the event says, read at ``now``."""
+    p = st.pending
+    if not p:
+        st.since = now
+    p.append((make, args))
+    if now - st.since > FLUSH_AFTER or len(p) >= FLUSH_EVERY:
+        flush(st)
+
+
+def flush(state: TraceState | None = None) -> int:
+    """Make the deferred events of this rank (or of ``state``) and hand them to its sinks; returns how many."""
+    st = trace_state() if state is None else state
+    if not st.pending:
+        return 0
+    n = 0
+    with st.lock:
+        p, sinks = st.pending, list(st.sinks)
+        while p:
+            make, args = p.popleft()
+            try:
+                event = make(*args)
+            except Exception:  # as a broken sink: never break training
+                continue
+            _deliver(sinks, event)
+            n += 1
+    return n
 
 
 @contextlib.contextmanager
@@ -118,8 +161,12 @@ def span(kind: str, **fields):
 
 
 def add_sink(sink: Callable[[Event], None]) -> Callable[[Event], None]:
+    st = trace_state()
+    flush(st)  # deferred events go to the sinks that listened when they happened
+    if isinstance(sink, MemorySink) and not any(x is st for x in sink._states):
+        sink._states.append(st)
     with _lock:
-        sinks = trace_state().sinks
+        sinks = st.sinks
         was = bool(sinks)
         if sink not in sinks:
             sinks.append(sink)
@@ -129,8 +176,10 @@ def add_sink(sink: Callable[[Event], None]) -> Callable[[Event], None]:
 
 def remove_sink(sink, close: bool = True) -> None:
     """Stop sending events to ``sink``; also close it (a file) unless ``close=False``."""
+    st = trace_state()
+    flush(st)
     with _lock:
-        sinks = trace_state().sinks
+        sinks = st.sinks
         was = bool(sinks)
         if sink in sinks:
             sinks.remove(sink)
@@ -151,16 +200,28 @@ def clear_sinks() -> None:
 
 
 class MemorySink:
-    """Keeps events in a list."""
+    """Keeps events in a list (reading it makes the deferred events of the ranks it listens on first)."""
 
     def __init__(self, limit: int | None = None):
-        self.events: list[Event] = []
+        self._events: list[Event] = []
+        self._states: list[TraceState] = []
         self.limit = limit
 
+    @property
+    def events(self) -> list[Event]:
+        for st in self._states:
+            if st.pending:
+                flush(st)
+        return self._events
+
+    @events.setter
+    def events(self, events: list[Event]) -> None:
+        self._events = events
+
     def __call__(self, event: Event) -> None:
-        self.events.append(event)
-        if self.limit is not None and len(self.events) > self.limit:
-            del self.events[: len(self.events) - self.limit]
+        self._events.append(event)
+        if self.limit is not None and len(self._events) > self.limit:
+            del self._events[: len(self._events) - self.limit]
 
     def of_kind(self, *kinds: str) -> list[Event]:
         return [e for e in self.events if e.kind in kinds]

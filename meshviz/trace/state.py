@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import collections
 import itertools
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .. import rank_context
 
@@ -21,6 +23,10 @@ class TraceState:
     sinks: list[Callable[[Event], None]] = field(default_factory=list)
     rank: int | None = None  # events are stamped with it
     cell: int | None = None  # the engine cell events are stamped with
+    # events whose making was deferred, as (make, args): made and handed to the sinks, in order, at the next flush
+    pending: collections.deque = field(default_factory=collections.deque)
+    since: float = 0.0  # when the oldest of them was deferred
+    lock: Any = field(default_factory=threading.RLock)  # one flush at a time: sinks see the order
 
 
 TRACE = rank_context.slot("trace", TraceState)

@@ -244,3 +244,75 @@ def test_an_events_kind_is_its_payloads():
     assert e.payload_as(trace.Compute).phase == "F"
     with pytest.raises(TypeError, match="a 'compute' event carries a Compute, not a Share"):
         e.payload_as(trace.Share)
+
+
+def _made(seq, name, start):
+    return Event(kind="mark", seq=seq, rank=0, name=name, start=start, end=start)
+
+
+def test_deferred_events_reach_the_sinks_in_order_before_the_next_event():
+    from meshviz.trace.state import trace_state
+
+    trace.clear_sinks()
+    st = trace_state()
+    early = trace.MemorySink()
+    trace.add_sink(early)
+    now = time.time()
+    for name in ("a", "b"):
+        trace.defer(st, _made, (next(st.seq), name, now), now)
+    assert early._events == []  # not made yet: nothing read it, nothing came after it
+    late = trace.MemorySink()
+    trace.add_sink(late)  # a sink added now never sees what was deferred before it
+    trace.emit(Event(kind="mark", rank=0, name="c"))
+    assert [e.name for e in early._events] == ["a", "b", "c"]
+    assert [e.name for e in late._events] == ["c"]
+    seqs = [e.seq for e in early._events]
+    assert seqs == sorted(seqs)
+    trace.defer(st, _made, (next(st.seq), "d", now), now)
+    assert [e.name for e in early.events] == ["a", "b", "c", "d"]  # reading the sink makes them
+    trace.defer(st, lambda: 1 / 0, (), now)  # a maker that fails loses its event, nothing else
+    trace.defer(st, _made, (next(st.seq), "e", now), now)
+    trace.remove_sink(late)  # removing a sink hands it what was deferred while it listened
+    assert [e.name for e in late._events] == ["c", "d", "e"]
+    trace.remove_sink(early)
+    assert [e.name for e in early._events] == ["a", "b", "c", "d", "e"]
+    assert not st.pending
+
+
+def test_deferred_events_wait_at_most_flush_after():
+    from meshviz.trace.state import trace_state
+
+    trace.clear_sinks()
+    st = trace_state()
+    with trace.record() as rec:
+        old = time.time() - 2 * trace.FLUSH_AFTER
+        trace.defer(st, _made, (next(st.seq), "old", old), old)
+        assert rec._events == []
+        now = time.time()
+        trace.defer(st, _made, (next(st.seq), "new", now), now)  # the oldest is past its wait: both go
+        assert [e.name for e in rec._events] == ["old", "new"]
+
+
+def test_a_traced_reshard_defers_its_events_with_the_values_of_their_time():
+    import torch
+
+    import meshviz.distributed as dist
+    from meshviz.runtime.autograd import run_reshard
+    from meshviz.testing import run_ranks
+
+    def fn():
+        dist.init_parallel_env()
+        mesh = dist.ProcessMesh([0], dim_names=["x"])
+        d = dist.shard_tensor(torch.arange(6.0).reshape(2, 3), mesh, [dist.Shard(0)])
+        with trace.record() as rec:
+            out = run_reshard(d, mesh, [dist.Replicate()])
+            held = len(rec._events)
+            out._local.mul_(10)  # changed before anything reads the events
+            d._local.add_(1)
+            evs = rec.events
+        return held, [(e.kind, e.values, e.local_shape) for e in evs]
+
+    [(held, evs)] = run_ranks(fn, 1)
+    assert held == 0
+    want = [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+    assert evs == [("reshard", want, [2, 3]), ("reshard_step", want, [2, 3])]
