@@ -61,9 +61,28 @@ def pad_placements(placements, mesh: ProcessMesh) -> list:
     return placements + [Replicate()] * (mesh.ndim - len(placements))
 
 
+_NORMALIZED: dict = {}  # (tensor ndim, mesh ndim, placements) -> what normalize_placements made of them
+
+
 def normalize_placements(shape: Sequence[int], mesh: ProcessMesh, placements) -> tuple[Placement, ...]:
     """Validate ``placements`` against ``shape`` and ``mesh``: short lists are padded with Replicate, negative Shard
     dims become positive, and co-shard orders are rewritten so one nesting has one spelling (``with_nesting``)."""
+    try:
+        key = (len(shape), mesh.ndim, tuple(placements))
+        done = _NORMALIZED.get(key)
+    except TypeError:  # an unhashable entry: its error comes below
+        key = done = None
+    if done is not None:
+        return done
+    out = _normalized(shape, mesh, placements)
+    if key is not None and len(key[2]) <= mesh.ndim:  # (extra trailing Replicates warn each time)
+        if len(_NORMALIZED) >= 4096:
+            _NORMALIZED.clear()
+        _NORMALIZED[key] = out
+    return out
+
+
+def _normalized(shape: Sequence[int], mesh: ProcessMesh, placements) -> tuple[Placement, ...]:
     placements = pad_placements(placements, mesh)
     ndim = len(shape)
     out = []

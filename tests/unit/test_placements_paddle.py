@@ -120,3 +120,18 @@ def test_torch_conversion_refuses_a_nesting_torch_cannot_hold():
     assert len(to_torch_placements((Shard(0), Shard(0, 1)))) == 2  # mesh order: plain torch shards
     with pytest.raises(ValueError, match="co_shard_order"):
         to_torch_placements((Shard(0, 1), Shard(0, 0)))
+
+
+def test_normalized_placements_are_remembered_per_tensor_rank_and_errors_and_warnings_repeat():
+    for _ in range(2):  # the second call answers from what the first one made
+        assert normalize_placements([4, 4], M2, [Shard(-1)]) == (Shard(1), Replicate())
+        assert normalize_placements([4, 4, 4], M2, [Shard(-1)]) == (Shard(2), Replicate())
+        assert normalize_placements([4, 4], M2, [Shard(0, 1), Shard(0, 0)]) == (Shard(0, 1), Shard(0, 0))
+        assert normalize_placements([4, 4], M2, [Shard(0, 0), Shard(0, 1)]) == (Shard(0), Shard(0))
+        assert normalize_placements([4, 4, 4], M2, ["S(2)", "R"]) == (Shard(2), Replicate())
+        with pytest.raises(ValueError, match=r"Shard\(2\) is out of range for a 2-D tensor"):
+            normalize_placements([4, 4], M2, ["S(2)", "R"])
+        with pytest.warns(UserWarning, match="1 trailing Replicate past"):
+            assert normalize_placements([4, 4], ProcessMesh([0, 1]), [Shard(0), Replicate()]) == (Shard(0),)
+        with pytest.raises(ValueError, match="is not a placement"):
+            normalize_placements([4, 4], M2, [[0], Replicate()])
