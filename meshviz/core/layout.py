@@ -67,10 +67,11 @@ _NORMALIZED: dict = {}  # (tensor ndim, mesh ndim, placements) -> what normalize
 def normalize_placements(shape: Sequence[int], mesh: ProcessMesh, placements) -> tuple[Placement, ...]:
     """Validate ``placements`` against ``shape`` and ``mesh``: short lists are padded with Replicate, negative Shard
     dims become positive, and co-shard orders are rewritten so one nesting has one spelling (``with_nesting``)."""
-    key: tuple | None = (len(shape), mesh.ndim, tuple(placements))
+    key: tuple | None
     try:
+        key = (len(shape), mesh.ndim, tuple(placements))
         done = _NORMALIZED.get(key)
-    except TypeError:  # an unhashable entry: its error comes below
+    except TypeError:  # not a list, or an unhashable entry: its error comes below
         key = done = None
     if done is not None:
         return done

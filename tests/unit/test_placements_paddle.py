@@ -135,3 +135,7 @@ def test_normalized_placements_are_remembered_per_tensor_rank_and_errors_and_war
             assert normalize_placements([4, 4], ProcessMesh([0, 1]), [Shard(0), Replicate()]) == (Shard(0),)
         with pytest.raises(ValueError, match="is not a placement"):
             normalize_placements([4, 4], M2, [[0], Replicate()])
+        with pytest.raises(ValueError, match="placements must be a list with at most one"):
+            normalize_placements([4, 4], M2, None)
+        with pytest.raises(ValueError, match="placements must be a list, got 5"):
+            normalize_placements([4, 4], M2, 5)
