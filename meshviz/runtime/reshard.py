@@ -288,9 +288,8 @@ def run_plan(plan: Plan, local, rank: int, *, dtype=None, device=None, name=None
     ctx = rank_context.current()
     st = trace_state(ctx)
     if not st.sinks:
-        for step in plan.steps:
-            local = run_step(step, local, rank, dtype, device, own)
-            own = True
+        for i, step in enumerate(plan.steps):
+            local = run_step(step, local, rank, dtype, device, own or i > 0)
         return local
     traced = traced_plan(plan, rank)
     plan_id = next(RESHARD.get(ctx).plan_ids)
@@ -351,14 +350,14 @@ def run_plans(plans, locals_, rank: int, names, tensor_ids, dtypes, devices, int
             bucket.append(i)
             size += locals_[i].numel() * locals_[i].element_size()
             if size >= BUCKET_BYTES:
-                _run_bucket(sig, bucket, plans, locals_, out, rank, names, tensor_ids, into, own)
+                _run_bucket(sig, bucket, plans, locals_, out, rank, names, tensor_ids, into)
                 bucket, size = [], 0
         if bucket:
-            _run_bucket(sig, bucket, plans, locals_, out, rank, names, tensor_ids, into, own)
+            _run_bucket(sig, bucket, plans, locals_, out, rank, names, tensor_ids, into)
     return out
 
 
-def _run_bucket(sig, bucket, plans, locals_, out, rank, names, tensor_ids, into, own) -> None:
+def _run_bucket(sig, bucket, plans, locals_, out, rank, names, tensor_ids, into) -> None:
     if len(bucket) == 1:
         i = bucket[0]
         out[i] = run_plan(plans[i], locals_[i], rank, name=names[i], tensor_id=tensor_ids[i])

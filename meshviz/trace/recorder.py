@@ -210,8 +210,7 @@ class MemorySink:
     @property
     def events(self) -> list[Event]:
         for st in self._states:
-            if st.pending:
-                flush(st)
+            flush(st)
         return self._events
 
     @events.setter
