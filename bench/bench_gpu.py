@@ -2,7 +2,8 @@
 
 Tiny tensors, so what is measured is the cost of a call, not of moving data: a 1-rank mesh (NCCL) and, with
 ``--ranks 2``, two ranks sharing the GPU (gloo). Also a recorded reshard against the same one untraced (its ratio),
-and the price of tracing switched off.
+the same pair with each reshard behind a matmul the GPU is still running (as in training), and the price of
+tracing switched off.
 Run: .venv/bin/python bench/bench_gpu.py [--ranks 1 2] [--calls 2000] [--rounds 7] [--c10d]
 Without CUDA it says so and exits; ``--device cpu`` measures the same calls on the CPU (gloo).
 """
@@ -99,6 +100,13 @@ def measure(calls: int, rounds: int, c10d: bool = False):
                          then={"reshard S(0)->R, traced": trace.flush}))
     table.update(_rounds({"reshard S(0)->R, tracing off again": lambda: dist.reshard(d, mesh, [R])}, calls, rounds,
                          sync))
+    if dev.type == "cuda":  # as in training: each reshard behind a layer's matmul the GPU is still running
+        w = torch.randn(2048, 2048, device=dev)
+        busy = {"behind GPU work, untraced": lambda: (w @ w, dist.reshard(d, mesh, [R])),
+                "behind GPU work, traced": lambda: (w @ w, dist.reshard(d, mesh, [R])),
+                "GPU work alone": lambda: w @ w}
+        table.update(_rounds(busy, max(calls // 4, 1), rounds, sync, around={"behind GPU work, traced": trace.record},
+                             then={"behind GPU work, traced": trace.flush}))
     return {"table": table, "device": str(dev), "backend": tdist.get_backend(), "ranks": n,
             "torch": torch.__version__}
 
@@ -128,6 +136,11 @@ def _print(res: dict) -> None:
           f"({t[u][1]:.1f}-{t[u][2]:.1f}) | {t[k][0] / t[u][0]:.2f} |")
     k = "reshard S(0)->R, tracing off again"
     print(f"| {k} | {t[k][0]:.1f} ({t[k][1]:.1f}-{t[k][2]:.1f}) | | |")
+    k, u, w = "behind GPU work, traced", "behind GPU work, untraced", "GPU work alone"
+    if k in t:
+        print(f"| S(0)->R behind a 2048^2 matmul, traced | {t[k][0]:.1f} ({t[k][1]:.1f}-{t[k][2]:.1f}) | untraced: "
+              f"{t[u][0]:.1f} ({t[u][1]:.1f}-{t[u][2]:.1f}), the matmul alone: {t[w][0]:.1f} | "
+              f"{t[k][0] / t[u][0]:.2f} |")
 
 
 def main(argv=None) -> int:

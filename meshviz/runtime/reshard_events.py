@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from itertools import chain
+from itertools import chain, count
 
 import torch
 
@@ -12,25 +12,51 @@ from ..core.planner import Plan
 from ..core.traffic import step_received
 from . import rollcall
 
-__all__ = ["Traced", "UNKNOWN", "traced_plan", "plan_event", "step_event", "issued_now", "values_of"]
+__all__ = ["DeviceRead", "Traced", "UNKNOWN", "traced_plan", "plan_event", "step_event", "issued_now", "values_of"]
 
 
-def values_of(t) -> list | torch.Tensor | None:
+def values_of(t) -> list | torch.Tensor | DeviceRead | None:
     """``trace.small_values(t)``; of a small plain tensor of one or two dims, read with one tolist. Of a block on
-    an accelerator, a copy of its leading values there, read when the event is made (no wait for the device on
-    the reshard's path)."""
-    if type(t) is torch.Tensor and not t.dtype.is_complex:
+    an accelerator, its leading values on their way to the host, read when the event is made (no wait for the
+    device on the reshard's path)."""
+    if type(t) is torch.Tensor:
         try:
-            if t.device.type not in ("cpu", "meta"):
-                return t.detach().reshape(-1)[: trace.MAX_VALUES].clone()
-            n = t.dim()
-            if n and t.numel() <= trace.MAX_VALUES:
-                if n == 1:
-                    return t.tolist()
-                return list(chain.from_iterable(t.tolist())) if n == 2 else t.reshape(-1).tolist()
+            if t.is_cpu:
+                n = t.dim()
+                if n and t.numel() <= trace.MAX_VALUES and not t.is_complex():
+                    if n == 1:
+                        return t.tolist()
+                    return list(chain.from_iterable(t.tolist())) if n == 2 else t.reshape(-1).tolist()
+            elif not t.is_meta and not t.is_complex():
+                head = t.detach().reshape(-1)[: trace.MAX_VALUES]
+                return DeviceRead(head) if t.is_cuda else head.clone()
         except Exception:
             pass
     return trace.small_values(t)
+
+
+_TICKETS = count()  # DeviceRead's order of issue, across devices and threads (next() is atomic)
+_SYNCED: dict = {}  # device -> every read whose ticket is below this has its copy done
+
+
+class DeviceRead:
+    """A CUDA block's leading values copied to pinned host memory without waiting for the device. ``tolist``
+    waits for the device once for every read issued before it: a reshard's path queues the copy, the trace's
+    flush reads a batch of them after one synchronize."""
+
+    __slots__ = ("host", "device", "ticket")
+
+    def __init__(self, head: torch.Tensor):
+        self.host = head.to("cpu", non_blocking=True)  # pinned, so the copy is queued, not waited for
+        self.device = head.device
+        self.ticket = next(_TICKETS)  # taken after the copy is queued
+
+    def tolist(self) -> list:
+        if self.ticket >= _SYNCED.get(self.device, 0):
+            upto = next(_TICKETS)  # every ticket below it was taken after its copy was queued
+            torch.cuda.synchronize(self.device)
+            _SYNCED[self.device] = max(_SYNCED.get(self.device, 0), upto)
+        return self.host.tolist()
 
 
 class Traced:
@@ -99,6 +125,8 @@ def plan_event(st, traced: Traced, me: int, local, name, tensor_id, plan_id) -> 
 
 
 def _listed(values):
+    if type(values) is DeviceRead:
+        return values.tolist()
     return trace.small_values(values) if isinstance(values, torch.Tensor) else values
 
 

@@ -207,12 +207,12 @@ def _internal(filename: str) -> bool:
 
 
 def _format(frame) -> str:
-    return _place(frame.f_code, frame.f_lineno)
+    code = frame.f_code  # keyed by its names: a code object hashes its constants, nested code included
+    return _place(code.co_filename, code.co_name, frame.f_lineno)
 
 
 @functools.lru_cache(maxsize=4096)
-def _place(code, line: int) -> str:
-    fn, name = code.co_filename, code.co_name
+def _place(fn: str, name: str, line: int) -> str:
     place = f"line {line} of the cell" if _CELL.search(fn) else f"{os.path.basename(fn)}:{line}"
     return place if name == "<module>" else f"{place} in {name}()"
 

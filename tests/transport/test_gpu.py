@@ -237,3 +237,36 @@ def test_two_ranks_share_one_gpu_pipeline():
             assert o[mode]["losses"] == pytest.approx(losses, rel=1e-5), mode
             for k, v in o[mode]["state"].items():  # this stage's layers, named as in the single model
                 torch.testing.assert_close(v, state[k], rtol=1e-5, atol=1e-6)
+
+
+# -- a traced reshard on the GPU: its events carry the values of their time ----------------------------------
+
+def _traced_reshard():
+    import meshviz.distributed as dist
+    from meshviz import trace
+    from meshviz.runtime.autograd import run_reshard
+
+    dist.init_parallel_env()
+    n = dist.get_world_size()
+    mesh = dist.ProcessMesh(list(range(n)), dim_names=["x"])
+    d = dist.shard_tensor(torch.arange(12.0, device=dist.device()).reshape(4, 3), mesh, [dist.Shard(0)])
+    with trace.record() as rec:
+        out = run_reshard(d, mesh, [dist.Replicate()])
+        out._local.mul_(10)  # changed on the device before anything reads the events
+        d._local.add_(1)
+        evs = rec.events
+    return str(out._local.device), [(e.kind, e.values, e.local_shape) for e in evs if e.kind.startswith("reshard")]
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("devices,n", [("cpu", 2), pytest.param("cuda", 1, marks=pytest.mark.gpu),
+                                       pytest.param("cuda", 2, marks=pytest.mark.gpu)])
+def test_a_traced_reshard_reports_the_values_of_its_time(devices, n):
+    backend = None if (devices, n) == ("cuda", 1) else "gloo"  # one NCCL rank; else gloo ranks sharing the device
+    res = run_ranks(_traced_reshard, n, timeout=180, devices=devices, backend=backend, env=STRICT)
+    x = torch.arange(12.0).reshape(4, 3)
+    for r, (dev, evs) in enumerate(res):
+        assert dev == ("cuda:0" if devices == "cuda" else "cpu")
+        block = x.chunk(n)[r]
+        assert evs == [("reshard", block.reshape(-1).tolist(), list(block.shape)),
+                       ("reshard_step", x.reshape(-1).tolist(), [4, 3])], r
