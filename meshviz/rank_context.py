@@ -26,12 +26,12 @@ class Slot(Generic[T]):
     def get(self, ctx: RankContext | None = None) -> T:
         """The value of the calling rank (or of ``ctx``)."""
         if ctx is None:
-            ctx = getattr(_tls, "ctx", _PROCESS)
+            ctx = _tls.ctx or _PROCESS
         return ctx.state.get(self)
 
     def reset(self) -> T:
         """Give the calling rank a fresh value; returns it."""
-        return getattr(_tls, "ctx", _PROCESS).state.reset(self)
+        return (_tls.ctx or _PROCESS).state.reset(self)
 
     def __repr__(self) -> str:
         return f"Slot({self.name!r}, {getattr(self.factory, '__qualname__', self.factory)})"
@@ -108,13 +108,17 @@ class RankContext:
         return f"RankContext(rank={self.rank})" if self.rank is not None else "RankContext(process)"
 
 
+class _Local(threading.local):
+    ctx: RankContext | None = None  # a class default: reading it outside rank threads raises nothing (0.6 us)
+
+
 _PROCESS = RankContext()
-_tls = threading.local()
+_tls = _Local()
 
 
 def current() -> RankContext:
     """The calling thread's rank context (the process's, outside rank threads)."""
-    return getattr(_tls, "ctx", _PROCESS)
+    return _tls.ctx or _PROCESS
 
 
 def process() -> RankContext:
@@ -123,21 +127,18 @@ def process() -> RankContext:
 
 
 def in_rank_thread() -> bool:
-    return getattr(_tls, "ctx", None) is not None
+    return _tls.ctx is not None
 
 
 @contextlib.contextmanager
 def bound(ctx: RankContext):
     """Run the block with ``ctx`` as the calling thread's rank context."""
-    prev = getattr(_tls, "ctx", None)
+    prev = _tls.ctx
     _tls.ctx = ctx
     try:
         yield ctx
     finally:
-        if prev is None:
-            del _tls.ctx
-        else:
-            _tls.ctx = prev
+        _tls.ctx = prev
 
 
 def getenv(name: str, default: str | None = None) -> str | None:
@@ -150,4 +151,4 @@ def getenv(name: str, default: str | None = None) -> str | None:
 
 def state() -> RankState:
     """The calling rank's state."""
-    return getattr(_tls, "ctx", _PROCESS).state
+    return (_tls.ctx or _PROCESS).state

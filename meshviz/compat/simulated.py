@@ -216,7 +216,7 @@ class _SharedDecisions:
         return out
 
     def _search(self, op_schema):
-        _propagating.depth = getattr(_propagating, "depth", 0) + 1
+        _propagating.depth += 1
         try:
             return self.cached(op_schema)
         finally:
@@ -252,7 +252,11 @@ class _SharedDecisions:
         return key, mesh
 
 
-_propagating = threading.local()
+class _Propagating(threading.local):
+    depth = 0  # a class default: read on every simulated op, where a missing attribute would raise and be caught
+
+
+_propagating = _Propagating()
 
 
 def _all_even(x) -> bool:
@@ -284,7 +288,7 @@ def _all_even(x) -> bool:
 def in_sharding_propagation() -> bool:
     """Whether the calling thread is inside a DTensor sharding decision that :func:`share_dtensor_decisions` sees
     (its tensors are global-shape stand-ins, no memory of the rank's)."""
-    return getattr(_propagating, "depth", 0) > 0
+    return _propagating.depth > 0
 
 
 def _rebase(x, mesh):

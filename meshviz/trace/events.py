@@ -111,32 +111,47 @@ class EventTemplate:
     fraction of its cost. Stamped events share the template's lists and dicts: events are records, read, never
     changed."""
 
-    __slots__ = ("_args",)
+    __slots__ = ("_fields", "_kind")
 
     def __init__(self, **fields) -> None:
         proto = Event(seq=-1, **fields)  # checks kind and payload; takes no number from the rank's count
-        self._args = [getattr(proto, name) for name in _ORDER]
+        self._fields = dict(proto.__dict__)  # in the fields' order, as any Event's
+        self._kind = proto.kind
+
+    def _made(self, fields: dict) -> Event:
+        event = _new_event(Event)  # the fields were checked once, in __init__: no __init__ per event
+        event.__dict__ = fields
+        return event
 
     def stamp(self, seq: int, **changes) -> Event:
         """A new Event numbered ``seq`` (the next of the rank's count, which the caller takes), started now unless
         ``changes`` gives ``start``."""
-        args = self._args.copy()
-        args[_SEQ] = seq
-        args[_START] = time.time()
-        for name, v in changes.items():
-            args[_INDEX[name]] = v
-        return Event(*args)  # by position: the quickest way to an Event laid out as any other
+        unknown = changes.keys() - _NAMES
+        if unknown:
+            raise TypeError(f"EventTemplate.stamp: no Event field {', '.join(sorted(unknown))}")
+        fields = self._fields.copy()
+        fields["seq"], fields["start"] = seq, time.time()
+        fields.update(changes)
+        if "payload" in changes or "kind" in changes:
+            return Event(**fields)  # checked again, as Event(...) would
+        return self._made(fields)
 
     def stamp_run(self, seq: int, start: float, end: float, rank: int, cell, name, tensor_id, plan_id, local_shape,
                   values, payload=None) -> Event:
-        """:meth:`stamp` of the fields a reshard's run sets (``payload``: the template's where None)."""
-        args = self._args.copy()
-        args[_SEQ], args[_START], args[_END], args[_RANK], args[_CELL] = seq, start, end, rank, cell
-        args[_NAME], args[_TENSOR_ID], args[_PLAN_ID] = name, tensor_id, plan_id
-        args[_LOCAL_SHAPE], args[_VALUES] = local_shape, values
+        """:meth:`stamp` of the fields a reshard's run sets (``payload``: the template's where None; one of the
+        template's kind)."""
+        fields = self._fields.copy()
+        fields["seq"], fields["start"], fields["end"], fields["rank"], fields["cell"] = seq, start, end, rank, cell
+        fields["name"], fields["tensor_id"], fields["plan_id"] = name, tensor_id, plan_id
+        fields["local_shape"], fields["values"] = local_shape, values
         if payload is not None:
-            args[_PAYLOAD] = payload
-        return Event(*args)
+            if payload.KIND != self._kind:
+                raise ValueError(f"EventTemplate: a {self._kind!r} event cannot carry a {type(payload).__name__}")
+            fields["payload"] = payload
+        return self._made(fields)
+
+
+_new_event = object.__new__
 
 
 _defaults: dict[str, Payload] = {}  # payloads are frozen: one default instance per kind serves every event
@@ -175,12 +190,7 @@ def small_values(tensor, limit: int = MAX_VALUES) -> list | None:
         return None
 
 
-_ORDER = tuple(f.name for f in dataclasses.fields(Event))
-_NAMES = frozenset(_ORDER)
-_INDEX = {name: i for i, name in enumerate(_ORDER)}
-_SEQ, _START, _END, _RANK, _CELL = (_INDEX[k] for k in ("seq", "start", "end", "rank", "cell"))
-_NAME, _TENSOR_ID, _PLAN_ID, _LOCAL_SHAPE, _VALUES, _PAYLOAD = (
-    _INDEX[k] for k in ("name", "tensor_id", "plan_id", "local_shape", "values", "payload"))
+_NAMES = frozenset(f.name for f in dataclasses.fields(Event))
 
 
 def _default(o: Any):

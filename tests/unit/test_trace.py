@@ -316,3 +316,31 @@ def test_a_traced_reshard_defers_its_events_with_the_values_of_their_time():
     assert held == 0
     want = [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
     assert evs == [("reshard", want, [2, 3]), ("reshard_step", want, [2, 3])]
+
+
+def test_a_traced_reshard_names_the_users_line_it_ran_from():
+    import sys
+
+    import torch
+
+    import meshviz.distributed as dist
+    from meshviz.runtime.autograd import run_reshard
+    from meshviz.testing import run_ranks
+
+    def fn():
+        dist.init_parallel_env()
+        mesh = dist.ProcessMesh([0], dim_names=["x"])
+        d = dist.shard_tensor(torch.arange(6.0).reshape(2, 3), mesh, [dist.Shard(0)])
+        w = dist.shard_tensor(torch.ones(2, 3, requires_grad=True), mesh, [dist.Shard(0)])
+        lines = []
+        with trace.record() as rec:
+            lines.append(sys._getframe().f_lineno + 1)
+            dist.reshard(d, mesh, [dist.Replicate()])
+            lines.append(sys._getframe().f_lineno + 1)
+            dist.reshard(w, mesh, [dist.Replicate()])  # through the autograd function
+            lines.append(sys._getframe().f_lineno + 1)
+            run_reshard(d, mesh, [dist.Replicate()])
+        return lines, [e.payload.where for e in rec.of_kind("reshard_step")]
+
+    [(lines, wheres)] = run_ranks(fn, 1)
+    assert wheres == [f"test_trace.py:{n} in fn()" for n in lines]

@@ -26,6 +26,23 @@ def test_a_stamp_is_the_event_its_fields_make():
     assert trace.to_json(ev) == trace.to_json(want)
 
 
+def test_a_runs_stamp_is_the_event_its_fields_make_and_owns_its_fields():
+    tpl = EventTemplate(**FIELDS)
+    payload = trace.ReshardStep(dim=0, where="x.py:2", module="mlp")
+    ev = tpl.stamp_run(5, 1.0, 2.5, 1, 3, "w", 4, 9, [2, 4], [0.5, 1.5], payload)
+    want = Event(**{**FIELDS, "payload": payload}, seq=5, start=1.0, end=2.5, rank=1, cell=3, name="w", tensor_id=4,
+                 plan_id=9, local_shape=[2, 4], values=[0.5, 1.5])
+    assert type(ev) is Event and ev == want and list(ev.to_dict()) == list(want.to_dict())
+    assert trace.to_json(ev) == trace.to_json(want) and trace.from_json(trace.to_json(ev)) == want
+    other = tpl.stamp_run(6, 3.0, 4.0, 1, 3, "w", 4, 10, [2, 4], [7.0, 8.0])
+    assert (other.seq, other.plan_id, other.values, other.payload) == (6, 10, [7.0, 8.0], trace.ReshardStep(dim=0))
+    assert (ev.seq, ev.plan_id, ev.values, ev.payload) == (5, 9, [0.5, 1.5], payload)  # untouched by the next run
+    with pytest.raises(ValueError, match="reshard_step"):
+        tpl.stamp_run(7, 0.0, 0.0, 0, None, None, None, None, None, None, trace.Mark())
+    with pytest.raises(TypeError, match="colour"):
+        tpl.stamp(8, colour="red")
+
+
 def test_a_template_takes_no_number_and_checks_its_kind_once():
     before = next(trace_state().seq)
     EventTemplate(**FIELDS).stamp(0)
