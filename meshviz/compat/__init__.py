@@ -19,7 +19,7 @@ __all__ = [
     "dtensor_layout", "linear_keeps_split_batch_dims",
     # tensor subclasses and dispatch
     "NoDTensorRule", "DTensorDecision", "dtensor_special_ops", "dtensor_decision", "is_mask_partial",
-    "dtensor_converts_partial_kinds", "dispatch_modes_active",
+    "dtensor_converts_partial_kinds", "dispatch_modes_active", "fast_call", "torch_function_modes",
     "disabled_torch_function_impl", "make_wrapper_subclass", "TorchDispatchMode", "tree_map", "tree_flatten",
     "tree_unflatten",
     "flatten_dense_tensors", "unflatten_dense_tensors", "fake_tensor_type", "amp_unscale_",
@@ -179,6 +179,65 @@ make_wrapper_subclass = torch.Tensor._make_wrapper_subclass
 flatten_dense_tensors = _flatten_dense_tensors
 unflatten_dense_tensors = _unflatten_dense_tensors
 amp_unscale_ = torch._amp_foreach_non_finite_check_and_unscale_
+
+
+class _Seen(TorchDispatchMode):
+    """Notes every op that reaches the Python dispatcher, and runs it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+def _meta_stand_in(x):
+    if isinstance(x, torch.Tensor):
+        if type(x) is not torch.Tensor:
+            raise TypeError  # a subclass may answer the binding's __torch_function__ itself
+        return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
+    return x
+
+
+def fast_call(op, args, kwargs):
+    """What runs the aten op ``op`` on these plain-tensor arguments as ``op(*args, **kwargs)`` does, for less: the
+    Tensor method or torch function of its name, where torch resolves that call on such arguments to ``op`` and
+    nothing else (an OpOverload's call matches its arguments against the schema each time: 2-6 us more for add,
+    sum); else ``op``. Checked once on meta stand-ins of the arguments; call it with the same kinds of arguments
+    (an op call key fixes them), and only while no torch function mode is on (:func:`torch_function_modes`)."""
+    if not isinstance(op, torch._ops.OpOverload) or op.namespace != "aten":
+        return op
+    try:
+        sargs, skwargs = tree_map(_meta_stand_in, (tuple(args), dict(kwargs)))
+    except TypeError:
+        return op
+    name = op._schema.name.split("::", 1)[1]
+    first_is_tensor = bool(args) and type(args[0]) is torch.Tensor
+    try:
+        with no_dispatch_modes(), torch._C.DisableTorchFunction():
+            want = op(*sargs, **skwargs)
+    except Exception:
+        return op
+    for candidate in (getattr(torch._C.TensorBase, name, None) if first_is_tensor else None,
+                      getattr(torch._C._VariableFunctions, name, None)):
+        if candidate is None:
+            continue
+        seen = _Seen()
+        try:
+            with no_dispatch_modes(), torch._C.DisableTorchFunction(), seen:
+                got = candidate(*sargs, **skwargs)
+        except Exception:
+            continue
+        if len(seen.ops) == 1 and seen.ops[0] is op and type(got) is type(want):  # a list stays a list
+            return candidate
+    return op
+
+
+def torch_function_modes() -> int:
+    """How many torch function modes are on (``with torch.device(...)`` is one)."""
+    return torch._C._len_torch_function_stack()
 
 
 def queue_backward_callback(fn) -> None:

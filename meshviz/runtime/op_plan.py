@@ -302,12 +302,12 @@ class Decision:
     ``refuse``; ``moves``: the placements each dist input is resharded to first (by meshviz's planner: reshard
     events), or None."""
 
-    __slots__ = ("how", "moves", "op", "local_args", "outputs", "out_keys", "single", "note", "inplace", "whole",
-                 "nested", "hooks", "why", "fallback", "torch_rule", "summed_first", "member")
+    __slots__ = ("how", "moves", "op", "call", "local_args", "outputs", "out_keys", "single", "note", "inplace",
+                 "whole", "nested", "hooks", "why", "fallback", "torch_rule", "summed_first", "member")
 
     def __init__(self, how, moves=None, note=None, inplace=False, hooks=True, why=""):
         self.how, self.moves, self.note, self.inplace, self.hooks, self.why = how, moves, note, inplace, hooks, why
-        self.op = self.local_args = self.outputs = self.out_keys = self.fallback = None
+        self.op = self.call = self.local_args = self.outputs = self.out_keys = self.fallback = None
         self.single = True
         self.whole = self.nested = False
         self.torch_rule = self.summed_first = False

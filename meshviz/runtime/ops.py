@@ -166,11 +166,16 @@ def _run_local(d: Decision, func, args, kwargs, dists, moved: bool = False, firs
     else:
         largs = [a._local if type(a) is DistTensor else a for a in args]
         lkwargs = kwargs
+    call = d.call
+    if call is None:  # the op's Tensor method or torch function where it is the same op: no schema match per call
+        call = d.call = compat.fast_call(d.op, largs, lkwargs)
+    if call is not d.op and compat.torch_function_modes():
+        call = d.op  # a binding would hand the call to the mode first
     if d.whole and compat.dispatch_modes_active():
         with compat.no_dispatch_modes():
-            out = d.op(*largs, **lkwargs)
+            out = call(*largs, **lkwargs)
     else:
-        out = d.op(*largs, **lkwargs)
+        out = call(*largs, **lkwargs)
     if d.inplace:
         self = args[0]
         spec = d.outputs[0]

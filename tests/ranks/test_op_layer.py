@@ -243,3 +243,38 @@ def inplace_and_uneven():
 
 def test_inplace_on_partial_and_uneven_co_shards_match_dense():
     assert run_ranks(inplace_and_uneven, 4) == ["[S(0), R]"] * 4
+
+
+def _under_a_torch_function_mode():
+    from torch.overrides import TorchFunctionMode
+
+    dist, mesh = _setup()
+
+    class Seen(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            self.names.append(getattr(func, "__name__", str(func)))
+            return func(*args, **(kwargs or {}))
+
+    x = torch.arange(16.0).reshape(4, 4)
+    d = dist.shard_tensor(x, mesh, [dist.Shard(0)])
+    d + d, d.sum(0)  # decided (and each op's call chosen) outside the mode
+    out = []
+    for t in (x, d):
+        with Seen() as seen:  # an aten op called as such passes no torch function: the mode stays on
+            s, m = torch.ops.aten.add.Tensor(t, t), torch.ops.aten.sum.dim_IntList(t * 3, [0])
+        out.append((seen.names, s, m))
+    (dense_names, s0, m0), (names, s1, m1) = out
+    torch.testing.assert_close(dist.unshard_dtensor(s1), s0)
+    torch.testing.assert_close(dist.unshard_dtensor(m1), m0)
+    return names, dense_names
+
+
+def test_a_torch_function_mode_sees_the_users_calls_only():
+    # the op layer runs an op through its Tensor method where that is the same aten op: a mode must not see those
+    # calls on each rank's block (nor anything else the dense run does not show it)
+    for names, dense_names in run_ranks(_under_a_torch_function_mode, 2):
+        assert names == dense_names and len(names) == 3  # the two aten ops and the product

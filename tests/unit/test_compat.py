@@ -1,5 +1,6 @@
 """Every private torch / ipyparallel symbol meshviz uses resolves on the installed versions, through meshviz.compat."""
 
+import pytest
 import torch
 
 from meshviz import compat
@@ -74,3 +75,42 @@ def test_no_dispatch_modes_hides_ops_from_the_active_mode():
         with compat.no_dispatch_modes():
             torch.ones(2).mul(3)
     assert any("add" in s for s in seen) and not any("mul" in s for s in seen)
+
+
+A = torch.randn(4, 4, generator=torch.Generator().manual_seed(0))
+FAST = [  # op, args, kwargs: torch's binding of the op's name runs this very op
+    (torch.ops.aten.add.Tensor, (A, A.t()), {}),
+    (torch.ops.aten.add.Tensor, (A, A), {"alpha": 3}),
+    (torch.ops.aten.mul.Tensor, (A, 2.5), {}),
+    (torch.ops.aten.sum.dim_IntList, (A, [0]), {}),
+    (torch.ops.aten.sum.dim_IntList, (A, [1], True), {"dtype": torch.float64}),
+    (torch.ops.aten.mm.default, (A, A), {}),
+    (torch.ops.aten.relu.default, (A - 0.5,), {}),
+    (torch.ops.aten.view.default, (A, [2, 8]), {}),
+    (torch.ops.aten.cat.default, ([A, A], 1), {}),
+    (torch.ops.aten.native_layer_norm.default, (A, [4], None, None, 1e-5), {}),
+]
+SLOW = [  # op, args, kwargs: the binding runs another op, returns another type, or cannot be checked
+    (torch.ops.aten.add.Scalar, (A, 2), {}),  # A + 2 is add.Tensor with a wrapped number
+    (torch.ops.aten.max.dim, (A, 0), {}),  # the binding's named tuple is not the op's tuple
+    (torch.ops.aten.split.Tensor, (A, 2), {}),  # the binding's tuple is not the op's list
+    (torch.ops.aten.masked_select.default, (A, A > 0), {}),  # no meta kernel: not checked
+    (torch.ops.aten.add.Tensor, (torch.nn.Parameter(A.clone()), A), {}),  # a subclass has its own torch function
+]
+
+
+@pytest.mark.parametrize("op, args, kwargs", FAST, ids=lambda v: str(v) if isinstance(v, torch._ops.OpOverload) else "")
+def test_fast_call_runs_the_op_itself_through_its_binding(op, args, kwargs):
+    call = compat.fast_call(op, args, kwargs)
+    assert call is not op
+    got, want = call(*args, **kwargs), op(*args, **kwargs)
+    assert type(got) is type(want)
+    for g, w in zip(got if isinstance(got, (tuple, list)) else [got], want if isinstance(want, (tuple, list))
+                    else [want]):
+        assert g.dtype == w.dtype and g.shape == w.shape and g.stride() == w.stride()
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("op, args, kwargs", SLOW, ids=lambda v: str(v) if isinstance(v, torch._ops.OpOverload) else "")
+def test_fast_call_keeps_the_op_where_the_binding_is_not_it(op, args, kwargs):
+    assert compat.fast_call(op, args, kwargs) is op
