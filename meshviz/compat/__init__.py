@@ -205,33 +205,32 @@ def fast_call(op, args, kwargs):
     """What runs the aten op ``op`` on these plain-tensor arguments as ``op(*args, **kwargs)`` does, for less: the
     Tensor method or torch function of its name, where torch resolves that call on such arguments to ``op`` and
     nothing else (an OpOverload's call matches its arguments against the schema each time: 2-6 us more for add,
-    sum); else ``op``. Checked once on meta stand-ins of the arguments; call it with the same kinds of arguments
-    (an op call key fixes them), and only while no torch function mode is on (:func:`torch_function_modes`)."""
+    sum); else ``op``. Checked once on meta stand-ins of the arguments, out of sight of the thread's modes; call it
+    with the same kinds of arguments (an op call key fixes them), and only while no torch function mode is on
+    (:func:`torch_function_modes`)."""
     if not isinstance(op, torch._ops.OpOverload) or op.namespace != "aten":
-        return op
-    try:
-        sargs, skwargs = tree_map(_meta_stand_in, (tuple(args), dict(kwargs)))
-    except TypeError:
         return op
     name = op._schema.name.split("::", 1)[1]
     first_is_tensor = bool(args) and type(args[0]) is torch.Tensor
-    try:
-        with no_dispatch_modes(), torch._C.DisableTorchFunction():
-            want = op(*sargs, **skwargs)
-    except Exception:
-        return op
-    for candidate in (getattr(torch._C.TensorBase, name, None) if first_is_tensor else None,
-                      getattr(torch._C._VariableFunctions, name, None)):
-        if candidate is None:
-            continue
-        seen = _Seen()
+    candidates = [getattr(torch._C.TensorBase, name, None) if first_is_tensor else None,
+                  getattr(torch._C._VariableFunctions, name, None)]
+    with no_dispatch_modes(), torch._C.DisableTorchFunction():
         try:
-            with no_dispatch_modes(), torch._C.DisableTorchFunction(), seen:
-                got = candidate(*sargs, **skwargs)
-        except Exception:
-            continue
-        if len(seen.ops) == 1 and seen.ops[0] is op and type(got) is type(want):  # a list stays a list
-            return candidate
+            sargs, skwargs = tree_map(_meta_stand_in, (tuple(args), dict(kwargs)))
+            want = op(*sargs, **skwargs)
+        except Exception:  # a tensor subclass, an op without a meta kernel: not checked, so not replaced
+            return op
+        for candidate in candidates:
+            if candidate is None:
+                continue
+            seen = _Seen()
+            try:
+                with seen:
+                    got = candidate(*sargs, **skwargs)
+            except Exception:
+                continue
+            if len(seen.ops) == 1 and seen.ops[0] is op and type(got) is type(want):  # a list stays a list
+                return candidate
     return op
 
 

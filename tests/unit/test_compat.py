@@ -114,3 +114,16 @@ def test_fast_call_runs_the_op_itself_through_its_binding(op, args, kwargs):
 @pytest.mark.parametrize("op, args, kwargs", SLOW, ids=lambda v: str(v) if isinstance(v, torch._ops.OpOverload) else "")
 def test_fast_call_keeps_the_op_where_the_binding_is_not_it(op, args, kwargs):
     assert compat.fast_call(op, args, kwargs) is op
+
+
+def test_fast_call_is_checked_out_of_sight_of_the_threads_modes():
+    seen = []
+
+    class Spy(compat.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with Spy():
+        call = compat.fast_call(torch.ops.aten.sum.dim_IntList, (A, [0]), {})
+    assert call is not torch.ops.aten.sum.dim_IntList and seen == []
