@@ -2,8 +2,9 @@
 
 Tiny tensors, so what is measured is the cost of a call, not of moving data: a 1-rank mesh (NCCL) and, with
 ``--ranks 2``, two ranks sharing the GPU (gloo). Also a recorded reshard against the same one untraced (its ratio),
-the same pair with each reshard behind a matmul the GPU is still running (as in training), and the price of
-tracing switched off.
+the same pair with each reshard behind a matmul the GPU is still running (as in training), and again with an
+all_reduce after each reshard (its event is eager: the deferred reshard events before it are made first), and the
+price of tracing switched off.
 Run: .venv/bin/python bench/bench_gpu.py [--ranks 1 2] [--calls 2000] [--rounds 7] [--c10d]
 Without CUDA it says so and exits; ``--device cpu`` measures the same calls on the CPU (gloo).
 """
@@ -102,11 +103,18 @@ def measure(calls: int, rounds: int, c10d: bool = False):
                          sync))
     if dev.type == "cuda":  # as in training: each reshard behind a layer's matmul the GPU is still running
         w = torch.randn(2048, 2048, device=dev)
+        g = torch.ones(4, device=dev)
         busy = {"behind GPU work, untraced": lambda: (w @ w, dist.reshard(d, mesh, [R])),
                 "behind GPU work, traced": lambda: (w @ w, dist.reshard(d, mesh, [R])),
+                # a collective after the reshard, as in a step: its event is eager, and goes after the reshard's
+                "behind GPU work + all_reduce, untraced": lambda: (w @ w, dist.reshard(d, mesh, [R]),
+                                                                   dist.all_reduce(g)),
+                "behind GPU work + all_reduce, traced": lambda: (w @ w, dist.reshard(d, mesh, [R]),
+                                                                 dist.all_reduce(g)),
                 "GPU work alone": lambda: w @ w}
-        table.update(_rounds(busy, max(calls // 4, 1), rounds, sync, around={"behind GPU work, traced": trace.record},
-                             then={"behind GPU work, traced": trace.flush}))
+        on = ("behind GPU work, traced", "behind GPU work + all_reduce, traced")
+        table.update(_rounds(busy, max(calls // 4, 1), rounds, sync, around={k: trace.record for k in on},
+                             then={k: trace.flush for k in on}))
     return {"table": table, "device": str(dev), "backend": tdist.get_backend(), "ranks": n,
             "torch": torch.__version__}
 
@@ -141,6 +149,9 @@ def _print(res: dict) -> None:
         print(f"| S(0)->R behind a 2048^2 matmul, traced | {t[k][0]:.1f} ({t[k][1]:.1f}-{t[k][2]:.1f}) | untraced: "
               f"{t[u][0]:.1f} ({t[u][1]:.1f}-{t[u][2]:.1f}), the matmul alone: {t[w][0]:.1f} | "
               f"{t[k][0] / t[u][0]:.2f} |")
+        k, u = "behind GPU work + all_reduce, traced", "behind GPU work + all_reduce, untraced"
+        print(f"| the same, then an all_reduce, traced | {t[k][0]:.1f} ({t[k][1]:.1f}-{t[k][2]:.1f}) | untraced: "
+              f"{t[u][0]:.1f} ({t[u][1]:.1f}-{t[u][2]:.1f}) | {t[k][0] / t[u][0]:.2f} |")
 
 
 def main(argv=None) -> int:
