@@ -101,12 +101,13 @@ def emit(event: Event, state: TraceState | None = None) -> Event:
         event.cell = st.cell
     if event.end is None:
         event.end = time.time()
-    _deliver(st.sinks, event)
+    _deliver(list(st.sinks), event)
     return event
 
 
-def _deliver(sinks, event: Event) -> None:
-    for sink in list(sinks):
+def _deliver(sinks: list, event: Event) -> None:
+    """Hand ``event`` to each of ``sinks`` (a copy: a sink may add or remove sinks)."""
+    for sink in sinks:
         try:
             sink(event)
         except Exception:  # a broken sink must never break training
@@ -140,11 +141,7 @@ def flush(state: TraceState | None = None) -> int:
                 event = make(*args)
             except Exception:  # as a broken sink: never break training
                 continue
-            for sink in sinks:  # a copy already
-                try:
-                    sink(event)
-                except Exception:
-                    pass
+            _deliver(sinks, event)
             n += 1
     return n
 
