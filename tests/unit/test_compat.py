@@ -62,19 +62,24 @@ def test_thread_worlds_give_each_thread_its_own_c10d_world():
     assert c10d._world is before
 
 
+class _Spy(compat.TorchDispatchMode):
+    """Notes the name of every op that reaches it (``seen``), and runs it."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.seen.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
 def test_no_dispatch_modes_hides_ops_from_the_active_mode():
-    seen = []
-
-    class Spy(compat.TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            seen.append(str(func))
-            return func(*args, **(kwargs or {}))
-
-    with Spy():
+    with _Spy() as spy:
         torch.ones(2).add(1)
         with compat.no_dispatch_modes():
             torch.ones(2).mul(3)
-    assert any("add" in s for s in seen) and not any("mul" in s for s in seen)
+    assert any("add" in s for s in spy.seen) and not any("mul" in s for s in spy.seen)
 
 
 A = torch.randn(4, 4, generator=torch.Generator().manual_seed(0))
@@ -117,13 +122,6 @@ def test_fast_call_keeps_the_op_where_the_binding_is_not_it(op, args, kwargs):
 
 
 def test_fast_call_is_checked_out_of_sight_of_the_threads_modes():
-    seen = []
-
-    class Spy(compat.TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            seen.append(str(func))
-            return func(*args, **(kwargs or {}))
-
-    with Spy():
+    with _Spy() as spy:
         call = compat.fast_call(torch.ops.aten.sum.dim_IntList, (A, [0]), {})
-    assert call is not torch.ops.aten.sum.dim_IntList and seen == []
+    assert call is not torch.ops.aten.sum.dim_IntList and spy.seen == []
