@@ -23,7 +23,9 @@ __all__ = [
     "disabled_torch_function_impl", "make_wrapper_subclass", "TorchDispatchMode", "tree_map", "tree_flatten",
     "tree_unflatten",
     "flatten_dense_tensors", "unflatten_dense_tensors", "fake_tensor_type", "amp_unscale_",
-    "queue_backward_callback",
+    "autograd_sequence_nr",
+    "running_node",
+    "in_backward",
     # simulated ranks: tensors without storage
     "fake_tensor_mode_type", "fake_data_errors", "fresh_fake_outputs", "may_keep_values", "known_values",
     "clear_dtensor_caches", "empty_block", "FakeOps", "install_fake_ddp", "uninstall_fake_ddp",
@@ -239,9 +241,19 @@ def torch_function_modes() -> int:
     return torch._C._len_torch_function_stack()
 
 
-def queue_backward_callback(fn) -> None:
-    """Run ``fn()`` once the backward pass that is running now has finished (call it from inside a backward)."""
-    torch.autograd.Variable._execution_engine.queue_callback(fn)
+# the number the next autograd node made on this thread gets: the nodes a stretch of forward made are numbered from
+# its value before to its value after (torch numbers nodes so to order the backward)
+autograd_sequence_nr = torch._C._autograd._get_sequence_nr
+
+
+def running_node():
+    """The autograd node whose backward runs now on this thread (None outside one: a backward's final callbacks)."""
+    return torch._C._current_autograd_node()
+
+
+def in_backward() -> bool:
+    """Whether a backward pass runs now on this thread (its nodes, their hooks, its final callbacks)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 # -- simulated ranks: tensors without storage (meshviz/compat/simulated.py) ---------------------------------

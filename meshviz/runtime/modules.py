@@ -1,17 +1,18 @@
-"""Which nn.Module is running: global module hooks that keep each rank's module stack, so that a traced collective
-names the module whose forward or backward issued it (installed only while tracing is on)."""
+"""Which nn.Module is running: global module hooks that keep each rank's module stack and the autograd nodes each
+module call made, so that a traced collective names the module whose forward or backward issued it (installed only
+while tracing is on)."""
 
 from __future__ import annotations
 
 import weakref
+from bisect import bisect_right
 
-import torch
 from torch.nn.modules import module as _nn
 
 from .. import compat, trace
 from . import rollcall
 
-__all__ = ["module_name", "installed"]
+__all__ = ["module_name", "installed", "backward_issuer"]
 
 _WRAPPERS = {"DataParallel", "DistributedDataParallel", "OptimizedModule", "FullyShardedDataParallel"}
 _SKIP = {"module", "_layers", "_orig_mod", "_fsdp_wrapped_module", "_ddp"}  # wrappers' own attribute names
@@ -46,40 +47,111 @@ def module_name(module, parent: str | None = None, parent_module=None) -> str:
     return name
 
 
+_seq = compat.autograd_sequence_nr
+FORWARDS = 64  # outermost module calls a rank keeps the spans of: a backward of an older one names no module
+
+
+class _Forward:
+    """One outermost module call: the autograd nodes it made are numbered from ``first`` up to ``end``; ``spans``:
+    (first, -end, name) of each module call in it that made nodes, innermost first; ``index``: made at need."""
+
+    __slots__ = ("first", "end", "spans", "index")
+
+    def __init__(self, first: int):
+        self.first, self.end, self.spans, self.index = first, first, [], None
+
+    def issuer(self, seq: int) -> str | None:
+        """The innermost module call in it that made node ``seq``."""
+        if self.index is None:
+            # module calls nest: sorted by first node, and the outer first where they start alike (the inner ones
+            # were added first), the spans that hold a span are among those before it; each one's parent is the
+            # nearest of them that ends after it starts
+            order = [sp for _, sp in sorted(((sp[0], sp[1], -i), sp) for i, sp in enumerate(self.spans))]
+            parents: list[int] = []
+            open_: list[int] = []
+            for i, (first, _, _) in enumerate(order):
+                while open_ and -order[open_[-1]][1] <= first:
+                    open_.pop()
+                parents.append(open_[-1] if open_ else -1)
+                open_.append(i)
+            self.index = ([sp[0] for sp in order], order, parents)
+        firsts, order, parents = self.index
+        i = bisect_right(firsts, seq) - 1
+        while i >= 0 and -order[i][1] <= seq:  # it ended before the node was made: the node is an outer call's
+            i = parents[i]
+        return order[i][2] if i >= 0 else None
+
+
 def _pre(module, args):
     rec = rollcall.current()
     stack = rec.modules
-    top = stack[-1] if stack else None
-    name = _names.get(module) or module_name(module, top[0] if top else None, top[1]() if top else None)
-    stack.append((name, weakref.ref(module)))
+    first = _seq()
+    if stack:
+        top = stack[-1]
+        name = _names.get(module) or module_name(module, top[0], top[1]())
+    else:
+        name = _names.get(module) or module_name(module)
+        forwards = rec.spans
+        forwards.append(_Forward(first))
+        if len(forwards) > FORWARDS:
+            del forwards[0]
+    stack.append((name, weakref.ref(module), first))
 
 
 def _post(module, args, output):
     rec = rollcall.current()
-    if rec.modules:
-        name = rec.modules.pop()[0]
-    else:
+    stack = rec.modules
+    if not stack:
         return
-    if torch.is_grad_enabled():
-        outs = output if isinstance(output, (tuple, list)) else (output,)
-        for t in outs:
-            if isinstance(t, torch.Tensor) and t.requires_grad and t.grad_fn is not None:
-                try:
-                    t.register_hook(_backward_of(name, rec))
-                except Exception:
-                    pass
-                break
+    name, _, first = stack.pop()
+    end = _seq()
+    forwards = rec.spans
+    if end > first and forwards:  # it made autograd nodes: their backward is this module's (no hook per output)
+        fw = forwards[-1]
+        fw.spans.append((first, -end, name))
+        fw.end = end
+    if not stack and forwards and not forwards[-1].spans:
+        forwards.pop()  # it made no nodes (no grad): nothing to name
 
 
-def _backward_of(name: str, rec):
-    def hook(grad):
-        if rec.backward_module is None:  # the first module's backward: forget it when the whole backward ends
-            try:
-                compat.queue_backward_callback(lambda: setattr(rec, "backward_module", None))
-            except Exception:
-                pass
-        rec.backward_module = name
-    return hook
+_owners: dict = {}  # id of a parameter -> (weakref to it, the name of the module that holds it)
+
+
+def _owner(param) -> str | None:
+    """The module, among those seen running, that holds ``param`` itself."""
+    known = _owners.get(id(param))
+    if known is not None and known[0]() is param:
+        return known[1]
+    name = None
+    for m in list(_names.keys()):
+        if any(p is param for p in m._parameters.values()):
+            name = _names.get(m)
+            break
+    if len(_owners) >= 1 << 16:
+        _owners.clear()
+    _owners[id(param)] = (weakref.ref(param), name)
+    return name
+
+
+def backward_issuer(rec) -> tuple[str | None, bool]:
+    """(the module whose forward made the autograd node running now, True) in a backward, else (None, False): a
+    gradient's own hook (its node accumulates a parameter) names the module that holds the parameter."""
+    if not compat.in_backward():
+        return None, False
+    node = compat.running_node()
+    if node is None:
+        return None, True
+    param = getattr(node, "variable", None)
+    if param is not None:
+        return _owner(param), True
+    seq = node._sequence_nr()
+    for fw in reversed(rec.spans):
+        if fw.first <= seq < fw.end:
+            return fw.issuer(seq), True
+    return None, True
+
+
+rollcall.backward_issuer = backward_issuer
 
 
 def installed() -> bool:

@@ -34,7 +34,7 @@ class Record:
     """
 
     __slots__ = ("rank", "thread", "running", "cell", "idle_note", "op", "group", "seq", "tensors", "nbytes",
-                 "since", "entered", "region", "works", "failed", "modules", "backward_module", "__weakref__")
+                 "since", "entered", "region", "works", "failed", "modules", "spans", "__weakref__")
 
     def __init__(self, rank: int | None = None, thread: int | None = None):
         self.rank = rank
@@ -52,8 +52,8 @@ class Record:
         self.region: tuple | None = None  # (op, group, note, since)
         self.works = None  # (op, group, seq, since, works) of the last collective whose works were still running
         self.failed: dict | None = None
-        self.modules: list = []  # (name, weakref) of the nn.Modules whose forward runs, outermost first
-        self.backward_module: str | None = None  # the module whose backward ran last
+        self.modules: list = []  # (name, weakref, first node number) of the modules whose forward runs, outermost first
+        self.spans: list = []  # the autograd nodes of the latest outermost module calls, by module (runtime.modules)
 
     # -- the comm layer's side: keep it cheap -------------------------------------------------------------------
     def enter(self, op: str, group: tuple, tensors=(), nbytes: int | None = None):
@@ -173,15 +173,20 @@ def reset() -> None:
     current().reset()
 
 
+def _no_backward(rec: Record) -> tuple[str | None, bool]:
+    return None, False
+
+
+backward_issuer = _no_backward  # (module, in a backward) outside any forward: runtime.modules reads autograd's
+
+
 def issuer(rec: Record | None = None) -> tuple[str | None, bool]:
     """(the nn.Module whose forward or backward runs now, whether it is the backward), from the module hooks
-    that keep ``rec.modules`` while tracing (:mod:`~meshviz.runtime.modules`)."""
+    that keep ``rec.modules`` and ``rec.spans`` while tracing (:mod:`~meshviz.runtime.modules`)."""
     rec = current() if rec is None else rec
     if rec.modules:
         return rec.modules[-1][0], False
-    if rec.backward_module is not None:
-        return rec.backward_module, True
-    return None, False
+    return backward_issuer(rec)
 
 
 # -- where the user's code is -----------------------------------------------------------------------------------

@@ -182,6 +182,69 @@ def test_where_is_the_users_code():
     assert inner().startswith("test_rollcall.py:") and inner().endswith("in inner()")
 
 
+
+def test_a_backward_is_named_after_the_module_whose_forward_made_the_running_node():
+    from torch import nn
+
+    from meshviz.runtime import modules, rollcall  # noqa: F401  (the module hooks come with tracing)
+
+    seen = []
+
+    class Spy(torch.autograd.Function):  # its backward asks who issues, as a reshard's backward does
+        @staticmethod
+        def forward(ctx, x, tag):
+            ctx.tag = tag
+            seen.append((tag, "forward", rollcall.issuer()))
+            return x * 1.0
+
+        @staticmethod
+        def backward(ctx, g):
+            seen.append((ctx.tag, "backward", rollcall.issuer()))
+            return g, None
+
+    class Inner(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(3, 3)
+
+        def forward(self, x):
+            return Spy.apply(self.fc(x), "inner")
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Sequential(Inner())  # a wrapper whose only child makes all its nodes: the child is named
+            self.b = nn.Linear(3, 3)
+
+        def forward(self, x):
+            h = Spy.apply(torch.relu(self.a(x)), "net")  # made between the children: the net's own
+            return self.b(h)
+
+    net = Net()
+    net.b.weight.register_post_accumulate_grad_hook(lambda p: seen.append(("b.weight", "grad", rollcall.issuer())))
+
+    def ends():
+        seen.append(("callback", "end", rollcall.issuer()))
+
+    with trace.record():
+        first, second = net(torch.ones(2, 3)), net(torch.ones(2, 3))
+        out = first.sum() * Spy.apply(torch.ones((), requires_grad=True), "top")  # made outside any module
+        first.register_hook(lambda g: torch.autograd.Variable._execution_engine.queue_callback(ends))
+        seen.append(("outside", "-", rollcall.issuer()))
+        out.backward()  # the first forward's nodes, after a second forward
+        del second
+    assert seen[:6] == [
+        ("inner", "forward", ("Net.a.0", False)), ("net", "forward", ("Net", False)),
+        ("inner", "forward", ("Net.a.0", False)), ("net", "forward", ("Net", False)),
+        ("top", "forward", (None, False)), ("outside", "-", (None, False)),
+    ]
+    assert sorted(seen[6:-1]) == [  # in the order the engine runs them
+        ("b.weight", "grad", ("Net.b", True)), ("inner", "backward", ("Net.a.0", True)),
+        ("net", "backward", ("Net", True)), ("top", "backward", (None, True)),
+    ]
+    assert seen[-1] == ("callback", "end", (None, True))
+
+
 # -- errors -------------------------------------------------------------------------------------------------------
 
 def test_rank_error_leads_with_the_rank_that_never_entered():
