@@ -63,9 +63,8 @@ class _Forward:
     def issuer(self, seq: int) -> str | None:
         """The innermost module call in it that made node ``seq``."""
         if self.index is None:
-            # module calls nest: sorted by first node, and the outer first where they start alike (the inner ones
-            # were added first), the spans that hold a span are among those before it; each one's parent is the
-            # nearest of them that ends after it starts
+            # module calls nest; sorted by first node (the outer first where two start alike: the inner one was
+            # added first), a span's parent is the nearest span before it that has not ended where it starts
             order = [sp for _, sp in sorted(((sp[0], sp[1], -i), sp) for i, sp in enumerate(self.spans))]
             parents: list[int] = []
             open_: list[int] = []
@@ -123,8 +122,9 @@ def _owner(param) -> str | None:
     if known is not None and known[0]() is param:
         return known[1]
     name = None
-    for m in list(_names.keys()):
-        if any(p is param for p in m._parameters.values()):
+    for ref in _names.keyrefs():  # a copy made at once: another rank thread may name a module meanwhile
+        m = ref()
+        if m is not None and any(p is param for p in m._parameters.values()):
             name = _names.get(m)
             break
     if len(_owners) >= 1 << 16:
@@ -141,13 +141,15 @@ def backward_issuer(rec) -> tuple[str | None, bool]:
     node = compat.running_node()
     if node is None:
         return None, True
-    param = getattr(node, "variable", None)
-    if param is not None:
-        return _owner(param), True
-    seq = node._sequence_nr()
-    for fw in reversed(rec.spans):
-        if fw.first <= seq < fw.end:
-            return fw.issuer(seq), True
+    try:  # a name is a nicety: never let it break the collective that asks
+        if type(node).__name__ == "AccumulateGrad":
+            return _owner(node.variable), True
+        seq = node._sequence_nr()
+        for fw in reversed(rec.spans):
+            if fw.first <= seq < fw.end:
+                return fw.issuer(seq), True
+    except Exception:
+        pass
     return None, True
 
 
