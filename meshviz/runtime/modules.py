@@ -52,13 +52,18 @@ FORWARDS = 64  # outermost module calls a rank keeps the spans of: a backward of
 
 
 class _Forward:
-    """One outermost module call: the autograd nodes it made are numbered from ``first`` up to ``end``; ``spans``:
-    (first, -end, name) of each module call in it that made nodes, innermost first; ``index``: made at need."""
+    """One outermost module call: ``spans``, (first node number, -number after its last, name) of each module call
+    in it that made autograd nodes, in the order they ended (the outermost call last, holding all the others);
+    ``index``: made at need."""
 
-    __slots__ = ("first", "end", "spans", "index")
+    __slots__ = ("spans", "index")
 
-    def __init__(self, first: int):
-        self.first, self.end, self.spans, self.index = first, first, [], None
+    def __init__(self):
+        self.spans, self.index = [], None
+
+    def holds(self, seq: int) -> bool:
+        spans = self.spans
+        return bool(spans) and spans[-1][0] <= seq < -spans[-1][1]
 
     def issuer(self, seq: int) -> str | None:
         """The innermost module call in it that made node ``seq``."""
@@ -91,7 +96,7 @@ def _pre(module, args):
     else:
         name = _names.get(module) or module_name(module)
         forwards = rec.spans
-        forwards.append(_Forward(first))
+        forwards.append(_Forward())
         if len(forwards) > FORWARDS:
             del forwards[0]
     stack.append((name, weakref.ref(module), first))
@@ -106,9 +111,7 @@ def _post(module, args, output):
     end = _seq()
     forwards = rec.spans
     if end > first and forwards:  # it made autograd nodes: their backward is this module's (no hook per output)
-        fw = forwards[-1]
-        fw.spans.append((first, -end, name))
-        fw.end = end
+        forwards[-1].spans.append((first, -end, name))
     if not stack and forwards and not forwards[-1].spans:
         forwards.pop()  # it made no nodes (no grad): nothing to name
 
@@ -146,7 +149,7 @@ def backward_issuer(rec) -> tuple[str | None, bool]:
             return _owner(node.variable), True
         seq = node._sequence_nr()
         for fw in reversed(rec.spans):
-            if fw.first <= seq < fw.end:
+            if fw.holds(seq):
                 return fw.issuer(seq), True
     except Exception:
         pass
