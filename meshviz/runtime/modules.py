@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import weakref
 from bisect import bisect_right
+from operator import attrgetter
 
 from torch.nn.modules import module as _nn
 
@@ -48,18 +49,23 @@ def module_name(module, parent: str | None = None, parent_module=None) -> str:
 
 
 _seq = compat.autograd_sequence_nr
-FORWARDS = 64  # outermost module calls a rank keeps the spans of: a backward of an older one names no module
+# module calls a rank keeps the spans of, those of its latest outermost calls (the oldest half goes when it is
+# over): a backward of an older one names no module
+SPANS = 1 << 16
+_FIRST = attrgetter("first")
+RECENT = 64  # outermost calls looked through one by one where bisecting misses (module calls on several threads)
 
 
 class _Forward:
-    """One outermost module call: ``spans``, (first node number, -number after its last, name) of each module call
-    in it that made autograd nodes, in the order they ended (the outermost call last, holding all the others);
+    """One outermost module call: ``first``, the number of the first node it could make; ``spans``, (first node
+    number, -number after its last, name) of each module call in it that made autograd nodes, in the order they
+    ended (the outermost call last, holding all the others); ``upto``: the rank's spans so far, these included;
     ``index``: made at need."""
 
-    __slots__ = ("spans", "index")
+    __slots__ = ("first", "spans", "upto", "index")
 
-    def __init__(self):
-        self.spans, self.index = [], None
+    def __init__(self, first: int):
+        self.first, self.spans, self.upto, self.index = first, [], 0, None
 
     def holds(self, seq: int) -> bool:
         spans = self.spans
@@ -95,10 +101,7 @@ def _pre(module, args):
         name = _names.get(module) or module_name(module, top[0], top[1]())
     else:
         name = _names.get(module) or module_name(module)
-        forwards = rec.spans
-        forwards.append(_Forward())
-        if len(forwards) > FORWARDS:
-            del forwards[0]
+        rec.spans.append(_Forward(first))
     stack.append((name, weakref.ref(module), first))
 
 
@@ -112,8 +115,14 @@ def _post(module, args, output):
     forwards = rec.spans
     if end > first and forwards:  # it made autograd nodes: their backward is this module's (no hook per output)
         forwards[-1].spans.append((first, -end, name))
-    if not stack and forwards and not forwards[-1].spans:
-        forwards.pop()  # it made no nodes (no grad): nothing to name
+    if not stack and forwards:
+        fw = forwards[-1]
+        if not fw.spans:
+            forwards.pop()  # it made no nodes (no grad): nothing to name
+            return
+        fw.upto = len(fw.spans) + (forwards[-2].upto if len(forwards) > 1 else 0)
+        if fw.upto - forwards[0].upto > SPANS:
+            del forwards[: len(forwards) // 2]
 
 
 _owners: dict = {}  # id of a parameter -> (weakref to it, the name of the module that holds it)
@@ -148,7 +157,13 @@ def backward_issuer(rec) -> tuple[str | None, bool]:
         if type(node).__name__ == "AccumulateGrad":
             return _owner(node.variable), True
         seq = node._sequence_nr()
-        for fw in reversed(rec.spans):
+        forwards = rec.spans
+        # a rank's outermost calls are in node order where one thread made them all: bisect, then look through the
+        # latest ones
+        i = bisect_right(forwards, seq, key=_FIRST) - 1
+        if i >= 0 and forwards[i].holds(seq):
+            return forwards[i].issuer(seq), True
+        for fw in forwards[: -RECENT - 1: -1]:
             if fw.holds(seq):
                 return fw.issuer(seq), True
     except Exception:

@@ -245,6 +245,58 @@ def test_a_backward_is_named_after_the_module_whose_forward_made_the_running_nod
     assert seen[-1] == ("callback", "end", (None, True))
 
 
+def test_a_backward_names_its_module_after_many_forwards_in_flight(monkeypatch):
+    from torch import nn
+
+    from meshviz.runtime import modules, rollcall
+
+    seen = []
+
+    class Spy(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, tag):
+            ctx.tag = tag
+            return x * 1.0
+
+        @staticmethod
+        def backward(ctx, g):
+            seen.append((ctx.tag, rollcall.issuer()))
+            return g, None
+
+    class Stage(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(3, 3)
+
+        def forward(self, x, mb):
+            return Spy.apply(self.fc(x), mb)
+
+    stage, loss_fn, m = Stage(), nn.MSELoss(), 200  # FThenB: every forward, then every backward
+    with trace.record():
+        losses = [loss_fn(stage(torch.ones(2, 3), mb), torch.zeros(2, 3)) for mb in range(m)]
+        for loss in losses:  # the oldest forward first: 2 * m outermost module calls ago
+            loss.backward()
+        kept = len(rollcall.current().spans)
+        losses.clear()
+        # a node made outside any module, found or missed by bisecting, not by scanning every forward kept
+        out = Spy.apply(torch.ones((), requires_grad=True), "outside")
+        out.backward()
+    assert seen[:-1] == [(mb, ("Stage", True)) for mb in range(m)]
+    assert seen[-1] == ("outside", (None, True))
+    assert 2 * m <= kept <= modules.SPANS  # the stage's and the loss's, each with its spans
+
+    monkeypatch.setattr(modules, "SPANS", 30)  # what a rank keeps is bounded: the oldest half goes
+    seen.clear()
+    with trace.record():
+        losses = [loss_fn(stage(torch.ones(2, 3), mb), torch.zeros(2, 3)) for mb in range(m)]
+        spans = sum(len(fw.spans) for fw in rollcall.current().spans)
+        for loss in losses:
+            loss.backward()
+    assert spans <= 2 * modules.SPANS
+    named = [mb for mb, (name, backward) in seen if name == "Stage" and backward]
+    assert named == list(range(m - len(named), m)) and len(named) >= modules.SPANS // 6  # the latest forwards
+
+
 # -- errors -------------------------------------------------------------------------------------------------------
 
 def test_rank_error_leads_with_the_rank_that_never_entered():
