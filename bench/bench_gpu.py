@@ -21,13 +21,16 @@ import torch
 
 
 def _rounds(fns: dict, calls: int, rounds: int, sync, around: dict | None = None, then: dict | None = None) -> dict:
-    """Median microseconds per call of each ``fns`` entry, the entries run alternately round by round; ``around``:
+    """Median microseconds per call of each ``fns`` entry (wall time, min-max over rounds, and the median CPU time
+    of the calling thread: what a call costs the host, without the peer's latency), the entries run alternately
+    round by round; ``around``:
     for some entries, a context manager each of their rounds (and their warm-up) runs in; ``then``: for some, what
     runs after their calls, inside the timing (the trace's flush: deferred events are made there)."""
     import torch.distributed as tdist
 
     around, then = around or {}, then or {}
-    times = {k: [] for k in fns}
+    times: dict = {k: [] for k in fns}
+    cpu: dict = {k: [] for k in fns}
     for k, f in fns.items():
         with around.get(k, contextlib.nullcontext)():
             for _ in range(20):  # warm-up: groups, DeviceMeshes, caches
@@ -39,14 +42,15 @@ def _rounds(fns: dict, calls: int, rounds: int, sync, around: dict | None = None
                 tdist.barrier()
             with around.get(k, contextlib.nullcontext)():
                 sync()
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.thread_time()
                 for _ in range(calls):
                     f()
                 if k in then:
                     then[k]()
                 sync()
                 times[k].append((time.perf_counter() - t0) / calls * 1e6)
-    return {k: (statistics.median(v), min(v), max(v)) for k, v in times.items()}
+                cpu[k].append((time.thread_time() - c0) / calls * 1e6)
+    return {k: (statistics.median(v), min(v), max(v), statistics.median(cpu[k])) for k, v in times.items()}
 
 
 def measure(calls: int, rounds: int, c10d: bool = False):
@@ -123,7 +127,8 @@ def _print(res: dict) -> None:
     t = res["table"]
     print(f"\n{res['ranks']} rank(s) on {res['device']} ({res['backend']}), torch {res['torch']}: us per call "
           f"(median, min-max over rounds)")
-    print("| call | meshviz us | baseline us (DTensor, or the c10d collective) | ratio |\n|---|---|---|---|")
+    print("| call | meshviz us | baseline us (DTensor, or the c10d collective) | ratio | CPU us, ratio |\n"
+          "|---|---|---|---|---|")
     pairs = [("shard_tensor", "DTensor distribute_tensor")]
     pairs += [(k, k.replace("reshard", "DTensor redistribute")) for k in t
               if k.startswith("reshard ") and "traced" not in k and "again" not in k]
@@ -133,25 +138,26 @@ def _print(res: dict) -> None:
         if b in t:
             ma, mb = t[a][0], t[b][0]
             print(f"| {a} | {ma:.1f} ({t[a][1]:.1f}-{t[a][2]:.1f}) | {mb:.1f} ({t[b][1]:.1f}-{t[b][2]:.1f}) | "
-                  f"{ma / mb:.2f} |")
+                  f"{ma / mb:.2f} | {t[a][3]:.1f} / {t[b][3]:.1f}, {t[a][3] / t[b][3]:.2f} |")
             compared.add(a)
     for a, _ in pairs:  # no baseline here (DTensor's crashes on gloo with CUDA)
         if a not in compared:
             compared.add(a)
-            print(f"| {a} | {t[a][0]:.1f} ({t[a][1]:.1f}-{t[a][2]:.1f}) | | |")
+            print(f"| {a} | {t[a][0]:.1f} ({t[a][1]:.1f}-{t[a][2]:.1f}) | | | {t[a][3]:.1f} |")
     k, u = "reshard S(0)->R, traced", "reshard S(0)->R, untraced"
     print(f"| {k} | {t[k][0]:.1f} ({t[k][1]:.1f}-{t[k][2]:.1f}) | untraced, same rounds: {t[u][0]:.1f} "
-          f"({t[u][1]:.1f}-{t[u][2]:.1f}) | {t[k][0] / t[u][0]:.2f} |")
+          f"({t[u][1]:.1f}-{t[u][2]:.1f}) | {t[k][0] / t[u][0]:.2f} | {t[k][3]:.1f} / {t[u][3]:.1f}, "
+          f"{t[k][3] / t[u][3]:.2f} |")
     k = "reshard S(0)->R, tracing off again"
-    print(f"| {k} | {t[k][0]:.1f} ({t[k][1]:.1f}-{t[k][2]:.1f}) | | |")
+    print(f"| {k} | {t[k][0]:.1f} ({t[k][1]:.1f}-{t[k][2]:.1f}) | | | {t[k][3]:.1f} |")
     k, u, w = "behind GPU work, traced", "behind GPU work, untraced", "GPU work alone"
     if k in t:
         print(f"| S(0)->R behind a 2048^2 matmul, traced | {t[k][0]:.1f} ({t[k][1]:.1f}-{t[k][2]:.1f}) | untraced: "
               f"{t[u][0]:.1f} ({t[u][1]:.1f}-{t[u][2]:.1f}), the matmul alone: {t[w][0]:.1f} | "
-              f"{t[k][0] / t[u][0]:.2f} |")
+              f"{t[k][0] / t[u][0]:.2f} | |")
         k, u = "behind GPU work + all_reduce, traced", "behind GPU work + all_reduce, untraced"
         print(f"| the same, then an all_reduce, traced | {t[k][0]:.1f} ({t[k][1]:.1f}-{t[k][2]:.1f}) | untraced: "
-              f"{t[u][0]:.1f} ({t[u][1]:.1f}-{t[u][2]:.1f}) | {t[k][0] / t[u][0]:.2f} |")
+              f"{t[u][0]:.1f} ({t[u][1]:.1f}-{t[u][2]:.1f}) | {t[k][0] / t[u][0]:.2f} | |")
 
 
 def main(argv=None) -> int:
