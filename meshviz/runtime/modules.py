@@ -49,9 +49,9 @@ def module_name(module, parent: str | None = None, parent_module=None) -> str:
 
 
 _seq = compat.autograd_sequence_nr
-# module calls a rank keeps the spans of, those of its latest outermost calls (the oldest half goes when it is
-# over): a backward of an older one names no module
-SPANS = 1 << 16
+# module calls a rank keeps the spans of (about 130 bytes each), those of its latest outermost calls; the oldest half
+# goes when it is over, and a backward of an older one names no module
+SPANS = 1 << 15
 _FIRST = attrgetter("first")
 RECENT = 64  # outermost calls looked through one by one where bisecting misses (module calls on several threads)
 
