@@ -1,6 +1,8 @@
-"""Pipeline parallelism: seed 001 4.3 across meshes, fleet PipelineLayer with every schedule, events, bubbles."""
+"""Pipeline parallelism: seed 001 4.3 across meshes, fleet PipelineLayer with every schedule, events, bubbles, the
+module a hybrid run's collectives name."""
 
 import dataclasses
+from collections import Counter
 
 import pytest
 import torch
@@ -386,3 +388,52 @@ def test_bubble_formula_and_measured_bubble_on_ideal_timelines():
     assert segment_layers([Block(), nn.Tanh(), Block(), nn.Tanh()], 2, "layer:Block") == [0, 1, 4]  # as Paddle
     with pytest.raises(ValueError, match="do not split"):
         segment_layers([Block(), Block(), Block()], 2, "layer:Block")
+
+
+# -- a hybrid run's backward collectives name their module, however many micro-batches FThenB holds ----------------
+
+
+class TPBlock(nn.Module):
+    def __init__(self, width=4):
+        from meshviz.distributed.fleet import meta_parallel as mpu
+
+        super().__init__()
+        self.up = mpu.ColumnParallelLinear(width, 2 * width, gather_output=False)  # its backward all-reduces
+        self.down = mpu.RowParallelLinear(2 * width, width, input_is_parallel=True)
+
+    def forward(self, x):
+        return self.down(torch.tanh(self.up(x)))
+
+
+def fthenb_many_micro_batches(m):
+    from meshviz import trace
+    from meshviz.distributed import fleet
+    from meshviz.distributed.fleet.meta_parallel import LayerDesc, PipelineLayer
+
+    strategy = fleet.DistributedStrategy()
+    strategy.hybrid_configs = {"dp_degree": 1, "mp_degree": 2, "pp_degree": 2}
+    strategy.pipeline_configs = {"micro_batch_size": 1, "accumulate_steps": m, "schedule_mode": "FThenB"}
+    fleet.init(is_collective=True, strategy=strategy)
+    hcg = fleet.get_hybrid_communicate_group()
+    layer = PipelineLayer([LayerDesc(TPBlock, 4) for _ in range(2)], loss_fn=nn.MSELoss())
+    model = fleet.distributed_model(layer)
+    x, y = _data(rows=m)
+    opt = torch.optim.SGD(layer.parameters(), lr=LR)
+    model.train_batch((x, y), opt)  # the first step also runs a forward to learn the shapes
+    with trace.record() as mem:
+        model.train_batch((x, y), opt)
+    mine = [(e.op, e.payload) for e in mem.events if e.kind == "collective" and e.rank == hcg.get_global_rank()]
+    return {"stage": hcg.get_stage_id(), "backward": [(op, c.module) for op, c in mine if c.backward],
+            "forward": [(op, c.module) for op, c in mine if not c.backward]}
+
+
+@pytest.mark.timeout(300)
+def test_fthenb_backward_collectives_name_their_module_past_many_micro_batches():
+    m = 40  # the last stage makes 2 * m outermost module calls (its block's and the loss's) before any backward
+    res = run_ranks(fthenb_many_micro_batches, 4, m, timeout=240)
+    for r in res:
+        # each micro-batch's RowParallelLinear all-reduces in the forward, its ColumnParallelLinear in the backward
+        # where its input needs a gradient: on the second stage (the first stage's input is the data)
+        print(r["stage"], Counter(r["forward"]), Counter(r["backward"]))
+        assert Counter(r["forward"]) == {("all_reduce", "_Chunk.0.down"): m, ("broadcast", None): 1}  # the loss's
+        assert Counter(r["backward"]) == ({("all_reduce", "_Chunk.0.up"): m} if r["stage"] == 1 else {})
