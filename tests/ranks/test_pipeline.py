@@ -434,6 +434,5 @@ def test_fthenb_backward_collectives_name_their_module_past_many_micro_batches()
     for r in res:
         # each micro-batch's RowParallelLinear all-reduces in the forward, its ColumnParallelLinear in the backward
         # where its input needs a gradient: on the second stage (the first stage's input is the data)
-        print(r["stage"], Counter(r["forward"]), Counter(r["backward"]))
         assert Counter(r["forward"]) == {("all_reduce", "_Chunk.0.down"): m, ("broadcast", None): 1}  # the loss's
         assert Counter(r["backward"]) == ({("all_reduce", "_Chunk.0.up"): m} if r["stage"] == 1 else {})
