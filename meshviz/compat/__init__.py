@@ -157,9 +157,9 @@ def is_mask_partial(p) -> bool:
 
 
 def dtensor_converts_partial_kinds() -> bool:
-    """Whether DTensor turns one Partial reduction into another inside an op (``P(avg) + P(sum)``): torch 2.13 and
-    later do; 2.11 and 2.12 raise."""
-    return TORCH_VERSION >= (2, 13)
+    """Whether DTensor turns one Partial reduction into another inside an op (``P(avg) + P(sum)``): torch 2.12 and
+    later do; 2.11 raises."""
+    return TORCH_VERSION >= (2, 12)
 
 
 def dispatch_modes_active() -> bool:
@@ -169,9 +169,9 @@ def dispatch_modes_active() -> bool:
 
 def linear_keeps_split_batch_dims() -> bool:
     """Whether DTensor runs a Linear over an activation split on a batch dim other than the first (``[s, b, h]``
-    with ``b`` split) without gathering it: torch 2.13 and later (the flattened batch is a ``_StridedShard``);
-    torch 2.11 and 2.12 gather the activation first, so such plans put the split batch dim first."""
-    return TORCH_VERSION >= (2, 13)
+    with ``b`` split) without gathering it: torch 2.12 and later (the flattened batch is a ``_StridedShard``);
+    torch 2.11 gathers the activation first, so such plans put the split batch dim first."""
+    return TORCH_VERSION >= (2, 12)
 
 
 # -- tensor subclasses and dispatch ---------------------------------------------------------------------------
@@ -284,9 +284,9 @@ PIPELINE_STAGE_METHODS = ("get_fwd_recv_ops", "get_bwd_recv_ops", "get_fwd_send_
 def pipeline_setup_calls() -> tuple[str, ...]:
     """The PipelineStage methods a schedule calls before the first step that may exchange metadata or a dummy tensor
     with the neighbours over point-to-point ops on the stage's device: the infra set-ups (torch 2.11 to 2.15) and
-    the warm-up votes (torch 2.13 and 2.14 only)."""
+    the warm-up votes (torch 2.12 to 2.14)."""
     calls = ("_prepare_forward_infra", "_prepare_backward_infra")
-    if (2, 13) <= TORCH_VERSION < (2, 15):
+    if (2, 12) <= TORCH_VERSION < (2, 15):
         calls += ("_warmup_forward_vote", "_warmup_backward_result")
     return calls
 

@@ -108,8 +108,8 @@ def test_strided_views_read_as_paddles_reshape_rule():
     got, linear, moved = res[0]
     # Paddle 3.3.1: [2, 8, 4, 48] reshaped to [64, 48] keeps S(0), Replicate for S(1)/S(2), S(3) -> S(1)
     assert got == {0: "[S(0)]", 1: "[R]", 2: "[R]", 3: "[S(1)]"}
-    # a Linear over a sequence-sharded activation keeps S(1) and moves nothing, as Paddle's matmul; torch before
-    # 2.13 gathers it (its view rule cannot flatten a split non-leading dim): the same values, Replicate
+    # a Linear over a sequence-sharded activation keeps S(1) and moves nothing, as Paddle's matmul; torch 2.11
+    # gathers it (its view rule cannot flatten a split non-leading dim): the same values, Replicate
     if compat.linear_keeps_split_batch_dims():
         assert linear == "[S(1)]" and moved == 0
     else:

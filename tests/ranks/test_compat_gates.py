@@ -1,0 +1,52 @@
+"""Each version gate in meshviz.compat says what the installed torch's DTensor does (asked of DTensor itself)."""
+
+import torch
+
+from meshviz import compat
+from meshviz.testing import run_ranks
+
+
+def dtensor_itself():
+    import torch.distributed as tdist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+    import meshviz.distributed as dist
+
+    dist.init_parallel_env()
+    mesh = init_device_mesh("cpu", (tdist.get_world_size(),))
+    a = DTensor.from_local(torch.ones(4), mesh, [Partial("avg")])
+    b = DTensor.from_local(torch.ones(4), mesh, [Partial("sum")])
+    try:
+        c = a + b
+        converts = (repr(c.placements[0]), c.full_tensor().tolist())
+    except Exception as e:  # 2.11: "Redistribution from one partial type ... is unsupported"
+        converts = type(e).__name__
+    g = torch.Generator().manual_seed(0)
+    h, w, bias = torch.randn(4, 6, 8, generator=g), torch.randn(3, 8, generator=g), torch.randn(3, generator=g)
+    try:
+        dw, db = distribute_tensor(w, mesh, [Replicate()]), distribute_tensor(bias, mesh, [Replicate()])
+        o = torch.nn.functional.linear(distribute_tensor(h, mesh, [Shard(1)]), dw, db)
+        torch.testing.assert_close(o.full_tensor(), torch.nn.functional.linear(h, w, bias))
+        linear = repr(o.placements[0])
+    except Exception as e:  # 2.11: its view rule cannot flatten a split dim that is not the first
+        linear = type(e).__name__
+    return converts, linear
+
+
+def test_partial_kinds_and_split_batch_gates_match_dtensor():
+    for converts, linear in run_ranks(dtensor_itself, 2):
+        if compat.dtensor_converts_partial_kinds():
+            assert converts == ("Partial(avg)", [3.0] * 4)  # mean of ones (1) + sum of ones over 2 ranks (2)
+        else:
+            assert converts == "AssertionError"
+        assert (linear == "Shard(dim=1)") is compat.linear_keeps_split_batch_dims(), linear
+
+
+def test_pipeline_set_up_calls_are_every_one_torch_has():
+    from torch.distributed.pipelining import PipelineStage
+
+    known = ("_prepare_forward_infra", "_prepare_backward_infra", "_warmup_forward_vote", "_warmup_backward_result")
+    assert set(compat.pipeline_setup_calls()) == {n for n in known if hasattr(PipelineStage, n)}
+    init = compat.pipeline_neighbor_init_ops()
+    assert (init is not None) is hasattr(PipelineStage, "_get_init_p2p_neighbors_ops")
