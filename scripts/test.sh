@@ -28,6 +28,7 @@ TORCH=$(.venv/bin/python -c "import torch; print(torch.__version__.split('+')[0]
 MATRIX="${MESHVIZ_TORCH_MATRIX-2.11.0 2.15.0}"
 matrix_run() {  # torch $1: its venv made (downloads, mostly), then every tier on it, beside the main run
   local v=$1 venv
+  shift
   if ! bash scripts/torch_venv.sh "$v" > "$OUT/venv-$v.path" 2> "$OUT/venv-$v.log"; then
     { echo "torch $v: its venv could not be made:"; tail -n 20 "$OUT/venv-$v.log"; } > "$OUT/torch-$v.summary"
     return 1
