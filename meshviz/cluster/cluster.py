@@ -60,6 +60,8 @@ class RankBackend(Runner, Protocol):
 
 
 RUNNERS = {"engines": Engines, "threads": Threads}  # what ``ranks=`` names; ``runner=`` brings any other
+# an engine's printed output travels on another channel than its reply, and may come after it on a loaded machine
+OUTPUT_WAIT = 5.0
 
 
 def _kill_at_exit(ref) -> None:
@@ -297,6 +299,7 @@ class Cluster:
         self._prepare()
         job = self._ranks.run_code(code)
         self._finish(job, timeout)
+        job.result.wait_for_output(OUTPUT_WAIT)
         return job.result
 
     def apply(self, func, *args, timeout: float | None = None, **kwargs) -> list:

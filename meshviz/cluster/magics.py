@@ -6,6 +6,7 @@ import sys
 
 from ipyparallel.client.magics import ParallelMagics
 
+from .cluster import OUTPUT_WAIT
 from .rank_output import RankOrderedOutput
 
 __all__ = ["RankMagics"]
@@ -47,7 +48,7 @@ class RankMagics(ParallelMagics):
             except Exception as e:  # RankError, shown after the outputs
                 error = e
             if result.done():
-                result.wait_for_output(1)
+                result.wait_for_output(OUTPUT_WAIT if error is None else 1)
         finally:
             if ordered is not None:
                 ordered.finish(groupby)
