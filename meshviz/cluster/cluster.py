@@ -17,7 +17,7 @@ from ..ranks.runner import Job, Runner
 from ..trace.commtable import CommTable, comm_table
 from ..trace.status import RollCall
 from ..trace.stream import EventLog
-from .config import DEFAULT_CPU_RANKS, DEFAULT_HANG_AFTER, ClusterConfig
+from .config import DEFAULT_CPU_RANKS, DEFAULT_HANG_AFTER, OUTPUT_WAIT, ClusterConfig
 from .control import ClusterState, Control, blame_rollcall
 from .engine import GRACE
 from .engines import Engines
@@ -60,8 +60,6 @@ class RankBackend(Runner, Protocol):
 
 
 RUNNERS = {"engines": Engines, "threads": Threads}  # what ``ranks=`` names; ``runner=`` brings any other
-# an engine's printed output travels on another channel than its reply, and may come after it on a loaded machine
-OUTPUT_WAIT = 5.0
 
 
 def _kill_at_exit(ref) -> None:

@@ -5,11 +5,12 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-__all__ = ["ClusterConfig", "DEFAULT_CPU_RANKS", "DEFAULT_HANG_AFTER", "LOOPBACK_HOSTS", "RANKS_ENV", "gpu_count",
-           "rank_configs", "ranks_kind"]
+__all__ = ["ClusterConfig", "DEFAULT_CPU_RANKS", "DEFAULT_HANG_AFTER", "LOOPBACK_HOSTS", "OUTPUT_WAIT", "RANKS_ENV",
+           "gpu_count", "rank_configs", "ranks_kind"]
 
 DEFAULT_CPU_RANKS = 4  # ranks when n=None and there is no GPU
 DEFAULT_HANG_AFTER = 5.0  # seconds a rank may wait in a collective before the roll-call shows
+OUTPUT_WAIT = 5.0  # seconds an ended cell waits for the ranks' output (engines send it apart from the reply)
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 RANKS_ENV = "MESHVIZ_RANKS"  # "threads": Clusters run their ranks inside this process unless told otherwise
 

@@ -6,7 +6,7 @@ import sys
 
 from ipyparallel.client.magics import ParallelMagics
 
-from .cluster import OUTPUT_WAIT
+from .config import OUTPUT_WAIT
 from .rank_output import RankOrderedOutput
 
 __all__ = ["RankMagics"]
