@@ -96,11 +96,11 @@ def rank_raising_mid_collective_stops_every_rank(cluster, n: int) -> RankError:
     with pytest.raises(RankError) as info:
         cluster.execute(cell, timeout=25)  # below the 30 s collective timeout: a rank still waiting shows "running"
     err = info.value
-    assert err.ranks == [1]
+    assert err.ranks == [1], str(err)
     assert "rank 1 raised ValueError: rank one broke" in str(err)
     assert "rank one broke" in "\n".join(err.render_traceback())
     by = {o.rank: o for o in err.outcomes}
-    assert all(by[r].status == "error" for r in range(n))
+    assert all(by[r].status == "error" for r in range(n)), str(err)
     ar = cluster.execute("x = torch.ones(1); tdist.all_reduce(x); print(x.item())")
     assert ar.stdout == [f"{float(n)}\n"] * n
     assert cluster.state == "ready"
