@@ -1,4 +1,4 @@
-"""Each version gate in meshviz.compat says what the installed torch's DTensor does (asked of DTensor itself)."""
+"""Each version gate in meshviz.compat says what the installed torch does (asked of DTensor and PipelineStage)."""
 
 import torch
 
