@@ -4,12 +4,10 @@
 # ipyparallel engines, launch, devices, the browser) and the notebooks with their ranks as threads
 # (MESHVIZ_RANKS=threads, as on Binder; the transport tier's tests do not see it); then three notebooks again with
 # ipyparallel engines as ranks, and the Binder check (a fresh environment from binder/, 01, 06 and 13 under a 2 GiB
-# memory limit). Beside all that, every tier again on the oldest and the newest supported torch
-# (MESHVIZ_TORCH_MATRIX, default "2.11.0 2.15.0"), each in its own venv kept between runs (scripts/torch_venv.sh):
-# one test run keeps about one core of two busy (it waits on ranks, kernels and the browser), so the runs go side by
-# side; then the table of torch version x tier (scripts/test_table.py). Every part runs even when an earlier one
-# failed; the exit status says whether any did. MESHVIZ_TEST_ENGINES=0 / MESHVIZ_BINDER_CHECK=0 /
-# MESHVIZ_TORCH_MATRIX= leave those out.
+# memory limit). Then every tier again on the oldest and the newest supported torch (MESHVIZ_TORCH_MATRIX,
+# default "2.11.0 2.15.0"), each in its own venv kept between runs (scripts/torch_venv.sh), and the table of torch
+# version x tier (scripts/test_table.py). Every part runs even when an earlier one failed; the exit status says
+# whether any did. MESHVIZ_TEST_ENGINES=0 / MESHVIZ_BINDER_CHECK=0 / MESHVIZ_TORCH_MATRIX= leave those out.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh --test
@@ -26,26 +24,9 @@ OUT=artifacts/tests
 rm -rf "$OUT" && mkdir -p "$OUT"
 TORCH=$(.venv/bin/python -c "import torch; print(torch.__version__.split('+')[0])")
 MATRIX="${MESHVIZ_TORCH_MATRIX-2.11.0 2.15.0}"
-matrix_run() {  # torch $1: its venv made (downloads, mostly), then every tier on it, beside the main run
-  local v=$1 venv
-  shift
-  if ! bash scripts/torch_venv.sh "$v" > "$OUT/venv-$v.path" 2> "$OUT/venv-$v.log"; then
-    { echo "torch $v: its venv could not be made:"; tail -n 20 "$OUT/venv-$v.log"; } > "$OUT/torch-$v.summary"
-    return 1
-  fi
-  venv=$(cat "$OUT/venv-$v.path")
-  if CUDA_VISIBLE_DEVICES= MESHVIZ_RANKS=threads "$venv/bin/python" -m pytest tests/unit tests/ranks tests/transport \
-      notebooks --nbval -p no:cacheprovider -q --durations=10 --junitxml="$OUT/torch-$v.xml" "$@" \
-      > "$OUT/torch-$v.log" 2>&1; then
-    echo "torch $v: $(tail -n 1 "$OUT/torch-$v.log")" > "$OUT/torch-$v.summary"
-  else
-    { echo "torch $v: tests failed ($OUT/torch-$v.log):"; tail -n 60 "$OUT/torch-$v.log"; } > "$OUT/torch-$v.summary"
-    return 1
-  fi
-}
-for v in $MATRIX; do
-  matrix_run "$v" "$@" &
-  echo $! > "$OUT/torch-$v.pid"
+for v in $MATRIX; do  # the other releases' venvs are made (downloads, mostly) while the main run goes
+  bash scripts/torch_venv.sh "$v" > "$OUT/venv-$v.path" 2> "$OUT/venv-$v.log" &
+  echo $! > "$OUT/venv-$v.pid"
 done
 
 status=0
@@ -60,10 +41,22 @@ if [ "${MESHVIZ_BINDER_CHECK:-1}" != "0" ]; then
   .venv/bin/python scripts/binder_check.py || status=1
 fi
 
-# the oldest and the newest torch: every tier again (the browser and engines included), run beside the above
+# the oldest and the newest torch, one after the other: every tier again (the browser and engines included)
 for v in $MATRIX; do
-  wait "$(cat "$OUT/torch-$v.pid")" || status=1
-  cat "$OUT/torch-$v.summary" 2>/dev/null || { echo "torch $v: its run ended without a result"; status=1; }
+  if ! wait "$(cat "$OUT/venv-$v.pid")"; then
+    echo "torch $v: its venv could not be made:" && tail -n 20 "$OUT/venv-$v.log"
+    status=1
+    continue
+  fi
+  venv=$(cat "$OUT/venv-$v.path")
+  if CUDA_VISIBLE_DEVICES= MESHVIZ_RANKS=threads "$venv/bin/python" -m pytest tests/unit tests/ranks tests/transport \
+      notebooks --nbval -p no:cacheprovider -q --durations=10 --junitxml="$OUT/torch-$v.xml" "$@" \
+      > "$OUT/torch-$v.log" 2>&1; then
+    echo "torch $v: $(tail -n 1 "$OUT/torch-$v.log")"
+  else
+    echo "torch $v: tests failed ($OUT/torch-$v.log):" && tail -n 60 "$OUT/torch-$v.log"
+    status=1
+  fi
 done
 .venv/bin/python scripts/test_table.py "$OUT"/torch-*.xml || status=1
 exit $status
