@@ -295,25 +295,32 @@ class Cluster:
         Raises :class:`RankError` naming the failing rank(s).
         """
         self._prepare()
+        mark = self._mark()
         job = self._ranks.run_code(code)
-        self._finish(job, timeout)
+        self._finish(job, timeout, mark=mark)
         job.result.wait_for_output(OUTPUT_WAIT)
         return job.result
 
     def apply(self, func, *args, timeout: float | None = None, **kwargs) -> list:
         """Call ``func(*args, **kwargs)`` on every rank; returns the results in rank order."""
         self._prepare()
+        mark = self._mark()
         job = self._ranks.run_call(func, *args, **kwargs)
-        outcomes = self._finish(job, timeout)
+        outcomes = self._finish(job, timeout, mark=mark)
         return [o.value for o in outcomes]
 
-    def _finish(self, job, timeout, tick=None) -> list[RankOutcome]:
+    def _mark(self) -> tuple[int, float]:
+        """Where an execution starts in the failure reports, and when: taken before its code is sent, because a
+        rank that fails at once may report before the sender gets to wait for it (a busy machine)."""
+        return len(self.failures), time.time()
+
+    def _finish(self, job, timeout, tick=None, mark: tuple[int, float] | None = None) -> list[RankOutcome]:
         """Wait for ``job`` (stopping the other ranks when one fails), then its outcomes; RankError if any failed.
         ``job`` may be what ``view`` returned for code started on it directly; ``tick()`` is called while waiting
-        (about every 50 ms: %px shows the ranks' output so far)."""
+        (about every 50 ms: %px shows the ranks' output so far); ``mark``: :meth:`_mark` taken before ``job``
+        was started (else now)."""
         job = self._ranks.as_job(job)
-        since = len(self.failures)
-        t0 = time.time()
+        since, t0 = mark or self._mark()
         watch = HangWatch(self, self.hang_after)
         self.rollcalls = watch.shown
         try:

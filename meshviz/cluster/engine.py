@@ -15,6 +15,7 @@ __all__ = ["probe", "setup", "reinit", "stream_count", "set_tracing", "guarded_c
            "state"]
 
 GRACE = 0.25  # seconds a rank may still be running after a peer failed before it counts as stuck
+REPEAT_CLOSE = 2.0  # seconds after an abort when a rank still in the same cell closes its peers' sockets again
 
 _state: "_EngineState | None" = None
 
@@ -83,13 +84,18 @@ def _close_peer_sockets(peer_pids) -> int:
     try:
         import psutil
 
-        owner = {(c.laddr.ip, c.laddr.port): c.pid for c in psutil.net_connections("tcp") if c.laddr and c.pid}
         mine = [c for c in psutil.Process().net_connections("tcp") if c.raddr and c.fd not in (-1, None)]
     except Exception:
         return 0
+    theirs = set()  # the peers' own addresses, asked of each peer (not of every process: fast on a busy machine)
+    for pid in peer_pids:
+        try:
+            theirs.update((c.laddr.ip, c.laddr.port) for c in psutil.Process(pid).net_connections("tcp") if c.laddr)
+        except Exception:
+            continue
     n = 0
     for c in mine:
-        if owner.get((c.raddr.ip, c.raddr.port)) in peer_pids:
+        if (c.raddr.ip, c.raddr.port) in theirs:
             try:
                 s = socket.socket(fileno=os.dup(c.fd))
                 try:
@@ -269,6 +275,13 @@ class _EngineState:
                     threading.Thread(target=self._abort, daemon=True).start()
                 else:
                     _close_peer_sockets(self.peer_pids)  # a pending gloo collective fails at once
+                    # still in that cell later (a look-up that failed on a busy machine, a connection made since)?
+                    threading.Timer(REPEAT_CLOSE, self._close_again, args=(self.cell,)).start()
+
+    def _close_again(self, cell: int) -> None:
+        if self.running and self.cell == cell and self.failed_cell != cell:
+            _debug("still running after the abort")
+            _close_peer_sockets(self.peer_pids)
 
     def _check_stuck(self, cell: int, failed_rank) -> None:
         _debug("check stuck", cell, self.running, self.cell, self.failed_cell)

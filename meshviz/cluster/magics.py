@@ -33,6 +33,7 @@ class RankMagics(ParallelMagics):
                                             signal_on_interrupt=signal_on_interrupt)
         stream_output = self.stream_output if stream_output is None else stream_output
         cluster._prepare()
+        mark = cluster._mark()
         result = self.view.execute(cell, silent=False, block=False)
         result._fname = "%px"
         self.last_result = result
@@ -44,7 +45,7 @@ class RankMagics(ParallelMagics):
         ordered = RankOrderedOutput(result, cluster) if stream_output else None
         try:
             try:
-                cluster._finish(result, None, tick=ordered.update if ordered is not None else None)
+                cluster._finish(result, None, tick=ordered.update if ordered is not None else None, mark=mark)
             except Exception as e:  # RankError, shown after the outputs
                 error = e
             if result.done():

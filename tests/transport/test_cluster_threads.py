@@ -122,6 +122,25 @@ def test_rank_raising_mid_collective_stops_every_rank(cluster):
     assert not any(f in tb for f in ("ranks/threads.py", "ranks/baton.py", "backends/threads.py", "cluster/threads.py"))
 
 
+def test_a_rank_that_fails_before_the_caller_waits_is_still_named(cluster, monkeypatch):
+    """A busy machine: rank 1's report arrives before ``execute`` starts waiting on the cell it sent."""
+    ranks = cluster._ranks
+    run_code = ranks.run_code
+
+    def slow_to_wait(code):
+        before = len(cluster.failures)
+        job = run_code(code)
+        if "raise" in code:  # the cell that fails; the check's next one must not wait
+            deadline = time.monotonic() + 10
+            while len(cluster.failures) == before and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert len(cluster.failures) > before, "rank 1 never reported"
+        return job
+
+    monkeypatch.setattr(ranks, "run_code", slow_to_wait)
+    checks.rank_raising_mid_collective_stops_every_rank(cluster, N)
+
+
 def test_same_error_on_every_rank_keeps_the_process_group(cluster):
     checks.same_error_on_every_rank_keeps_the_process_group(cluster, N)
 

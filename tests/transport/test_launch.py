@@ -126,14 +126,15 @@ HANGS = textwrap.dedent("""
 def test_a_hang_prints_the_roll_call_and_names_the_rank(tmp_path):
     (tmp_path / "h.py").write_text(HANGS)
     rc, out, err = _launch(["--nproc_per_node", "2", "--log_dir", str(tmp_path / "log"), "--max_restart", "0",
-                            "--hang_after", "0.5", "h.py"], cwd=str(tmp_path), MESHVIZ_TIMEOUT="2")
+                            "--hang_after", "0.5", "h.py"], cwd=str(tmp_path), MESHVIZ_TIMEOUT="5")
     assert rc == 1
     situation = re.search(r"  - (rank 0 waits in all_reduce #1 on group \[0, 1\] for ([\d.]+) s; .*)", err)
     assert situation, err
     assert situation.group(1).endswith("rank 1 is idle: its script finished without entering all_reduce #1")
-    assert 0.5 <= float(situation.group(2)) < 2.0  # seen while it waited, before the timeout
+    # seen while it waited, before the timeout (which leaves a busy machine time to ask, answer and print)
+    assert 0.5 <= float(situation.group(2)) < 5.0
     assert "meshviz.launch: rank 1 never entered all_reduce #1 on group [0, 1] (idle: its script finished)" in err
-    assert re.search(r"meshviz.launch: rank 0 waited in all_reduce #1 on group \[0, 1\] for 2\.\d s", err), err
+    assert re.search(r"meshviz.launch: rank 0 waited in all_reduce #1 on group \[0, 1\] for 5\.\d s", err), err
 
 
 @pytest.mark.slow
