@@ -4,10 +4,12 @@
 # ipyparallel engines, launch, devices, the browser) and the notebooks with their ranks as threads
 # (MESHVIZ_RANKS=threads, as on Binder; the transport tier's tests do not see it); then three notebooks again with
 # ipyparallel engines as ranks, and the Binder check (a fresh environment from binder/, 01, 06 and 13 under a 2 GiB
-# memory limit). Then every tier again on the oldest and the newest supported torch (MESHVIZ_TORCH_MATRIX,
-# default "2.11.0 2.15.0"), each in its own venv kept between runs (scripts/torch_venv.sh), and the table of torch
-# version x tier (scripts/test_table.py). Every part runs even when an earlier one failed; the exit status says
-# whether any did. MESHVIZ_TEST_ENGINES=0 / MESHVIZ_BINDER_CHECK=0 / MESHVIZ_TORCH_MATRIX= leave those out.
+# memory limit). Beside all that, every tier again on the oldest and then the newest supported torch
+# (MESHVIZ_TORCH_MATRIX, default "2.11.0 2.15.0"), each in its own venv kept between runs (scripts/torch_venv.sh):
+# one test run keeps under one core busy (it waits on ranks, kernels and the browser), so two go side by side, never
+# more (three made a 2-core machine late enough to fail timed tests); then the table of torch version x tier
+# (scripts/test_table.py). Every part runs even when an earlier one failed; the exit status says whether any did.
+# MESHVIZ_TEST_ENGINES=0 / MESHVIZ_BINDER_CHECK=0 / MESHVIZ_TORCH_MATRIX= leave those out.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh --test
@@ -24,10 +26,32 @@ OUT=artifacts/tests
 rm -rf "$OUT" && mkdir -p "$OUT"
 TORCH=$(.venv/bin/python -c "import torch; print(torch.__version__.split('+')[0])")
 MATRIX="${MESHVIZ_TORCH_MATRIX-2.11.0 2.15.0}"
-for v in $MATRIX; do  # the other releases' venvs are made (downloads, mostly) while the main run goes
-  bash scripts/torch_venv.sh "$v" > "$OUT/venv-$v.path" 2> "$OUT/venv-$v.log" &
-  echo $! > "$OUT/venv-$v.pid"
-done
+matrix() {  # every tier on each release of $MATRIX in turn, each summed up in $OUT/torch-V.summary
+  local v venv rc=0
+  for v in $MATRIX; do  # the venvs are made (downloads, mostly) at once
+    bash scripts/torch_venv.sh "$v" > "$OUT/venv-$v.path" 2> "$OUT/venv-$v.log" &
+    echo $! > "$OUT/venv-$v.pid"
+  done
+  for v in $MATRIX; do
+    if ! wait "$(cat "$OUT/venv-$v.pid")"; then
+      { echo "torch $v: its venv could not be made:"; tail -n 20 "$OUT/venv-$v.log"; } > "$OUT/torch-$v.summary"
+      rc=1
+      continue
+    fi
+    venv=$(cat "$OUT/venv-$v.path")
+    if CUDA_VISIBLE_DEVICES= MESHVIZ_RANKS=threads "$venv/bin/python" -m pytest tests/unit tests/ranks \
+        tests/transport notebooks --nbval -p no:cacheprovider -q --durations=10 --junitxml="$OUT/torch-$v.xml" "$@" \
+        > "$OUT/torch-$v.log" 2>&1; then
+      echo "torch $v: $(tail -n 1 "$OUT/torch-$v.log")" > "$OUT/torch-$v.summary"
+    else
+      { echo "torch $v: tests failed ($OUT/torch-$v.log):"; tail -n 60 "$OUT/torch-$v.log"; } > "$OUT/torch-$v.summary"
+      rc=1
+    fi
+  done
+  return $rc
+}
+matrix "$@" &
+MATRIX_PID=$!
 
 status=0
 MESHVIZ_RANKS=threads .venv/bin/python -m pytest tests/unit tests/ranks tests/transport notebooks --nbval \
@@ -41,22 +65,10 @@ if [ "${MESHVIZ_BINDER_CHECK:-1}" != "0" ]; then
   .venv/bin/python scripts/binder_check.py || status=1
 fi
 
-# the oldest and the newest torch, one after the other: every tier again (the browser and engines included)
+# the oldest and the newest torch: every tier again (the browser and engines included), run beside the above
+wait "$MATRIX_PID" || status=1
 for v in $MATRIX; do
-  if ! wait "$(cat "$OUT/venv-$v.pid")"; then
-    echo "torch $v: its venv could not be made:" && tail -n 20 "$OUT/venv-$v.log"
-    status=1
-    continue
-  fi
-  venv=$(cat "$OUT/venv-$v.path")
-  if CUDA_VISIBLE_DEVICES= MESHVIZ_RANKS=threads "$venv/bin/python" -m pytest tests/unit tests/ranks tests/transport \
-      notebooks --nbval -p no:cacheprovider -q --durations=10 --junitxml="$OUT/torch-$v.xml" "$@" \
-      > "$OUT/torch-$v.log" 2>&1; then
-    echo "torch $v: $(tail -n 1 "$OUT/torch-$v.log")"
-  else
-    echo "torch $v: tests failed ($OUT/torch-$v.log):" && tail -n 60 "$OUT/torch-$v.log"
-    status=1
-  fi
+  cat "$OUT/torch-$v.summary" 2>/dev/null || { echo "torch $v: its run ended without a result"; status=1; }
 done
 .venv/bin/python scripts/test_table.py "$OUT"/torch-*.xml || status=1
 exit $status
