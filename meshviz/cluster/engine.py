@@ -276,7 +276,9 @@ class _EngineState:
                 else:
                     _close_peer_sockets(self.peer_pids)  # a pending gloo collective fails at once
                     # still in that cell later (a look-up that failed on a busy machine, a connection made since)?
-                    threading.Timer(REPEAT_CLOSE, self._close_again, args=(self.cell,)).start()
+                    again = threading.Timer(REPEAT_CLOSE, self._close_again, args=(self.cell,))
+                    again.daemon = True  # never holds the engine's exit
+                    again.start()
 
     def _close_again(self, cell: int) -> None:
         if self.running and self.cell == cell and self.failed_cell != cell:
