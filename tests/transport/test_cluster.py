@@ -132,11 +132,12 @@ def test_interrupt_unblocks_ranks_stuck_in_a_collective(cluster, tmp_path):
     cell = (_STARTED.format(prefix=prefix) + "import torch\n"
             "t = torch.zeros(1)\n"
             "tdist.recv(t, src=(tdist.get_rank() + 1) % tdist.get_world_size())  # every rank waits: deadlock\n")
+    mark = cluster._mark()  # before the cell goes: a rank may report before _finish starts waiting
     ar = cluster.view.execute(cell, block=False)
     wait_for_files(prefix, N)
     cluster.interrupt()
     with pytest.raises(RankError) as info:
-        cluster._finish(ar, timeout=25)
+        cluster._finish(ar, timeout=25, mark=mark)
     # the 30 s collective timeout was not needed: no rank was still waiting at the 25 s deadline
     assert [o.status for o in info.value.outcomes] == ["error"] * N
     ar = cluster.execute("x = torch.ones(1); tdist.all_reduce(x); print(x.item())")
@@ -155,13 +156,14 @@ def test_killed_engine_is_reported_and_restart_works(cluster, tmp_path):
     """Runs last: it breaks the shared cluster, then restarts it."""
     pid = cluster.info[1]["pid"]
     go = str(tmp_path / "go")
+    mark = cluster._mark()
     ar_future = cluster.view.execute(  # the ranks reach the all_reduce only once rank 1 is dead
         f"import os, time, torch, torch.distributed as tdist\nwhile not os.path.exists({go!r}): time.sleep(0.01)\n"
         "x = torch.ones(1)\ntdist.all_reduce(x)\n", block=False)
     os.kill(pid, signal.SIGKILL)
     open(go, "w").close()
     with pytest.raises(RankError) as info:
-        cluster._finish(ar_future, timeout=25)  # the death is reported before the 30 s collective timeout
+        cluster._finish(ar_future, timeout=25, mark=mark)  # the death is reported before the 30 s collective timeout
     assert 1 in info.value.ranks and "rank 1 died" in str(info.value)
     assert cluster.state == "broken"
     assert "DEAD" in repr(cluster)

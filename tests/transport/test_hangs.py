@@ -120,6 +120,7 @@ def test_a_rank_stuck_in_a_python_loop(cluster):
 
 
 def test_status_while_hung_and_interrupt(cluster):
+    mark = cluster._mark()  # before the cell goes: a rank may report before _finish starts waiting
     ar = cluster.view.execute("t = torch.ones(4)\nif r == 0:\n    dist.all_reduce(t)\n", block=False)
     deadline = time.monotonic() + 20
     while True:
@@ -135,13 +136,14 @@ def test_status_while_hung_and_interrupt(cluster):
     assert s1.note == "its cell finished" and rc.culprits() == [1]
     cluster.interrupt()
     with pytest.raises(RankError) as info:
-        cluster._finish(ar, timeout=TIMEOUT)  # the interrupt ends it, by the collective timeout at the latest
+        cluster._finish(ar, timeout=TIMEOUT, mark=mark)  # the interrupt ends it, by the collective timeout at most
     assert info.value.ranks == [1] and str(info.value).startswith("rank 1 never entered all_reduce #")
     _next_cell_works(cluster)
 
 
 def test_a_killed_engine(cluster):
     """Runs last: it breaks the shared cluster; restart() mends it."""
+    mark = cluster._mark()
     ar = cluster.view.execute("t = torch.ones(4)\nif r == 1:\n    time.sleep(60)\ndist.all_reduce(t)\n", block=False)
     pid = cluster.info[1]["pid"]
 
@@ -154,7 +156,7 @@ def test_a_killed_engine(cluster):
     killer = threading.Thread(target=kill_after_the_rollcall)
     killer.start()
     with pytest.raises(RankError) as info:
-        cluster._finish(ar, timeout=30)
+        cluster._finish(ar, timeout=30, mark=mark)
     killer.join()
     line = _first_rollcall(cluster).lines()[0]
     assert re.fullmatch(rf"rank 0 waits in {COLL} for [\d.]+ s; rank 1 is running at line 3 of the cell: it never "
