@@ -20,6 +20,42 @@ N = 3
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 
+_PEER = ("import socket, sys\n"
+         "server = socket.create_server(('127.0.0.1', 0))\n"
+         "print(server.getsockname()[1], flush=True)\n"
+         "conn, _ = server.accept()\n"
+         "conn.recv(1)\n")  # until this side shuts the connection down
+
+
+def test_an_abort_shuts_down_the_connections_to_peer_processes_only():
+    """What a gloo rank does when told to abort: its TCP connections to the other ranks' processes read EOF at once;
+    a connection to a process that is not a peer (here, this one) keeps working."""
+    import socket
+    import subprocess
+    import sys
+
+    from meshviz.cluster.engine import _close_peer_sockets
+
+    peer = subprocess.Popen([sys.executable, "-c", _PEER], stdout=subprocess.PIPE, text=True)
+    server = socket.create_server(("127.0.0.1", 0))
+    try:
+        to_peer = socket.create_connection(("127.0.0.1", int(peer.stdout.readline())), timeout=10)
+        to_self = socket.create_connection(server.getsockname(), timeout=10)
+        accepted, _ = server.accept()
+        assert _close_peer_sockets(set()) == 0
+        assert _close_peer_sockets({peer.pid}) == 1
+        assert to_peer.recv(1) == b""  # shut down: end of stream now, not at the timeout
+        assert peer.wait(10) == 0  # the peer's end saw it too
+        to_self.sendall(b"x")
+        assert accepted.recv(1) == b"x"
+        for s in (to_peer, to_self, accepted):
+            s.close()
+    finally:
+        server.close()
+        peer.kill()
+        peer.wait()
+
+
 @pytest.fixture(scope="module")
 def cluster():
     c = meshviz.Cluster(n=N, timeout=30, devices="cpu")
