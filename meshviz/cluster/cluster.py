@@ -274,12 +274,14 @@ class Cluster:
         self._magics_suffix = suffix
 
     # -- running code -------------------------------------------------------------------------------------------
-    def _prepare(self) -> None:
+    def _prepare(self) -> tuple[int, float]:
+        """Ready the ranks for an execution; returns its :meth:`_mark`, for ``_finish``."""
         self._check_alive()
         if self._control.needs_reset:
             self.reset()
         self.rollcalls = []
         self._executions += 1
+        return self._mark()
 
     def _check_alive(self) -> None:
         if self.state == ClusterState.STOPPED or self.view is None:
@@ -294,8 +296,7 @@ class Cluster:
 
         Raises :class:`RankError` naming the failing rank(s).
         """
-        self._prepare()
-        mark = self._mark()
+        mark = self._prepare()
         job = self._ranks.run_code(code)
         self._finish(job, timeout, mark=mark)
         job.result.wait_for_output(OUTPUT_WAIT)
@@ -303,8 +304,7 @@ class Cluster:
 
     def apply(self, func, *args, timeout: float | None = None, **kwargs) -> list:
         """Call ``func(*args, **kwargs)`` on every rank; returns the results in rank order."""
-        self._prepare()
-        mark = self._mark()
+        mark = self._prepare()
         job = self._ranks.run_call(func, *args, **kwargs)
         outcomes = self._finish(job, timeout, mark=mark)
         return [o.value for o in outcomes]

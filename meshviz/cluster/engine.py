@@ -280,14 +280,18 @@ class _EngineState:
                     again.daemon = True  # never holds the engine's exit
                     again.start()
 
+    def _still_in(self, cell: int) -> bool:
+        """Still running ``cell``, and not busy reporting a failure of its own in it."""
+        return self.running and self.cell == cell and self.failed_cell != cell
+
     def _close_again(self, cell: int) -> None:
-        if self.running and self.cell == cell and self.failed_cell != cell:
+        if self._still_in(cell):
             _debug("still running after the abort")
             _close_peer_sockets(self.peer_pids)
 
     def _check_stuck(self, cell: int, failed_rank) -> None:
         _debug("check stuck", cell, self.running, self.cell, self.failed_cell)
-        if self.running and self.cell == cell and self.failed_cell != cell:
+        if self._still_in(cell):
             self.sink.send_control(Stuck(self.rank, cell, failed_rank).to_dict())
 
     def _abort(self) -> None:

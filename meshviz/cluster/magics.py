@@ -32,8 +32,7 @@ class RankMagics(ParallelMagics):
                                             stream_output=stream_output, progress_after=progress_after,
                                             signal_on_interrupt=signal_on_interrupt)
         stream_output = self.stream_output if stream_output is None else stream_output
-        cluster._prepare()
-        mark = cluster._mark()
+        mark = cluster._prepare()
         result = self.view.execute(cell, silent=False, block=False)
         result._fname = "%px"
         self.last_result = result
