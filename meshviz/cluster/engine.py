@@ -265,8 +265,8 @@ class _EngineState:
             if isinstance(msg, StatusRequest):
                 self.answer_status(msg)
             elif isinstance(msg, PeerFailed) and msg.rank != self.rank and self.running:
-                cell = self.cell
-                threading.Timer(GRACE, self._check_stuck, args=(cell, msg.rank)).start()
+                cell, failed = self.cell, msg.rank
+                self._if_still_in(cell, GRACE, lambda: self.sink.send_control(Stuck(self.rank, cell, failed).to_dict()))
             elif isinstance(msg, Abort):
                 self.abort_pending = True
                 if not self.running:
@@ -276,23 +276,19 @@ class _EngineState:
                 else:
                     _close_peer_sockets(self.peer_pids)  # a pending gloo collective fails at once
                     # still in that cell later (a look-up that failed on a busy machine, a connection made since)?
-                    again = threading.Timer(REPEAT_CLOSE, self._close_again, args=(self.cell,))
-                    again.daemon = True  # never holds the engine's exit
-                    again.start()
+                    self._if_still_in(self.cell, REPEAT_CLOSE, lambda: _close_peer_sockets(self.peer_pids))
 
-    def _still_in(self, cell: int) -> bool:
-        """Still running ``cell``, and not busy reporting a failure of its own in it."""
-        return self.running and self.cell == cell and self.failed_cell != cell
+    def _if_still_in(self, cell: int, delay: float, then) -> None:
+        """``then()`` in ``delay`` seconds if this rank is still running ``cell`` and not reporting a failure of its
+        own in it (a daemon timer: it never holds the engine's exit)."""
+        def check():
+            _debug("still in", cell, "?", self.running, self.cell, self.failed_cell)
+            if self.running and self.cell == cell and self.failed_cell != cell:
+                then()
 
-    def _close_again(self, cell: int) -> None:
-        if self._still_in(cell):
-            _debug("still running after the abort")
-            _close_peer_sockets(self.peer_pids)
-
-    def _check_stuck(self, cell: int, failed_rank) -> None:
-        _debug("check stuck", cell, self.running, self.cell, self.failed_cell)
-        if self._still_in(cell):
-            self.sink.send_control(Stuck(self.rank, cell, failed_rank).to_dict())
+        timer = threading.Timer(delay, check)
+        timer.daemon = True
+        timer.start()
 
     def _abort(self) -> None:
         """Tear down every process group of this rank: peers blocked on it in a collective fail at once."""
