@@ -4,29 +4,24 @@
 # ipyparallel engines, launch, devices, the browser) and the notebooks with their ranks as threads
 # (MESHVIZ_RANKS=threads, as on Binder; the transport tier's tests do not see it); then three notebooks again with
 # ipyparallel engines as ranks, and the Binder check (a fresh environment from binder/, 01, 06 and 13 under a 2 GiB
-# memory limit). Beside all that, every tier again on the oldest and then the newest supported torch
-# (MESHVIZ_TORCH_MATRIX, default "2.11.0 2.15.0"), each in its own venv kept between runs (scripts/torch_venv.sh):
-# one test run keeps under one core busy (it waits on ranks, kernels and the browser), so two go side by side, never
-# more (three made a 2-core machine late enough to fail timed tests); then the table of torch version x tier
+# memory limit). Beside all that, from as soon as .venv is made, every tier again on the oldest and then the newest
+# supported torch (MESHVIZ_TORCH_MATRIX, default "2.11.0 2.15.0"), each in its own venv kept between runs
+# (scripts/torch_venv.sh), all but the browser's tests: those check what JupyterLab draws, and the Python they run
+# (notebooks 00, 10, 13 and the widgets) runs on these releases too, under nbval and in the other tiers. One test
+# run keeps under one core busy (it waits on ranks, kernels and the browser), so two go side by side, never more
+# (three made a 2-core machine late enough to fail timed tests); then the table of torch version x tier
 # (scripts/test_table.py). Every part runs even when an earlier one failed; the exit status says whether any did.
 # MESHVIZ_TEST_ENGINES=0 / MESHVIZ_BINDER_CHECK=0 / MESHVIZ_TORCH_MATRIX= leave those out.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh --test
-if [ -f scripts/install_browser.sh ]; then
-  bash scripts/install_browser.sh
-fi
+bash scripts/setup.sh --test  # before the matrix's venvs: their editable installs write to this checkout too
 export IPP_NONINTERACTIVE=1 PYTHONWARNINGS=ignore::FutureWarning
 export MESHVIZ_STRICT_DEVICES="${MESHVIZ_STRICT_DEVICES:-1}"  # every tensor into a collective on its rank's device
-.venv/bin/ruff check meshviz tests bench scripts examples  # lint (pyproject's [tool.ruff])
-.venv/bin/lint-imports  # the layer contract (pyproject's [tool.importlinter])
-.venv/bin/mypy  # types of the pure core and the trace (pyproject's [tool.mypy])
-
 OUT=artifacts/tests
 rm -rf "$OUT" && mkdir -p "$OUT"
 TORCH=$(.venv/bin/python -c "import torch; print(torch.__version__.split('+')[0])")
 MATRIX="${MESHVIZ_TORCH_MATRIX-2.11.0 2.15.0}"
-matrix() {  # every tier on each release of $MATRIX in turn, each summed up in $OUT/torch-V.summary
+matrix() {  # every tier but the browser's on each release of $MATRIX in turn, each summed up in $OUT/torch-V.summary
   local v venv rc=0
   for v in $MATRIX; do  # the venvs are made (downloads, mostly) at once
     bash scripts/torch_venv.sh "$v" > "$OUT/venv-$v.path" 2> "$OUT/venv-$v.log" &
@@ -40,8 +35,8 @@ matrix() {  # every tier on each release of $MATRIX in turn, each summed up in $
     fi
     venv=$(cat "$OUT/venv-$v.path")
     if CUDA_VISIBLE_DEVICES= MESHVIZ_RANKS=threads "$venv/bin/python" -m pytest tests/unit tests/ranks \
-        tests/transport notebooks --nbval -p no:cacheprovider -q --durations=10 --junitxml="$OUT/torch-$v.xml" "$@" \
-        > "$OUT/torch-$v.log" 2>&1; then
+        tests/transport notebooks --nbval -m "not browser" -p no:cacheprovider -q --durations=10 \
+        --junitxml="$OUT/torch-$v.xml" "$@" > "$OUT/torch-$v.log" 2>&1; then
       echo "torch $v: $(tail -n 1 "$OUT/torch-$v.log")" > "$OUT/torch-$v.summary"
     else
       { echo "torch $v: tests failed ($OUT/torch-$v.log):"; tail -n 60 "$OUT/torch-$v.log"; } > "$OUT/torch-$v.summary"
@@ -53,7 +48,13 @@ matrix() {  # every tier on each release of $MATRIX in turn, each summed up in $
 matrix "$@" &
 MATRIX_PID=$!
 
-status=0
+status=0  # from here on a part that fails is counted, and the others still run (the matrix runs already)
+if [ -f scripts/install_browser.sh ]; then
+  bash scripts/install_browser.sh || status=1
+fi
+.venv/bin/ruff check meshviz tests bench scripts examples || status=1  # lint (pyproject's [tool.ruff])
+.venv/bin/lint-imports || status=1  # the layer contract (pyproject's [tool.importlinter])
+.venv/bin/mypy || status=1  # types of the pure core and the trace (pyproject's [tool.mypy])
 MESHVIZ_RANKS=threads .venv/bin/python -m pytest tests/unit tests/ranks tests/transport notebooks --nbval \
   -p no:cacheprovider --durations=25 --junitxml="$OUT/torch-$TORCH.xml" "$@" || status=1
 if [ "${MESHVIZ_TEST_ENGINES:-1}" != "0" ]; then  # a Cluster's default ranks: one ipyparallel engine each
@@ -65,10 +66,11 @@ if [ "${MESHVIZ_BINDER_CHECK:-1}" != "0" ]; then
   .venv/bin/python scripts/binder_check.py || status=1
 fi
 
-# the oldest and the newest torch: every tier again (the browser and engines included), run beside the above
+# the oldest and the newest torch (every tier but the browser's), which ran beside the above: their results
 wait "$MATRIX_PID" || status=1
 for v in $MATRIX; do
   cat "$OUT/torch-$v.summary" 2>/dev/null || { echo "torch $v: its run ended without a result"; status=1; }
 done
 .venv/bin/python scripts/test_table.py "$OUT"/torch-*.xml || status=1
+echo "the test command took $((SECONDS / 60)) min $((SECONDS % 60)) s"
 exit $status
