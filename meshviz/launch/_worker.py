@@ -20,10 +20,33 @@ def main() -> None:
         os.dup2(sys.stdout.fileno(), sys.stderr.fileno())
     sys.argv = [script] + args
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
-    runpy.run_path(script, run_name="__main__")
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except BaseException as e:
+        if not (isinstance(e, SystemExit) and e.code in (0, None)):
+            _report(e)
+        raise
     from meshviz.runtime.world import exit_quietly
 
     exit_quietly(0, note="its script finished")
+
+
+def _report(e: BaseException) -> None:
+    """What the script raised, in the error file torch's agent reads (its own format): the file's time says when,
+    so the launcher can tell the worker that failed first from those that lost their connection to it."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    import time
+    import traceback
+
+    data = {"message": {"message": f"{type(e).__name__}: {e}",
+                        "extraInfo": {"py_callstack": traceback.format_exc(), "timestamp": str(int(time.time()))}}}
+    try:
+        with open(path, "w") as f:
+            json.dump(data, f)
+    except OSError:
+        pass
 
 
 if __name__ == "__main__":

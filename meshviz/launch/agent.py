@@ -39,8 +39,11 @@ class TorchrunJob:
         return [] if self.done() else list(self.ranks)
 
     def failed(self) -> list[int]:
-        """The workers that failed on their own (not ended by the agent), else every worker that failed."""
-        return sorted(r for r, f in self.failures.items() if f.exitcode not in STOPPED) or sorted(self.failures)
+        """The workers that failed on their own (not ended by the agent), else every worker that failed; in the
+        order they failed: a worker that ended without writing what it raised (it crashed) first, then by the
+        time of each one's report (a worker whose peer failed first raises too, a moment later)."""
+        own = [r for r, f in self.failures.items() if f.exitcode not in STOPPED]
+        return sorted(own, key=lambda r: (_reported_at(self.failures[r]), r)) if own else sorted(self.failures)
 
     def outcomes(self) -> list[RankOutcome]:
         if not self.done():
@@ -64,6 +67,14 @@ class TorchrunJob:
         if not self.done():
             return None
         return error_of(self.outcomes(), [tuple(self.ranks)] if self.interrupted else self.failed())
+
+
+def _reported_at(failure) -> float:
+    """When the worker wrote its error file (``_worker`` writes what the script raised), or -1 without one."""
+    try:
+        return os.path.getmtime(failure.error_file)
+    except (OSError, TypeError):
+        return -1.0
 
 
 class Torchrun:

@@ -293,8 +293,10 @@ def _report_failure(args, job, host) -> int:
     rc = host.blame() if host is not None else None
     if rc is not None and rc.blame():
         print("meshviz.launch: " + "\nmeshviz.launch: ".join(rc.blame()), file=sys.stderr)
-    print(f"meshviz.launch: worker(s) with global rank {failed} failed; the others were stopped. Logs: "
-          f"{os.path.join(args.log_dir, 'workerlog.N')}", file=sys.stderr)
+    then = ", ".join(map(str, failed[1:]))
+    after = f" first, then global rank{'s' if len(failed) > 2 else ''} {then}" if len(failed) > 1 else ""
+    print(f"meshviz.launch: the worker with global rank {failed[0]} failed{after}; the others were stopped. "
+          f"Logs: {os.path.join(args.log_dir, 'workerlog.N')}", file=sys.stderr)
     for rank in failed:
         f = job.failures[rank]
         path = os.path.join(args.log_dir, f"workerlog.{f.local_rank}")

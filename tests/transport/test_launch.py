@@ -94,7 +94,8 @@ def test_failing_worker_and_bad_flags(tmp_path):
     rc, out, err = _launch(["--nproc_per_node", "2", "--devices", "cpu", "--log_dir", str(tmp_path / "log"),
                             "--max_restart", "0", "s.py", "--fail"], cwd=str(tmp_path))
     assert rc == 1
-    assert "global rank [1] failed" in err and "rank 1 fails on purpose" in err
+    # rank 0 may fail too (its all_reduce loses rank 1) before the agent stops it: rank 1 is named first either way
+    assert "the worker with global rank 1 failed" in err and "rank 1 fails on purpose" in err
     assert "rank 1 fails on purpose" in (tmp_path / "log" / "workerlog.1").read_text()
 
 
@@ -221,6 +222,40 @@ def test_torchrun_runner_interrupt_ends_the_job_and_names_every_worker(tmp_path)
     assert got["outcomes"] == [[0, "stopped", why], [1, "stopped", why]]
     assert got["error"].startswith(f"rank 0 was stopped ({why}); rank 1 was stopped")
     assert got["handler_back"]  # torch's agent left its SIGINT handler installed in this process
+
+
+def test_workers_are_named_in_the_order_they_failed(tmp_path):
+    """Each worker writes what its script raised into the error file torch's agent gives it, and the job names the
+    failures by when those were written: rank 1 raised first, rank 0 (which lost its connection to it) after. Before,
+    both were named in rank order, rank 0 first, whenever rank 0 failed before the agent stopped it."""
+    from types import SimpleNamespace
+
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from meshviz.launch.agent import TorchrunJob
+
+    (tmp_path / "fails.py").write_text("raise RuntimeError('rank ' + __import__('sys').argv[1] + ' fails')\n")
+    files = {}
+    for rank in (1, 0, 2):  # written in this order: rank 1's report is the oldest
+        files[rank] = str(tmp_path / f"error-{rank}.json")
+        p = subprocess.run([sys.executable, "-m", "meshviz.launch._worker", "fails.py", str(rank)],
+                           cwd=str(tmp_path), env={**os.environ, "TORCHELASTIC_ERROR_FILE": files[rank]},
+                           capture_output=True, text=True, timeout=60)
+        assert p.returncode == 1 and f"RuntimeError: rank {rank} fails" in p.stderr
+        os.utime(files[rank], (1000.0 + len(files), 1000.0 + len(files)))
+    read = ProcessFailure(local_rank=1, pid=1, exitcode=1, error_file=files[1])  # torch's agent reads the report
+    assert read.message["message"] == "RuntimeError: rank 1 fails" and "fails.py" in read.message["extraInfo"][
+        "py_callstack"] and read.timestamp > 0
+
+    job = TorchrunJob([0, 1, 2, 3])
+    job.failures = {r: SimpleNamespace(exitcode=1, error_file=files[r]) for r in (0, 1, 2)}
+    assert job.failed() == [1, 0, 2]
+    job.failures[3] = SimpleNamespace(exitcode=-11, error_file="<N/A>")  # crashed: no report, so it came first
+    assert job.failed() == [3, 1, 0, 2]
+    job.failures = {0: SimpleNamespace(exitcode=-15, error_file="<N/A>"), 1: job.failures[1]}
+    assert job.failed() == [1]  # rank 0 was stopped by the agent
+    job._done.set()
+    assert job.error().ranks[0] == 1
 
 
 def test_fleetrun_entry_point_is_declared():
