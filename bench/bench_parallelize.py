@@ -1,6 +1,7 @@
 """One training step of a Llama block: ``dist.parallelize`` against torch's ``parallelize_module`` + FSDP2 by hand."""
 
 import argparse
+import contextlib
 import statistics
 import time
 
@@ -144,12 +145,13 @@ def _batch(batch, seq, rank_slice=None):
     return ids, labels
 
 
-def _rank(dp, mp, batch, seq, sp, level, rounds, steps, size=None):
+def _rank(dp, mp, batch, seq, sp, level, rounds, steps, size=None, traced=False):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import parallelize_module
 
     import meshviz.distributed as dist
+    from meshviz import trace
 
     if size is not None:  # the model's size, set in each rank (ranks may be fresh processes)
         Config.layers, Config.hidden, Config.ffn = size
@@ -197,29 +199,40 @@ def _rank(dp, mp, batch, seq, sp, level, rounds, steps, size=None):
     first_th = th_step().detach()
     torch.distributed.all_reduce(first_th)
     first_th = first_th.item() / (dp * mp)
-    times = {"meshviz": [], "torch": []}
-    cpu = {"meshviz": [], "torch": []}  # this process's CPU time: what load from other jobs does not inflate
+    variants = [("meshviz", mv_step, False), ("torch", th_step, False)]
+    if traced:  # under a recorder, as a live view runs it; each round's events are made (flushed) inside its time
+        variants.append(("meshviz traced", mv_step, True))
+    times = {name: [] for name, _, _ in variants}
+    cpu = {name: [] for name, _, _ in variants}  # this process's CPU time: what other jobs' load does not inflate
+    events = []  # events a traced step made on this rank
     for _ in range(rounds):
-        for name, fn in (("meshviz", mv_step), ("torch", th_step)):  # interleaved: drifting load hits both
-            torch.distributed.barrier()
-            t0, c0 = time.perf_counter(), time.process_time()
-            for _ in range(steps):
-                fn()
-            c1 = time.process_time()
-            torch.distributed.barrier()
-            times[name].append((time.perf_counter() - t0) / steps)
-            cpu[name].append((c1 - c0) / steps)
-    return {"times": times, "cpu": cpu, "first": (first_mv, first_th)}
+        for name, fn, on in variants:  # interleaved: drifting load hits each
+            with trace.record() if on else contextlib.nullcontext() as mem:
+                torch.distributed.barrier()
+                t0, c0 = time.perf_counter(), time.process_time()
+                for _ in range(steps):
+                    fn()
+                if on:
+                    trace.flush()
+                c1 = time.process_time()
+                torch.distributed.barrier()
+                times[name].append((time.perf_counter() - t0) / steps)
+                cpu[name].append((c1 - c0) / steps)
+                if on:
+                    events.append(len(mem.events) / steps)
+    return {"times": times, "cpu": cpu, "first": (first_mv, first_th), "events": events}
 
 
 def _measure(a, dp, mp, sp, level, size):
-    res = run_ranks(_rank, dp * mp, dp, mp, a.batch, a.seq, sp, level, a.rounds, a.steps, size, timeout=1800,
-                    collective_timeout=300)
-    per_round = {k: [max(r["times"][k][i] for r in res) for i in range(a.rounds)] for k in ("meshviz", "torch")}
+    res = run_ranks(_rank, dp * mp, dp, mp, a.batch, a.seq, sp, level, a.rounds, a.steps, size, a.traced,
+                    timeout=1800, collective_timeout=300)
+    per_round = {k: [max(r["times"][k][i] for r in res) for i in range(a.rounds)] for k in res[0]["times"]}
     med = {k: statistics.median(v) for k, v in per_round.items()}
     ratios = [m / t for m, t in zip(per_round["meshviz"], per_round["torch"])]
     # CPU time per step summed over the ranks, median over the rounds
     cpu = {k: statistics.median(sum(r["cpu"][k][i] for r in res) for i in range(a.rounds)) for k in per_round}
+    if a.traced:
+        print(f"events a traced step made, per rank: {[statistics.median(r['events']) for r in res]}")
     return res[0]["first"], per_round, med, ratios, cpu
 
 
@@ -253,6 +266,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--grow", action="store_true", help="the ratio at 3 model sizes, at 2 and 4 ranks")
+    ap.add_argument("--traced", action="store_true", help="also meshviz under trace.record(), as a live view runs it")
     a = ap.parse_args()
     if a.grow:
         return _grow(a)
@@ -269,6 +283,11 @@ def main():
           f"{max(ratios):.2f})")
     print(f"CPU time per step, all ranks: meshviz {cpu['meshviz'] * 1e3:.1f} ms, torch {cpu['torch'] * 1e3:.1f} ms, "
           f"ratio {cpu['meshviz'] / cpu['torch']:.2f}")
+    if a.traced:
+        traced = [t / m for t, m in zip(per_round["meshviz traced"], per_round["meshviz"])]
+        print(f"traced / untraced meshviz: {med['meshviz traced'] / med['meshviz']:.2f} (per-round ratios "
+              f"{min(traced):.2f}..{max(traced):.2f}); CPU {cpu['meshviz traced'] / cpu['meshviz']:.2f}; "
+              f"traced / torch {med['meshviz traced'] / med['torch']:.2f}")
 
 
 if __name__ == "__main__":

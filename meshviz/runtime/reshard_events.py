@@ -24,16 +24,27 @@ def values_of(t) -> list | torch.Tensor | DeviceRead | None:
         try:
             if t.is_cpu:
                 n = t.dim()
-                if n and t.numel() <= trace.MAX_VALUES and not t.is_complex():
+                if n and not t.is_complex():
+                    if t.numel() > trace.MAX_VALUES:
+                        return _head(t).tolist()
                     if n == 1:
                         return t.tolist()
                     return list(chain.from_iterable(t.tolist())) if n == 2 else t.reshape(-1).tolist()
-            elif not t.is_meta and not t.is_complex():
-                head = t.detach().reshape(-1)[: trace.MAX_VALUES]
+            elif not t.is_meta and not t.is_complex() and t.dim():
+                head = _head(t) if t.numel() > trace.MAX_VALUES else t.detach().reshape(-1)
                 return DeviceRead(head) if t.is_cuda else head.clone()
         except Exception:
             pass
     return trace.small_values(t)
+
+
+def _head(t: torch.Tensor) -> torch.Tensor:
+    """The leading ``MAX_VALUES`` elements of ``t`` (more than that, at least one dim), flat; of a strided block,
+    only the leading rows that hold them are copied, not the whole block."""
+    t = t.detach()
+    if not t.is_contiguous():
+        t = t[: -(-trace.MAX_VALUES // (t.numel() // t.shape[0]))]
+    return t.reshape(-1)[: trace.MAX_VALUES]
 
 
 _TICKETS = count()  # DeviceRead's order of issue, across devices and threads (next() is atomic)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -177,6 +178,11 @@ def small_values(tensor, limit: int = MAX_VALUES) -> list | None:
     if getattr(tensor, "fake_mode", None) is not None and getattr(tensor, "constant", None) is None:
         return None  # a simulated rank's tensor: a shape without values
     try:
+        shape = tuple(tensor.shape)
+        if len(shape) > 1 and shape[0] and hasattr(tensor, "is_contiguous") and not tensor.is_contiguous():
+            per = math.prod(shape[1:])
+            if per:  # only the leading rows that hold the values, not a copy of the whole strided tensor
+                tensor = tensor[: -(-limit // per)]
         flat = tensor.reshape(-1)
         n = flat.shape[0]
         head = flat[: min(n, limit)]

@@ -59,6 +59,9 @@ def test_a_template_takes_no_number_and_checks_its_kind_once():
     torch.randn(8, 8).t(), torch.randn(0, 3), torch.empty(0), torch.randn(4, 4, device="meta"),
     torch.randn(4, 4, dtype=torch.bfloat16), torch.randn(4, 4, requires_grad=True),
     torch.nn.Parameter(torch.randn(2, 2)), torch.randn(8, 8)[::2, 1:], torch.randn(2, 3, 4, 5),
+    # over MAX_VALUES and strided: only the leading rows are read, the values are still the tensor's leading ones
+    torch.randn(96, 80).t(), torch.randn(3, 5, 7, 11).permute(2, 0, 3, 1), torch.randn(64, 1).expand(64, 100),
+    torch.randn(2, 3, 200)[:, :, ::3], torch.randn(40, 40, requires_grad=True).t(), torch.randn(1, 300).t(),
 ], ids=lambda t: f"{type(t).__name__}{list(t.shape)}{t.dtype}{t.device.type}")
 def test_a_blocks_values_read_quickly_are_small_values(t):
     got, want = values_of(t), trace.small_values(t)
