@@ -30,7 +30,7 @@ def values_of(t) -> list | torch.Tensor | DeviceRead | None:
                     if n == 1:
                         return t.tolist()
                     return list(chain.from_iterable(t.tolist())) if n == 2 else t.reshape(-1).tolist()
-            elif not t.is_meta and not t.is_complex() and t.dim():
+            elif not t.is_meta and not t.is_complex():
                 head = _head(t) if t.numel() > trace.MAX_VALUES else t.detach().reshape(-1)
                 return DeviceRead(head) if t.is_cuda else head.clone()
         except Exception:
