@@ -7,7 +7,8 @@
 # memory limit). Beside all that, from as soon as .venv is made, every tier again on the oldest and then the newest
 # supported torch (MESHVIZ_TORCH_MATRIX, default "2.11.0 2.15.0"), each in its own venv kept between runs
 # (scripts/torch_venv.sh), all but the browser's tests: those check what JupyterLab draws, and the Python they run
-# (notebooks 00, 10, 13 and the widgets) runs on these releases too, under nbval and in the other tiers. One test
+# (notebooks 00, 10, 13 and the widgets) runs on these releases too, under nbval and in the other tiers. The last
+# release's notebooks run in front, after the Binder check, so both lines end at about the same time. One test
 # run keeps under one core busy (it waits on ranks, kernels and the browser), so two go side by side, never more
 # (three made a 2-core machine late enough to fail timed tests); then the table of torch version x tier
 # (scripts/test_table.py). Every part runs even when an earlier one failed; the exit status says whether any did.
@@ -21,8 +22,9 @@ OUT=artifacts/tests
 rm -rf "$OUT" && mkdir -p "$OUT"
 TORCH=$(.venv/bin/python -c "import torch; print(torch.__version__.split('+')[0])")
 MATRIX="${MESHVIZ_TORCH_MATRIX-2.11.0 2.15.0}"
+LAST=$(echo $MATRIX | awk '{print $NF}')  # its notebooks run in front, after the Binder check
 matrix() {  # every tier but the browser's on each release of $MATRIX in turn, each summed up in $OUT/torch-V.summary
-  local v venv rc=0
+  local v venv notebooks rc=0
   for v in $MATRIX; do  # the venvs are made (downloads, mostly) at once
     bash scripts/torch_venv.sh "$v" > "$OUT/venv-$v.path" 2> "$OUT/venv-$v.log" &
     echo $! > "$OUT/venv-$v.pid"
@@ -34,8 +36,9 @@ matrix() {  # every tier but the browser's on each release of $MATRIX in turn, e
       continue
     fi
     venv=$(cat "$OUT/venv-$v.path")
+    if [ "$v" = "$LAST" ]; then notebooks=; else notebooks=notebooks; fi
     if CUDA_VISIBLE_DEVICES= MESHVIZ_RANKS=threads "$venv/bin/python" -m pytest tests/unit tests/ranks \
-        tests/transport notebooks --nbval -m "not browser" -p no:cacheprovider -q --durations=10 \
+        tests/transport $notebooks --nbval -m "not browser" -p no:cacheprovider -q --durations=10 \
         --junitxml="$OUT/torch-$v.xml" "$@" > "$OUT/torch-$v.log" 2>&1; then
       echo "torch $v: $(tail -n 1 "$OUT/torch-$v.log")" > "$OUT/torch-$v.summary"
     else
@@ -64,6 +67,23 @@ if [ "${MESHVIZ_TEST_ENGINES:-1}" != "0" ]; then  # a Cluster's default ranks: o
 fi
 if [ "${MESHVIZ_BINDER_CHECK:-1}" != "0" ]; then
   .venv/bin/python scripts/binder_check.py || status=1
+fi
+if [ -n "$LAST" ]; then  # the last release's notebooks, in its venv (made by the chain, long done by now)
+  while [ ! -s "$OUT/venv-$LAST.path" ] && kill -0 "$(cat "$OUT/venv-$LAST.pid" 2>/dev/null)" 2>/dev/null; do
+    sleep 2
+  done
+  if [ ! -s "$OUT/venv-$LAST.path" ]; then
+    echo "torch $LAST, notebooks: not run, its venv could not be made"
+    status=1
+  elif CUDA_VISIBLE_DEVICES= MESHVIZ_RANKS=threads "$(cat "$OUT/venv-$LAST.path")/bin/python" -m pytest notebooks \
+      --nbval -p no:cacheprovider -q --junitxml="$OUT/torch-$LAST-notebooks.xml" "$@" \
+      > "$OUT/torch-$LAST-notebooks.log" 2>&1; then
+    echo "torch $LAST, notebooks: $(tail -n 1 "$OUT/torch-$LAST-notebooks.log")"
+  else
+    echo "torch $LAST, notebooks: tests failed ($OUT/torch-$LAST-notebooks.log):"
+    tail -n 60 "$OUT/torch-$LAST-notebooks.log"
+    status=1
+  fi
 fi
 
 # the oldest and the newest torch (every tier but the browser's), which ran beside the above: their results
