@@ -526,6 +526,7 @@ def main(argv=None) -> int:
     finally:
         server.stop()
         watch.stop_ev.set()
+        watch.join(10)  # a sample in progress reads the cgroup that close() removes
         limit.close()
         if not args.keep and not args.env:
             shutil.rmtree(tmp, ignore_errors=True)

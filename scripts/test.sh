@@ -23,6 +23,7 @@ rm -rf "$OUT" && mkdir -p "$OUT"
 TORCH=$(.venv/bin/python -c "import torch; print(torch.__version__.split('+')[0])")
 MATRIX="${MESHVIZ_TORCH_MATRIX-2.11.0 2.15.0}"
 LAST=$(echo $MATRIX | awk '{print $NF}')  # its notebooks run in front, after the Binder check
+at() { echo "$((SECONDS / 60)) min $((SECONDS % 60)) s"; }  # since the command started
 matrix() {  # every tier but the browser's on each release of $MATRIX in turn, each summed up in $OUT/torch-V.summary
   local v venv notebooks rc=0
   for v in $MATRIX; do  # the venvs are made (downloads, mostly) at once
@@ -40,7 +41,7 @@ matrix() {  # every tier but the browser's on each release of $MATRIX in turn, e
     if CUDA_VISIBLE_DEVICES= MESHVIZ_RANKS=threads "$venv/bin/python" -m pytest tests/unit tests/ranks \
         tests/transport $notebooks --nbval -m "not browser" -p no:cacheprovider -q --durations=10 \
         --junitxml="$OUT/torch-$v.xml" "$@" > "$OUT/torch-$v.log" 2>&1; then
-      echo "torch $v: $(tail -n 1 "$OUT/torch-$v.log")" > "$OUT/torch-$v.summary"
+      echo "torch $v: $(tail -n 1 "$OUT/torch-$v.log") (done at $(at))" > "$OUT/torch-$v.summary"
     else
       { echo "torch $v: tests failed ($OUT/torch-$v.log):"; tail -n 60 "$OUT/torch-$v.log"; } > "$OUT/torch-$v.summary"
       rc=1
@@ -60,6 +61,7 @@ fi
 .venv/bin/mypy || status=1  # types of the pure core and the trace (pyproject's [tool.mypy])
 MESHVIZ_RANKS=threads .venv/bin/python -m pytest tests/unit tests/ranks tests/transport notebooks --nbval \
   -p no:cacheprovider --durations=25 --junitxml="$OUT/torch-$TORCH.xml" "$@" || status=1
+echo "torch $TORCH: done at $(at)"
 if [ "${MESHVIZ_TEST_ENGINES:-1}" != "0" ]; then  # a Cluster's default ranks: one ipyparallel engine each
   MESHVIZ_RANKS=engines .venv/bin/python -m pytest --nbval -p no:cacheprovider notebooks/00_quickstart.ipynb \
     notebooks/03_data_parallel.ipynb notebooks/11_debugging_hangs.ipynb --junitxml="$OUT/torch-$TORCH-engines.xml" \
@@ -78,7 +80,7 @@ if [ -n "$LAST" ]; then  # the last release's notebooks, in its venv (made by th
   elif CUDA_VISIBLE_DEVICES= MESHVIZ_RANKS=threads "$(cat "$OUT/venv-$LAST.path")/bin/python" -m pytest notebooks \
       --nbval -p no:cacheprovider -q --junitxml="$OUT/torch-$LAST-notebooks.xml" "$@" \
       > "$OUT/torch-$LAST-notebooks.log" 2>&1; then
-    echo "torch $LAST, notebooks: $(tail -n 1 "$OUT/torch-$LAST-notebooks.log")"
+    echo "torch $LAST, notebooks: $(tail -n 1 "$OUT/torch-$LAST-notebooks.log") (done at $(at))"
   else
     echo "torch $LAST, notebooks: tests failed ($OUT/torch-$LAST-notebooks.log):"
     tail -n 60 "$OUT/torch-$LAST-notebooks.log"
@@ -92,5 +94,5 @@ for v in $MATRIX; do
   cat "$OUT/torch-$v.summary" 2>/dev/null || { echo "torch $v: its run ended without a result"; status=1; }
 done
 .venv/bin/python scripts/test_table.py "$OUT"/torch-*.xml || status=1
-echo "the test command took $((SECONDS / 60)) min $((SECONDS % 60)) s"
+echo "the test command took $(at)"
 exit $status
