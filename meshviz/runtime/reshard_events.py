@@ -39,12 +39,8 @@ def values_of(t) -> list | torch.Tensor | DeviceRead | None:
 
 
 def _head(t: torch.Tensor) -> torch.Tensor:
-    """The leading ``MAX_VALUES`` elements of ``t`` (more than that, at least one dim), flat; of a strided block,
-    only the leading rows that hold them are copied, not the whole block."""
-    t = t.detach()
-    if not t.is_contiguous():
-        t = t[: -(-trace.MAX_VALUES // (t.numel() // t.shape[0]))]
-    return t.reshape(-1)[: trace.MAX_VALUES]
+    """The leading ``MAX_VALUES`` elements of ``t``, flat (of a strided block, copied from its leading rows only)."""
+    return trace.leading_rows(t.detach()).reshape(-1)[: trace.MAX_VALUES]
 
 
 _TICKETS = count()  # DeviceRead's order of issue, across devices and threads (next() is atomic)

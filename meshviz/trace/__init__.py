@@ -1,7 +1,7 @@
 """Events the runtime emits and the widgets draw, and where they go."""
 
 from .commtable import CommRow, CommTable, comm_table
-from .events import KINDS, MAX_VALUES, Event, EventTemplate, from_json, small_values, to_json
+from .events import KINDS, MAX_VALUES, Event, EventTemplate, from_json, leading_rows, small_values, to_json
 from .ownership import Ownership
 from .payloads import (
     Collective,
@@ -41,9 +41,9 @@ from .recorder import (
 from .status import RankStatus, RollCall, Situation
 
 __all__ = [
-    "Event", "EventTemplate", "KINDS", "MAX_VALUES", "small_values", "to_json", "from_json", "Ownership",
-    "Payload", "Placed", "ReshardPlan", "ReshardStep", "Issued", "Collective", "Send", "Recv", "Compute", "Mark",
-    "Share", "OpRule", "RankStatus", "RollCall", "Situation", "CommRow", "CommTable", "comm_table",
+    "Event", "EventTemplate", "KINDS", "MAX_VALUES", "leading_rows", "small_values", "to_json", "from_json",
+    "Ownership", "Payload", "Placed", "ReshardPlan", "ReshardStep", "Issued", "Collective", "Send", "Recv", "Compute",
+    "Mark", "Share", "OpRule", "RankStatus", "RollCall", "Situation", "CommRow", "CommTable", "comm_table",
     "active", "on_active", "emit", "defer", "flush", "FLUSH_AFTER", "span", "add_sink", "remove_sink", "clear_sinks",
     "sinks", "set_rank", "set_cell", "my_rank", "MemorySink", "JSONLSink", "record", "replay", "load_events",
 ]

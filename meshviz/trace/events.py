@@ -171,6 +171,18 @@ def _default_payload(kind: str) -> Payload:
     return p
 
 
+def leading_rows(tensor, limit: int = MAX_VALUES):
+    """``tensor``; of a strided one, only its leading rows that hold the first ``limit`` elements, so that
+    flattening it for them does not copy the whole tensor."""
+    if hasattr(tensor, "is_contiguous") and not tensor.is_contiguous():
+        shape = tensor.shape
+        if len(shape) > 1 and shape[0]:
+            per = math.prod(shape[1:])
+            if per:
+                return tensor[: -(-limit // per)]
+    return tensor
+
+
 def small_values(tensor, limit: int = MAX_VALUES) -> list | None:
     """Up to ``limit`` leading elements of a tensor-like as a flat list of Python numbers."""
     if tensor is None:
@@ -178,12 +190,7 @@ def small_values(tensor, limit: int = MAX_VALUES) -> list | None:
     if getattr(tensor, "fake_mode", None) is not None and getattr(tensor, "constant", None) is None:
         return None  # a simulated rank's tensor: a shape without values
     try:
-        shape = tuple(tensor.shape)
-        if len(shape) > 1 and shape[0] and hasattr(tensor, "is_contiguous") and not tensor.is_contiguous():
-            per = math.prod(shape[1:])
-            if per:  # only the leading rows that hold the values, not a copy of the whole strided tensor
-                tensor = tensor[: -(-limit // per)]
-        flat = tensor.reshape(-1)
+        flat = leading_rows(tensor, limit).reshape(-1)
         n = flat.shape[0]
         head = flat[: min(n, limit)]
         if hasattr(head, "detach"):
