@@ -321,11 +321,12 @@ _DECISIONS: tuple[dict, dict] = ({}, {})  # the decisions shared, and DeviceMesh
 def share_dtensor_decisions(when=None) -> None:
     """From now on (``when`` None: no longer), ranks for which ``when()`` holds share DTensor's sharding decisions
     (see :class:`_SharedDecisions`): a decision depends on the op, the mesh's shape, the placements and the shapes,
-    never on which rank makes it (every rank of an SPMD program must make the same one)."""
+    never on which rank makes it (every rank of an SPMD program must make the same one). Rank threads and
+    simulated ranks share them alike: DTensor's own cache is per thread, so each rank thread would search again."""
     from torch.distributed.tensor import DTensor
 
     prop = DTensor._op_dispatcher.sharding_propagator
-    memo, mesh_keys = _DECISIONS  # kept from one run of simulated ranks to the next: decisions are pure
+    memo, mesh_keys = _DECISIONS  # kept from one world to the next: decisions are pure
     if len(memo) > 50000:
         memo.clear()
         mesh_keys.clear()

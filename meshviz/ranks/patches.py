@@ -1,4 +1,4 @@
-"""Every process-wide patch rank threads need (c10d worlds, time.sleep, RNGs, sys.stdout): put in, taken out."""
+"""Every process-wide patch rank threads need (c10d worlds, shared DTensor decisions, time.sleep, RNGs, stdout)."""
 
 from __future__ import annotations
 
@@ -38,6 +38,7 @@ def install() -> None:
     with _install_lock:
         if _installed == 0:
             compat.install_thread_worlds()
+            compat.share_dtensor_decisions(rank_context.in_rank_thread)
             thread_backend.register()
             _here = here
             time.sleep = _sleep
@@ -52,6 +53,7 @@ def uninstall() -> None:
         _installed -= 1
         if _installed == 0:
             time.sleep = _real_sleep
+            compat.share_dtensor_decisions(None)
             compat.uninstall_thread_worlds()
 
 

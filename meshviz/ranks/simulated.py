@@ -135,7 +135,6 @@ class SimulatedWorld:
             sim_backend.register()
             install_hooks()
             compat.install_fake_ddp()
-            compat.share_dtensor_decisions(lambda: SIM.get().ledger is not None)
             self._routed = not isinstance(__import__("sys").stdout, patches._Router)
             patches.route_streams()
             self.started = True
@@ -170,7 +169,6 @@ class SimulatedWorld:
         if self.started:
             if remove_hooks():
                 compat.uninstall_fake_ddp()
-                compat.share_dtensor_decisions(None)
             patches.uninstall()
             if self._routed:
                 patches.unroute_streams()

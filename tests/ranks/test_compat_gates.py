@@ -50,3 +50,41 @@ def test_pipeline_set_up_calls_are_every_one_torch_has():
     assert set(compat.pipeline_setup_calls()) == {n for n in known if hasattr(PipelineStage, n)}
     init = compat.pipeline_neighbor_init_ops()
     assert (init is not None) is hasattr(PipelineStage, "_get_init_p2p_neighbors_ops")
+
+
+def _doubled(rows: int) -> torch.Tensor:
+    import torch.distributed as tdist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    import meshviz.distributed as dist
+
+    dist.init_parallel_env()
+    mesh = init_device_mesh("cpu", (tdist.get_world_size(),))
+    x = torch.arange(rows * 29, dtype=torch.float32).reshape(rows, 29)
+    return (distribute_tensor(x, mesh, [Shard(0)]) * 2).to_local()
+
+
+def test_rank_threads_search_an_even_ops_sharding_once(monkeypatch):
+    # DTensor's cache is per thread: each rank thread would search the same decision again (a search is most of
+    # an op's first call; 3x slower on torch 2.15). An uneven split gives each rank its own local view: not shared.
+    from torch.distributed.tensor import DTensor
+
+    prop = DTensor._op_dispatcher.sharding_propagator
+    op = torch.ops.aten.mul.Tensor
+    table = next(getattr(prop, name) for name in ("op_single_dim_strategy_funcs", "op_strategy_funcs")
+                 if op in getattr(prop, name, {}))
+    searched: list[int] = []
+    strategy = table[op]
+
+    def counted(*args, **kwargs):
+        searched.append(rows)
+        return strategy(*args, **kwargs)
+
+    monkeypatch.setitem(table, op, counted)
+    for rows in (8, 6):  # 4 ranks: 2 rows each; 2, 2, 2 and 0
+        blocks = run_ranks(_doubled, 4, rows, ranks="threads")
+        x = torch.arange(rows * 29, dtype=torch.float32).reshape(rows, 29)
+        assert torch.equal(torch.cat(blocks), x * 2)
+        assert [len(b) for b in blocks] == ([2] * 4 if rows == 8 else [2, 2, 2, 0])
+    assert searched.count(8) == 1 and searched.count(6) == 4
