@@ -211,7 +211,7 @@ class _SharedDecisions:
         if hit is not None:
             return _rebase(hit, mesh)
         out = self._search(op_schema)
-        if _all_even(op_schema) and _all_even(out):
+        if _shareable(op_schema) and _shareable(out):
             self.memo[key] = out
         return out
 
@@ -240,7 +240,8 @@ class _SharedDecisions:
         def walk(x):
             if isinstance(x, DTensorSpec):
                 meshes.append(x.mesh)
-                return ("spec", self._mesh_key(x.mesh), tuple(x.placements), x.tensor_meta)
+                return ("spec", self._mesh_key(x.mesh), tuple(x.placements), x.tensor_meta,
+                        getattr(x, "shard_order", None), getattr(x, "use_strided_shard_as_shard_order", None))
             if isinstance(x, (list, tuple)):
                 return tuple(walk(y) for y in x)
             if isinstance(x, dict):
@@ -259,14 +260,16 @@ class _Propagating(threading.local):
 _propagating = _Propagating()
 
 
-def _all_even(x) -> bool:
-    """Every DTensorSpec in ``x`` splits its tensor evenly (so every rank of its mesh holds a block of one shape)."""
+def _shareable(x) -> bool:
+    """Every DTensorSpec in ``x`` splits its tensor evenly (so every rank of its mesh holds a block of one shape)
+    and holds no placement with a rank's own state: a ``_MaskPartial`` keeps the mask of the rank that made it
+    until its reduction, which may come after a wait, where another rank would write its own."""
     import dataclasses
 
     from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
     if isinstance(x, DTensorSpec):
-        if x.tensor_meta is None:
+        if x.tensor_meta is None or any(getattr(p, "mask_buffer", None) is not None for p in x.placements):
             return False
         ways: dict[int, int] = {}
         for axis, p in enumerate(x.placements):
@@ -276,11 +279,11 @@ def _all_even(x) -> bool:
         shape = x.tensor_meta.shape
         return all(shape[d] % k == 0 for d, k in ways.items())
     if isinstance(x, (list, tuple)):
-        return all(_all_even(y) for y in x)
+        return all(_shareable(y) for y in x)
     if isinstance(x, dict):
-        return all(_all_even(y) for y in x.values())
+        return all(_shareable(y) for y in x.values())
     if dataclasses.is_dataclass(x) and not isinstance(x, type):
-        return all(_all_even(getattr(x, f.name)) for f in dataclasses.fields(x)
+        return all(_shareable(getattr(x, f.name)) for f in dataclasses.fields(x)
                    if f.name in ("output_spec", "redistribute_schema", "args_schema", "kwargs_schema"))
     return True
 

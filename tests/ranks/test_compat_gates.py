@@ -88,3 +88,25 @@ def test_rank_threads_search_an_even_ops_sharding_once(monkeypatch):
         assert torch.equal(torch.cat(blocks), x * 2)
         assert [len(b) for b in blocks] == ([2] * 4 if rows == 8 else [2, 2, 2, 0])
     assert searched.count(8) == 1 and searched.count(6) == 4
+
+
+def _embedding_reduced_after_a_wait() -> torch.Tensor:
+    import torch.distributed as tdist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    import meshviz.distributed as dist
+
+    dist.init_parallel_env()
+    mesh = init_device_mesh("cpu", (tdist.get_world_size(),))
+    weight = distribute_tensor(torch.arange(24, dtype=torch.float32).reshape(8, 3), mesh, [Shard(0)])
+    ids = distribute_tensor(torch.tensor([[0, 5, 7, 2]]), mesh, [Replicate()])
+    out = torch.nn.functional.embedding(ids, weight)  # a _MaskPartial holding this rank's mask until reduced
+    tdist.all_reduce(torch.ones(1))  # the other ranks make their own masks for the same decision meanwhile
+    return out.full_tensor()
+
+
+def test_a_decision_holding_a_ranks_mask_is_not_shared():
+    weight = torch.arange(24, dtype=torch.float32).reshape(8, 3)
+    for out in run_ranks(_embedding_reduced_after_a_wait, 2, ranks="threads"):
+        assert torch.equal(out, weight[torch.tensor([[0, 5, 7, 2]])])
