@@ -122,6 +122,11 @@ class ThreadComms:
         return None
 
     def check(self, rank: int) -> None:
+        caller = rank_context.current().rank
+        if caller != rank:  # the scheduler would take the caller for ``rank``: a wait it never ends
+            raise RuntimeError(f"rank {caller} called a collective on rank {rank}'s process group: a group belongs "
+                               "to the rank thread that made it (was it kept where every rank reads it, such as a "
+                               "module-level name?)")
         self.sched.check(rank)
         if self.aborted is not None:
             raise RankStopped(self.aborted)

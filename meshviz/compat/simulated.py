@@ -329,8 +329,8 @@ def share_dtensor_decisions(when=None) -> None:
     from torch.distributed.tensor import DTensor
 
     prop = DTensor._op_dispatcher.sharding_propagator
-    memo, mesh_keys = _DECISIONS  # kept from one world to the next: decisions are pure
-    if len(memo) > 50000:
+    memo, mesh_keys = _DECISIONS
+    if when is None or len(memo) > 50000:  # a decision holds its rank's DeviceMesh, which holds the process group
         memo.clear()
         mesh_keys.clear()
     for name in ("propagate_op_sharding", "propagate_op_sharding_non_cached"):

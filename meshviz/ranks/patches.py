@@ -37,6 +37,10 @@ def install() -> None:
 
     with _install_lock:
         if _installed == 0:
+            # its collectives take the world's group as a default bound at import: imported in a rank thread,
+            # every rank would use that rank's group (and keep its world alive); here it binds None, the caller's
+            import torch.distributed.nn.functional  # noqa: F401
+
             compat.install_thread_worlds()
             compat.share_dtensor_decisions(rank_context.in_rank_thread)
             thread_backend.register()

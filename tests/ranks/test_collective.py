@@ -391,3 +391,39 @@ def test_comm_layer_mean_resolver_and_reset():
         assert "got str" in out["resolve_bad"]
         assert out["reset"] == ((True, True, True, True), True, None, True)
         assert out["after_reset"] == (1, 4.0 if r in (0, 2) else float(r + 1))
+
+
+_AUTOGRAD_COLLECTIVES = """
+import sys, torch
+from meshviz.ranks.threads import ThreadWorld
+assert "torch.distributed.nn.functional" not in sys.modules
+
+def step(rank):
+    import torch.distributed as tdist
+    import torch.distributed.nn.functional as F  # first imported on a rank thread: its default group is bound now
+
+    t = torch.full((2,), float(tdist.get_rank() + 1), requires_grad=True)
+    out = F.all_reduce(t)
+    out.sum().backward()
+    return out.tolist(), t.grad.tolist()
+
+for _ in range(2):  # a second world after the first one stopped
+    world = ThreadWorld(2, timeout=20).start()
+    job = world.submit(step)
+    assert job.wait(40), "the ranks did not finish"
+    print([o.value for o in job.outcomes()])
+    world.stop()
+"""
+
+
+@pytest.mark.timeout(120)
+def test_torchs_autograd_collectives_on_rank_threads():
+    # torch.distributed.nn.functional binds the world's group as its functions' default when it is imported: on a
+    # rank thread, each rank would have used that rank's group (a hang), and the next world a stopped one
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _AUTOGRAD_COLLECTIVES], capture_output=True, text=True, timeout=100)
+    assert done.returncode == 0, done.stderr[-3000:]
+    # all_reduce of 1s and 2s is 3s on both ranks; its gradient is the sum of both ranks' output gradients (1s)
+    assert done.stdout.split("\n")[:2] == ["[([3.0, 3.0], [2.0, 2.0]), ([3.0, 3.0], [2.0, 2.0])]"] * 2

@@ -153,6 +153,62 @@ def test_a_raising_rank_stops_its_peers_at_once_and_a_deadlock_is_named():
     assert "mismatch" in str(info.value) and "broadcast" in str(info.value) and "all_reduce" in str(info.value)
 
 
+_SHARED: dict = {}  # a module-level name every rank thread reads
+
+
+def _another_ranks_group():
+    import torch.distributed as tdist
+
+    import meshviz.distributed as dist
+
+    dist.init_parallel_env()
+    group = _SHARED.setdefault("group", tdist.group.WORLD)  # the first rank's group, kept for all
+    group.allreduce([torch.ones(2)]).wait()
+
+
+def test_a_collective_on_another_ranks_group_is_named_at_once():
+    # the scheduler took the caller for the group's rank: a wait that no peer and no timeout ended
+    _SHARED.clear()
+    with pytest.raises(RankError) as info:
+        run_ranks(_another_ranks_group, 2, ranks="threads", timeout=20, collective_timeout=600)
+    first = _SHARED["group"].rank()
+    other = 1 - first
+    by = {o.rank: o for o in info.value.outcomes}
+    assert info.value.ranks == [other]
+    assert f"rank {other} called a collective on rank {first}'s process group" in by[other].error
+    assert f"rank {other} failed" in by[first].error and "all_reduce" in by[first].error
+
+
+def _tripled(rank):
+    import torch.distributed as tdist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (tdist.get_world_size(),))
+    return (distribute_tensor(torch.ones(8, 4), mesh, [Shard(0)]) * 3).to_local().sum().item()
+
+
+def test_a_stopped_world_is_not_kept_alive():
+    # DTensor's sharding decisions, shared between rank threads, hold the DeviceMesh of the rank that made them,
+    # which holds its process group and so its world: forgotten when the last world stops
+    import gc
+    import weakref
+
+    from meshviz.ranks.threads import ThreadWorld
+
+    worlds = []
+    for _ in range(3):
+        world = ThreadWorld(2, timeout=20).start()
+        job = world.submit(_tripled)
+        assert job.wait(30) and [o.value for o in job.outcomes()] == [48.0, 48.0]
+        world.stop()
+        worlds.append(weakref.ref(world))
+        del world, job
+    gc.collect()
+    # the first may stay: torch's own caches of a mesh's layout keep the first mesh of each shape they see
+    assert [w() is None for w in worlds[1:]] == [True, True]
+
+
 def _rng():
     import random
 
