@@ -1,4 +1,4 @@
-"""Each version gate in meshviz.compat says what the installed torch does (asked of DTensor and PipelineStage)."""
+"""meshviz.compat's version gates against the installed torch, and DTensor's decisions shared between rank threads."""
 
 import torch
 
