@@ -204,14 +204,21 @@ class _SharedDecisions:
             return self._search(op_schema)
         if mesh is None:
             return self._search(op_schema)
-        # the decision holds this rank's local view of the op (a reshape's local sizes): alike for every rank of
-        # the mesh where every layout splits evenly, and for every rank outside it
-        key = (key, mesh.get_coordinate() is None)
+        reads = _propagating.reads
+        key = (key, mesh.get_coordinate() is None)  # inside another rank's search, not a read of that search's
+        _propagating.reads = reads
         hit = self.memo.get(key)
         if hit is not None:
             return _rebase(hit, mesh)
+        info = getattr(self.cached, "cache_info", None)
+        misses = info().misses if info is not None else None
         out = self._search(op_schema)
-        if _shareable(op_schema) and _shareable(out):
+        # a decision may hold this rank's local view of the op (a reshape's local sizes, read from the rank's
+        # coordinate): alike for every rank where every layout splits evenly, and wherever the search that made it
+        # read no rank's coordinate (a hit in DTensor's own cache says nothing of that search)
+        searched = misses is None or info().misses > misses
+        free = searched and _propagating.reads == reads
+        if (free or _shareable(op_schema, even=True) and _shareable(out, even=True)) and _shareable(out):
             self.memo[key] = out
         return out
 
@@ -255,21 +262,26 @@ class _SharedDecisions:
 
 class _Propagating(threading.local):
     depth = 0  # a class default: read on every simulated op, where a missing attribute would raise and be caught
+    reads = 0  # how often a search on this thread read its rank's place in a mesh
 
 
 _propagating = _Propagating()
 
 
-def _shareable(x) -> bool:
-    """Every DTensorSpec in ``x`` splits its tensor evenly (so every rank of its mesh holds a block of one shape)
-    and holds no placement with a rank's own state: a ``_MaskPartial`` keeps the mask of the rank that made it
-    until its reduction, which may come after a wait, where another rank would write its own."""
+def _shareable(x, even: bool = False) -> bool:
+    """No DTensorSpec in ``x`` holds a placement with a rank's own state: a ``_MaskPartial`` keeps the mask of the
+    rank that made it until its reduction, which may come after a wait, where another rank would write its own.
+    ``even``: and every one splits its tensor evenly (so every rank of its mesh holds a block of one shape)."""
     import dataclasses
 
     from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
     if isinstance(x, DTensorSpec):
-        if x.tensor_meta is None or any(getattr(p, "mask_buffer", None) is not None for p in x.placements):
+        if any(getattr(p, "mask_buffer", None) is not None for p in x.placements):
+            return False
+        if not even:
+            return True
+        if x.tensor_meta is None:
             return False
         ways: dict[int, int] = {}
         for axis, p in enumerate(x.placements):
@@ -279,11 +291,11 @@ def _shareable(x) -> bool:
         shape = x.tensor_meta.shape
         return all(shape[d] % k == 0 for d, k in ways.items())
     if isinstance(x, (list, tuple)):
-        return all(_shareable(y) for y in x)
+        return all(_shareable(y, even) for y in x)
     if isinstance(x, dict):
-        return all(_shareable(y) for y in x.values())
+        return all(_shareable(y, even) for y in x.values())
     if dataclasses.is_dataclass(x) and not isinstance(x, type):
-        return all(_shareable(getattr(x, f.name)) for f in dataclasses.fields(x)
+        return all(_shareable(getattr(x, f.name), even) for f in dataclasses.fields(x)
                    if f.name in ("output_spec", "redistribute_schema", "args_schema", "kwargs_schema"))
     return True
 
@@ -333,6 +345,7 @@ def share_dtensor_decisions(when=None) -> None:
     if when is None or len(memo) > 50000:  # a decision holds its rank's DeviceMesh, which holds the process group
         memo.clear()
         mesh_keys.clear()
+    _count_rank_reads(when is not None)
     for name in ("propagate_op_sharding", "propagate_op_sharding_non_cached"):
         current = getattr(prop, name)
         if isinstance(current, _SharedDecisions):
@@ -342,6 +355,33 @@ def share_dtensor_decisions(when=None) -> None:
                 setattr(prop, name, current) if name == "propagate_op_sharding" else delattr(prop, name)
         else:
             setattr(prop, name, _SharedDecisions(current, when, memo, mesh_keys))
+
+
+_mesh_reads: list = []  # (name, the real one) of each DeviceMesh method that _count_rank_reads wrapped
+
+
+def _count_rank_reads(on: bool) -> None:
+    """Count, per thread, each time a search for a decision asks a DeviceMesh where its rank is (every rule of
+    torch 2.11 to 2.15 that makes a rank's local view asks it): a decision whose search never asked is the same
+    on every rank. c10d's ``get_rank`` is left as it is: the what-if reads its callers' frames."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if not on:
+        while _mesh_reads:
+            setattr(DeviceMesh, *_mesh_reads.pop())
+        return
+    if _mesh_reads:
+        return
+    for name in ("get_coordinate", "_sym_get_coordinate", "get_local_rank", "get_rank"):
+        real = DeviceMesh.__dict__[name]
+
+        def counted(*args, _real=real, **kwargs):
+            if _propagating.depth:
+                _propagating.reads += 1
+            return _real(*args, **kwargs)
+
+        _mesh_reads.append((name, real))
+        setattr(DeviceMesh, name, counted)
 
 
 _ddp_verify: list = []  # DDP's own parameter check, while install_fake_ddp has replaced it

@@ -397,14 +397,17 @@ def _close(a, b) -> bool:
     return torch.equal(a, b)
 
 
-def _gather_blocks(t):
-    """Every rank's block of ``t`` (on rank 0; None elsewhere), to read the value without meshviz's planner."""
+def _gather_blocks(ts) -> list | None:
+    """Every rank's block of each of ``ts`` (on rank 0; None elsewhere), to read the values without meshviz's
+    planner: one gather for them all."""
     import torch.distributed as tdist
 
-    t = t._resolved()
+    ts = [t._resolved() for t in ts]
     got = [None] * tdist.get_world_size()
-    tdist.all_gather_object(got, (tdist.get_rank(), t._local_value().detach().numpy()))
-    return (tuple(t.shape), t.placements, dict(got)) if tdist.get_rank() == 0 else None
+    tdist.all_gather_object(got, (tdist.get_rank(), [t._local_value().detach().numpy() for t in ts]))
+    if tdist.get_rank() != 0:
+        return None
+    return [(tuple(t.shape), t.placements, {r: blocks[k] for r, blocks in got}) for k, t in enumerate(ts)]
 
 
 def _value_of_blocks(gathered, mesh, dtype):
@@ -458,7 +461,7 @@ def _one_case(case: OpCase, si: int, code, mesh, seed: int, comms: list, compare
         stage = "grad unshard"
         grads = [dist.unshard_dtensor(x.grad) if x.grad is not None else None for x in xs]
         stage = "blocks"
-        blocks = [_gather_blocks(t) for t in outs + [x.grad for x in xs if x.grad is not None]]
+        blocks = _gather_blocks(outs + [x.grad for x in xs if x.grad is not None])
     except Exception as e:
         return "crashed", f"{stage} {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
     if not compare:

@@ -52,7 +52,7 @@ def test_pipeline_set_up_calls_are_every_one_torch_has():
     assert (init is not None) is hasattr(PipelineStage, "_get_init_p2p_neighbors_ops")
 
 
-def _doubled(rows: int) -> torch.Tensor:
+def _doubled_and_viewed(rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     import torch.distributed as tdist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
@@ -61,33 +61,43 @@ def _doubled(rows: int) -> torch.Tensor:
 
     dist.init_parallel_env()
     mesh = init_device_mesh("cpu", (tdist.get_world_size(),))
-    x = torch.arange(rows * 29, dtype=torch.float32).reshape(rows, 29)
-    return (distribute_tensor(x, mesh, [Shard(0)]) * 2).to_local()
+    x = distribute_tensor(torch.arange(rows * 29, dtype=torch.float32).reshape(rows, 29), mesh, [Shard(0)])
+    return (x * 2).to_local(), x.view(rows, 29, 1).to_local()
 
 
-def test_rank_threads_search_an_even_ops_sharding_once(monkeypatch):
-    # DTensor's cache is per thread: each rank thread would search the same decision again (a search is most of
-    # an op's first call; 3x slower on torch 2.15). An uneven split gives each rank its own local view: not shared.
+def _counting(monkeypatch, op, searched: list, label):
+    """Count each search of DTensor's strategy for ``op`` (from whichever registry this torch holds it in)."""
     from torch.distributed.tensor import DTensor
 
     prop = DTensor._op_dispatcher.sharding_propagator
-    op = torch.ops.aten.mul.Tensor
     table = next(getattr(prop, name) for name in ("op_single_dim_strategy_funcs", "op_strategy_funcs")
                  if op in getattr(prop, name, {}))
-    searched: list[int] = []
     strategy = table[op]
 
     def counted(*args, **kwargs):
-        searched.append(rows)
+        searched.append((op, label()))
         return strategy(*args, **kwargs)
 
     monkeypatch.setitem(table, op, counted)
+
+
+def test_rank_threads_search_a_decision_once_unless_it_reads_the_rank(monkeypatch):
+    # DTensor's cache is per thread: each rank thread would search the same decision again (a search is most of
+    # an op's first call; 3x slower on torch 2.15). A view of an uneven split holds each rank's local sizes, which
+    # its search reads from the rank's coordinate: searched on every rank. A product of one reads nothing: shared.
+    mul, view = torch.ops.aten.mul.Tensor, torch.ops.aten.view.default
+    searched: list = []
+    rows = 0
+    for op in (mul, view):
+        _counting(monkeypatch, op, searched, lambda: rows)
     for rows in (8, 6):  # 4 ranks: 2 rows each; 2, 2, 2 and 0
-        blocks = run_ranks(_doubled, 4, rows, ranks="threads")
+        out = run_ranks(_doubled_and_viewed, 4, rows, ranks="threads")
         x = torch.arange(rows * 29, dtype=torch.float32).reshape(rows, 29)
-        assert torch.equal(torch.cat(blocks), x * 2)
-        assert [len(b) for b in blocks] == ([2] * 4 if rows == 8 else [2, 2, 2, 0])
-    assert searched.count(8) == 1 and searched.count(6) == 4
+        assert torch.equal(torch.cat([d for d, _v in out]), x * 2)
+        assert torch.equal(torch.cat([v for _d, v in out]), x.view(rows, 29, 1))
+        assert [len(v) for _d, v in out] == ([2] * 4 if rows == 8 else [2, 2, 2, 0])
+    assert [searched.count((mul, 8)), searched.count((mul, 6))] == [1, 1]
+    assert [searched.count((view, 8)), searched.count((view, 6))] == [1, 4]
 
 
 def _embedding_reduced_after_a_wait() -> torch.Tensor:
