@@ -7,8 +7,9 @@
 # memory limit). Beside all that, from as soon as .venv is made, every tier again on the oldest and then the newest
 # supported torch (MESHVIZ_TORCH_MATRIX, default "2.11.0 2.15.0"), each in its own venv kept between runs
 # (scripts/torch_venv.sh), all but the browser's tests: those check what JupyterLab draws, and the Python they run
-# (notebooks 00, 10, 13 and the widgets) runs on these releases too, under nbval and in the other tiers. The last
-# release's notebooks run in front, after the Binder check, so both lines end at about the same time. One test
+# (notebooks 00, 10, 13 and the widgets) runs on these releases too, under nbval and in the other tiers. The
+# torch-free unit tests (marked torch_free: the pure core, the trace, the widgets) run once, with torch blocked.
+# The last release's notebooks run in front, after the Binder check, so both lines end at about the same time. One test
 # run keeps under one core busy (it waits on ranks, kernels and the browser), so two go side by side, never more
 # (three made a 2-core machine late enough to fail timed tests); then the table of torch version x tier
 # (scripts/test_table.py). Every part runs even when an earlier one failed; the exit status says whether any did.
@@ -39,7 +40,7 @@ matrix() {  # every tier but the browser's on each release of $MATRIX in turn, e
     venv=$(cat "$OUT/venv-$v.path")
     if [ "$v" = "$LAST" ]; then notebooks=; else notebooks=notebooks; fi
     if CUDA_VISIBLE_DEVICES= MESHVIZ_RANKS=threads "$venv/bin/python" -m pytest tests/unit tests/ranks \
-        tests/transport $notebooks --nbval -m "not browser" -p no:cacheprovider -q --durations=10 \
+        tests/transport $notebooks --nbval -m "not browser and not torch_free" -p no:cacheprovider -q --durations=10 \
         --junitxml="$OUT/torch-$v.xml" "$@" > "$OUT/torch-$v.log" 2>&1; then
       echo "torch $v: $(tail -n 1 "$OUT/torch-$v.log") (done at $(at))" > "$OUT/torch-$v.summary"
     else
@@ -59,8 +60,11 @@ fi
 .venv/bin/ruff check meshviz tests bench scripts examples || status=1  # lint (pyproject's [tool.ruff])
 .venv/bin/lint-imports || status=1  # the layer contract (pyproject's [tool.importlinter])
 .venv/bin/mypy || status=1  # types of the pure core and the trace (pyproject's [tool.mypy])
+# the torch-free tests (the pure core, the trace, the widgets) once, torch blocked: every release gives them the same
+.venv/bin/python -m pytest tests/unit -m torch_free -p tests.no_torch -p no:cacheprovider -q \
+  --junitxml="$OUT/torch-free.xml" "$@" || [ $? -eq 5 ] || status=1  # 5: none selected (a -k of the caller's)
 MESHVIZ_RANKS=threads .venv/bin/python -m pytest tests/unit tests/ranks tests/transport notebooks --nbval \
-  -p no:cacheprovider --durations=25 --junitxml="$OUT/torch-$TORCH.xml" "$@" || status=1
+  -m "not torch_free" -p no:cacheprovider --durations=25 --junitxml="$OUT/torch-$TORCH.xml" "$@" || status=1
 echo "torch $TORCH: done at $(at)"
 if [ "${MESHVIZ_TEST_ENGINES:-1}" != "0" ]; then  # a Cluster's default ranks: one ipyparallel engine each
   MESHVIZ_RANKS=engines .venv/bin/python -m pytest --nbval -p no:cacheprovider notebooks/00_quickstart.ipynb \

@@ -15,6 +15,8 @@ from meshviz.core.planner import apply_step, assemble, initial_locals, plan_resh
 
 from ..partials import AVG, MAX, MIN, PROD, SUM, dense_of, random_locals
 
+pytestmark = pytest.mark.torch_free  # imports no torch: the test command runs it once, torch blocked
+
 SEED_MESH = [[2, 4, 5], [0, 1, 3]]
 
 

@@ -3,7 +3,11 @@
 import ast
 import pathlib
 
+import pytest
+
 import meshviz
+
+pytestmark = pytest.mark.torch_free  # imports no torch: the test command runs it once, torch blocked
 
 ROOT = pathlib.Path(meshviz.__file__).parent
 

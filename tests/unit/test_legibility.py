@@ -25,6 +25,8 @@ from meshviz.widgets.draw import tensor_block
 from meshviz.widgets.sheet import DPI, collisions, index_ticks, text_boxes, text_width
 from meshviz.widgets.style import TICK
 
+pytestmark = pytest.mark.torch_free  # imports no torch: the test command runs it once, torch blocked
+
 LONG = ["data_parallel_replicas", "tensor_model_parallel"]
 
 

@@ -5,6 +5,8 @@ import os
 
 import pytest
 
+pytestmark = pytest.mark.torch_free  # imports no torch: the test command runs it once, torch blocked
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 NOTEBOOKS = os.path.join(ROOT, "notebooks")
 

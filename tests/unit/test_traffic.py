@@ -10,6 +10,8 @@ from meshviz.core.layout import local_block
 from meshviz.core.traffic import received, step_received
 from tests.unit.test_core import layouts
 
+pytestmark = pytest.mark.torch_free  # imports no torch: the test command runs it once, torch blocked
+
 F32 = 4
 
 

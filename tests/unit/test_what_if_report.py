@@ -7,6 +7,8 @@ from meshviz.trace import Collective, Event, ReshardStep
 from meshviz.whatif import GB, WhatIf, comm_bytes, fmt_size
 from meshviz.widgets import WhatIfView, show
 
+pytestmark = pytest.mark.torch_free  # imports no torch: the test command runs it once, torch blocked
+
 PNG = b"\x89PNG\r\n\x1a\n"
 MESH = {"shape": [2, 2, 2], "process_ids": list(range(8)), "dim_names": ["dp", "pp", "mp"]}
 

@@ -25,6 +25,8 @@ from meshviz.widgets import (
 from meshviz.widgets.base import png_size
 from meshviz.widgets.draw import block_image, mesh_panels
 
+pytestmark = pytest.mark.torch_free  # imports no torch: the test command runs it once, torch blocked
+
 PNG = b"\x89PNG\r\n\x1a\n"
 SEED = ProcessMesh([[2, 4, 5], [0, 1, 3]], ["x", "y"])
 MESH0 = ProcessMesh([[0, 1], [2, 3]], ["x", "y"])
