@@ -27,6 +27,7 @@ class TorchrunJob:
         self.failures: dict = {}
         self.exception: BaseException | None = None  # the agent's ChildFailedError, when a worker failed
         self.interrupted: str | None = None  # the signal ("SIGINT", ...) that made the agent stop every worker
+        self.log_dir: str | None = None  # where workerlog.<local rank> is, when the launcher keeps the logs
         self._done = threading.Event()
 
     def done(self) -> bool:
@@ -40,10 +41,11 @@ class TorchrunJob:
 
     def failed(self) -> list[int]:
         """The workers that failed on their own (not ended by the agent), else every worker that failed; in the
-        order they failed: a worker that ended without writing what it raised (it crashed) first, then by the
-        time of each one's report (a worker whose peer failed first raises too, a moment later)."""
+        order they failed, by the time of each one's report (a worker whose peer failed first raises too, a moment
+        later; one that crashed without a report, by its log's last write, else first)."""
         own = [r for r, f in self.failures.items() if f.exitcode not in STOPPED]
-        return sorted(own, key=lambda r: (_reported_at(self.failures[r]), r)) if own else sorted(self.failures)
+        when = {r: _reported_at(self.failures[r], self.log_dir) for r in own}
+        return sorted(own, key=lambda r: (when[r], r)) if own else sorted(self.failures)
 
     def outcomes(self) -> list[RankOutcome]:
         if not self.done():
@@ -69,12 +71,19 @@ class TorchrunJob:
         return error_of(self.outcomes(), [tuple(self.ranks)] if self.interrupted else self.failed())
 
 
-def _reported_at(failure) -> float:
-    """When the worker wrote its error file (``_worker`` writes what the script raised), or -1 without one."""
-    try:
-        return os.path.getmtime(failure.error_file)
-    except (OSError, TypeError):
-        return -1.0
+def _reported_at(failure, log_dir: str | None = None) -> float:
+    """When the worker wrote its error file (``_worker`` writes what the script raised); for a worker that wrote
+    none (it crashed), when it last wrote to its log (a crash's own last words, such as an abort because a peer
+    had gone, come at the crash; a silent crash's log is older still), or -1 without either."""
+    paths = [failure.error_file]
+    if log_dir is not None:
+        paths.append(os.path.join(log_dir, f"workerlog.{getattr(failure, 'local_rank', '')}"))
+    for path in paths:
+        try:
+            return os.path.getmtime(path)
+        except (OSError, TypeError):
+            pass
+    return -1.0
 
 
 class Torchrun:
@@ -111,6 +120,7 @@ class Torchrun:
         if self.job is not None:
             raise RuntimeError("Torchrun runs one job; make another Torchrun for the next")
         job = self.job = TorchrunJob(self.ranks)
+        job.log_dir = getattr(getattr(self.config, "logs_specs", None), "root_log_dir", None)
         main = threading.current_thread() is threading.main_thread()
         handlers = {s: signal.getsignal(s) for s in _AGENT_SIGNALS} if main else {}
         try:

@@ -227,7 +227,8 @@ def test_torchrun_runner_interrupt_ends_the_job_and_names_every_worker(tmp_path)
 def test_workers_are_named_in_the_order_they_failed(tmp_path):
     """Each worker writes what its script raised into the error file torch's agent gives it, and the job names the
     failures by when those were written: rank 1 raised first, rank 0 (which lost its connection to it) after. Before,
-    both were named in rank order, rank 0 first, whenever rank 0 failed before the agent stopped it."""
+    both were named in rank order, rank 0 first, whenever rank 0 failed before the agent stopped it. A worker that
+    crashed without a report counts from its log's last write (it was named first even when it crashed after)."""
     from types import SimpleNamespace
 
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
@@ -251,6 +252,14 @@ def test_workers_are_named_in_the_order_they_failed(tmp_path):
     job.failures = {r: SimpleNamespace(exitcode=1, error_file=files[r]) for r in (0, 1, 2)}
     assert job.failed() == [1, 0, 2]
     job.failures[3] = SimpleNamespace(exitcode=-11, error_file="<N/A>")  # crashed: no report, so it came first
+    assert job.failed() == [3, 1, 0, 2]
+    # a crash whose log was last written after another's report (an abort once its peer had gone) comes after it
+    job.log_dir = str(tmp_path)
+    job.failures[3] = SimpleNamespace(exitcode=-6, error_file="<N/A>", local_rank=3)
+    (tmp_path / "workerlog.3").write_text("terminate called after throwing an instance of 'gloo::IoException'\n")
+    os.utime(tmp_path / "workerlog.3", (1001.5, 1001.5))
+    assert job.failed() == [1, 3, 0, 2]
+    os.utime(tmp_path / "workerlog.3", (999.0, 999.0))  # a silent crash: its last words came before every report
     assert job.failed() == [3, 1, 0, 2]
     job.failures = {0: SimpleNamespace(exitcode=-15, error_file="<N/A>"), 1: job.failures[1]}
     assert job.failed() == [1]  # rank 0 was stopped by the agent
