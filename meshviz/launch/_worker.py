@@ -40,8 +40,10 @@ def _report(e: BaseException) -> None:
     import time
     import traceback
 
+    now = time.time()  # to the microsecond: a file's time may be a few ms coarse, and a peer fails ms later
     data = {"message": {"message": f"{type(e).__name__}: {e}",
-                        "extraInfo": {"py_callstack": traceback.format_exc(), "timestamp": str(int(time.time()))}}}
+                        "extraInfo": {"py_callstack": traceback.format_exc(), "timestamp": str(int(now)),
+                                      "meshviz_time": repr(now)}}}
     try:
         with open(path, "w") as f:
             json.dump(data, f)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -72,9 +73,15 @@ class TorchrunJob:
 
 
 def _reported_at(failure, log_dir: str | None = None) -> float:
-    """When the worker wrote its error file (``_worker`` writes what the script raised); for a worker that wrote
-    none (it crashed), when it last wrote to its log (a crash's own last words, such as an abort because a peer
-    had gone, come at the crash; a silent crash's log is older still), or -1 without either."""
+    """When the worker wrote its error file (``_worker`` writes what the script raised, and when, to the
+    microsecond: a file's own time may be a few ms coarse, within which a peer that lost its connection reports
+    too); for a worker that wrote none (it crashed), when it last wrote to its log (a crash's own last words, such
+    as an abort because a peer had gone, come at the crash; a silent crash's log is older still), or -1."""
+    try:
+        with open(failure.error_file) as fh:
+            return float(json.load(fh)["message"]["extraInfo"]["meshviz_time"])
+    except (OSError, TypeError, ValueError, KeyError):
+        pass
     paths = [failure.error_file]
     if log_dir is not None:
         paths.append(os.path.join(log_dir, f"workerlog.{getattr(failure, 'local_rank', '')}"))

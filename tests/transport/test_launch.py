@@ -1,5 +1,6 @@
 """python -m meshviz.launch: Paddle's flags on torchrun's agent, one node and two nodes on loopback."""
 
+import json
 import os
 import re
 import subprocess
@@ -227,8 +228,10 @@ def test_torchrun_runner_interrupt_ends_the_job_and_names_every_worker(tmp_path)
 def test_workers_are_named_in_the_order_they_failed(tmp_path):
     """Each worker writes what its script raised into the error file torch's agent gives it, and the job names the
     failures by when those were written: rank 1 raised first, rank 0 (which lost its connection to it) after. Before,
-    both were named in rank order, rank 0 first, whenever rank 0 failed before the agent stopped it. A worker that
-    crashed without a report counts from its log's last write (it was named first even when it crashed after)."""
+    both were named in rank order, rank 0 first, whenever rank 0 failed before the agent stopped it. A report says
+    when to the microsecond (two reports within a file time's coarse few ms were named in rank order). A worker
+    that crashed without a report counts from its log's last write (it was named first even when it crashed
+    after)."""
     from types import SimpleNamespace
 
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
@@ -243,7 +246,7 @@ def test_workers_are_named_in_the_order_they_failed(tmp_path):
                            cwd=str(tmp_path), env={**os.environ, "TORCHELASTIC_ERROR_FILE": files[rank]},
                            capture_output=True, text=True, timeout=60)
         assert p.returncode == 1 and f"RuntimeError: rank {rank} fails" in p.stderr
-        os.utime(files[rank], (1000.0 + len(files), 1000.0 + len(files)))
+        os.utime(files[rank], (1000.0, 1000.0))  # one file time for all (it may be a few ms coarse): a tie
     read = ProcessFailure(local_rank=1, pid=1, exitcode=1, error_file=files[1])  # torch's agent reads the report
     assert read.message["message"] == "RuntimeError: rank 1 fails" and "fails.py" in read.message["extraInfo"][
         "py_callstack"] and read.timestamp > 0
@@ -251,15 +254,16 @@ def test_workers_are_named_in_the_order_they_failed(tmp_path):
     job = TorchrunJob([0, 1, 2, 3])
     job.failures = {r: SimpleNamespace(exitcode=1, error_file=files[r]) for r in (0, 1, 2)}
     assert job.failed() == [1, 0, 2]
-    job.failures[3] = SimpleNamespace(exitcode=-11, error_file="<N/A>")  # crashed: no report, so it came first
+    job.failures[3] = SimpleNamespace(exitcode=-11, error_file="<N/A>")  # crashed: no report nor log, so first
     assert job.failed() == [3, 1, 0, 2]
     # a crash whose log was last written after another's report (an abort once its peer had gone) comes after it
+    when = {r: float(json.loads(open(files[r]).read())["message"]["extraInfo"]["meshviz_time"]) for r in files}
     job.log_dir = str(tmp_path)
     job.failures[3] = SimpleNamespace(exitcode=-6, error_file="<N/A>", local_rank=3)
     (tmp_path / "workerlog.3").write_text("terminate called after throwing an instance of 'gloo::IoException'\n")
-    os.utime(tmp_path / "workerlog.3", (1001.5, 1001.5))
+    os.utime(tmp_path / "workerlog.3", ((when[1] + when[0]) / 2,) * 2)
     assert job.failed() == [1, 3, 0, 2]
-    os.utime(tmp_path / "workerlog.3", (999.0, 999.0))  # a silent crash: its last words came before every report
+    os.utime(tmp_path / "workerlog.3", (when[1] - 1,) * 2)  # a silent crash: its last words came before every report
     assert job.failed() == [3, 1, 0, 2]
     job.failures = {0: SimpleNamespace(exitcode=-15, error_file="<N/A>"), 1: job.failures[1]}
     assert job.failed() == [1]  # rank 0 was stopped by the agent
