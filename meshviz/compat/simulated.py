@@ -216,9 +216,8 @@ class _SharedDecisions:
         # a decision may hold this rank's local view of the op (a reshape's local sizes, read from the rank's
         # coordinate): alike for every rank where every layout splits evenly, and wherever the search that made it
         # read no rank's coordinate (a hit in DTensor's own cache says nothing of that search)
-        searched = misses is None or info().misses > misses
-        free = searched and _propagating.reads == reads
-        if (free or _shareable(op_schema, even=True) and _shareable(out, even=True)) and _shareable(out):
+        free = (misses is None or info().misses > misses) and _propagating.reads == reads
+        if _shareable(op_schema, even=not free) and _shareable(out, even=not free):
             self.memo[key] = out
         return out
 
@@ -335,8 +334,9 @@ _DECISIONS: tuple[dict, dict] = ({}, {})  # the decisions shared, and DeviceMesh
 
 def share_dtensor_decisions(when=None) -> None:
     """From now on (``when`` None: no longer), ranks for which ``when()`` holds share DTensor's sharding decisions
-    (see :class:`_SharedDecisions`): a decision depends on the op, the mesh's shape, the placements and the shapes,
-    never on which rank makes it (every rank of an SPMD program must make the same one). Rank threads and
+    (see :class:`_SharedDecisions`): a decision depends on the op, the mesh's shape, the placements and the shapes
+    (every rank of an SPMD program must make the same one), and on which rank makes it only where its search read
+    the rank's place in the mesh (an uneven split's local sizes): those stay with their rank. Rank threads and
     simulated ranks share them alike: DTensor's own cache is per thread, so each rank thread would search again."""
     from torch.distributed.tensor import DTensor
 

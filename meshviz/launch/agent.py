@@ -84,7 +84,7 @@ def _reported_at(failure, log_dir: str | None = None) -> float:
         pass
     paths = [failure.error_file]
     if log_dir is not None:
-        paths.append(os.path.join(log_dir, f"workerlog.{getattr(failure, 'local_rank', '')}"))
+        paths.append(os.path.join(log_dir, f"workerlog.{failure.local_rank}"))
     for path in paths:
         try:
             return os.path.getmtime(path)
