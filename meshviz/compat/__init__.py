@@ -27,8 +27,8 @@ __all__ = [
     "running_node",
     "in_backward",
     # simulated ranks: tensors without storage
-    "fake_tensor_mode_type", "fake_data_errors", "fresh_fake_outputs", "may_keep_values", "known_values",
-    "clear_dtensor_caches", "empty_block", "FakeOps", "install_fake_ddp", "uninstall_fake_ddp",
+    "fake_tensor_mode_type", "fake_data_errors", "fresh_fake_outputs", "wrap_meta", "may_keep_values",
+    "known_values", "clear_dtensor_caches", "empty_block", "FakeOps", "install_fake_ddp", "uninstall_fake_ddp",
     "share_dtensor_decisions", "in_sharding_propagation",
     # pipelining
     "PIPELINE_STAGE_METHODS", "pipeline_setup_calls", "pipeline_neighbor_init_ops", "pipeline_order", "action_fields",
@@ -272,6 +272,7 @@ from .simulated import (  # noqa: E402
     may_keep_values,
     share_dtensor_decisions,
     uninstall_fake_ddp,
+    wrap_meta,
 )
 
 # -- pipelining -------------------------------------------------------------------------------------------

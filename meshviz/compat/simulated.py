@@ -40,6 +40,8 @@ def fresh_fake_outputs(mode) -> None:
     FakeTensor = fake_tensor_type()
 
     def from_meta_and_device(self, fake_mode, t, device, pytype=None, dispatch_keys=None):
+        if pytype is None and dispatch_keys is None:
+            return wrap_meta(fake_mode, t, device)
         return FakeTensor(fake_mode, t, device, pytype=pytype, dispatch_keys=dispatch_keys)
 
     conv = mode.fake_tensor_converter
@@ -53,7 +55,48 @@ def _fake(mode, shape, stride, dtype, device, view_of=None, offset: int = 0):
         meta = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
         if view_of is not None:
             meta.set_(view_of.untyped_storage(), offset, shape, stride)
-    return fake_tensor_type()(mode, meta, device)
+    return wrap_meta(mode, meta, device)
+
+
+def wrap_meta(mode, meta: torch.Tensor, device) -> torch.Tensor:
+    """``FakeTensor(mode, meta, device)``, made as the constructor makes it: the subclass over ``meta`` with the
+    attributes a fresh fake tensor of this mode and device gets, copied from one made by the constructor (its
+    argument checks and attribute descriptors cost twice the rest; simulated ranks make a fake tensor per op)."""
+    try:
+        fresh = mode._mv_fresh[device]
+    except (AttributeError, KeyError):
+        fresh = _fresh_attributes(mode, device)
+    FakeTensor, config = _FAKE or _fake_types()
+    if config.debug:  # each one keeps the traceback of where it was made
+        return FakeTensor(mode, meta, device)
+    t = torch.Tensor._make_subclass(FakeTensor, meta, meta.requires_grad, dispatch_device=True,
+                                    device_for_backend_keys=fresh[0])
+    fresh[1](t)
+    t.__dict__.update(fresh[2])
+    return t
+
+
+def _fresh_attributes(mode, device):
+    """(the normalized device, what marks its data pointer, the attributes) of a fresh fake tensor of ``mode`` on
+    ``device``."""
+    one = fake_tensor_type()(mode, torch.empty(0, device="meta"), device)
+    mark = torch._C._set_warn_deprecated_on_mutable_data_ptr if mode._allow_unsafe_data_ptr_access \
+        else torch._C._set_throw_on_mutable_data_ptr
+    fresh = (one.fake_device, mark, dict(one.__dict__))
+    if not hasattr(mode, "_mv_fresh"):
+        mode._mv_fresh = {}
+    mode._mv_fresh[device] = fresh
+    return fresh
+
+
+_FAKE: list = []  # FakeTensor, FakeTensorConfig (imported once)
+
+
+def _fake_types() -> list:
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorConfig
+
+    _FAKE[:] = [FakeTensor, FakeTensorConfig]
+    return _FAKE
 
 
 def _layout(t) -> tuple:

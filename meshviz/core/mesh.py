@@ -59,7 +59,7 @@ class ProcessMesh:
     As in Paddle, two meshes are equal when their shapes and process ids are (axis names do not count).
     """
 
-    __slots__ = ("_ids", "_dim_names", "_index", "_hash", "_unique_id")
+    __slots__ = ("_ids", "_dim_names", "_index", "_hash", "_unique_id", "_subs")
     _ids: np.ndarray
     _dim_names: tuple[str, ...]
     _index: dict[int, tuple[int, ...]] | None
@@ -107,6 +107,7 @@ class ProcessMesh:
         self._dim_names = tuple(dim_names)
         self._index = None
         self._hash = None
+        self._subs: dict | None = None
         key = (arr.shape, tuple(flat.tolist()))
         with _unique_lock:
             self._unique_id = _unique_ids.setdefault(key, len(_unique_ids) + 1)
@@ -192,6 +193,17 @@ class ProcessMesh:
 
     def get_mesh_with_dim(self, dim_name, index=None) -> "ProcessMesh":
         """This mesh with axis ``dim_name`` moved to the front; with ``index``, the slice at that index."""
+        key = (dim_name, index) if index is None or type(index) is int else None
+        if key is not None and self._subs is not None and key in self._subs:
+            return self._subs[key]  # a pipeline asks for its stages' meshes for every parameter
+        sub = self._with_dim(dim_name, index)
+        if key is not None:
+            if self._subs is None:
+                self._subs = {}
+            self._subs[key] = sub
+        return sub
+
+    def _with_dim(self, dim_name, index) -> "ProcessMesh":
         ax = self.axis(dim_name)
         order = [ax] + [i for i in range(self.ndim) if i != ax]
         arr = self._ids.transpose(order)

@@ -1,5 +1,7 @@
 """A simulated rank's cached fake ops make what torch's FakeTensorMode makes, call after call."""
 
+import warnings
+
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -102,3 +104,37 @@ def test_calls_it_cannot_key_go_to_the_mode():
     with FakeTensorMode() as other:
         z = torch.empty(3)
     assert ops.key(mode, torch.ops.aten.add.Tensor, (z, z), {}) is None and other is not mode
+
+
+def _pointer(t) -> str:
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            t.data_ptr()
+    except RuntimeError:
+        return "refused"
+    return "given"
+
+
+@pytest.mark.parametrize("unsafe_pointers", [True, False])
+def test_a_fake_tensor_is_made_as_its_constructor_makes_it(unsafe_pointers):
+    FakeTensor = compat.fake_tensor_type()
+    mode = SimulatedTensors()
+    mode._allow_unsafe_data_ptr_access = unsafe_pointers
+    device = torch.device("cpu")
+
+    def meta():
+        return torch.empty_strided((3, 4), (1, 3), dtype=torch.bfloat16, device="meta")
+
+    want = FakeTensor(mode, meta(), device)
+    for _ in range(2):  # the first call copies a fresh one's attributes, the next ones reuse them
+        got = compat.wrap_meta(mode, meta(), device)
+        assert type(got) is FakeTensor and got is not want
+        assert got.__dict__ == want.__dict__ and got.fake_mode is mode and got.fake_device == device
+        assert torch._C._dispatch_keys(got) == torch._C._dispatch_keys(want)
+        assert (got.shape, got.stride(), got.dtype, got.device, got.requires_grad) == \
+            (want.shape, want.stride(), want.dtype, want.device, want.requires_grad)
+        assert _pointer(got) == _pointer(want) == ("given" if unsafe_pointers else "refused")
+        with mode:
+            out = got.float().t() @ torch.empty(3, 5)
+        assert type(out) is FakeTensor and out.fake_mode is mode and out.shape == (4, 5)
