@@ -43,7 +43,10 @@ class Layouts:
 
         if isinstance(x, DistTensor):
             mesh = x._pmesh
-            key = (mesh.unique_id, tuple(x.placements), tuple(x.shape))
+            key = (mesh.unique_id, x._mpl, x.shape)  # a tuple and a torch.Size: equal to the tuples kept
+            if key in self.seen:
+                return
+            key = (key[0], tuple(key[1]), tuple(key[2]))
         elif isinstance(x, DTensor):
             spec = x._spec
             key = (id(spec.mesh), tuple(spec.placements), tuple(x.shape))
@@ -116,6 +119,7 @@ _VALUE_ERROR, _SHAPE_ERROR = compat.fake_data_errors()
 _FAKE = compat.fake_tensor_type()
 _DEVICE = torch.ops.prim.device.default
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+_FAKE_OR_TENSOR = frozenset({_FAKE, torch.Tensor})
 _OPS = compat.FakeOps()  # shared by every simulated rank: a key holds no rank's tensors
 
 
@@ -154,10 +158,10 @@ class SimulatedTensors(compat.fake_tensor_mode_type()):  # type: ignore[misc]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        sub = any(t is not _FAKE and t is not torch.Tensor for t in types)
+        sub = not _FAKE_OR_TENSOR.issuperset(types)
         if sub and self.layouts is not None:
             self.layouts.note(args)
-        if all(t is not _FAKE for t in types):
+        if _FAKE not in types:
             real = self._real(func, args, kwargs)
             if real is not NotImplemented:
                 self._count(real)
