@@ -171,7 +171,7 @@ class FakeOps:
     def learn(self, key, func, args, out) -> None:
         """Remember what ``func`` made (``out``) for calls like this one, where it is one the cache can make again."""
         if type(out) is not self._fake or out.constant is not None or out.is_complex() \
-                or out.layout != torch.strided or out.requires_grad or out.is_neg():
+                or out.layout != torch.strided or out.is_neg():
             return
         if len(self.entries) >= self.LIMIT:
             self.entries.clear()
@@ -179,8 +179,10 @@ class FakeOps:
         for i, a in tensors:
             if out is a:  # written in place: remembered only where its layout stayed (not ``t_``, ``resize_``)
                 if key[3 + i] == _layout(a):
-                    self.entries[key] = ("inplace", i)
+                    self.entries[key] = ("inplace", i)  # the input itself, whether it requires grad or not
                 return
+        if out.requires_grad:  # a new tensor made again would not
+            return
         meta = (tuple(out.shape), out.stride(), out.storage_offset(), out.dtype, out.fake_device)
         storage = out.untyped_storage()
         for i, a in tensors:

@@ -138,3 +138,22 @@ def test_a_fake_tensor_is_made_as_its_constructor_makes_it(unsafe_pointers):
         with mode:
             out = got.float().t() @ torch.empty(3, 5)
         assert type(out) is FakeTensor and out.fake_mode is mode and out.shape == (4, 5)
+
+
+def test_an_in_place_op_on_a_tensor_that_requires_grad_is_remembered():
+    mode = SimulatedTensors()
+    ops = compat.FakeOps()
+    uniform, mul = torch.ops.aten.uniform_.default, torch.ops.aten.mul.Tensor
+    with mode, torch.no_grad():
+        p = torch.empty(4, 6).requires_grad_()  # a parameter's block, initialized in place
+        args = (p, -1.0, 1.0)
+        key = ops.key(mode, uniform, args, {})
+        ops.learn(key, uniform, args, p.uniform_(-1.0, 1.0))
+        assert ops.get(mode, key, args) is p and p.requires_grad
+    with mode:
+        q = torch.empty(4, 6).requires_grad_()
+        key = ops.key(mode, mul, (q, q), {})
+        out = q * q
+        assert out.requires_grad
+        ops.learn(key, mul, (q, q), out)  # a new tensor that requires grad: made by the mode each time
+        assert ops.get(mode, key, (q, q)) is None
