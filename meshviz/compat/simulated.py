@@ -67,7 +67,7 @@ def wrap_meta(mode, meta: torch.Tensor, device) -> torch.Tensor:
     except (AttributeError, KeyError):
         fresh = _fresh_attributes(mode, device)
     FakeTensor, config = _FAKE or _fake_types()
-    if config.debug:  # each one keeps the traceback of where it was made
+    if fresh is None or config.debug:  # debug: each one keeps the traceback of where it was made
         return FakeTensor(mode, meta, device)
     t = torch.Tensor._make_subclass(FakeTensor, meta, meta.requires_grad, dispatch_device=True,
                                     device_for_backend_keys=fresh[0])
@@ -77,12 +77,13 @@ def wrap_meta(mode, meta: torch.Tensor, device) -> torch.Tensor:
 
 
 def _fresh_attributes(mode, device):
-    """(the normalized device, what marks its data pointer, the attributes) of a fresh fake tensor of ``mode`` on
-    ``device``."""
+    """(the device, what marks its data pointer, the attributes) of a fresh fake tensor of ``mode`` on ``device``;
+    None for a device without an index that the constructor completes (``cuda``: the current device, which may
+    change)."""
     one = fake_tensor_type()(mode, torch.empty(0, device="meta"), device)
     mark = torch._C._set_warn_deprecated_on_mutable_data_ptr if mode._allow_unsafe_data_ptr_access \
         else torch._C._set_throw_on_mutable_data_ptr
-    fresh = (one.fake_device, mark, dict(one.__dict__))
+    fresh = (one.fake_device, mark, dict(one.__dict__)) if one.fake_device == torch.device(device) else None
     if not hasattr(mode, "_mv_fresh"):
         mode._mv_fresh = {}
     mode._mv_fresh[device] = fresh

@@ -157,3 +157,14 @@ def test_an_in_place_op_on_a_tensor_that_requires_grad_is_remembered():
         assert out.requires_grad
         ops.learn(key, mul, (q, q), out)  # a new tensor that requires grad: made by the mode each time
         assert ops.get(mode, key, (q, q)) is None
+
+
+def test_a_device_the_constructor_completes_is_left_to_it():
+    FakeTensor = compat.fake_tensor_type()
+    mode = SimulatedTensors()
+    for device in (torch.device("cuda"), torch.device("cuda:0")):  # a fake CUDA tensor needs no GPU
+        got = compat.wrap_meta(mode, torch.empty(2, device="meta"), device)
+        want = FakeTensor(mode, torch.empty(2, device="meta"), device)
+        assert got.fake_device == want.fake_device == torch.device("cuda:0") and got.__dict__ == want.__dict__
+    # "cuda" is completed with the current device, which may change: never copied; "cuda:0" is
+    assert mode._mv_fresh[torch.device("cuda")] is None and mode._mv_fresh[torch.device("cuda:0")] is not None
