@@ -7,11 +7,18 @@ import threading
 
 import torch
 
+_FAKE: list = []  # FakeTensor, FakeTensorConfig: imported once, when first asked for
+
+
+def _fake_types() -> list:
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorConfig
+
+    _FAKE[:] = [FakeTensor, FakeTensorConfig]
+    return _FAKE
+
 
 def fake_tensor_type():
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    return FakeTensor
+    return (_FAKE or _fake_types())[0]
 
 
 # -- simulated ranks: tensors without storage --------------------------------------------------------------
@@ -84,20 +91,8 @@ def _fresh_attributes(mode, device):
     mark = torch._C._set_warn_deprecated_on_mutable_data_ptr if mode._allow_unsafe_data_ptr_access \
         else torch._C._set_throw_on_mutable_data_ptr
     fresh = (one.fake_device, mark, dict(one.__dict__)) if one.fake_device == torch.device(device) else None
-    if not hasattr(mode, "_mv_fresh"):
-        mode._mv_fresh = {}
-    mode._mv_fresh[device] = fresh
+    mode.__dict__.setdefault("_mv_fresh", {})[device] = fresh
     return fresh
-
-
-_FAKE: list = []  # FakeTensor, FakeTensorConfig (imported once)
-
-
-def _fake_types() -> list:
-    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorConfig
-
-    _FAKE[:] = [FakeTensor, FakeTensorConfig]
-    return _FAKE
 
 
 def _layout(t) -> tuple:
