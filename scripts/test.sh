@@ -10,11 +10,11 @@
 # venv kept between runs (scripts/torch_venv.sh), all but the torch-free tests and the browser's: those check what
 # JupyterLab draws, and the Python they run (notebooks 00, 10, 13 and the widgets) runs on these releases too, under
 # nbval and in the other tiers; then three notebooks on .venv again with ipyparallel engines as ranks (a Cluster's
-# default). The parts are split so that both lines end
-# at about the same time. One test run keeps under one core busy (it waits on ranks, kernels and the browser), so
-# two go side by side, never more (three made a 2-core machine late enough to fail timed tests); then the table of
-# torch version x tier (scripts/test_table.py). Every part runs even when an earlier one failed; the exit status
-# says whether any did. MESHVIZ_TEST_ENGINES=0 / MESHVIZ_BINDER_CHECK=0 / MESHVIZ_TORCH_MATRIX= leave those out.
+# default). The parts are split so that both lines end at about the same time. One test run keeps under one core
+# busy (it waits on ranks, kernels and the browser), so two go side by side, never more (three made a 2-core machine
+# late enough to fail timed tests); then the table of torch version x tier (scripts/test_table.py). Every part runs
+# even when an earlier one failed; the exit status says whether any did. MESHVIZ_TEST_ENGINES=0 /
+# MESHVIZ_BINDER_CHECK=0 / MESHVIZ_TORCH_MATRIX= leave those out.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh --test  # before the matrix's venvs: their editable installs write to this checkout too
