@@ -3,8 +3,8 @@
 Tiny tensors, so what is measured is the cost of a call, not of moving data: a 1-rank mesh (NCCL) and, with
 ``--ranks 2``, two ranks sharing the GPU (gloo). Also a recorded reshard against the same one untraced (its ratio),
 the same pair with each reshard behind a matmul the GPU is still running (as in training), and again with an
-all_reduce after each reshard (its event is eager: the deferred reshard events before it are made first), and the
-price of tracing switched off.
+all_reduce after each reshard (its event waits behind the deferred reshard events), and the price of tracing
+switched off.
 Run: .venv/bin/python bench/bench_gpu.py [--ranks 1 2] [--calls 2000] [--rounds 7] [--c10d]
 Without CUDA it says so and exits; ``--device cpu`` measures the same calls on the CPU (gloo).
 """

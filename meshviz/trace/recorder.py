@@ -91,17 +91,23 @@ def my_rank(st: TraceState | None = None) -> int:
 
 def emit(event: Event, state: TraceState | None = None) -> Event:
     """Send ``event`` to the sinks, stamped with this rank and cell; ``state``: the rank's trace state, where the
-    caller has it already. Deferred events go first."""
+    caller has it already. Deferred events go first: while there are any, ``event`` waits behind them for the same
+    flush (making them now would read a GPU block's values, which waits for the device)."""
     st = trace_state() if state is None else state
-    if st.pending:
-        flush(st)
     if event.rank < 0:
         event.rank = my_rank(st)
     if event.cell is None:
         event.cell = st.cell
     if event.end is None:
         event.end = time.time()
-    _deliver(list(st.sinks), event)
+    if st.pending:
+        defer(st, _made, (event,), time.time())
+    else:
+        _deliver(list(st.sinks), event)
+    return event
+
+
+def _made(event: Event) -> Event:
     return event
 
 
@@ -115,10 +121,10 @@ def _deliver(sinks: list, event: Event) -> None:
 
 
 def defer(st: TraceState, make: Callable[..., Event], args: tuple, now: float) -> None:
-    """An event made later, as ``make(*args)``, and handed to the sinks at the next flush: before any other event
-    this rank emits, when a sink is added or removed or a :class:`MemorySink` is read, at the end of an engine's
-    cell, once the oldest deferred event is ``FLUSH_AFTER`` seconds old, or on :func:`flush`. The hot path of a
-    traced reshard: ``args`` holds what the event says, read at ``now``."""
+    """An event made later, as ``make(*args)``, and handed to the sinks at the next flush, in order with the events
+    this rank emits after it: when a sink is added or removed or a :class:`MemorySink` is read, at the end of an
+    engine's cell or a process rank's life, once the oldest deferred event is ``FLUSH_AFTER`` seconds old, or on
+    :func:`flush`. The hot path of a traced reshard: ``args`` holds what the event says, read at ``now``."""
     p = st.pending
     if not p:
         st.since = now

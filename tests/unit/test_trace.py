@@ -250,7 +250,7 @@ def _made(seq, name, start):
     return Event(kind="mark", seq=seq, rank=0, name=name, start=start, end=start)
 
 
-def test_deferred_events_reach_the_sinks_in_order_before_the_next_event():
+def test_deferred_events_reach_the_sinks_in_order_with_the_events_after_them():
     from meshviz.trace.state import trace_state
 
     trace.clear_sinks()
@@ -263,19 +263,26 @@ def test_deferred_events_reach_the_sinks_in_order_before_the_next_event():
     assert early._events == []  # not made yet: nothing read it, nothing came after it
     late = trace.MemorySink()
     trace.add_sink(late)  # a sink added now never sees what was deferred before it
-    trace.emit(Event(kind="mark", rank=0, name="c"))
-    assert [e.name for e in early._events] == ["a", "b", "c"]
-    assert [e.name for e in late._events] == ["c"]
+    assert [e.name for e in early._events] == ["a", "b"] and not st.pending
+    made = []
+    trace.defer(st, lambda *a: made.append(1) or _made(*a), (next(st.seq), "b2", now), now)
+    trace.emit(Event(kind="mark", rank=0, name="c"))  # waits behind the deferred event, which is not made for it
+    assert made == [] and [e.name for e in early._events] == ["a", "b"] and late._events == []
+    assert trace.flush() == 2 and made == [1]
+    assert [e.name for e in early._events] == ["a", "b", "b2", "c"]
+    assert [e.name for e in late._events] == ["b2", "c"]
+    trace.emit(Event(kind="mark", rank=0, name="c2"))  # nothing deferred: straight to the sinks
+    assert [e.name for e in late._events] == ["b2", "c", "c2"]
     seqs = [e.seq for e in early._events]
     assert seqs == sorted(seqs)
     trace.defer(st, _made, (next(st.seq), "d", now), now)
-    assert [e.name for e in early.events] == ["a", "b", "c", "d"]  # reading the sink makes them
+    assert [e.name for e in early.events] == ["a", "b", "b2", "c", "c2", "d"]  # reading the sink makes them
     trace.defer(st, lambda: 1 / 0, (), now)  # a maker that fails loses its event, nothing else
     trace.defer(st, _made, (next(st.seq), "e", now), now)
     trace.remove_sink(late)  # removing a sink hands it what was deferred while it listened
-    assert [e.name for e in late._events] == ["c", "d", "e"]
+    assert [e.name for e in late._events] == ["b2", "c", "c2", "d", "e"]
     trace.remove_sink(early)
-    assert [e.name for e in early._events] == ["a", "b", "c", "d", "e"]
+    assert [e.name for e in early._events] == ["a", "b", "b2", "c", "c2", "d", "e"]
     assert not st.pending
 
 
