@@ -22,6 +22,13 @@ VOCAB, HIDDEN, HEADS, KV_HEADS, FFN, LAYERS = 128256, 8192, 64, 8, 28672, 80
 HEAD = HIDDEN // HEADS
 
 
+def set_dims(vocab: int, hidden: int, heads: int, kv_heads: int, ffn: int) -> None:
+    """Models built after this call have these sizes (a smaller Llama; each process that builds one calls it)."""
+    global VOCAB, HIDDEN, HEADS, KV_HEADS, FFN, HEAD
+    VOCAB, HIDDEN, HEADS, KV_HEADS, FFN = vocab, hidden, heads, kv_heads, ffn
+    HEAD = HIDDEN // HEADS
+
+
 class RMSNorm(nn.Module):
     def __init__(self):
         super().__init__()
