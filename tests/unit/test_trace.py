@@ -325,6 +325,33 @@ def test_a_traced_reshard_defers_its_events_with_the_values_of_their_time():
     assert evs == [("reshard", want, [2, 3]), ("reshard_step", want, [2, 3])]
 
 
+def test_a_collective_after_a_traced_reshard_waits_behind_its_events():
+    import torch
+
+    import meshviz.distributed as dist
+    from meshviz.runtime.autograd import run_reshard
+    from meshviz.testing import run_ranks
+
+    def fn():
+        dist.init_parallel_env()
+        mesh = dist.ProcessMesh([0, 1], dim_names=["x"])
+        d = dist.shard_tensor(torch.arange(8.0).reshape(4, 2), mesh, [dist.Shard(0)])
+        g = torch.ones(2)
+        with trace.record() as rec:
+            out = run_reshard(d, mesh, [dist.Replicate()])
+            dist.all_reduce(g)
+            held = len(rec._events)  # the all-reduce's event did not make the reshard's (a GPU read would wait)
+            out._local.mul_(10)
+            evs = rec.events
+        return held, [(e.kind, e.seq, e.values) for e in evs], g.tolist()
+
+    for held, evs, g in run_ranks(fn, 2):
+        assert held == 0 and g == [2.0, 2.0]
+        assert [k for k, _, _ in evs] == ["reshard", "reshard_step", "collective"]
+        assert [q for _, q, _ in evs] == sorted(q for _, q, _ in evs)
+        assert evs[1][2] == [float(i) for i in range(8)]  # the gathered block as it was, not as it is now
+
+
 def test_a_traced_reshard_names_the_users_line_it_ran_from():
     import sys
 
