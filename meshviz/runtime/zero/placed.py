@@ -8,6 +8,7 @@ import torch
 import torch.distributed as tdist
 
 from ... import trace
+from ...core.layout import chunk
 from ...core.placements import Replicate, Shard
 from ...core.sharding import SHARDED
 from ..autograd import run_reshards
@@ -172,9 +173,27 @@ class PlacedZero(Zero):
                     shadow = torch.nn.Parameter(sharded, requires_grad=True)
                     self._shadow[p] = shadow
                     self._of_shadow[shadow] = p
+                    self._view(p, shadow)
                     new_params.append(shadow)
                 self._emit_ownership(p)
             group["params"] = new_params
+
+    def _view(self, p, shadow) -> None:
+        """Make ``shadow``'s block a view of this rank's part of ``p``'s (os, os_g): the inner optimizer's step
+        writes ``p`` itself, whatever changed ``p`` since the last step (a loaded checkpoint, an in-place edit) is
+        what it updates, and no copy of the part is held beside it. Left as it is where the part is not a slice of
+        the block (a layout only torch can name, a rank outside the mesh)."""
+        mesh, rank = p._pmesh, tdist.get_rank()
+        if p._tpl is not None or shadow._tpl is not None or not mesh.contains(rank):
+            return
+        i = mesh.axis(self._axis)
+        if not isinstance(shadow.placements[i], Shard):
+            return
+        d, blk, old = shadow.placements[i].dim, p._local, shadow._local
+        lo, hi = chunk(blk.shape[d], mesh.shape[i], mesh.coordinate(rank)[i])
+        part = blk.narrow(d, lo, hi - lo)
+        if part.shape == old.shape and part.dtype == old.dtype and part.device == old.device:
+            shadow._hold(new_dist(part, mesh, shadow._mpl, tuple(shadow.shape), shadow.stride(), device=shadow.device))
 
     def _emit_ownership(self, p) -> None:
         if trace.active():
@@ -227,6 +246,8 @@ class PlacedZero(Zero):
                 p.grad = None
 
     def _inner_step(self, closure):
+        for p, shadow in self._shadow.items():
+            self._view(p, shadow)
         if closure is not None:
             return self._inner_opt.step(closure)
         return step_on_blocks(self._inner_opt)
@@ -240,18 +261,19 @@ class PlacedZero(Zero):
     def _gather(self) -> None:
         """The stepped shards back into the parameters (the all-gathers along one mesh line as one collective)."""
         items = list(self._shadow.items())
-        chunk: list = []
+        bucket: list = []
         size = 0
         for i, (p, _) in enumerate(items):  # a bucket at a time: the gathered bucket is freed before the next
-            chunk.append(items[i])
+            bucket.append(items[i])
             size += p._local.numel() * p._local.element_size()
             if size >= BUCKET_BYTES or i == len(items) - 1:
-                fulls = run_reshards([s.detach() for _, s in chunk], [q.placements for q, _ in chunk],
-                                     into=[q for q, _ in chunk])
-                for (q, _), full in zip(chunk, fulls):
+                fulls = run_reshards([s.detach() for _, s in bucket], [q.placements for q, _ in bucket],
+                                     into=[q for q, _ in bucket])
+                for (q, shadow), full in zip(bucket, fulls):
                     if full is not None:  # None: gathered straight into q's block
                         q._hold(full)
-                chunk, size = [], 0
+                        self._view(q, shadow)  # the old block is let go
+                bucket, size = [], 0
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._inner_opt.zero_grad(set_to_none=set_to_none)
