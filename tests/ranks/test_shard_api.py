@@ -289,6 +289,17 @@ def test_gradient_accumulation_steps_does_not_skip_steps():
         assert seen == [[-1.0, -2.0], [-2.0, -4.0], [-3.0, -6.0], [-4.0, -8.0]] and k == 2
 
 
+def _steps_with_an_edit(x, w0, w1, opt):
+    """Three steps of the two-layer model, ``w1`` halved in place after the first (an edit between steps)."""
+    for i in range(3):
+        (torch.matmul(torch.matmul(x, w0).relu(), w1) ** 2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        if i == 0:
+            with torch.no_grad():
+                w1.mul_(0.5)
+
+
 def resumed_stages(stage, path):
     import meshviz.distributed as dist
 
@@ -302,14 +313,7 @@ def resumed_stages(stage, path):
     rep = [dist.Replicate(), dist.Replicate()]
     dist.save_state_dict({"w0": dist.shard_tensor(w0, mesh, rep), "w1": dist.shard_tensor(w1, mesh, rep)}, path)
     dist.load_state_dict({"w0": p0, "w1": p1}, path)  # a resumed run: the optimizer was made before the load
-    x = dist.shard_tensor(_Data().x, mesh, [dist.Shard(0), dist.Replicate()])
-    for i in range(3):
-        (torch.matmul(torch.matmul(x, p0).relu(), p1) ** 2).mean().backward()
-        opt.step()
-        opt.clear_grad()
-        if i == 0:
-            with torch.no_grad():
-                p1.mul_(0.5)  # an edit between steps
+    _steps_with_an_edit(dist.shard_tensor(_Data().x, mesh, [dist.Shard(0), dist.Replicate()]), p0, p1, opt)
     held = {id(q): q for q in [p0, p1] + [q for g in opt.param_groups for q in g["params"]]}
     storages = {q._local_value().untyped_storage()._cdata for q in held.values()}
     return dist.unshard_dtensor(p0).detach(), dist.unshard_dtensor(p1).detach(), len(storages)
@@ -318,15 +322,7 @@ def resumed_stages(stage, path):
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_sharding_stages_step_what_the_parameters_hold_now(stage, tmp_path):
     w0, w1 = (torch.nn.Parameter(w.clone()) for w in _weights())
-    opt = torch.optim.AdamW([w0, w1], lr=0.05, weight_decay=0.1)
-    x = _Data().x
-    for i in range(3):
-        (torch.matmul(torch.matmul(x, w0).relu(), w1) ** 2).mean().backward()
-        opt.step()
-        opt.zero_grad()
-        if i == 0:
-            with torch.no_grad():
-                w1.mul_(0.5)
+    _steps_with_an_edit(_Data().x, w0, w1, torch.optim.AdamW([w0, w1], lr=0.05, weight_decay=0.1))
     for r0, r1, storages in run_ranks(resumed_stages, 4, stage, str(tmp_path / "ckpt"), timeout=120):
         torch.testing.assert_close(r0, w0.detach(), rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(r1, w1.detach(), rtol=1e-5, atol=1e-6)
