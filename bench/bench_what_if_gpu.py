@@ -59,7 +59,7 @@ def main(argv=None) -> int:
 
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}; {args.layers} layers, seq {args.seq}, {DIMS}")
     print("| dp x mp, stage | rank | estimate MiB (params, grads, optimizer, activations) | GPU peak MiB | "
-          "estimate / GPU |\n|---|---|---|---|---|")
+          "estimate / GPU | GPU step s |\n|---|---|---|---|---|---|")
     for shape, level in CASES:
         n = shape[0] * shape[1]
         est = meshviz.what_if(estimate, n, shape, level, args.layers, args.seq).per_rank
@@ -70,7 +70,7 @@ def main(argv=None) -> int:
             e = est[r]
             parts = ", ".join(f"{e[k] / MiB:.0f}" for k in ("params", "grads", "optimizer", "activations"))
             print(f"| {shape[0]} x {shape[1]}, {level} | {r} | {e['peak'] / MiB:.1f} ({parts}) | "
-                  f"{got[r]['peak'] / MiB:.1f} | {e['peak'] / got[r]['peak']:.3f} |")
+                  f"{got[r]['peak'] / MiB:.1f} | {e['peak'] / got[r]['peak']:.3f} | {got[r]['seconds']:.2f} |")
     return 0
 
 

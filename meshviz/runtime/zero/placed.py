@@ -191,6 +191,9 @@ class PlacedZero(Zero):
             return
         d, blk, old = shadow.placements[i].dim, p._local, shadow._local
         lo, hi = chunk(blk.shape[d], mesh.shape[i], mesh.coordinate(rank)[i])
+        if (old.untyped_storage()._cdata == blk.untyped_storage()._cdata  # the view already (the gather kept it)
+                and old.storage_offset() == blk.storage_offset() + lo * blk.stride(d) and old.stride() == blk.stride()):
+            return
         part = blk.narrow(d, lo, hi - lo)
         if part.shape == old.shape and part.dtype == old.dtype and part.device == old.device:
             shadow._hold(new_dist(part, mesh, shadow._mpl, tuple(shadow.shape), shadow.stride(), device=shadow.device))
