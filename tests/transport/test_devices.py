@@ -419,3 +419,61 @@ def test_p_g_os_offload_steps_every_small_parameter_as_a_cpu_copy():
             torch.testing.assert_close(res["params"][k], v, rtol=1e-5, atol=1e-6)
         for i, st in ref_state.items():
             torch.testing.assert_close(res["full"][i]["exp_avg"], st["exp_avg"], rtol=1e-5, atol=1e-7)
+
+
+def _offload_edited(level, seg):
+    import meshviz.distributed as dist
+    import meshviz.distributed.sharding.group_sharded as gs
+    from meshviz.nn import ClipGradByGlobalNorm
+    from tests.ranks.test_group_sharded import CLIP, LR, STEPS, WD, batch, full_params, make_model
+
+    dist.init_parallel_env()
+    gs.device = lambda: torch.device("meta")  # offload is real (see _offload_pgos)
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+    model, opt, _ = gs.group_sharded_parallel(model, opt, level, segment_size=seg, offload=True,
+                                              grad_clip=ClipGradByGlobalNorm(CLIP))
+    _edit(model, 0)
+    for s in range(STEPS):
+        x, y = batch(s, dist.get_rank())
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.clear_grad()
+        _edit(model, s + 1)
+    return full_params(model)
+
+
+def _edit(model, step):
+    """What a resumed run or a user does to the parameters between steps: a checkpoint loaded, an in-place edit."""
+    with torch.no_grad():
+        if step == 0:
+            model.load_state_dict({k: v * 0.5 for k, v in model.state_dict().items()})
+        elif step == 2:
+            for p in model.parameters():
+                p.add_(0.1)
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("level,seg", [("os", 8), ("os_g", 8), ("p_g_os", 10**9)])
+def test_offload_steps_what_the_parameters_hold_now(level, seg):
+    """Offload steps CPU copies of this rank's part of each parameter: a checkpoint loaded after wrapping, or an
+    in-place edit between steps, must reach those copies (the stale copy used to overwrite it at the next step)."""
+    from meshviz.testing import run_ranks
+    from tests.ranks.test_group_sharded import CLIP, LR, STEPS, WD, batch, make_model
+
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+    _edit(model, 0)
+    for s in range(STEPS):
+        xs, ys = zip(*(batch(s, r) for r in range(2)))
+        torch.nn.functional.mse_loss(model(torch.cat(xs)), torch.cat(ys)).backward()
+        norm = float(torch.sqrt(sum((p.grad.double() ** 2).sum() for p in model.parameters())))
+        for p in model.parameters():
+            p.grad.mul_(CLIP / max(norm, CLIP))  # Paddle's global-norm clip, as the ranks clip
+        opt.step()
+        opt.zero_grad()
+        _edit(model, s + 1)
+    ref = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    for rank, got in enumerate(run_ranks(_offload_edited, 2, level, seg, timeout=120)):
+        for k, v in ref.items():
+            torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-6, msg=lambda m: f"rank {rank} {k}: {m}")

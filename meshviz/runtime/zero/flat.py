@@ -195,8 +195,21 @@ class FlatZero(Zero):
             return closure()
 
     def _inner_step(self, closure):
+        if self._offload:
+            self._load_copies()
         with trace.span("compute", op="optimizer_step", group=self._group.ranks):
             self._inner_opt.step()
+
+    @torch.no_grad()
+    def _load_copies(self):
+        """Offloaded: each CPU copy the optimizer steps takes what its parameter holds now (a checkpoint loaded or
+        an in-place edit since the last step), as the parameter itself would be stepped without offload."""
+        sliced = self.level in ("os", "os_g")
+        for s in self._slots:
+            if s.shard is None or s.shard is s.param or (sliced and not s.owned):
+                continue
+            flat = s.param.detach().reshape(-1)
+            s.shard.detach().copy_(flat[s.lo : s.hi] if sliced else flat)
 
     def _gather(self):
         if self.level in ("os", "os_g"):
@@ -217,8 +230,8 @@ class FlatZero(Zero):
         for s in self._slots:
             p, piece = s.param, s.piece
             flat = p.detach().view(-1)
-            if self._offload and s.shard is not None and s.owned and s.shard.device != p.device:
-                flat[s.lo : s.hi].copy_(s.shard.detach(), non_blocking=False)
+            if self._offload and s.shard is not None and s.owned:
+                flat[s.lo : s.hi].copy_(s.shard.detach())
             if grp.size == 1:
                 continue
             if piece.mode == "slice":
