@@ -241,7 +241,8 @@ class Call:
     bucket: int | None = None
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "op", CollectiveOp(self.op))  # a name ("all_reduce") reads as its op
+        if type(self.op) is not CollectiveOp:
+            object.__setattr__(self, "op", CollectiveOp(self.op))  # a name ("all_reduce") reads as its op
 
     @property
     def kind(self) -> str:
@@ -293,6 +294,7 @@ def matching(call: Call, g: Group, seq: int | None) -> bool:
 
 CHECKS: tuple[Check, ...] = (membership, on_devices, matching)
 INSIDE = frozenset({matching})  # from the first of these on, the rank shows as inside the collective (they may block)
+_FIRST_INSIDE = next(i for i, c in enumerate(CHECKS) if c in INSIDE)
 
 
 def run(call: Call, checks: Sequence[Check] = CHECKS) -> Task:
@@ -306,7 +308,8 @@ def run(call: Call, checks: Sequence[Check] = CHECKS) -> Task:
     """
     g = call.group if type(call.group) is Group else resolve(call.group)
     op = call.op.value
-    first_inside = next((i for i, c in enumerate(checks) if c in INSIDE), len(checks))
+    first_inside = _FIRST_INSIDE if checks is CHECKS else \
+        next((i for i, c in enumerate(checks) if c in INSIDE), len(checks))
     for check in checks[:first_inside]:
         if not check(call, g, None):
             return Task(done=True)

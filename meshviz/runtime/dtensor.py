@@ -172,7 +172,9 @@ def make_dist(local: torch.Tensor, mesh: ProcessMesh, placements, shape, require
         local = local.detach()
     local = _on_block_device(local)
     # the mesh's groups (collectives every rank joins) are made when its first tensor is, in program order
-    device_mesh_for(mesh, local.device.type if local.device.type != "meta" else block_device_type(local))
+    kind = local.device.type if local.device.type != "meta" else block_device_type(local)
+    if not groups.has_device_mesh(mesh, kind):
+        device_mesh_for(mesh, kind)
     return new_dist(local, mesh, tuple(placements), shape, contiguous_stride(shape), requires_grad)
 
 

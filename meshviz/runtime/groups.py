@@ -12,7 +12,7 @@ from ..core.mesh import ProcessMesh
 from .world import get_world_size, init_parallel_env
 
 __all__ = ["Group", "resolve", "world_group", "register", "lookup", "release", "group_for_ranks", "line_group",
-           "mesh_groups", "axis_group", "device_mesh", "check_mesh_in_world", "reset", "clear_cache"]
+           "mesh_groups", "axis_group", "device_mesh", "has_device_mesh", "check_mesh_in_world", "reset", "clear_cache"]
 
 
 class Group:
@@ -185,6 +185,8 @@ def _key(mesh: ProcessMesh):
 
 def check_mesh_in_world(mesh: ProcessMesh) -> None:
     """Raise ValueError (before any communication) when the mesh names ranks the world does not have."""
+    if _key(mesh) in _state().meshes:  # checked when its groups were built (a new world forgets them)
+        return
     world = get_world_size()
     bad = [r for r in mesh.process_ids if r >= world]
     if bad:
@@ -193,14 +195,15 @@ def check_mesh_in_world(mesh: ProcessMesh) -> None:
 
 def mesh_groups(mesh: ProcessMesh) -> dict:
     """axis -> {line of ranks (mesh order): group}; built once per mesh, by every rank, in one fixed order."""
-    key = _key(mesh)
-    if key not in _state().meshes:
+    meshes = _state().meshes
+    out = meshes.get(_key(mesh))
+    if out is None:
         check_mesh_in_world(mesh)
         out = {}
         for axis in range(mesh.ndim):
             out[axis] = {line: group_for_ranks(line) for line in mesh.axis_groups(axis)}
-        _state().meshes[key] = out
-    return _state().meshes[key]
+        meshes[_key(mesh)] = out
+    return out
 
 
 def axis_group(mesh: ProcessMesh, axis: int, rank: int | None = None):
@@ -215,14 +218,17 @@ def axis_group(mesh: ProcessMesh, axis: int, rank: int | None = None):
 
 def device_mesh(mesh: ProcessMesh, device_type: str | None = None):
     """A torch DeviceMesh whose coordinates are this mesh's (sub-groups in mesh order, not sorted order)."""
+    if device_type is None:
+        from .world import device
+
+        device_type = device().type
+    key = (_key(mesh), device_type)
+    made = _state().device_meshes
+    dm = made.get(key)
+    if dm is not None:
+        return dm
     from torch.distributed.device_mesh import DeviceMesh
 
-    from .world import device
-
-    device_type = device_type or device().type
-    key = (_key(mesh), device_type)
-    if key in _state().device_meshes:
-        return _state().device_meshes[key]
     groups = mesh_groups(mesh)
     rank = tdist.get_rank()
     names = tuple(mesh.dim_names)
@@ -234,5 +240,10 @@ def device_mesh(mesh: ProcessMesh, device_type: str | None = None):
             dm = DeviceMesh.from_group(pgs[0], device_type, mesh=mesh.process_ids, mesh_dim_names=names)
         else:
             dm = DeviceMesh.from_group(pgs, device_type, mesh=mesh.mesh, mesh_dim_names=names)
-    _state().device_meshes[key] = dm
+    made[key] = dm
     return dm
+
+
+def has_device_mesh(mesh: ProcessMesh, device_type: str) -> bool:
+    """Has this rank made ``mesh``'s DeviceMesh for ``device_type`` (and so its groups)?"""
+    return (_key(mesh), device_type) in _state().device_meshes

@@ -48,10 +48,39 @@ def _line_coords(step: Step, rank: int):
     return coord, out
 
 
-def _all_gather(step: Step, local: torch.Tensor, group, coords) -> torch.Tensor:
+@dataclass(frozen=True)
+class _Line:
+    """A rank's line along a step's axis: its coordinate, the line's coordinates and ranks (mesh order), its index
+    in the line, and (all_gather, all_to_all) each member's block size along ``step.dim`` before the step."""
+
+    coord: tuple
+    coords: list
+    ranks: tuple
+    index: int
+    sizes: list | None
+
+
+_lines: dict = {}  # (id(step), rank) -> (step, _Line): pure facts of a plan's step, asked on every run
+
+
+def _line(step: Step, rank: int) -> _Line:
+    hit = _lines.get((id(step), rank))
+    if hit is not None and hit[0] is step:
+        return hit[1]
+    coord, coords = _line_coords(step, rank)
+    sizes = None
+    if step.op in ("all_gather", "all_to_all"):
+        sizes = [_block_shape(step, step.before, step.mesh, c)[step.dim] for c in coords]
+    line = _Line(coord, coords, step.mesh.axis_group_of(rank, step.axis), coord[step.axis], sizes)
+    if len(_lines) >= 4096:
+        _lines.clear()
+    _lines[(id(step), rank)] = (step, line)
+    return line
+
+
+def _all_gather(step: Step, local: torch.Tensor, group, sizes: list) -> torch.Tensor:
     d = step.dim
-    k = len(coords)
-    sizes = [_block_shape(step, step.before, step.mesh, c)[d] for c in coords]
+    k = len(sizes)
     out_shape = list(local.shape)
     out_shape[d] = sum(sizes)
     if len(set(sizes)) == 1 and d == 0:
@@ -129,9 +158,8 @@ def _all_reduce(step: Step, local: torch.Tensor, group, fresh: bool = False) -> 
     return out
 
 
-def _reduce_scatter(step: Step, local: torch.Tensor, group, coords, my_index) -> torch.Tensor:
+def _reduce_scatter(step: Step, local: torch.Tensor, group, k: int, my_index) -> torch.Tensor:
     d = step.dim
-    k = len(coords)
     sizes = [chunk(local.shape[d], k, j) for j in range(k)]
     lens = [b - a for a, b in sizes]
     if step.reduce in (ReduceType.kRedSum, ReduceType.kRedAvg) and len(set(lens)) == 1:
@@ -177,11 +205,10 @@ def _all_to_all(recv: list, send: list, group) -> None:
     run(Call(CollectiveOp.ALL_TO_ALL, group, start, tensors=send, traced=False, then=lambda: unpack[0]()))
 
 
-def _all_to_all_dims(step: Step, local: torch.Tensor, group, coords, my_index) -> torch.Tensor:
+def _all_to_all_dims(step: Step, local: torch.Tensor, group, a_sizes: list, my_index) -> torch.Tensor:
     a, b = step.dim, step.dst_dim
-    k = len(coords)
+    k = len(a_sizes)
     splits = [chunk(local.shape[b], k, j) for j in range(k)]
-    a_sizes = [_block_shape(step, step.before, step.mesh, c)[a] for c in coords]
     my_b = splits[my_index][1] - splits[my_index][0]
     even = local.shape[b] % k == 0 and len(set(a_sizes)) == 1
     if even:
@@ -253,28 +280,27 @@ def run_step(step: Step, local, rank: int, dtype, device, fresh: bool = False):
         return local
     if step.mesh.mesh.shape[step.axis] == 1:  # a line of one rank: every step keeps the block (a new tensor)
         return local if fresh else local.clone()
-    coord, coords = _line_coords(step, rank)
-    my_index = coord[step.axis]
-    k = len(coords)
+    line = _line(step, rank)
+    k = len(line.coords)
     if step.op == "slice":
-        return _slice(step, local, k, my_index)
+        return _slice(step, local, k, line.index)
     if step.op == "zero_fill":
-        fill = partial_fill(step.after, coord, step.axis)
+        fill = partial_fill(step.after, line.coord, step.axis)
         if fill == "value":
             return local if fresh else local.clone()
         return torch.zeros_like(local) if fill == "zero" else torch.ones_like(local)
-    line, _ = groups.axis_group(step.mesh, step.axis, rank)
+    groups.mesh_groups(step.mesh)  # every line's group, made in program order
     if k == 1:
         return local if fresh else local.clone()
-    group = groups.line_group(line)
+    group = groups.line_group(line.ranks)
     if step.op == "all_gather":
-        return _all_gather(step, local, group, coords)
+        return _all_gather(step, local, group, line.sizes)
     if step.op == "all_reduce":
         return _all_reduce(step, local, group)
     if step.op == "reduce_scatter":
-        return _reduce_scatter(step, local, group, coords, my_index)
+        return _reduce_scatter(step, local, group, k, line.index)
     if step.op == "all_to_all":
-        return _all_to_all_dims(step, local, group, coords, my_index)
+        return _all_to_all_dims(step, local, group, line.sizes, line.index)
     raise ValueError(f"unknown step {step.op}")
 
 
