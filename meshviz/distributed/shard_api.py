@@ -11,7 +11,7 @@ from ..core.sharding import STAGES
 from ..runtime.devices import device
 from ..runtime.dtensor import DistTensor
 from ..runtime.world import init_parallel_env
-from ..runtime.zero import PlacedZero, dist_params_for_dist_grads, grads_as_params, sharded_placements
+from ..runtime.zero import PlacedZero, create_states, dist_params_for_dist_grads, grads_as_params, sharded_placements
 from .api import dtensor_from_local, reshard, shard_tensor
 from .shard_scaler import shard_scaler
 
@@ -177,6 +177,9 @@ class _ShardOptimizer(PlacedZero):
         self.zero_grad(set_to_none=not set_to_zero)
 
     def state_dict(self):
+        """This rank's states; before training they are made first (zeros, as Paddle's), so that
+        ``dist.load_state_dict`` has tensors to load a checkpoint into (collective then)."""
+        create_states(self, self.grad_params())
         return self._inner_opt.state_dict()
 
     def load_state_dict(self, sd) -> None:

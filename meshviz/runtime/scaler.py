@@ -85,6 +85,10 @@ class LossScaler:
         return loss * self._scale if self._enable else loss
 
     def _params(self, optimizer):
+        own = getattr(optimizer, "grad_params", None)  # a sharded optimizer's inner one steps stand-ins
+        if callable(own):
+            yield from own()
+            return
         for g in optimizer.param_groups:
             yield from g["params"]
 

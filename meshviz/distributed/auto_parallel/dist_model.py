@@ -13,6 +13,7 @@ from torch.distributed.tensor import DTensor
 from ... import compat, trace
 from ...core.sharding import STAGES
 from ...runtime.comm import all_reduce_mean_
+from ...runtime.zero import create_states
 from ..api import is_dist_tensor
 from ..collective import all_reduce, broadcast
 from .program import Program, shape_str
@@ -107,6 +108,11 @@ class DistModel:
                 self._device_type, init_scale=float(amp.init_loss_scaling), growth_factor=float(amp.incr_ratio),
                 backoff_factor=float(amp.decr_ratio), growth_interval=int(amp.incr_every_n_steps),
             )
+            if any(is_dist_tensor(p) for p in layer.parameters()):
+                from ..shard_scaler import shard_scaler
+
+                # torch's scaler unscales the param_groups' gradients; a sharded optimizer's hold stand-ins
+                self._scaler = shard_scaler(self._scaler)
         if sh.enable and optimizer is not None:
             from ..sharding import group_sharded_parallel
 
@@ -378,6 +384,9 @@ class DistModel:
             full = self._optimizer.full_state_dict()
             order = [pc.name for pc in self._optimizer.ownership]
             return {f"{order[i]}.{k}": v for i, st in full["state"].items() for k, v in st.items()}
+        # before training the states are made first, as Paddle's program holds them from its start: a checkpoint
+        # loaded into this dict (dist.load_state_dict) then reaches the optimizer
+        create_states(self._optimizer, self._layer.parameters())
         by_id = {id(p): n for n, p in self._layer.named_parameters()}
         out = {}
         for p, st in self._optimizer.state.items():

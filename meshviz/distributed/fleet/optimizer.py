@@ -38,6 +38,9 @@ class HybridParallelOptimizer(Zero):
             return list(self._sharding.params)
         return [p for g in self._inner_opt.param_groups for p in g["params"]]
 
+    def grad_params(self) -> list:
+        return self._params()
+
     def _sync_grads(self):
         hcg = self._hcg
         if hcg is None:

@@ -2,7 +2,32 @@
 
 from __future__ import annotations
 
-__all__ = ["Zero"]
+import torch
+
+__all__ = ["Zero", "create_states"]
+
+
+@torch.no_grad()
+def create_states(optimizer, params) -> None:
+    """Make ``optimizer``'s states as its first step would, leaving the parameters as they are: one step on zero
+    gradients of ``params`` at learning rate 0 (as Paddle's ``state_dict`` does before training, so that a
+    checkpoint can be loaded into them). Nothing happens once the states exist or a gradient does."""
+    params = [p for p in params if p.requires_grad]
+    if optimizer.state or any(p.grad is not None for p in params):
+        return
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    lrs = [g.get("lr") for g in optimizer.param_groups]
+    for g, lr in zip(optimizer.param_groups, lrs):
+        if lr is not None:
+            g["lr"] = torch.zeros_like(lr) if torch.is_tensor(lr) else 0.0
+    try:
+        optimizer.step()
+    finally:
+        for g, lr in zip(optimizer.param_groups, lrs):
+            if lr is not None:
+                g["lr"] = lr
+        optimizer.zero_grad(set_to_none=True)
 
 
 class Zero:
@@ -21,6 +46,11 @@ class Zero:
     @property
     def param_groups(self):
         return self._inner_opt.param_groups
+
+    def grad_params(self) -> list:
+        """The parameters whose gradients backward fills: what a loss scaler unscales before ``step`` (the inner
+        optimizer may step stand-ins, whose gradients are made from these inside ``step``)."""
+        return [p for g in self._inner_opt.param_groups for p in g["params"]]
 
     def step(self, closure=None):
         self._prepare()

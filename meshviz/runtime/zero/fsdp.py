@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from torch import nn
+
 from .group import ShardingGroup
 
 __all__ = ["apply_fsdp", "unmix_foreach"]
@@ -19,10 +21,19 @@ def apply_fsdp(model, piece_of: dict, grp: ShardingGroup, dev, offload) -> None:
         return
     mesh = DeviceMesh.from_group(grp.pg, dev.type)
     policy = CPUOffloadPolicy() if (offload and dev.type != "cpu") else OffloadPolicy()
-    for child in model.children():
+    for child in _units(model):
         if any(p not in ignored for p in child.parameters()):
             fully_shard(child, mesh=mesh, offload_policy=policy, ignored_params=ignored)
     fully_shard(model, mesh=mesh, offload_policy=policy, ignored_params=ignored)
+
+
+def _units(model):
+    """The children sharded one by one; a ModuleList or ModuleDict (no forward to hook) by its own children."""
+    for child in model.children():
+        if isinstance(child, (nn.ModuleList, nn.ModuleDict)) and type(child).forward is nn.Module.forward:
+            yield from _units(child)
+        else:
+            yield child
 
 
 def unmix_foreach(optimizer) -> None:

@@ -28,6 +28,9 @@ class OwnerZero(Zero):
         for g in inner.param_groups:
             g["params"] = [p for p in g["params"] if self.owner[id(p)] == grp.rank]
 
+    def grad_params(self) -> list:
+        return list(self.params)
+
     def owned(self) -> list:
         """The parameters this rank steps."""
         return [p for p in self.params if self.owner[id(p)] == self._group.rank]

@@ -218,6 +218,9 @@ class PlacedZero(Zero):
         of the parameter; ``opt.state[p]`` finds it)."""
         return StateView(self._inner_opt.state, self._shadow, self._of_shadow)
 
+    def grad_params(self) -> list:
+        return [self._of_shadow.get(q, q) for group in self._inner_opt.param_groups for q in group["params"]]
+
     def _prepare(self) -> None:
         made = dist_params_for_dist_grads(self._inner_opt, self._place)
         if made and self.level is not None:
