@@ -213,16 +213,14 @@ def to_static_run(stage):
         x, y = batch(s, 2)
         dm(rows(x, dist.get_rank()), rows(y, dist.get_rank()))
 
-    # sharded, DistModel loads the parameters only (its optimizer's states are refused by set_state_dict)
-    save = lambda: copy.deepcopy(dm.state_dict("param" if stage else "all"))  # noqa: E731
-    resume(net, train_step, save, dm.set_state_dict)
+    resume(net, train_step, lambda: copy.deepcopy(dm.state_dict()), dm.set_state_dict)
     return {k: full_tensor(v).detach().clone() for k, v in net.state_dict().items()}
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("stage", [None, 3])  # stages 1 and 2: test_group_sharded_parallel
+@pytest.mark.parametrize("stage", [None, 1, 3])  # stage 2 steps as stage 1: test_group_sharded_parallel
 def test_to_static(stage):
-    check(run_ranks(to_static_run, 2, stage, timeout=100), dense(2, opt_restored=not stage))
+    check(run_ranks(to_static_run, 2, stage, timeout=100), dense(2))
 
 
 # -- shard_optimizer, dist.parallelize: dist parameters, checkpoints through dist.save/load_state_dict -----------
@@ -444,14 +442,15 @@ def fresh_shard_optimizer_run(stage, path):
     return _unsharded(_fresh(make))
 
 
-def fresh_to_static_run(path):
+def fresh_to_static_run(stage, path):
     import meshviz.distributed as dist
 
     dist.init_parallel_env()
+    strategy = dist.Strategy({"sharding": {"enable": True, "stage": stage, "degree": 2}} if stage else None)
 
     def make():
         net = Net()
-        dm = dist.to_static(net, None, F.mse_loss, adamw(net.parameters()))
+        dm = dist.to_static(net, None, F.mse_loss, adamw(net.parameters()), strategy)
 
         def train_step(s):
             x, y = batch(s, 2)
@@ -464,7 +463,9 @@ def fresh_to_static_run(path):
 
         return net, train_step, lambda: dist.save_state_dict(dm.state_dict(), path), load
 
-    return {k: v.detach().clone() for k, v in _fresh(make).state_dict().items()}
+    from meshviz.runtime.devices import full_tensor
+
+    return {k: full_tensor(v).detach().clone() for k, v in _fresh(make).state_dict().items()}
 
 
 @pytest.mark.timeout(120)
@@ -474,5 +475,33 @@ def test_shard_optimizer_in_a_fresh_run(stage, tmp_path):
 
 
 @pytest.mark.timeout(120)
-def test_to_static_in_a_fresh_run(tmp_path):
-    check(run_ranks(fresh_to_static_run, 2, str(tmp_path), timeout=100), dense(2))
+@pytest.mark.parametrize("stage", [None, 1, 3])
+def test_to_static_in_a_fresh_run(stage, tmp_path):
+    check(run_ranks(fresh_to_static_run, 2, stage, str(tmp_path), timeout=100), dense(2))
+
+
+def bad_key_run(stage):
+    import meshviz.distributed as dist
+    from meshviz.runtime.devices import full_tensor
+
+    dist.init_parallel_env()
+    net = Net()
+    strategy = dist.Strategy({"sharding": {"enable": True, "stage": stage, "degree": 2}} if stage else None)
+    dm = dist.to_static(net, None, F.mse_loss, adamw(net.parameters()), strategy)
+    before = {k: full_tensor(v).detach().clone() for k, v in net.state_dict().items()}
+    sd = {k: v * 2 for k, v in dm.state_dict().items()}
+    sd["layers.9.up.weight.exp_avg"] = torch.zeros(1)
+    try:
+        dm.set_state_dict(sd)
+        err = None
+    except ValueError as e:
+        err = str(e)
+    after = {k: full_tensor(v).detach().clone() for k, v in net.state_dict().items()}
+    return err, all(torch.equal(before[k], after[k]) for k in before)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("stage", [None, 1, 3])
+def test_to_static_refuses_an_unknown_key_before_writing_anything(stage):
+    for err, unchanged in run_ranks(bad_key_run, 2, stage, timeout=100):
+        assert err == "set_state_dict: unknown key 'layers.9.up.weight.exp_avg'" and unchanged

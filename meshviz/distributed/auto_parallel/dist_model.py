@@ -381,6 +381,7 @@ class DistModel:
 
     def _opt_state(self) -> dict:
         if self._sharded:
+            create_states(self._optimizer, self._optimizer.grad_params())
             full = self._optimizer.full_state_dict()
             order = [pc.name for pc in self._optimizer.ownership]
             return {f"{order[i]}.{k}": v for i, st in full["state"].items() for k, v in st.items()}
@@ -395,25 +396,38 @@ class DistModel:
         return out
 
     def set_state_dict(self, state_dict: dict) -> None:
-        """Load values (as ``state_dict`` gives them) into the layer's parameters and the optimizer."""
+        """Load values (as ``state_dict`` gives them) into the layer's parameters and the optimizer. Every key is
+        checked before anything is written."""
         own = self._layer.state_dict()
         params = {k: v for k, v in state_dict.items() if k in own}
+        for k, v in params.items():
+            if _is_dist(own[k]) and not _is_dist(v):
+                raise ValueError(f"set_state_dict: {k} is a dist tensor; pass a dist tensor for it")
+        rest = {k: v for k, v in state_dict.items() if k not in own}
+        if rest and self._optimizer is None:
+            raise ValueError(f"set_state_dict: unknown keys {sorted(rest)[:5]} (no optimizer to load them into)")
+        # optimizer keys are "{parameter}.{state}": a sharded optimizer names its parameters as its pieces
+        names = [pc.name for pc in self._optimizer.ownership] if self._sharded else \
+            [n for n, _ in self._layer.named_parameters()] if rest else []
+        index = {n: i for i, n in enumerate(names)}
+        states: dict = {}
+        for key, v in rest.items():
+            pname, _, skey = key.rpartition(".")
+            if pname not in index:
+                raise ValueError(f"set_state_dict: unknown key {key!r}")
+            states.setdefault(index[pname], {})[skey] = v
         with torch.no_grad():
             for k, v in params.items():
-                cur = own[k]
-                if _is_dist(cur) and not _is_dist(v):
-                    raise ValueError(f"set_state_dict: {k} is a dist tensor; pass a dist tensor for it")
-                cur.copy_(v)
-        rest = {k: v for k, v in state_dict.items() if k not in own}
-        if rest:
-            if self._optimizer is None or self._sharded:
-                raise ValueError(f"set_state_dict: unknown keys {sorted(rest)[:5]}")
-            by_name = dict(self._layer.named_parameters())
-            for key, v in rest.items():
-                pname, _, skey = key.rpartition(".")
-                if pname not in by_name:
-                    raise ValueError(f"set_state_dict: unknown key {key!r}")
-                st = self._optimizer.state[by_name[pname]]
+                own[k].copy_(v)
+        if not states:
+            return
+        if self._sharded:
+            self._optimizer.load_full_state_dict(states)
+            return
+        by_index = list(self._layer.parameters())
+        for i, st_in in states.items():
+            st = self._optimizer.state[by_index[i]]
+            for skey, v in st_in.items():
                 if torch.is_tensor(st.get(skey)):
                     st[skey].copy_(v)
                 else:

@@ -10,11 +10,11 @@ from ... import trace
 from ...core.sharding import SHARDED, plan_pieces
 from ..data_parallel import average_gradients
 from ..devices import device
-from .engine import Zero
+from .engine import Zero, create_states
 from .fsdp import apply_fsdp, unmix_foreach
 from .group import ShardingGroup, broadcast_module
 from .slot import Slot, local_tensor
-from .state import full_optimizer_state
+from .state import full_optimizer_state, load_full_optimizer_state
 
 __all__ = ["FlatZero"]
 
@@ -257,3 +257,9 @@ class FlatZero(Zero):
     def full_state_dict(self, to_rank: int | None = 0):
         """The optimizer state of the whole model, in the unwrapped optimizer's format (collective)."""
         return full_optimizer_state(self._inner_opt, self._slots, self._group)
+
+    def load_full_state_dict(self, state: dict) -> None:
+        """Load the whole model's optimizer state (``full_state_dict``'s ``"state"``) into this rank's shards,
+        making them first before training (a step at learning rate 0: collective then)."""
+        create_states(self, self.grad_params())
+        load_full_optimizer_state(self._inner_opt, self._slots, self._group, state)

@@ -7,7 +7,7 @@ import torch
 from ..devices import full_tensor
 from .group import ShardingGroup, gather_object
 
-__all__ = ["full_optimizer_state"]
+__all__ = ["full_optimizer_state", "load_full_optimizer_state"]
 
 
 def _cpu(st: dict) -> dict:
@@ -59,3 +59,35 @@ def full_optimizer_state(inner, slots, grp: ShardingGroup) -> dict:
         idx = [i for i, s in enumerate(slots) if s.group_index == gi]
         groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": idx})
     return {"state": state, "param_groups": groups}
+
+
+@torch.no_grad()
+def load_full_optimizer_state(inner, slots, grp: ShardingGroup, state: dict) -> None:
+    """Load ``state`` (``{slot index: {name: whole value}}``, as :func:`full_optimizer_state` gives it) into this
+    rank's shards of ``inner``'s states, which must exist (no communication)."""
+    for i, s in enumerate(slots):
+        whole = state.get(i)
+        if not whole:
+            continue
+        if s.piece.mode == "fsdp":
+            have = inner.state.get(s.param, {})
+        elif s.piece.mode == "replicated":
+            have = inner.state.get(s.shard if s.shard is not None else s.param, {})
+        elif s.owned:
+            have = inner.state.get(s.shard, {})
+        else:
+            continue
+        for k, v in whole.items():
+            cur = have.get(k)
+            if not torch.is_tensor(cur) or not torch.is_tensor(v):
+                have[k] = v
+                continue
+            if hasattr(cur, "to_local"):  # FSDP2's state: dim 0 split as torch.chunk splits it
+                local = cur.to_local()
+                parts = torch.chunk(v, grp.size, dim=0) if v.dim() else [v] * grp.size
+                part = parts[grp.rank] if grp.rank < len(parts) else v[:0]
+                local.copy_(part.reshape(local.shape))
+            elif cur.dim() == 0 or tuple(v.shape) == tuple(cur.shape):
+                cur.copy_(v)
+            else:  # this rank's flat elements of the parameter
+                cur.copy_(v.reshape(-1)[s.lo : s.hi].reshape(cur.shape))
