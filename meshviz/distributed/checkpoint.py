@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import os
 import warnings
 
 import torch
 import torch.distributed as tdist
 import torch.distributed.checkpoint as dcp
 
-from .. import trace
+from .. import compat, trace
+from ..core.partial import partial_fill, summed
 
 __all__ = ["save_state_dict", "load_state_dict"]
 
@@ -37,14 +39,38 @@ def _to_dcp(value):
     return value
 
 
+def _is_partial(value) -> bool:
+    return getattr(value, "placements", None) is not None and any(p.is_partial() for p in value.placements)
+
+
 def _settle_partial(value):
     """DCP stores blocks, not summands: a Partial dist tensor is reduced (Partial -> Replicate) before saving."""
-    if getattr(value, "placements", None) is not None and any(p.is_partial() for p in value.placements):
-        from ..core.partial import summed
+    if _is_partial(value):
         from .api import reshard
 
         with torch.no_grad():
             return reshard(value, value.process_mesh, summed(value.placements))
+    return value
+
+
+def _load_target(value):
+    """What DCP loads into for ``value``: a Partial dist tensor's block takes the reduced value (its placements with
+    Replicate for Partial) in place; :func:`_fill_partial` then makes it a summand, as ``shard_tensor`` does."""
+    if _is_partial(value):
+        from ..runtime.dtensor import make_dtensor
+
+        local = compat.dtensor_local(_dtensor_of(value))
+        return make_dtensor(local, value.process_mesh, summed(value.placements), tuple(value.shape))
+    return _to_dcp(value)
+
+
+def _fill_partial(value):
+    if _is_partial(value):
+        coord = value.process_mesh.coordinate(tdist.get_rank() if tdist.is_initialized() else 0)
+        fill = None if coord is None else partial_fill(value.placements, coord)
+        if fill in ("zero", "one"):
+            with torch.no_grad():
+                compat.dtensor_local(_dtensor_of(value)).fill_(0 if fill == "zero" else 1)
     return value
 
 
@@ -73,15 +99,13 @@ def _walk(obj, fn):
     return fn(obj)
 
 
-def _write_back(target, original, loaded):
-    for k in original:
-        o, got = original[k], loaded[k]
-        if isinstance(o, dict):
-            _write_back(target[k], o, got)
-        elif isinstance(o, list):
-            for i, (oi, gi) in enumerate(zip(o, got)):
-                target[k][i] = _from_dcp(oi, gi)
-        else:
+def _write_back(target, loaded):
+    """Put what DCP loaded into ``target``'s containers (dicts and lists, at any depth), keeping their values."""
+    for k in range(len(target)) if isinstance(target, list) else list(target):
+        o, got = target[k], loaded[k]
+        if isinstance(o, dict) or isinstance(o, list) and isinstance(got, list) and len(o) == len(got):
+            _write_back(o, got)
+        else:  # also a list DCP stored whole (plain values) that comes back with another length
             target[k] = _from_dcp(o, got)
 
 
@@ -104,20 +128,90 @@ def _nbytes(sd) -> int:
     return total
 
 
+def _versions(path) -> list[int]:
+    """The unique ids of the checkpoints under ``path``: 0 is ``path`` itself, k > 0 is ``path/k``."""
+    path = str(path)
+    found = [0] if os.path.exists(os.path.join(path, ".metadata")) else []  # DCP's metadata file
+    if os.path.isdir(path):
+        found += [int(n) for n in os.listdir(path) if n.isascii() and n.isdigit() and int(n) > 0
+                  and os.path.exists(os.path.join(path, n, ".metadata"))]
+    return sorted(found)
+
+
+def _resolve(what: str, path, unique_id, saving: bool):
+    """(the unique id to use, None) or (None, the exception saying why there is none)."""
+    if unique_id is not None and (isinstance(unique_id, bool) or not isinstance(unique_id, int) or unique_id < 0):
+        return None, ValueError(f"{what}: unique_id must be an int >= 0 or None, got {unique_id!r}")
+    have = _versions(path)
+    uid = unique_id if unique_id is not None else (have[-1] if have else 0 if saving else None)
+    if not saving and uid not in have:
+        held = f"it holds unique ids {have}" if have else "it holds none"
+        return None, FileNotFoundError(f"{what}: no checkpoint {'' if uid is None else f'with unique_id {uid} '}"
+                                       f"at {str(path)!r} ({held})")
+    return uid, None
+
+
+def _version(what: str, path, unique_id, process_group, saving: bool) -> str:
+    """The directory of checkpoint ``unique_id`` (None: the newest, as Paddle; a first save makes 0), agreed by
+    every rank of the group: a rank's error, or ranks naming different ids, raise on all of them."""
+    uid, err = _resolve(what, path, unique_id, saving)
+    if tdist.is_initialized():
+        pg = _group(process_group)
+        got: list = [None] * tdist.get_world_size(pg)
+        tdist.all_gather_object(got, (uid, err), group=pg)
+        failed = [(r, e) for r, (_, e) in enumerate(got) if e is not None]
+        if failed:
+            r, e = failed[0]
+            raise type(e)(f"{e} (rank {r})")
+        if len({u for u, _ in got}) > 1:
+            raise ValueError(f"{what}: the ranks name different unique ids {[u for u, _ in got]}")
+    elif err is not None:
+        raise err
+    return str(path) if uid == 0 else os.path.join(str(path), str(uid))
+
+
+def _plain_error(e, what: str, path) -> Exception:
+    """DCP's CheckpointException (a BaseException whose text is every rank's traceback) as one exception, raised
+    on every rank: the first failure's type, each distinct cause once with the ranks it came from."""
+    causes: dict = {}
+    for rank, failure in sorted(e.failures.items()):
+        exc = failure[0] if isinstance(failure, tuple) else failure
+        causes.setdefault((type(exc), str(exc)), []).append(rank)
+    msg = f"{what}({str(path)!r}): " + "; ".join(
+        f"{text} (rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))})" for (_, text), rs in causes.items())
+    kind = next(iter(causes))[0] if causes else RuntimeError
+    try:
+        return kind(msg) if issubclass(kind, Exception) else RuntimeError(msg)
+    except Exception:  # a type whose constructor takes other arguments
+        return RuntimeError(msg)
+
+
+def _dcp(what: str, path, fn, *args, **kwargs) -> None:
+    with warnings.catch_warnings():  # one process without a group is a supported case, not a mistake
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        warnings.filterwarnings("ignore", message="Detected an existing checkpoint")  # a version is overwritten
+        try:
+            fn(*args, **kwargs)
+        except dcp.CheckpointException as e:
+            raise _plain_error(e, what, path) from e
+
+
 def save_state_dict(state_dict: dict, path: str, process_group=None, coordinator_rank: int = 0,
                     unique_id=None, async_save: bool = False) -> None:
     """Save ``state_dict`` (nested dicts of tensors, dist tensors and plain values) to the directory ``path``.
 
     Every rank calls it; each writes only the blocks it holds (replicated values once). ``path`` must be
-    visible to every rank (a shared file system across machines).
+    visible to every rank (a shared file system across machines). ``unique_id`` names the version, as in Paddle:
+    None overwrites the newest one (0 when there is none); 0 lives in ``path``, k in ``path/k``. The save is
+    synchronous also with ``async_save``; ``coordinator_rank`` is accepted for Paddle's signature.
     """
     if not isinstance(state_dict, dict):
         raise TypeError(f"save_state_dict: state_dict must be a dict, got {type(state_dict).__name__}")
+    where = _version("save_state_dict", path, unique_id, process_group, saving=True)
     sd = _walk(_walk(state_dict, _settle_partial), _to_dcp)
     with trace.span("mark", op="save_state_dict", name=str(path), bytes=_nbytes(sd)):
-        with warnings.catch_warnings():  # one process without a group is a supported case, not a mistake
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.save(sd, checkpoint_id=path, process_group=_group(process_group), no_dist=not tdist.is_initialized())
+        _dcp("save_state_dict", path, dcp.save, sd, checkpoint_id=where, process_group=_group(process_group),
+             no_dist=not tdist.is_initialized())
 
 
 def load_state_dict(state_dict: dict, path: str, process_group=None, coordinator_rank: int = 0,
@@ -125,13 +219,17 @@ def load_state_dict(state_dict: dict, path: str, process_group=None, coordinator
     """Load the checkpoint at ``path`` into ``state_dict`` in place, resharding to each tensor's layout.
 
     The values in ``state_dict`` say where the data goes: a dist tensor gets its own block whatever mesh and
-    placements it was saved with; a plain tensor gets the whole value.
+    placements it was saved with (a Partial one the value where ``shard_tensor`` would put it); a plain tensor
+    gets the whole value. ``unique_id``: the version (None: the newest). A key the checkpoint lacks, or a shape
+    other than the saved one, raises on every rank before anything is read. ``offload`` changes nothing here:
+    each block is read into the tensor that holds it.
     """
     if not isinstance(state_dict, dict):
         raise TypeError(f"load_state_dict: state_dict must be a dict, got {type(state_dict).__name__}")
-    sd = _walk(state_dict, _to_dcp)
+    where = _version("load_state_dict", path, unique_id, process_group, saving=False)
+    sd = _walk(state_dict, _load_target)
     with trace.span("mark", op="load_state_dict", name=str(path), bytes=_nbytes(sd)):
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(sd, checkpoint_id=path, process_group=_group(process_group), no_dist=not tdist.is_initialized())
-    _write_back(state_dict, _walk(state_dict, lambda v: v), sd)
+        _dcp("load_state_dict", path, dcp.load, sd, checkpoint_id=where, process_group=_group(process_group),
+             no_dist=not tdist.is_initialized())
+    _write_back(state_dict, sd)
+    _walk(state_dict, _fill_partial)
