@@ -47,12 +47,31 @@ def _check(mesh, placements, shape) -> tuple:
     return pl
 
 
+def _torch_dtype(dtype) -> torch.dtype | None:
+    """A torch dtype for what Paddle accepts as one: a torch dtype, a name ('float32') or a numpy dtype."""
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    try:
+        name = np.dtype(dtype).name if not isinstance(dtype, str) else dtype
+    except TypeError:
+        name = None
+    found = getattr(torch, name, None) if isinstance(name, str) else None
+    if not isinstance(found, torch.dtype):
+        raise ValueError(f"unknown dtype {dtype!r}; use a torch dtype or a name such as 'float32' or 'int64'")
+    return found
+
+
 def _as_tensor(data, dtype=None) -> torch.Tensor:
+    dtype = _torch_dtype(dtype)
     if isinstance(data, torch.Tensor):
         return data if dtype is None else data.to(dtype)
     if isinstance(data, np.ndarray):
         return torch.from_numpy(data).to(dtype) if dtype else torch.from_numpy(data)
-    return torch.as_tensor(data, dtype=dtype)
+    try:
+        return torch.as_tensor(data, dtype=dtype)
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise TypeError(f"expected a tensor, a numpy array, a number or a (nested) list of numbers, got "
+                        f"{type(data).__name__}: {e}") from None
 
 
 def _emit_placed(t: DistTensor, how: str) -> None:
@@ -115,12 +134,17 @@ def _global_shape(local: torch.Tensor, mesh: ProcessMesh, placements) -> list[in
 
 def dtensor_from_local(local_tensor, mesh: ProcessMesh, placements, shape=None):
     """A dist tensor whose block on this rank is ``local_tensor`` (global shape: local x mesh, unless ``shape``)."""
+    if isinstance(local_tensor, DistTensor):
+        raise ValueError("dtensor_from_local takes this rank's block as a dense tensor, got a dist tensor; use "
+                         "dist.reshard to change its layout, or dist.dtensor_to_local(t) for its block")
     local = _as_tensor(local_tensor)
     if not isinstance(mesh, ProcessMesh):
         raise ValueError(f"expected a ProcessMesh, got {mesh!r}")
     placements = pad_placements(placements, mesh)
     if shape is None:
         shape = _global_shape(local, mesh, placements)
+    elif not all(isinstance(d, (int, np.integer)) and not isinstance(d, bool) and d >= 0 for d in shape):
+        raise ValueError(f"dtensor_from_local: shape must be the global shape, non-negative ints, got {shape!r}")
     pl = _check(mesh, placements, tuple(shape))
     if not mesh.contains(_rank()):
         local = compat.empty_block(local.dtype, local.device)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import operator
 
 import torch
 import torch.distributed as tdist
@@ -13,7 +14,7 @@ from ..runtime import comm, groups
 from ..runtime.comm import Call, CollectiveOp, Task, check_peer, local, reduction, run, tensor_bytes
 from ..runtime.devices import staged_recv, staged_send
 from ..runtime.groups import Group
-from ..runtime.world import init_parallel_env
+from ..runtime.world import get_rank, init_parallel_env
 
 __all__ = [
     "ReduceOp", "Group", "new_group", "get_group", "get_backend", "is_available", "destroy_process_group",
@@ -35,21 +36,44 @@ class ReduceOp:
 
 
 def _check_op(op) -> ReduceType:
-    if isinstance(op, bool) or not isinstance(op, int):
-        op = None
     try:
-        return ReduceType(op)
+        return ReduceType(None if isinstance(op, bool) or not isinstance(op, int) else op)
     except ValueError:
         raise ValueError(f"unknown reduce op {op!r}; use dist.ReduceOp.SUM, MAX, MIN, PROD or AVG") from None
 
 
+def _check_like(what: str, tensors, t: torch.Tensor) -> None:
+    """Every tensor of ``tensors`` has ``t``'s shape and dtype (ValueError on every rank, before communicating)."""
+    for i, x in enumerate(tensors):
+        x = local(x)
+        if x.shape != t.shape or x.dtype != t.dtype:
+            raise ValueError(f"{what}[{i}] is {str(x.dtype).replace('torch.', '')}{list(x.shape)}, but the tensor "
+                             f"is {str(t.dtype).replace('torch.', '')}{list(t.shape)}; give tensors of its shape and "
+                             f"dtype")
+
+
+def _check_not_self(what: str, peer, sync_op: bool) -> None:
+    if sync_op and isinstance(peer, int) and peer == get_rank():
+        raise ValueError(f"{what}={peer} is this rank itself; a blocking send or recv needs another rank")
+
+
 # -- groups -------------------------------------------------------------------------------------
+
+def _int_ranks(given) -> list[int]:
+    try:
+        ranks = list(given)
+        if isinstance(given, (str, bytes)) or any(isinstance(r, bool) for r in ranks):
+            raise TypeError
+        return [operator.index(r) for r in ranks]  # ints, numpy ints; not floats or strings
+    except TypeError:
+        raise ValueError(f"new_group: ranks must be a list of int global ranks, got {given!r}") from None
+
 
 def new_group(ranks=None, backend=None, timeout=None) -> Group:
     """A group over ``ranks`` (sorted, like Paddle); every rank of the world must call it, in the same order."""
     init_parallel_env()
     world = tdist.get_world_size()
-    ranks = list(range(world)) if ranks is None else [int(r) for r in ranks]
+    ranks = list(range(world)) if ranks is None else _int_ranks(ranks)
     if not ranks:
         raise ValueError("new_group: ranks must not be empty")
     dup = sorted({r for r in ranks if ranks.count(r) > 1})
@@ -145,6 +169,7 @@ def all_gather(tensor_list, tensor, group=None, sync_op=True):
         raise TypeError("all_gather: tensor_list must be a list")
     if tensor_list and len(tensor_list) != g.nranks:
         raise ValueError(f"all_gather: tensor_list has {len(tensor_list)} tensors for a group of {g.nranks}")
+    _check_like("all_gather: tensor_list", tensor_list, t)
 
     def start(g):
         if not tensor_list:
@@ -171,6 +196,8 @@ def all_gather_object(object_list, obj, group=None):
 
 def broadcast_object_list(object_list, src=0, group=None):
     """Replace ``object_list``'s items with global rank ``src``'s."""
+    if not isinstance(object_list, list):
+        raise TypeError(f"broadcast_object_list: object_list must be a list, got {type(object_list).__name__}")
     run(Call(CollectiveOp.BROADCAST_OBJECT_LIST, group,
              lambda g: tdist.broadcast_object_list(object_list, src=src, group=g.process_group),
              nbytes=0, peers={"src": src}, src=src))
@@ -242,6 +269,7 @@ def reduce_scatter(tensor, tensor_list, op=ReduceOp.SUM, group=None, sync_op=Tru
     if tensor_list is None or len(tensor_list) != g.nranks:
         n = None if tensor_list is None else len(tensor_list)
         raise ValueError(f"reduce_scatter: tensor_list needs {g.nranks} tensors, got {n}")
+    _check_like("reduce_scatter: tensor_list", tensor_list, t)
     ins = [local(x).contiguous() for x in tensor_list]
     top, finish = reduction(rt, g)
     return run(Call(CollectiveOp.REDUCE_SCATTER, g,
@@ -297,6 +325,7 @@ def alltoall_single(in_tensor, out_tensor, in_split_sizes=None, out_split_sizes=
 def send(tensor, dst=0, group=None, sync_op=True):
     """Send ``tensor`` to global rank ``dst`` (a CUDA tensor over gloo goes through a CPU copy)."""
     t = local(tensor)
+    _check_not_self("send: dst", dst, sync_op)
     return run(Call(CollectiveOp.SEND, group, lambda g: tdist.isend(staged_send(t.contiguous(), g.process_group), dst,
                                                     group=g.process_group),
                     tensors=(t,), peers={"dst": dst}, sync_op=sync_op, peer=dst))
@@ -305,6 +334,7 @@ def send(tensor, dst=0, group=None, sync_op=True):
 def recv(tensor, src=0, group=None, sync_op=True):
     """Receive into ``tensor`` from global rank ``src`` (over gloo, a CUDA tensor through a CPU buffer)."""
     t = local(tensor)
+    _check_not_self("recv: src", src, sync_op)
     copy_back = []
 
     def start(g):

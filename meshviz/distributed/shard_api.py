@@ -55,11 +55,24 @@ def shard_layer(layer: torch.nn.Module, process_mesh: ProcessMesh, shard_fn=None
         raise ValueError(f"shard_layer expects an nn.Module, got {type(layer).__name__}")
     if not isinstance(process_mesh, ProcessMesh):
         raise ValueError(f"shard_layer expects a ProcessMesh, got {process_mesh!r}")
+    for what, fn in (("shard_fn", shard_fn), ("input_fn", input_fn), ("output_fn", output_fn)):
+        if fn is not None and not callable(fn):
+            raise TypeError(f"shard_layer: {what} must be callable or None, got {type(fn).__name__}")
     init_parallel_env()
-    if shard_fn is not None:
-        for name, sub in list(layer.named_modules()):
-            shard_fn(name, sub, process_mesh)
-    _replicate_rest(layer, process_mesh)
+    # a shard_fn that raises part way leaves the layer as it was, not half sharded
+    kept = [(m, dict(m._parameters), dict(m._buffers)) for m in layer.modules()]
+    try:
+        if shard_fn is not None:
+            for name, sub in list(layer.named_modules()):
+                shard_fn(name, sub, process_mesh)
+        _replicate_rest(layer, process_mesh)
+    except BaseException:
+        for m, params, buffers in kept:
+            m._parameters.clear()
+            m._parameters.update(params)
+            m._buffers.clear()
+            m._buffers.update(buffers)
+        raise
     if input_fn is not None:
         layer.register_forward_pre_hook(lambda _m, inputs: input_fn(inputs, process_mesh))
     if output_fn is not None:

@@ -92,8 +92,9 @@ def broadcast_params_buffers(model: nn.Module, g: Group, src: int | None = None,
     if not g.is_member():
         return
     src = g.ranks[0] if src is None else src
+    # ``is True``: a torch tensor's own ``is_distributed`` is a method, truthy on every tensor not marked
     tensors = [t for t in list(model.parameters()) + list(model.buffers())
-               if not (skip_distributed and getattr(t, "is_distributed", False))]
+               if not (skip_distributed and getattr(t, "is_distributed", False) is True)]
     for dtype in sorted({t.dtype for t in tensors}, key=str):
         ts = [t for t in tensors if t.dtype == dtype]
         flat = local(compat.flatten_dense_tensors([t.detach() for t in ts]))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import inspect
 
 import torch
@@ -16,7 +15,7 @@ from ...runtime.comm import all_reduce_mean_
 from ...runtime.zero import create_states
 from ..api import is_dist_tensor
 from ..collective import all_reduce, broadcast
-from .program import Program, shape_str
+from .program import Program, meta_from_spec, shape_str, skeleton
 from .recorder import DispatchRecorder, graph_from_records
 from .strategy import Strategy
 
@@ -74,8 +73,12 @@ class DistModel:
         if sh.enable and optimizer is not None and any(_is_dist(p) for p in layer.parameters()):
             raise ValueError("to_static: sharding with dist-tensor parameters is not supported; "
                              "shard the optimizer over plain parameters")
+        world = _world()
+        if sh.enable and optimizer is not None and not (sh.degree == 8 and world < 8) and int(sh.degree) != world:
+            # before the parameters are broadcast below
+            raise ValueError(f"to_static: sharding.degree ({sh.degree}) must equal the number of ranks ({world})")
 
-        self._serial_layer = _skeleton(layer)
+        self._serial_layer = skeleton(layer)
         self._layer = layer
         self._loss = loss
         self._optimizer = optimizer
@@ -92,7 +95,6 @@ class DistModel:
         self._sharded = False
         self._dp = False
 
-        world = _world()
         if world > 1:
             from ...runtime.devices import place_module
 
@@ -116,9 +118,6 @@ class DistModel:
         if sh.enable and optimizer is not None:
             from ..sharding import group_sharded_parallel
 
-            degree = world if sh.degree == 8 and world < 8 else int(sh.degree)
-            if degree != world:
-                raise ValueError(f"to_static: sharding.degree ({sh.degree}) must equal the number of ranks ({world})")
             level = STAGES[sh.stage]
             self._layer, self._optimizer, self._scaler = group_sharded_parallel(
                 layer, optimizer, level, scaler=self._scaler, segment_size=1 if level == "p_g_os" else 2**20)
@@ -319,7 +318,7 @@ class DistModel:
     def _global_examples(self, mode):
         spec = self._input_spec
         if spec is not None:
-            inputs = [_meta_from_spec(s) for s in spec]
+            inputs = [meta_from_spec(s) for s in spec]
             ex = self._examples.get(mode) or next(iter(self._examples.values()), ([], []))
             labels = [torch.empty(t.shape, dtype=t.dtype, device="meta") for t in ex[1]]
             return inputs, labels
@@ -398,11 +397,14 @@ class DistModel:
     def set_state_dict(self, state_dict: dict) -> None:
         """Load values (as ``state_dict`` gives them) into the layer's parameters and the optimizer. Every key is
         checked before anything is written."""
+        if not isinstance(state_dict, dict):
+            raise TypeError(f"set_state_dict: expected a dict (as state_dict gives), got {type(state_dict).__name__}")
         own = self._layer.state_dict()
         params = {k: v for k, v in state_dict.items() if k in own}
         for k, v in params.items():
             if _is_dist(own[k]) and not _is_dist(v):
                 raise ValueError(f"set_state_dict: {k} is a dist tensor; pass a dist tensor for it")
+            _check_shape(k, v, own[k])
         rest = {k: v for k, v in state_dict.items() if k not in own}
         if rest and self._optimizer is None:
             raise ValueError(f"set_state_dict: unknown keys {sorted(rest)[:5]} (no optimizer to load them into)")
@@ -416,6 +418,10 @@ class DistModel:
             if pname not in index:
                 raise ValueError(f"set_state_dict: unknown key {key!r}")
             states.setdefault(index[pname], {})[skey] = v
+        by_index = list(self._layer.parameters())
+        for i, st_in in states.items() if not self._sharded else ():
+            for skey, v in st_in.items():
+                _check_shape(f"{names[i]}.{skey}", v, self._optimizer.state.get(by_index[i], {}).get(skey))
         with torch.no_grad():
             for k, v in params.items():
                 own[k].copy_(v)
@@ -424,7 +430,6 @@ class DistModel:
         if self._sharded:
             self._optimizer.load_full_state_dict(states)
             return
-        by_index = list(self._layer.parameters())
         for i, st_in in states.items():
             st = self._optimizer.state[by_index[i]]
             for skey, v in st_in.items():
@@ -434,25 +439,19 @@ class DistModel:
                     st[skey] = v.clone() if torch.is_tensor(v) else v
 
 
+def _check_shape(key, value, own) -> None:
+    """ValueError naming ``key`` (before anything is written) when ``value`` cannot be loaded into tensor ``own``."""
+    if torch.is_tensor(own) and (not torch.is_tensor(value) or value.shape != own.shape):
+        got = list(value.shape) if torch.is_tensor(value) else type(value).__name__
+        raise ValueError(f"set_state_dict: {key} has shape {list(own.shape)}, got {got}")
+
+
 def _local_of(p):
     if hasattr(p, "_local_value"):
         return p._local_value()
     if hasattr(p, "to_local"):
         return p.to_local()
     return p
-
-
-def _meta_from_spec(s):
-    if isinstance(s, torch.Tensor):
-        return torch.empty(s.shape, dtype=s.dtype, device="meta")
-    shape = getattr(s, "shape", None)
-    dtype = getattr(s, "dtype", torch.float32)
-    if shape is None and isinstance(s, (tuple, list)) and len(s) == 2:
-        shape, dtype = s
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype)
-    shape = [1 if (d is None or d == -1) else int(d) for d in shape]
-    return torch.empty(shape, dtype=dtype, device="meta")
 
 
 def _count_inputs(layer, input_spec):
@@ -469,19 +468,6 @@ def _count_inputs(layer, input_spec):
         if prm.kind in (prm.POSITIONAL_ONLY, prm.POSITIONAL_OR_KEYWORD) and prm.default is prm.empty:
             n += 1
     return n or None
-
-
-def _skeleton(layer):
-    """A copy of the layer on the meta device with global shapes: the serial model, no data, no communication."""
-    memo = {}
-    for p in layer.parameters():
-        memo[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=p.requires_grad)
-    for b in layer.buffers():
-        memo[id(b)] = torch.empty(b.shape, dtype=b.dtype, device="meta")
-    try:
-        return copy.deepcopy(layer, memo)
-    except Exception:
-        return None
 
 
 def to_static(layer, loader=None, loss=None, optimizer=None, strategy=None, input_spec=None) -> DistModel:

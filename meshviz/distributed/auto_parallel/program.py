@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-import torch
+import copy
 
-__all__ = ["Program", "shape_str"]
+import torch
+import torch.nn as nn
+
+__all__ = ["Program", "shape_str", "meta_from_spec", "skeleton"]
 
 
 def shape_str(t) -> str:
@@ -14,6 +17,33 @@ def shape_str(t) -> str:
     dt = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16", torch.float64: "f64",
           torch.int64: "i64", torch.int32: "i32", torch.bool: "b8"}.get(t.dtype, str(t.dtype).replace("torch.", ""))
     return f"{dt}{list(t.shape)}"
+
+
+def meta_from_spec(s):
+    """A meta tensor for one ``input_spec`` entry (a tensor, an object with ``shape``/``dtype``, or a pair)."""
+    if isinstance(s, torch.Tensor):
+        return torch.empty(s.shape, dtype=s.dtype, device="meta")
+    shape = getattr(s, "shape", None)
+    dtype = getattr(s, "dtype", torch.float32)
+    if shape is None and isinstance(s, (tuple, list)) and len(s) == 2:
+        shape, dtype = s
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    shape = [1 if (d is None or d == -1) else int(d) for d in shape]
+    return torch.empty(shape, dtype=dtype, device="meta")
+
+
+def skeleton(layer):
+    """A copy of the layer on the meta device with global shapes: the serial model, no data, no communication."""
+    memo = {}
+    for p in layer.parameters():
+        memo[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=p.requires_grad)
+    for b in layer.buffers():
+        memo[id(b)] = torch.empty(b.shape, dtype=b.dtype, device="meta")
+    try:
+        return copy.deepcopy(layer, memo)
+    except Exception:
+        return None
 
 
 class Program:

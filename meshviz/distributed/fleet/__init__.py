@@ -121,6 +121,8 @@ class Fleet:
         return model
 
     def distributed_optimizer(self, optimizer, strategy=None):
+        if not (hasattr(optimizer, "param_groups") and hasattr(optimizer, "step")):
+            raise TypeError(f"fleet.distributed_optimizer expects a torch optimizer, got {type(optimizer).__name__}")
         if strategy is not None and self._strategy is None:
             self._strategy = strategy
         return HybridParallelOptimizer(optimizer, self._hcg, strategy or self._strategy)

@@ -153,13 +153,13 @@ class PlacedZero(Zero):
         parameter, or of those in ``only`` (parameters that became dist at a step)."""
         skip = {id(s) for s in self._shadow.values()}
         wanted = None if only is None else {id(p) for p in only}
+        # every parameter's placements first: one that cannot be sharded raises before any is
+        plans = {id(p): self._sharded(p) for group in self._inner_opt.param_groups for p in group["params"]
+                 if isinstance(p, DistTensor) and id(p) not in skip and (wanted is None or id(p) in wanted)}
         for group in self._inner_opt.param_groups:
             new_params = []
             for p in group["params"]:
-                if not isinstance(p, DistTensor) or id(p) in skip or (wanted is not None and id(p) not in wanted):
-                    new_params.append(p)
-                    continue
-                pl = self._sharded(p)
+                pl = plans.get(id(p))
                 if pl is None:
                     new_params.append(p)
                     continue
