@@ -288,7 +288,8 @@ def matching(call: Call, g: Group, seq: int | None) -> bool:
     """With :func:`match.checking` on, the members compare what they are about to run (CollectiveMismatch on every
     member when they differ)."""
     if checking() and call.op not in _P2P and g.nranks > 1:
-        check_match(g, call.op.value, seq, call.tensors, call.src if call.src is not None else call.dst)
+        check_match(g, call.op.value, seq, call.tensors, call.src if call.src is not None else call.dst,
+                    call.reduce_op)
     return True
 
 

@@ -146,9 +146,11 @@ def line_group(ranks) -> Group:
     key = tuple(ranks)
     g = _state().lines.get(key)
     if g is None:
-        pg = group_for_ranks(key)
+        world = get_world_size()
+        missing = [r for r in key if not 0 <= r < world]  # a collective on it names them (comm.membership)
+        pg = group_for_ranks(key) if not missing else None
         me = tdist.get_rank()
-        g = Group(key.index(me) if me in key else -1, -1, key, pg, name=f"line{list(key)}")
+        g = Group(key.index(me) if me in key else -1, -1, key, pg, name=f"line{list(key)}", missing=missing)
         _state().lines[key] = g
     return g
 

@@ -23,6 +23,7 @@ __all__ = ["CollectiveMismatch", "checking", "set_checking", "check_match", "fin
 
 _SLOTS = 16
 _MAX_DIMS = 6
+_REDUCES = ["sum", "max", "min", "prod", "avg"]  # ReduceType.short
 _OPS = ["all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter", "gather", "scatter", "alltoall",
         "alltoall_single", "all_to_all", "barrier", "all_gather_object", "broadcast_object_list",
         "scatter_object_list"]
@@ -86,8 +87,8 @@ def _dtype(t) -> str:
     return str(t.dtype).replace("torch.", "")
 
 
-def fingerprint(op: str, seq: int, tensors=(), root=None) -> list[int]:
-    """``_SLOTS`` integers saying what this rank is about to run."""
+def fingerprint(op: str, seq: int, tensors=(), root=None, reduce: str | None = None) -> list[int]:
+    """``_SLOTS`` integers saying what this rank is about to run (``reduce``: its reduce op's short name)."""
     ts = [t for t in tensors if isinstance(t, torch.Tensor)]
     fp = [0] * _SLOTS
     fp[0] = int(seq)
@@ -102,10 +103,11 @@ def fingerprint(op: str, seq: int, tensors=(), root=None) -> list[int]:
     fp[11] = sum(t.numel() for t in ts)
     fp[12] = zlib.crc32(repr([(_dtype(t), tuple(t.shape)) for t in ts]).encode())
     fp[13] = -1 if root is None else int(root)
+    fp[14] = -1 if reduce is None else _code(reduce, _REDUCES)
     return fp
 
 
-def _status(rank: int, op: str, fp: list[int]) -> RankStatus:
+def _status(rank: int, op: str, fp: list[int], reduce: bool = False) -> RankStatus:
     n, ndim = fp[2], fp[4]
     shapes = dtypes = None
     if n:
@@ -114,11 +116,13 @@ def _status(rank: int, op: str, fp: list[int]) -> RankStatus:
         d = fp[3]
         dtypes = (_DTYPES[d] if d < len(_DTYPES) else f"dtype#{d}",) + (("",) if n > 1 else ())
     name = _OPS[fp[1]] if fp[1] < len(_OPS) else (op if fp[1] == _code(op, _OPS) else f"op#{fp[1]}")
+    if reduce and fp[14] >= 0:  # the reduce op is named where it is what differs
+        name += f"({_REDUCES[fp[14]] if fp[14] < len(_REDUCES) else f'op#{fp[14]}'})"
     return RankStatus(rank=rank, state="in_collective", op=name, seq=fp[0], shapes=shapes, dtypes=dtypes)
 
 
 def _differs(op: str, a: list[int], b: list[int]) -> bool:
-    if a[:2] != b[:2]:  # seq, op
+    if a[:2] != b[:2] or a[14] != b[14]:  # seq, op, reduce op
         return True
     if op in SHAPED_OPS:
         return a[12] != b[12] or a[13] != b[13]
@@ -128,13 +132,13 @@ def _differs(op: str, a: list[int], b: list[int]) -> bool:
 _CHECKED = frozenset({"gloo", "threads"})  # a mismatch kills a gloo process, and garbles ranks as threads
 
 
-def check_match(g, op: str, seq: int, tensors=(), root=None) -> None:
+def check_match(g, op: str, seq: int, tensors=(), root=None, reduce: str | None = None) -> None:
     """All-gather this rank's fingerprint over group ``g`` (gloo or ranks as threads; others are left alone) and raise
     :class:`CollectiveMismatch` on every member when they differ."""
     pg = g.process_group
     if g.backend not in _CHECKED:
         return
-    mine = torch.tensor(fingerprint(op, seq, tensors, root), dtype=torch.int64)
+    mine = torch.tensor(fingerprint(op, seq, tensors, root, reduce), dtype=torch.int64)
     out = torch.empty(g.nranks * _SLOTS, dtype=torch.int64)
     from .. import compat
 
@@ -150,7 +154,8 @@ def check_match(g, op: str, seq: int, tensors=(), root=None) -> None:
     common = max(counts.values())
     majority = [k for k, c in counts.items() if c == common]
     odd = [g.ranks[i] for i, r in enumerate(rows) if len(majority) > 1 or tuple(r) != majority[0]]
-    statuses = [_status(rank, op, r) for rank, r in zip(g.ranks, rows)]
+    reduces = len({r[1] for r in rows}) == 1 and len({r[14] for r in rows}) > 1  # one op, reduced differently
+    statuses = [_status(rank, op, r, reduces) for rank, r in zip(g.ranks, rows)]
     statuses = [dataclasses.replace(s, group=tuple(g.ranks)) for s in statuses]
     found = RollCall(statuses).mismatches()
     if found:

@@ -304,3 +304,46 @@ def test_spawn_refuses_an_unknown_option_before_starting():
 
     with pytest.raises(ValueError, match=r"spawn: unknown options \['backnd'\]; the options are \[.*'backend'"):
         dist.spawn(print, nprocs=2, backnd="gloo")
+
+
+def other_reduce_op():
+    import meshviz.distributed as dist
+    from meshviz.runtime.match import CollectiveMismatch, set_checking
+
+    dist.init_parallel_env()
+    r = dist.get_rank()
+    old = set_checking(True)
+    try:
+        t = torch.full((2,), float(r + 1))
+        with pytest.raises(CollectiveMismatch) as info:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX if r == 1 else dist.ReduceOp.SUM)
+        return str(info.value), info.value.ranks, t.tolist()
+    finally:
+        set_checking(old)
+
+
+@pytest.mark.timeout(60)
+def test_a_reduce_op_of_its_own_on_one_rank_is_named_before_data_moves():
+    line = ("mismatch at #1 on group [0, 1, 2]: rank 0 entered all_reduce(sum) float32[2]; rank 1 entered "
+            "all_reduce(max) float32[2]; rank 2 entered all_reduce(sum) float32[2]")
+    res = run_ranks(other_reduce_op, 3, timeout=50)
+    assert [r[:2] for r in res] == [(line, [1])] * 3
+    assert [r[2] for r in res] == [[1.0, 1.0], [2.0, 2.0], [3.0, 3.0]]  # nothing reduced
+
+
+def group_beyond_the_world():
+    import meshviz.distributed as dist
+
+    dist.init_parallel_env()
+    t = torch.ones(2)
+    with pytest.raises(ValueError) as info:
+        dist.all_reduce(t, group=[0, 5])
+    s = torch.ones(1)
+    dist.all_reduce(s)  # the world goes on
+    return str(info.value), t.tolist(), s.item()
+
+
+@pytest.mark.timeout(60)
+def test_a_group_of_ranks_beyond_the_world_is_named_on_every_rank():
+    for text, t, s in run_ranks(group_beyond_the_world, 2, timeout=50):
+        assert text.startswith("all_reduce on group [0, 5]: the world has no rank 5") and t == [1.0, 1.0] and s == 2.0
