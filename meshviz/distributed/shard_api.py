@@ -231,52 +231,89 @@ class ShardDataloader:
 
     def __init__(self, dataloader, meshes, input_keys=None, shard_dims=None, is_dataset_splitted=False):
         meshes = list(meshes) if isinstance(meshes, (list, tuple)) else [meshes]
-        if not meshes or not all(isinstance(m, ProcessMesh) for m in meshes):
-            raise ValueError(f"shard_dataloader: meshes must be a ProcessMesh or a list of them, got {meshes!r}")
+        if not meshes or not all(isinstance(m, ProcessMesh) or (isinstance(m, (list, tuple)) and m and all(
+                isinstance(s, ProcessMesh) for s in m)) for m in meshes):
+            raise ValueError(f"shard_dataloader: meshes must be a ProcessMesh or a list of them (an entry may be a "
+                             f"list of meshes, one per tensor of a list input), got {meshes!r}")
+        if is_dataset_splitted and shard_dims is None:
+            raise ValueError("shard_dataloader: is_dataset_splitted=True needs shard_dims, the mesh axis the "
+                             "loaders' parts are split along")
         if isinstance(shard_dims, (list, tuple)):
             if len(shard_dims) != len(meshes):
                 raise ValueError(f"shard_dataloader: {len(shard_dims)} shard_dims for {len(meshes)} meshes")
             dims = list(shard_dims)
         else:
             dims = [shard_dims] * len(meshes)
-        self._axes = [None if d is None else m.axis(d) for m, d in zip(meshes, dims)]  # raises on unknown names
+        if input_keys is not None and len(meshes) > 1 and len(input_keys) != len(meshes):
+            raise ValueError(f"shard_dataloader: {len(input_keys)} input_keys for {len(meshes)} meshes")
+        # per input: (mesh, axis), or a list of them for an input that is a list of tensors; raises on unknown axes
+        self._specs = [_input_spec(m, d) for m, d in zip(meshes, dims)]
+        self._axes = [[a for _, a in s] if isinstance(s, list) else s[1] for s in self._specs]
+        sampler = _sampler_of(dataloader)
+        if isinstance(sampler, torch.utils.data.DistributedSampler):
+            _check_split_sampler(sampler, self._specs, is_dataset_splitted)
+        # a random order drawn from each rank's own RNG differs between ranks: each would split another batch
+        own_rng = isinstance(sampler, _RANDOM_SAMPLERS) and sampler.generator is None
+        self._shuffled = sampler if own_rng and not is_dataset_splitted else None
+        self._epoch = 0
         self.dataloader = dataloader
         self.meshes = meshes
         self.input_keys = list(input_keys) if input_keys is not None else None
         self.is_dataset_splitted = is_dataset_splitted
         init_parallel_env()
 
-    def _placements(self, i: int, ndim: int):
-        mesh = self.meshes[i]
+    def _place(self, value, spec):
+        if not isinstance(value, torch.Tensor) or isinstance(value, DistTensor):
+            return value
+        if isinstance(spec, list):
+            raise ValueError(f"shard_dataloader: an input given a list of {len(spec)} meshes or shard_dims is a "
+                             f"tensor, not a list of {len(spec)} tensors")
+        mesh, axis = spec
         pl = [Replicate()] * mesh.ndim
-        axis = self._axes[i]
-        if axis is not None and ndim > 0:
+        if axis is not None and value.dim() > 0:
             pl[axis] = Shard(0)
-        return mesh, pl
+        if self.is_dataset_splitted:
+            return dtensor_from_local(value, mesh, pl)
+        return shard_tensor(value, mesh, pl)
 
-    def _convert(self, value, i: int):
-        if isinstance(value, torch.Tensor) and not isinstance(value, DistTensor):
-            mesh, pl = self._placements(min(i, len(self.meshes) - 1), value.dim())
-            if self.is_dataset_splitted:
-                return dtensor_from_local(value, mesh, pl)
-            return shard_tensor(value, mesh, pl)
-        return value
+    def _convert(self, value, i: int | None):
+        """Input ``i`` (None: a dict value input_keys does not name, which goes to the first mesh)."""
+        spec = self._specs[0 if i is None else min(i, len(self._specs) - 1)]
+        if i is None and isinstance(spec, list):
+            spec = spec[0]
+        if isinstance(value, (list, tuple)):  # one input made of several tensors (Paddle's example 2)
+            specs = spec if isinstance(spec, list) else [spec] * len(value)
+            if len(specs) != len(value):
+                raise ValueError(f"shard_dataloader: an input of {len(value)} tensors for {len(specs)} meshes")
+            return type(value)(self._place(v, s) for v, s in zip(value, specs))
+        return self._place(value, spec)
 
     def _shard(self, batch):
         if isinstance(batch, dict):
             keys = self.input_keys or list(batch)
-            return {k: self._convert(v, keys.index(k) if k in keys else 0) for k, v in batch.items()}
+            missing = [k for k in keys if k not in batch]
+            if missing:
+                raise ValueError(f"shard_dataloader: input_keys {missing} are not in the batch {list(batch)}")
+            return {k: self._convert(v, keys.index(k) if k in keys else None) for k, v in batch.items()}
         if isinstance(batch, (list, tuple)):
-            if len(self.meshes) > 1:
-                out = [self._convert(v, i) for i, v in enumerate(batch)]
-            else:
-                out = [self._convert(v, 0) for v in batch]
+            if len(self.meshes) > 1 and len(batch) != len(self.meshes):
+                raise ValueError(f"shard_dataloader: a batch of {len(batch)} inputs for {len(self.meshes)} meshes "
+                                 f"(input i goes to meshes[i])")
+            out = [self._convert(v, i if len(self.meshes) > 1 else 0) for i, v in enumerate(batch)]
             return type(batch)(out) if isinstance(batch, tuple) else out
         return self._convert(batch, 0)
 
     def __iter__(self):
-        for batch in self.dataloader:
-            yield self._shard(batch)
+        if self._shuffled is not None:
+            # as Paddle's DistributedBatchSampler: the order is seeded with the epoch, the same on every rank
+            self._shuffled.generator = torch.Generator().manual_seed(self._epoch)
+            self._epoch += 1
+        try:
+            for batch in self.dataloader:
+                yield self._shard(batch)
+        finally:
+            if self._shuffled is not None:
+                self._shuffled.generator = None
 
     def __call__(self):
         return iter(self)
@@ -288,12 +325,51 @@ class ShardDataloader:
         return f"ShardDataloader(meshes={len(self.meshes)}, axes={self._axes})"
 
 
+_RANDOM_SAMPLERS = (torch.utils.data.RandomSampler, torch.utils.data.SubsetRandomSampler,
+                    torch.utils.data.WeightedRandomSampler)
+
+
+def _input_spec(mesh, dim):
+    if isinstance(mesh, ProcessMesh) and not isinstance(dim, (list, tuple)):
+        return mesh, None if dim is None else mesh.axis(dim)
+    meshes = list(mesh) if isinstance(mesh, (list, tuple)) else None
+    dims = list(dim) if isinstance(dim, (list, tuple)) else None
+    if meshes is not None and dims is not None and len(meshes) != len(dims):
+        raise ValueError(f"shard_dataloader: {len(dims)} shard_dims for an input on {len(meshes)} meshes")
+    meshes = meshes or [mesh] * len(dims)
+    dims = dims or [dim] * len(meshes)
+    return [(m, None if d is None else m.axis(d)) for m, d in zip(meshes, dims)]
+
+
+def _sampler_of(loader):
+    batches = getattr(loader, "batch_sampler", None)
+    return getattr(batches, "sampler", None) if batches is not None else getattr(loader, "sampler", None)
+
+
+def _check_split_sampler(sampler, specs, is_dataset_splitted) -> None:
+    """A DistributedSampler gives each rank its own part: the data is split already, into as many parts as the
+    mesh axis has ranks."""
+    if not is_dataset_splitted:
+        raise ValueError("shard_dataloader: the loader's DistributedSampler gives each rank its own part of the "
+                         "data; pass is_dataset_splitted=True, or a loader over the whole dataset to split its "
+                         "batches")
+    flat = [s for spec in specs for s in (spec if isinstance(spec, list) else [spec])]
+    sizes = {m.shape[a] for m, a in flat if a is not None}
+    if sampler.num_replicas not in sizes:
+        raise ValueError(f"shard_dataloader: the loader's DistributedSampler splits the data into "
+                         f"{sampler.num_replicas} parts, the mesh axis shard_dims names has {sorted(sizes)} ranks")
+
+
 def shard_dataloader(dataloader, meshes, input_keys=None, shard_dims=None, is_dataset_splitted=False):
     """Split every batch along the mesh axis ``shard_dims`` names (batch dim 0), Replicate on the other axes.
 
     With several meshes (pipelines), element i of a tuple batch (or ``input_keys[i]`` of a dict batch) goes to
-    ``meshes[i]``; a single tensor goes to ``meshes[0]``. Unlike Paddle, the axis named is the axis used.
-    ``is_dataset_splitted=True``: each rank's loader already yields its own part.
+    ``meshes[i]``; a single tensor, or a dict value ``input_keys`` does not name, goes to the first mesh. An input
+    that is a list of tensors may have a list of meshes and of shard_dims, one per tensor. Unlike Paddle, the axis
+    named is the axis used, and the loader's batch is the global batch (split unevenly when it must be).
+    A loader shuffled by torch's global RNG is shuffled with the epoch as seed, the same on every rank, as Paddle's
+    DistributedBatchSampler does. ``is_dataset_splitted=True`` (needs ``shard_dims``): each rank's loader already
+    yields its own part, e.g. through a ``DistributedSampler`` of as many parts as the axis has ranks.
     """
     return ShardDataloader(dataloader, meshes, input_keys, shard_dims, is_dataset_splitted)
 

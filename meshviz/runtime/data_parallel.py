@@ -46,6 +46,9 @@ class DataParallelEngine:
             find_unused_parameters=find_unused_parameters,
         )), nbytes=nbytes, name="DataParallel.sync_params", src=g.ranks[0]))
         self.ddp = made[0]
+        # Paddle syncs buffers at the wrap only: each rank's BatchNorm statistics then follow its own batches
+        # (set after the constructor, whose sync still includes the buffers, on every torch this supports)
+        self.ddp.broadcast_buffers = False
         if trace.active():
             # a Python hook per bucket costs 5-10% of a small step on gloo (bench/README): only when traced
             self.ddp.register_comm_hook(g, _allreduce_hook)
