@@ -52,6 +52,34 @@ def _check_like(what: str, tensors, t: torch.Tensor) -> None:
                              f"dtype")
 
 
+def _check_avg(what: str, rt: ReduceType, t: torch.Tensor) -> None:
+    if rt is ReduceType.kRedAvg and t.dtype is torch.bool:
+        raise ValueError(f"{what}: ReduceOp.AVG of a bool tensor has no value; use MIN (all) or MAX (any), or a "
+                         f"number dtype")
+
+
+def _dense(t: torch.Tensor):
+    """(the tensor the backend reads and writes, the copy that finishes the call or None): gloo takes a tensor's
+    memory as contiguous, so a strided view (``x[:, 0]``) goes through a contiguous copy written back at the end."""
+    if t.is_contiguous():
+        return t, None
+    buf = t.contiguous()
+    return buf, lambda: t.detach().copy_(buf)
+
+
+def _then(*steps):
+    """One ``then`` running ``steps`` (falsy ones left out) in order; None when none is left."""
+    steps = [f for f in steps if f]
+    return None if not steps else steps[0] if len(steps) == 1 else (lambda: [f() for f in steps])
+
+
+def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    try:
+        return a.numel() > 0 and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+    except Exception:  # a tensor without storage
+        return a is b
+
+
 def _check_not_self(what: str, peer, sync_op: bool) -> None:
     if sync_op and isinstance(peer, int) and peer == get_rank():
         raise ValueError(f"{what}={peer} is this rank itself; a blocking send or recv needs another rank")
@@ -85,6 +113,8 @@ def new_group(ranks=None, backend=None, timeout=None) -> Group:
     if backend not in (None, "gloo", "nccl", "bkcl", "xccl"):
         raise ValueError(f"new_group: unknown backend {backend!r}")
     ranks = sorted(ranks)
+    if tdist.get_backend() not in ("gloo", "nccl"):  # ranks as threads or simulated make groups of their own kind
+        backend = None
     if backend is None and timeout is None:
         pg = groups.group_for_ranks(ranks)
     else:
@@ -130,35 +160,40 @@ def all_reduce(tensor, op=ReduceOp.SUM, group=None, sync_op=True):
     """Reduce ``tensor`` over the group in place; every member ends with the result."""
     rt = _check_op(op)
     t = local(tensor)
+    _check_avg("all_reduce", rt, t)
     g = groups.resolve(group)
     top, finish = reduction(rt, g)
+    buf, back = _dense(t)
     return run(Call(CollectiveOp.ALL_REDUCE, g,
-                    lambda g: tdist.all_reduce(t, op=top, group=g.process_group, async_op=True),
-                    tensors=(t,), sync_op=sync_op, then=finish and (lambda: finish(t)), reduce_op=rt.short))
+                    lambda g: tdist.all_reduce(buf, op=top, group=g.process_group, async_op=True),
+                    tensors=(t,), sync_op=sync_op, then=_then(finish and (lambda: finish(buf)), back),
+                    reduce_op=rt.short))
 
 
 def reduce(tensor, dst=0, op=ReduceOp.SUM, group=None, sync_op=True):
     """Reduce ``tensor`` onto global rank ``dst`` (in place there; others' tensors are left as they are)."""
     rt = _check_op(op)
     t = local(tensor)
+    _check_avg("reduce", rt, t)
     g = groups.resolve(group)
     top, finish = reduction(rt, g)
     mine = tdist.get_rank() == dst
+    buf, back = _dense(t) if mine else (t, None)
 
-    def start(g):
-        buf = t if mine else t.clone()  # gloo's reduce scribbles on non-destination inputs
-        return tdist.reduce(buf, dst, op=top, group=g.process_group, async_op=True)
+    def start(g):  # gloo's reduce scribbles on non-destination inputs: they reduce a copy
+        return tdist.reduce(buf if mine else t.clone(), dst, op=top, group=g.process_group, async_op=True)
 
     return run(Call(CollectiveOp.REDUCE, g, start, tensors=(t,), peers={"dst": dst}, sync_op=sync_op,
-                    then=(lambda: finish(t)) if finish and mine else None, reduce_op=rt.short, dst=dst))
+                    then=_then(finish and mine and (lambda: finish(buf)), back), reduce_op=rt.short, dst=dst))
 
 
 def broadcast(tensor, src, group=None, sync_op=True):
     """Copy global rank ``src``'s ``tensor`` into every member's ``tensor``."""
     t = local(tensor)
+    buf, back = _dense(t)
     return run(Call(CollectiveOp.BROADCAST, group,
-                    lambda g: tdist.broadcast(t, src, group=g.process_group, async_op=True),
-                    tensors=(t,), peers={"src": src}, sync_op=sync_op, src=src))
+                    lambda g: tdist.broadcast(buf, src, group=g.process_group, async_op=True),
+                    tensors=(t,), peers={"src": src}, sync_op=sync_op, then=back, src=src))
 
 
 def all_gather(tensor_list, tensor, group=None, sync_op=True):
@@ -215,10 +250,13 @@ def scatter(tensor, tensor_list=None, src=0, group=None, sync_op=True):
             n = None if tensor_list is None else len(tensor_list)
             raise ValueError(f"scatter: src rank needs a tensor_list of {g.nranks} tensors, got {n}")
         lst = [local(x).contiguous() for x in tensor_list]
+        # Paddle's own example passes the output tensor in the list: a piece must not change while it is sent
+        lst = [x.clone() if _shares_memory(x, t) else x for x in lst]
+    buf, back = _dense(t)
     return run(Call(CollectiveOp.SCATTER, g,
-                    lambda g: tdist.scatter(t, lst, src=src, group=g.process_group, async_op=True),
+                    lambda g: tdist.scatter(buf, lst, src=src, group=g.process_group, async_op=True),
                     tensors=(t,), nbytes=tensor_bytes(t) * (g.nranks if mine else 1), peers={"src": src},
-                    sync_op=sync_op, src=src))
+                    sync_op=sync_op, then=back, src=src))
 
 
 def scatter_object_list(out_object_list, in_object_list=None, src=0, group=None):
@@ -265,6 +303,7 @@ def reduce_scatter(tensor, tensor_list, op=ReduceOp.SUM, group=None, sync_op=Tru
     """Reduce ``tensor_list`` elementwise over the group; the i-th member gets the i-th reduced tensor."""
     rt = _check_op(op)
     t = local(tensor)
+    _check_avg("reduce_scatter", rt, t)
     g = groups.resolve(group)
     if tensor_list is None or len(tensor_list) != g.nranks:
         n = None if tensor_list is None else len(tensor_list)
@@ -272,9 +311,11 @@ def reduce_scatter(tensor, tensor_list, op=ReduceOp.SUM, group=None, sync_op=Tru
     _check_like("reduce_scatter: tensor_list", tensor_list, t)
     ins = [local(x).contiguous() for x in tensor_list]
     top, finish = reduction(rt, g)
+    buf, back = _dense(t)
     return run(Call(CollectiveOp.REDUCE_SCATTER, g,
-                    lambda g: tdist.reduce_scatter(t, ins, op=top, group=g.process_group, async_op=True),
-                    tensors=ins, sync_op=sync_op, then=finish and (lambda: finish(t)), reduce_op=rt.short))
+                    lambda g: tdist.reduce_scatter(buf, ins, op=top, group=g.process_group, async_op=True),
+                    tensors=ins, sync_op=sync_op, then=_then(finish and (lambda: finish(buf)), back),
+                    reduce_op=rt.short))
 
 
 def alltoall(in_tensor_list, out_tensor_list, group=None, sync_op=True):
@@ -297,7 +338,9 @@ def alltoall(in_tensor_list, out_tensor_list, group=None, sync_op=True):
         done.append(unpack)
         return work
 
-    return run(Call(CollectiveOp.ALLTOALL, g, start, tensors=ins, sync_op=sync_op, then=lambda: done[0]()))
+    got = sum(tensor_bytes(x) for i, x in enumerate(local(o) for o in out_tensor_list or ins) if i != g.rank)
+    return run(Call(CollectiveOp.ALLTOALL, g, start, tensors=ins, sync_op=sync_op, then=lambda: done[0](),
+                    recv_bytes=got))
 
 
 def alltoall_single(in_tensor, out_tensor, in_split_sizes=None, out_split_sizes=None, group=None,
@@ -314,10 +357,17 @@ def alltoall_single(in_tensor, out_tensor, in_split_sizes=None, out_split_sizes=
         elif t.shape[0] % g.nranks:
             raise ValueError(f"alltoall_single: dim 0 ({t.shape[0]}) is not divisible by the group size "
                              f"{g.nranks}; pass {name}")
+    buf, back = _dense(t_out)
+    rows = t_out.shape[0]  # what this rank receives: the rows the others send it (their pieces may differ)
+    if out_split_sizes is None:
+        own = rows // g.nranks
+    else:
+        own = list(out_split_sizes)[g.rank] if g.rank >= 0 else 0
+    got = (rows - own) * (tensor_bytes(t_out) // rows if rows else 0)
     return run(Call(CollectiveOp.ALLTOALL_SINGLE, g, lambda g: tdist.all_to_all_single(
-        t_out, t_in.contiguous(), None if out_split_sizes is None else list(out_split_sizes),
+        buf, t_in.contiguous(), None if out_split_sizes is None else list(out_split_sizes),
         None if in_split_sizes is None else list(in_split_sizes), group=g.process_group, async_op=True),
-        tensors=(t_in,), sync_op=sync_op))
+        tensors=(t_in,), sync_op=sync_op, then=back, recv_bytes=got))
 
 
 # -- point to point -----------------------------------------------------------------------------
@@ -336,15 +386,16 @@ def recv(tensor, src=0, group=None, sync_op=True):
     t = local(tensor)
     _check_not_self("recv: src", src, sync_op)
     copy_back = []
+    dense, back = _dense(t)
 
     def start(g):
-        buf, fin = staged_recv(t, g.process_group)
+        buf, fin = staged_recv(dense, g.process_group)
         if fin is not None:
             copy_back.append(fin)
         return tdist.irecv(buf, src, group=g.process_group)
 
     return run(Call(CollectiveOp.RECV, group, start, tensors=(t,), peers={"src": src}, sync_op=sync_op, peer=src,
-                    then=lambda: [fin() for fin in copy_back]))
+                    then=_then(lambda: [fin() for fin in copy_back], back)))
 
 
 def isend(tensor, dst, group=None):
@@ -395,8 +446,9 @@ def batch_isend_irecv(p2p_op_list):
         if p.is_send:
             staged.append((tdist.isend, staged_send(t, g.process_group), None))
         else:
-            buf, fin = staged_recv(t, g.process_group)
-            staged.append((tdist.irecv, buf, fin))
+            dense, back = _dense(t)
+            buf, fin = staged_recv(dense, g.process_group)
+            staged.append((tdist.irecv, buf, _then(fin, back)))
     run(Call(CollectiveOp.BATCH_ISEND_IRECV, groups.world_group(), lambda _: works.extend(tdist.batch_isend_irecv(
              [tdist.P2POp(fn, buf, p.peer, group=g.process_group) for (fn, buf, _), (p, _, g) in zip(staged, ops)])),
              tensors=[t for _, t, _ in ops], traced=False))

@@ -222,7 +222,8 @@ class Call:
     the group. ``traced``: False when the caller traces the step itself; else the event (kind "send"/"recv" for
     those ops, "collective" for the rest) reports the bytes this rank receives (:func:`received_bytes`), has
     ``peer`` and ``name``, and ``reduce_op``, ``src``, ``dst`` and
-    ``bucket`` go into its payload."""
+    ``bucket`` go into its payload. ``recv_bytes``: the bytes this rank receives where the byte model cannot count
+    them (an all-to-all whose pieces differ in size)."""
 
     op: CollectiveOp
     group: Any
@@ -239,6 +240,7 @@ class Call:
     src: int | None = None
     dst: int | None = None
     bucket: int | None = None
+    recv_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if type(self.op) is not CollectiveOp:
@@ -316,6 +318,10 @@ def run(call: Call, checks: Sequence[Check] = CHECKS) -> Task:
             return Task(done=True)
     rec = rollcall.current()
     prev = rec.enter(op, g.key, call.tensors, call.nbytes)
+    if call.op in _P2P:  # two ranks of the group, not all: no number of the group's collectives is used up
+        n = rec.entered.pop(g.key) - 1
+        if n:
+            rec.entered[g.key] = n
     task = None
     try:
         for check in checks[first_inside:]:
@@ -327,7 +333,8 @@ def run(call: Call, checks: Sequence[Check] = CHECKS) -> Task:
             task = _finish(call.start(g), call.sync_op, call.then, key)
             return task
         sizes = passed_sizes(call)
-        fields: dict[str, Any] = {"op": op, "group": list(g.ranks), "bytes": received_bytes(call, g, sizes)}
+        got = call.recv_bytes if call.recv_bytes is not None else received_bytes(call, g, sizes)
+        fields: dict[str, Any] = {"op": op, "group": list(g.ranks), "bytes": got}
         if call.peer is not None:
             fields["peer"] = call.peer
         if call.name is not None:
