@@ -13,6 +13,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 CASES = [  # (module in tests/ranks, test function, its arguments)
     ("test_collective", "test_collectives_match_definitions", {}),
     ("test_collective", "test_bad_input_raises_on_every_rank", {}),
+    # strided views and a scatter list holding the output went wrong on gloo only
+    ("test_collective_audit", "test_seeded_sweep_matches_the_dense_truth_and_the_events_count_what_each_rank_receives",
+     {}),
+    ("test_collective_audit", "test_paddle_contracts_reduce_scatter_aliasing_outsiders_and_groups", {}),
     ("test_runtime", "test_co_shard_and_nd_blocks", {}),
     ("test_runtime", "test_a_raising_rank_is_named_and_nobody_hangs", {}),
     ("test_shard_api", "test_shard_layer_seed_003_demonet", {}),
