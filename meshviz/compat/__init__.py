@@ -31,7 +31,8 @@ __all__ = [
     "known_values", "clear_dtensor_caches", "empty_block", "FakeOps", "install_fake_ddp", "uninstall_fake_ddp",
     "share_dtensor_decisions", "in_sharding_propagation",
     # pipelining
-    "PIPELINE_STAGE_METHODS", "pipeline_setup_calls", "pipeline_neighbor_init_ops", "pipeline_order", "action_fields",
+    "PIPELINE_STAGE_METHODS", "pipeline_setup_calls", "pipeline_neighbor_init_ops",
+    "pipeline_stage_marks_every_recv", "pipeline_order", "action_fields",
     # ranks as threads
     "install_thread_worlds", "uninstall_thread_worlds", "backend_plugins", "no_dispatch_modes",
     # ipyparallel
@@ -290,6 +291,13 @@ def pipeline_setup_calls() -> tuple[str, ...]:
     if (2, 12) <= TORCH_VERSION < (2, 15):
         calls += ("_warmup_forward_vote", "_warmup_backward_result")
     return calls
+
+
+def pipeline_stage_marks_every_recv() -> bool:
+    """Whether PipelineStage makes every received activation need a gradient (an integer one, such as position ids,
+    raises) and sends a gradient back for each (a missing one raises): torch 2.11; 2.12 and later leave integer
+    activations alone and send zeros for a missing gradient."""
+    return TORCH_VERSION < (2, 12)
 
 
 def pipeline_neighbor_init_ops() -> str | None:

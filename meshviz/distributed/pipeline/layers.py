@@ -85,7 +85,11 @@ def segment_layers(descs, num_parts: int, method="uniform") -> list[int]:
     if isinstance(method, str) and method.startswith("layer:"):
         regex = re.compile(method.split(":", 1)[1], re.IGNORECASE)
         marks = [i for i, d in enumerate(descs) if (nm := _layer_name(d)) is not None and regex.search(nm)]
-        if not marks or len(marks) % num_parts:
+        if not marks:
+            names = sorted({nm for d in descs if (nm := _layer_name(d)) is not None})
+            raise ValueError(f"seg_method {method!r} names no layer: no layer's class name matches "
+                             f"{regex.pattern!r} (the layers are {names})")
+        if len(marks) % num_parts:
             raise ValueError(f"seg_method {method!r}: {len(marks)} matching layers do not split into "
                              f"{num_parts} equal parts")
         per = len(marks) // num_parts

@@ -16,8 +16,10 @@ class PipelineParallel(nn.Module):
 
     Stage i runs on the ranks of pipe position i of the hybrid group. A batch ``(inputs, labels)`` of
     ``micro_batch_size * accumulate_steps`` rows is split into ``accumulate_steps`` micro-batches (rows
-    ``[k*mbs, (k+1)*mbs)``); each micro loss is divided by accumulate_steps before its backward; the returned loss
-    is their sum (the mean micro loss), broadcast from the last stage to every stage. Layers and batches left on the
+    ``[k*mbs, (k+1)*mbs)``; a list of ``accumulate_steps`` micro-batches is taken too, as in Paddle). With fewer
+    micro-batches than stages, '1F1B' runs GPipe's order (torch's 1F1B refuses them; same gradients). Each micro
+    loss is divided by accumulate_steps before its backward; the returned loss is their sum (the mean micro loss),
+    broadcast from the last stage to every stage. Layers and batches left on the
     CPU of a GPU rank move to its GPU (``dist.device()``), as Paddle places them. The schedule is torch's:
     ``schedule_mode`` 'FThenB' (ScheduleGPipe; ScheduleLoopedBFS with virtual stages), '1F1B' (Schedule1F1B;
     ScheduleInterleaved1F1B with virtual stages), 'VPP' (ScheduleInterleaved1F1B), 'ZBH1'

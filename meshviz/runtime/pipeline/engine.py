@@ -60,12 +60,32 @@ def check_pipeline_config(p: int, m: int, v: int, mode: str) -> None:
                              f"use a multiple of pp_degree ({p})")
 
 
+def _joined(x, m: int, mbs: int, what: str):
+    """Paddle's list form, one micro-batch per accumulate step (a tuple's items may be such lists), joined into one
+    batch; each micro-batch must hold micro_batch_size rows (the schedule splits the batch evenly again)."""
+    if isinstance(x, tuple):
+        return tuple(_joined(t, m, mbs, f"{what}[{i}]") if isinstance(t, list) else t for i, t in enumerate(x))
+    if not isinstance(x, list):
+        return x
+    if len(x) != m:
+        raise ValueError(f"{what} is a list of {len(x)} micro-batches; accumulate_steps is {m}")
+    for k, t in enumerate(x):
+        n = _batch_of(t, f"{what}[{k}]")
+        if n != mbs:
+            raise ValueError(f"{what}[{k}]: a micro-batch of {n} rows; micro_batch_size is {mbs}")
+    if all(isinstance(t, torch.Tensor) for t in x):
+        return torch.cat(x)
+    if len({len(t) for t in x}) > 1 or not all(isinstance(t, tuple) for t in x):
+        raise ValueError(f"{what}: micro-batches of different kinds (each a tensor, or each a tuple of as many)")
+    return tuple(torch.cat(parts) for parts in zip(*x))
+
+
 def _batch_of(x, what: str):
     if isinstance(x, torch.Tensor):
         if x.dim() == 0:
             raise ValueError(f"{what} is a scalar; it needs a batch dimension to split into micro-batches")
         return x.shape[0]
-    if isinstance(x, (tuple, list)) and x and all(isinstance(t, torch.Tensor) for t in x):
+    if isinstance(x, tuple) and x and all(isinstance(t, torch.Tensor) for t in x):
         sizes = {t.shape[0] if t.dim() else None for t in x}
         if len(sizes) != 1 or None in sizes:
             raise ValueError(f"{what}: tensors with different batch sizes {sorted(map(str, sizes))}")
@@ -113,6 +133,10 @@ class PipelineEngine:
                  device: torch.device, loss_fn=None):
         self.schedule_mode, self.schedule_class = resolve_schedule(schedule_mode, num_virtual_stages)
         check_pipeline_config(num_stages, accumulate_steps, num_virtual_stages, self.schedule_mode)
+        if self.schedule_class == "Schedule1F1B" and accumulate_steps < num_stages:
+            # Paddle runs 1F1B with fewer micro-batches than stages; torch's Schedule1F1B refuses. GPipe's order
+            # gives the same gradients and the same bubble (every micro-batch is in flight at once either way).
+            self.schedule_class = "ScheduleGPipe"
         self.chunks = list(chunks)
         self.virtual_stages = list(virtual_stages)
         self.group = group
@@ -174,10 +198,12 @@ class PipelineEngine:
 
     # -- data ----------------------------------------------------------------------------------------
     def check_data(self, data, need_labels: bool):
-        """``(inputs, labels)`` of a batch of exactly micro_batch_size * accumulate_steps rows (ValueError else)."""
+        """``(inputs, labels)`` of a batch of exactly micro_batch_size * accumulate_steps rows (ValueError else).
+        Each may be a tensor, a tuple of tensors, or, as in Paddle, a list holding each micro-batch."""
         if not isinstance(data, (tuple, list)) or len(data) != 2:
             raise ValueError("train_batch/eval_batch: data must be (inputs, labels)")
-        inputs, labels = data
+        m, mbs = self.accumulate_steps, self.micro_batch_size
+        inputs, labels = (_joined(x, m, mbs, what) for x, what in zip(data, ("inputs", "labels")))
         want = self.micro_batch_size * self.accumulate_steps
         for x, what, needed in ((inputs, "inputs", self.is_first_stage), (labels, "labels",
                                                                           need_labels and self.is_last_stage)):

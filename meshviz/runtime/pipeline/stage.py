@@ -9,7 +9,7 @@ import torch.distributed as tdist
 from torch.distributed.pipelining import PipelineStage
 
 from ... import trace
-from ...compat import pipeline_setup_calls
+from ...compat import pipeline_setup_calls, pipeline_stage_marks_every_recv
 from ...trace import Compute, Event, Recv, Send
 from ..devices import needs_host_p2p, p2p_through_host, staged_recv, staged_send
 
@@ -20,7 +20,41 @@ def _nbytes(ops) -> int:
     return sum(op.tensor.numel() * op.tensor.element_size() for op in ops)
 
 
-class TracedStage(PipelineStage):
+_MARKS_EVERY_RECV = pipeline_stage_marks_every_recv()
+
+
+class _Stage(PipelineStage):
+    """torch 2.11's PipelineStage marks every received activation as needing a gradient (an integer one, such as
+    position ids, raises) and sends a gradient back for each (a missing one raises). Here integer activations need
+    none, and a received activation without a gradient sends back zeros, as torch 2.13 does by itself."""
+
+    def _prepare_forward_infra(self, *args, **kwargs):
+        if not _MARKS_EVERY_RECV:
+            return super()._prepare_forward_infra(*args, **kwargs)
+        backward = self.has_backward
+        self.has_backward = False  # only its receive buffers read it here
+        try:
+            out = super()._prepare_forward_infra(*args, **kwargs)
+        finally:
+            self.has_backward = backward
+        if backward:
+            for infos in self.args_recv_info.values():
+                for info in infos:
+                    buf = getattr(info, "buffer", None)
+                    if isinstance(buf, torch.Tensor) and buf.is_floating_point():
+                        buf.requires_grad_(True)
+        return out
+
+    def get_bwd_send_ops(self, bwd_chunk_id):
+        if _MARKS_EVERY_RECV and self.has_backward and not self.is_first and bwd_chunk_id in self.bwd_cache:
+            bufs = [getattr(info, "buffer", None) for info in self.args_recv_info[bwd_chunk_id]]
+            self.bwd_cache[bwd_chunk_id] = tuple(
+                torch.zeros_like(b) if g is None and isinstance(b, torch.Tensor) else g
+                for g, b in zip(self.bwd_cache[bwd_chunk_id], bufs))
+        return super().get_bwd_send_ops(bwd_chunk_id)
+
+
+class TracedStage(_Stage):
     """A torch PipelineStage that emits ``compute`` events per F/B/W block and ``send``/``recv`` per transfer.
 
     Recv events run from when the receive was posted to when the block that needed it started (the schedule
