@@ -43,6 +43,38 @@ class DTensorDecision:
         self.wanted, self.op, self.local_args, self.outputs, self.single = wanted, op, local_args, outputs, single
 
 
+def _price_off_mesh() -> None:
+    """torch prices every redistribution at 0 on a rank outside the mesh (it takes no part), so its sharding
+    propagation there picks the first strategy, where the members pick the cheapest (``Shard(0) * Replicate``
+    comes out Replicate off the mesh and Shard(0) on it, torch 2.12 and later). A rank's dist tensors off a mesh
+    must lie as the members' do (a pipeline stage's transfer sizes its buffers from them): off the mesh a
+    redistribution that changes a placement costs one per mesh dim it changes, so a strategy that moves nothing
+    wins there as it does on the members. Nothing coordinate-dependent runs, so no cache of torch's keeps an
+    off-mesh rank's view."""
+    from torch.distributed.tensor import _collective_utils, _utils
+    from torch.distributed.tensor._ops import utils as _ops_utils
+
+    cost = getattr(_collective_utils, "redistribute_cost", None)
+    if cost is None or getattr(cost, "_meshviz", False):
+        return
+
+    def priced(current_spec, target_spec) -> float:
+        c = cost(current_spec, target_spec)
+        if c != 0.0 or current_spec.is_replicated():
+            return c
+        part = getattr(current_spec.mesh, "_is_current_rank_part_of_mesh", None)
+        if part is None or part():
+            return c
+        return float(sum(a != b for a, b in zip(current_spec.placements, target_spec.placements)))
+
+    priced._meshviz = True  # type: ignore[attr-defined]
+    for module in (_collective_utils, _utils, _ops_utils):
+        if getattr(module, "redistribute_cost", None) is cost:
+            module.redistribute_cost = priced
+
+
+_price_off_mesh()
+
 _DTENSOR_SPECIAL: set = set()
 
 

@@ -6,7 +6,6 @@ import pytest
 import torch
 from torch import nn
 
-from meshviz.compat import TORCH_VERSION
 from meshviz.testing import run_ranks
 
 H, V, LR, SEED = 4, 8, 0.1, 1234
@@ -436,16 +435,8 @@ def pp_case(case, steps=3, rows=8):
     return {"losses": losses, "state": state}
 
 
-# Off a stage's mesh torch DTensor (2.12 and later) prices every redistribution at 0, so a pointwise op of a Shard(0)
-# and a Replicate input comes out Replicate on the ranks outside the mesh and Shard(0) on its members; the stage
-# transfer then sizes its receive buffers from the wrong layout. Left open: the op layer must decide off a mesh as
-# the mesh's members do.
-_OFF_MESH = pytest.mark.xfail(TORCH_VERSION >= (2, 12), strict=False,
-                              reason="the op layer's decision off a mesh differs from its members'")
-
-
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("name", [pytest.param(n, marks=_OFF_MESH) if n == "prefix_dp" else n for n in PP_CASES])
+@pytest.mark.parametrize("name", list(PP_CASES))
 def test_parallelize_pp_config_matches_one_process(name):
     case = PP_CASES[name]
     n = torch.tensor(case["mesh"]).numel()
@@ -544,3 +535,22 @@ def bad_configs():
 def test_bad_pipeline_configurations_raise_on_every_rank_before_communicating():
     res = run_ranks(bad_configs, 4, timeout=50)
     assert all(len(r) == 14 for r in res)
+
+
+def off_mesh_layouts():
+    import meshviz.distributed as dist
+
+    dist.init_parallel_env()
+    m0 = dist.ProcessMesh([0, 1], dim_names=["dp"])
+    torch.manual_seed(0)
+    h = dist.shard_tensor(torch.randn(4, 3), m0, [dist.Shard(0)])
+    g = dist.shard_tensor(torch.randn(4, 3), m0, [dist.Replicate()])
+    return [repr(t.placements) for t in (h * g, g + h, h @ g.T)]
+
+
+@pytest.mark.timeout(60)
+def test_ranks_off_a_mesh_lay_an_op_out_as_its_members():
+    """torch prices every redistribution at 0 off a mesh: there an op of a Shard(0) and a Replicate input came out
+    Replicate, on the members Shard(0); a pipeline stage's transfer sized its buffers from the wrong layout."""
+    res = run_ranks(off_mesh_layouts, 4, timeout=50)
+    assert res == [["[S(0)]", "[S(0)]", "[S(0)]"]] * 4
