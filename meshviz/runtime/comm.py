@@ -317,11 +317,8 @@ def run(call: Call, checks: Sequence[Check] = CHECKS) -> Task:
         if not check(call, g, None):
             return Task(done=True)
     rec = rollcall.current()
-    prev = rec.enter(op, g.key, call.tensors, call.nbytes)
-    if call.op in _P2P:  # two ranks of the group, not all: no number of the group's collectives is used up
-        n = rec.entered.pop(g.key) - 1
-        if n:
-            rec.entered[g.key] = n
+    # a send or recv is two ranks of the group, not all: it uses up no number of the group's collectives
+    prev = rec.enter(op, g.key, call.tensors, call.nbytes, counted=call.op not in _P2P)
     task = None
     try:
         for check in checks[first_inside:]:

@@ -108,18 +108,22 @@ def check(results, want, tol=(1e-5, 1e-6)):
 # -- group_sharded_parallel, DataParallel, fleet: plain modules, checkpoints as plain state dicts -----------------
 
 
+def _backward_step(loss, opt, scaler) -> None:
+    """Backward and step, through ``scaler`` when there is one, then the gradients cleared."""
+    if scaler is None:
+        loss.backward()
+        opt.step()
+    else:
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+    getattr(opt, "clear_grad", opt.zero_grad)()
+
+
 def _plain_steps(model, opt, world, rank, scaler=None):
     def train_step(s):
         x, y = batch(s, world)
-        loss = F.mse_loss(model(rows(x, rank)), rows(y, rank))
-        if scaler is None:
-            loss.backward()
-            opt.step()
-        else:
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
-        getattr(opt, "clear_grad", opt.zero_grad)()
+        _backward_step(F.mse_loss(model(rows(x, rank)), rows(y, rank)), opt, scaler)
 
     return train_step
 
@@ -237,14 +241,7 @@ def _dist_steps(model, opt, mesh, scaler=None):
         out = model(x)
         loss = F.mse_loss(out, dist.reshard(y, out.process_mesh, [dist.Replicate()] * out.process_mesh.ndim)
                           if "pp" in mesh.dim_names else y)
-        if scaler is None:
-            loss.backward()
-            opt.step()
-        else:
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
-        opt.clear_grad()
+        _backward_step(loss, opt, scaler)
 
     return train_step
 
