@@ -248,7 +248,6 @@ class ShardDataloader:
             raise ValueError(f"shard_dataloader: {len(input_keys)} input_keys for {len(meshes)} meshes")
         # per input: (mesh, axis), or a list of them for an input that is a list of tensors; raises on unknown axes
         self._specs = [_input_spec(m, d) for m, d in zip(meshes, dims)]
-        self._axes = [[a for _, a in s] if isinstance(s, list) else s[1] for s in self._specs]
         sampler = _sampler_of(dataloader)
         if isinstance(sampler, torch.utils.data.DistributedSampler):
             _check_split_sampler(sampler, self._specs, is_dataset_splitted)
@@ -322,7 +321,8 @@ class ShardDataloader:
         return len(self.dataloader)
 
     def __repr__(self) -> str:
-        return f"ShardDataloader(meshes={len(self.meshes)}, axes={self._axes})"
+        axes = [[a for _, a in s] if isinstance(s, list) else s[1] for s in self._specs]
+        return f"ShardDataloader(meshes={len(self.meshes)}, axes={axes})"
 
 
 _RANDOM_SAMPLERS = (torch.utils.data.RandomSampler, torch.utils.data.SubsetRandomSampler,
