@@ -477,7 +477,7 @@ def test_to_static_in_a_fresh_run(stage, tmp_path):
     check(run_ranks(fresh_to_static_run, 2, stage, str(tmp_path), timeout=100), dense(2))
 
 
-def bad_key_run(stage):
+def bad_key_run(stage, bad):
     import meshviz.distributed as dist
     from meshviz.runtime.devices import full_tensor
 
@@ -487,18 +487,25 @@ def bad_key_run(stage):
     dm = dist.to_static(net, None, F.mse_loss, adamw(net.parameters()), strategy)
     before = {k: full_tensor(v).detach().clone() for k, v in net.state_dict().items()}
     sd = {k: v * 2 for k, v in dm.state_dict().items()}
-    sd["layers.9.up.weight.exp_avg"] = torch.zeros(1)
+    if bad == "key":
+        sd["layers.9.up.weight.exp_avg"] = torch.zeros(1)
+    else:  # a moment of the wrong shape, after the parameters in the dict
+        key = "layers.1.up.weight.exp_avg"
+        shape = list(sd[key].shape)
+        sd[key] = torch.zeros(7)
     try:
         dm.set_state_dict(sd)
         err = None
     except ValueError as e:
         err = str(e)
     after = {k: full_tensor(v).detach().clone() for k, v in net.state_dict().items()}
-    return err, all(torch.equal(before[k], after[k]) for k in before)
+    want = ("set_state_dict: unknown key 'layers.9.up.weight.exp_avg'" if bad == "key" else
+            f"set_state_dict: layers.1.up.weight.exp_avg has shape {shape}, got [7]")
+    return err == want or err, all(torch.equal(before[k], after[k]) for k in before)
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("bad", ["key", "shape"])
 @pytest.mark.parametrize("stage", [None, 1, 3])
-def test_to_static_refuses_an_unknown_key_before_writing_anything(stage):
-    for err, unchanged in run_ranks(bad_key_run, 2, stage, timeout=100):
-        assert err == "set_state_dict: unknown key 'layers.9.up.weight.exp_avg'" and unchanged
+def test_to_static_refuses_an_unknown_key_or_a_wrong_shape_before_writing_anything(stage, bad):
+    assert run_ranks(bad_key_run, 2, stage, bad, timeout=100) == [(True, True)] * 2

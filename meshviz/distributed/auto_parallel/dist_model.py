@@ -419,9 +419,12 @@ class DistModel:
                 raise ValueError(f"set_state_dict: unknown key {key!r}")
             states.setdefault(index[pname], {})[skey] = v
         by_index = list(self._layer.parameters())
-        for i, st_in in states.items() if not self._sharded else ():
+        for i, st_in in states.items():
             for skey, v in st_in.items():
-                _check_shape(f"{names[i]}.{skey}", v, self._optimizer.state.get(by_index[i], {}).get(skey))
+                if self._sharded:  # the same check on every rank: the piece's whole shape, not this rank's shard
+                    _check_piece(f"{names[i]}.{skey}", v, self._optimizer.ownership[i])
+                else:
+                    _check_shape(f"{names[i]}.{skey}", v, self._optimizer.state.get(by_index[i], {}).get(skey))
         with torch.no_grad():
             for k, v in params.items():
                 own[k].copy_(v)
@@ -444,6 +447,17 @@ def _check_shape(key, value, own) -> None:
     if torch.is_tensor(own) and (not torch.is_tensor(value) or value.shape != own.shape):
         got = list(value.shape) if torch.is_tensor(value) else type(value).__name__
         raise ValueError(f"set_state_dict: {key} has shape {list(own.shape)}, got {got}")
+
+
+def _check_piece(key, value, piece) -> None:
+    """ValueError naming ``key`` when ``value`` is not a state of the whole parameter ``piece`` describes (a 0-dim
+    value is an optimizer's scalar state, such as Adam's step)."""
+    if not torch.is_tensor(value) or value.dim() == 0:
+        return
+    shape = tuple(value.shape)
+    if shape == tuple(piece.shape) or (piece.mode != "fsdp" and shape == (piece.numel,)):
+        return
+    raise ValueError(f"set_state_dict: {key} has shape {list(piece.shape)}, got {list(shape)}")
 
 
 def _local_of(p):
