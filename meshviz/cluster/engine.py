@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import sys
 import threading
@@ -10,6 +11,7 @@ import time
 import traceback
 
 from .messages import TO_RANKS, Abort, Failure, PeerFailed, StatusReply, StatusRequest, Stuck, decode
+from .peers import broke_process_group, close_peer_sockets
 
 __all__ = ["probe", "setup", "reinit", "stream_count", "set_tracing", "guarded_call", "call_on_rank", "shutdown",
            "state"]
@@ -59,56 +61,6 @@ def failure_report(rank: int, value: BaseException, cell: int, rec=None, aborted
                    bool(aborted), collective, mismatch).to_dict()
 
 
-def _broke_process_group(value: BaseException) -> bool:
-    """Did this error come out of a collective (peer gone, timeout)? Then this rank's process group is unusable."""
-    try:
-        import torch.distributed as tdist
-
-        if isinstance(value, getattr(tdist, "DistError", ())):
-            return True
-    except Exception:
-        return False
-    text = str(value)
-    return any(k in text for k in ("gloo/transport", "Connection closed by peer", "Connection reset", "NCCL"))
-
-
-def _close_peer_sockets(peer_pids) -> int:
-    """Shut down this process's TCP connections to the other ranks' processes (on this machine).
-
-    Aborting a gloo group does not close its sockets while anything (a user's dist tensor, a traceback) still
-    holds the group, and a rank blocked in a gloo collective waits for its peers' sockets; shutting them down
-    makes every pending collective on both ends fail at once. Returns how many were shut down.
-    """
-    if not peer_pids:
-        return 0
-    try:
-        import psutil
-
-        mine = [c for c in psutil.Process().net_connections("tcp") if c.raddr and c.fd not in (-1, None)]
-    except Exception:
-        return 0
-    theirs = set()  # the peers' own addresses, asked of each peer (not of every process: fast on a busy machine)
-    for pid in peer_pids:
-        try:
-            theirs.update((c.laddr.ip, c.laddr.port) for c in psutil.Process(pid).net_connections("tcp") if c.laddr)
-        except Exception:
-            continue
-    n = 0
-    for c in mine:
-        if (c.raddr.ip, c.raddr.port) in theirs:
-            try:
-                s = socket.socket(fileno=os.dup(c.fd))
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                    n += 1
-                finally:
-                    s.close()
-            except OSError:
-                pass
-    _debug("closed peer sockets", n)
-    return n
-
-
 class _EngineState:
     """Per-engine glue: the stream sink, the cell hooks and a thread listening for the client's commands."""
 
@@ -124,6 +76,7 @@ class _EngineState:
         self.tracing = False
         self.set_tracing(cfg.get("trace", True))
         self.running = False
+        self.executing = False
         self.cell = 0
         self.abort_pending = False
         self.aborted = False
@@ -161,13 +114,32 @@ class _EngineState:
     # -- IPython hooks ------------------------------------------------------------------------------------------
     def _install_hooks(self) -> None:
         self._custom_tb = None
+        self._events_on: tuple = ()
         ip = _ipython()
         if ip is None:
             return
-        ip.events.register("pre_run_cell", self._pre)
-        ip.events.register("post_run_cell", self._post)
+        self._events_on = self._events()
+        for name, cb in self._events_on:
+            ip.events.register(name, cb)
         ip.set_custom_exc((Exception, KeyboardInterrupt), self._on_exception)
         self._custom_tb = ip.CustomTB
+        kernel = getattr(ip, "kernel", None)
+        if kernel is not None:  # the kernel makes SIGINT raise during every request, its reply included
+            kernel.pre_handler_hook = lambda: setattr(kernel, "saved_sigint_handler",
+                                                      signal.signal(signal.SIGINT, self._on_sigint))
+
+    def _on_sigint(self, signum, frame):
+        # an interrupt that lands after the cell, while the kernel sends its reply, would lose the reply and leave
+        # the client waiting for this rank forever: only running code (a cell, a call) is interrupted
+        if self.running or self.executing:
+            raise KeyboardInterrupt
+        _debug("SIGINT outside a cell: ignored")
+
+    def _events(self) -> tuple:
+        """IPython's events this rank follows: a cell (``*_run_cell``) and any code, silent code included."""
+        return (("pre_run_cell", self._pre), ("post_run_cell", self._post),
+                ("pre_execute", lambda: setattr(self, "executing", True)),
+                ("post_execute", lambda: setattr(self, "executing", False)))
 
     def _uninstall_hooks(self) -> None:
         from IPython import get_ipython
@@ -175,7 +147,9 @@ class _EngineState:
         ip = get_ipython()
         if ip is None:
             return
-        for name, cb in (("pre_run_cell", self._pre), ("post_run_cell", self._post)):
+        if "pre_handler_hook" in vars(getattr(ip, "kernel", None) or object()):
+            del ip.kernel.pre_handler_hook
+        for name, cb in self._events_on:
             try:
                 ip.events.unregister(name, cb)
             except ValueError:
@@ -188,9 +162,9 @@ class _EngineState:
             ip.set_custom_exc((Exception, KeyboardInterrupt), self._on_exception)
             self._custom_tb = ip.CustomTB
         self.cell += 1
-        self.running = True
         self._rollcall.current().start(self.cell)
         self._trace.set_cell(self.cell)  # events say which cell emitted them (the comm table groups by it)
+        self.running = True
 
     def _post(self, *_, note: str = "its cell finished"):
         self.running = False
@@ -203,7 +177,7 @@ class _EngineState:
     def _on_exception(self, shell, etype, value, tb, tb_offset=None):
         # IPython unregisters a handler that raises, and the cluster's interrupt (SIGINT) may land in this one:
         # it must never raise, or this rank's later failures would go unreported and its peers wait forever
-        aborts = self.abort_pending or _broke_process_group(value)
+        aborts = self.abort_pending or broke_process_group(value)
         reported = aborted = False
         for _ in range(3):  # a SIGINT landing here interrupts a step: it is taken again
             try:
@@ -274,9 +248,12 @@ class _EngineState:
                 elif self.backend == "nccl":  # NCCL's abort unblocks a pending collective; gloo's does not
                     threading.Thread(target=self._abort, daemon=True).start()
                 else:
-                    _close_peer_sockets(self.peer_pids)  # a pending gloo collective fails at once
+                    self._close_peers()  # a pending gloo collective fails at once
                     # still in that cell later (a look-up that failed on a busy machine, a connection made since)?
-                    self._if_still_in(self.cell, REPEAT_CLOSE, lambda: _close_peer_sockets(self.peer_pids))
+                    self._if_still_in(self.cell, REPEAT_CLOSE, self._close_peers)
+
+    def _close_peers(self) -> None:
+        _debug("closed peer sockets", close_peer_sockets(self.peer_pids))
 
     def _if_still_in(self, cell: int, delay: float, then) -> None:
         """``then()`` in ``delay`` seconds if this rank is still running ``cell`` and not reporting a failure of its
@@ -302,7 +279,7 @@ class _EngineState:
             if tdist.is_initialized():
                 compat.abort_process_group()
             _clear_groups()
-            _close_peer_sockets(self.peer_pids)
+            self._close_peers()
             import gc
 
             gc.collect()  # a cycle may still hold the group, and gloo closes its sockets only when it is freed
@@ -461,7 +438,7 @@ def guarded_call(func, *args, **kwargs):
     try:
         return func(*args, **kwargs)
     except BaseException as e:
-        aborts = st.abort_pending or _broke_process_group(e)
+        aborts = st.abort_pending or broke_process_group(e)
         st.report_failure(e, aborts)
         if aborts:
             traceback.clear_frames(e.__traceback__)

@@ -34,7 +34,7 @@ def test_an_abort_shuts_down_the_connections_to_peer_processes_only():
     import subprocess
     import sys
 
-    from meshviz.cluster.engine import _close_peer_sockets
+    from meshviz.cluster.peers import close_peer_sockets
 
     peer = subprocess.Popen([sys.executable, "-c", _PEER], stdout=subprocess.PIPE, text=True)
     server = socket.create_server(("127.0.0.1", 0))
@@ -42,8 +42,8 @@ def test_an_abort_shuts_down_the_connections_to_peer_processes_only():
         to_peer = socket.create_connection(("127.0.0.1", int(peer.stdout.readline())), timeout=10)
         to_self = socket.create_connection(server.getsockname(), timeout=10)
         accepted, _ = server.accept()
-        assert _close_peer_sockets(set()) == 0
-        assert _close_peer_sockets({peer.pid}) == 1
+        assert close_peer_sockets(set()) == 0
+        assert close_peer_sockets({peer.pid}) == 1
         assert to_peer.recv(1) == b""  # shut down: end of stream now, not at the timeout
         assert peer.wait(10) == 0  # the peer's end saw it too
         to_self.sendall(b"x")
@@ -178,6 +178,44 @@ def test_interrupt_unblocks_ranks_stuck_in_a_collective(cluster, tmp_path):
     assert [o.status for o in info.value.outcomes] == ["error"] * N
     ar = cluster.execute("x = torch.ones(1); tdist.all_reduce(x); print(x.item())")
     assert ar.stdout == [f"{float(N)}\n"] * N
+
+
+def _sigint_with_no_cell_running():
+    from meshviz.cluster import engine
+
+    st = engine.state()
+    st.running = False  # as between a cell's end and its reply
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.2)  # the handler runs here
+        return "ignored"
+    except KeyboardInterrupt:
+        return "raised"
+    finally:
+        st.running = True
+
+
+def test_an_interrupt_after_the_cell_leaves_its_reply_alone(cluster):
+    """SIGINT while an engine sends a finished cell's reply would lose the reply (the kernel raises during every
+    request), and the cluster would wait for that rank forever: outside a cell it is ignored, and interrupts
+    landing all around a cell's end each give either the cell's result or its KeyboardInterrupt, at once."""
+    assert cluster.apply(_sigint_with_no_cell_running) == ["ignored"] * N
+    import random
+    import threading
+
+    rng = random.Random(3)
+    for _ in range(40):
+        timer = threading.Timer(0.05 + rng.uniform(0.0, 0.03), cluster.interrupt, kwargs={"abort_after": None})
+        t0 = time.monotonic()
+        timer.start()
+        try:
+            cluster.execute("import time\ntime.sleep(0.05)\n", timeout=20)
+        except RankError as e:
+            assert all(o.status in ("ok", "error") for o in e.outcomes), str(e)
+            assert all("KeyboardInterrupt" in o.error for o in e.outcomes if o.status == "error"), str(e)
+        timer.join()
+        assert time.monotonic() - t0 < 10
+    assert cluster.execute("print(1)").stdout == ["1\n"] * N
 
 
 def test_px_output_comes_in_rank_order(cluster):
