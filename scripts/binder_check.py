@@ -474,11 +474,14 @@ def main(argv=None) -> int:
     ap.add_argument("--env", help="where to build the environment (default: a temporary folder)")
     ap.add_argument("--reuse", action="store_true", help="use --env as it is when it was built before")
     ap.add_argument("--keep", action="store_true", help="keep the environment")
+    ap.add_argument("--build-only", action="store_true", help="build --env and stop (a later --reuse runs it)")
     ap.add_argument("--warm", action="store_true", help="leave the environment's files in the page cache")
     ap.add_argument("--cell-timeout", type=float, default=600)
     ap.add_argument("--ranks", choices=["threads", "engines"],
                     help="MESHVIZ_RANKS for the server (default: what binder/start sets)")
     args = ap.parse_args(argv)
+    if args.build_only and not args.env:
+        ap.error("--build-only needs --env")
 
     tmp = tempfile.mkdtemp(prefix="binder-check-")
     env = args.env or os.path.join(tmp, "env")
@@ -490,6 +493,9 @@ def main(argv=None) -> int:
             shutil.rmtree(env)
         log(f"building {env} from binder/requirements.txt and binder/postBuild ...")
         log(f"built in {build_env(env, tmp):.0f} s")
+    if args.build_only:
+        shutil.rmtree(tmp, ignore_errors=True)
+        return 0
     versions = subprocess.run([os.path.join(env, "bin", "python"), "-c",
                                "import torch, ipyparallel, jupyterlab, meshviz; print(torch.__version__, "
                                "ipyparallel.__version__, jupyterlab.__version__, meshviz.__file__)"],
