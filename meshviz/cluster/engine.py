@@ -41,6 +41,25 @@ def _ipython():
     return get_ipython()
 
 
+def _in_users_code(frame) -> bool:
+    """Is ``frame`` (the main thread's, where a signal landed) inside the code a kernel request runs for the user:
+    a cell's code under IPython's ``run_code``, or an apply's call under ipyparallel's ``do_apply``?"""
+    while frame is not None and frame.f_back is not None:
+        parent = frame.f_back
+        if parent.f_code.co_name in ("run_code", "do_apply") and _kernels_file(parent.f_code.co_filename) \
+                and not _kernels_file(frame.f_code.co_filename):
+            return True
+        frame = parent
+    return False
+
+
+def _kernels_file(path: str) -> bool:
+    """Is ``path`` a file of IPython, ipykernel or ipyparallel?"""
+    dirs = [os.path.dirname(m.__file__) + os.sep for name in ("IPython", "ipykernel", "ipyparallel")
+            if (m := sys.modules.get(name)) is not None and getattr(m, "__file__", None)]
+    return any(path.startswith(d) for d in dirs)
+
+
 def _summary(value: BaseException) -> str:
     text = f"{type(value).__name__}: {value}"
     return text if len(text) <= 500 else text[:497] + "..."
@@ -76,7 +95,6 @@ class _EngineState:
         self.tracing = False
         self.set_tracing(cfg.get("trace", True))
         self.running = False
-        self.executing = False
         self.cell = 0
         self.abort_pending = False
         self.aborted = False
@@ -114,13 +132,11 @@ class _EngineState:
     # -- IPython hooks ------------------------------------------------------------------------------------------
     def _install_hooks(self) -> None:
         self._custom_tb = None
-        self._events_on: tuple = ()
         ip = _ipython()
         if ip is None:
             return
-        self._events_on = self._events()
-        for name, cb in self._events_on:
-            ip.events.register(name, cb)
+        ip.events.register("pre_run_cell", self._pre)
+        ip.events.register("post_run_cell", self._post)
         ip.set_custom_exc((Exception, KeyboardInterrupt), self._on_exception)
         self._custom_tb = ip.CustomTB
         kernel = getattr(ip, "kernel", None)
@@ -129,17 +145,12 @@ class _EngineState:
                                                       signal.signal(signal.SIGINT, self._on_sigint))
 
     def _on_sigint(self, signum, frame):
-        # an interrupt that lands after the cell, while the kernel sends its reply, would lose the reply and leave
-        # the client waiting for this rank forever: only running code (a cell, a call) is interrupted
-        if self.running or self.executing:
+        # an interrupt escaping the request it lands in (the kernel's reply on its way, IPython's own steps around
+        # a cell) loses the reply and leaves the client waiting for this rank forever: only the user's code is
+        # interrupted, where the request turns the KeyboardInterrupt into its error
+        if _in_users_code(frame):
             raise KeyboardInterrupt
-        _debug("SIGINT outside a cell: ignored")
-
-    def _events(self) -> tuple:
-        """IPython's events this rank follows: a cell (``*_run_cell``) and any code, silent code included."""
-        return (("pre_run_cell", self._pre), ("post_run_cell", self._post),
-                ("pre_execute", lambda: setattr(self, "executing", True)),
-                ("post_execute", lambda: setattr(self, "executing", False)))
+        _debug("SIGINT outside the user's code: ignored")
 
     def _uninstall_hooks(self) -> None:
         from IPython import get_ipython
@@ -149,7 +160,7 @@ class _EngineState:
             return
         if "pre_handler_hook" in vars(getattr(ip, "kernel", None) or object()):
             del ip.kernel.pre_handler_hook
-        for name, cb in self._events_on:
+        for name, cb in (("pre_run_cell", self._pre), ("post_run_cell", self._post)):
             try:
                 ip.events.unregister(name, cb)
             except ValueError:
@@ -162,9 +173,9 @@ class _EngineState:
             ip.set_custom_exc((Exception, KeyboardInterrupt), self._on_exception)
             self._custom_tb = ip.CustomTB
         self.cell += 1
+        self.running = True
         self._rollcall.current().start(self.cell)
         self._trace.set_cell(self.cell)  # events say which cell emitted them (the comm table groups by it)
-        self.running = True
 
     def _post(self, *_, note: str = "its cell finished"):
         self.running = False

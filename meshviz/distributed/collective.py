@@ -451,7 +451,8 @@ def batch_isend_irecv(p2p_op_list):
             staged.append((tdist.irecv, buf, _then(fin, back)))
     run(Call(CollectiveOp.BATCH_ISEND_IRECV, groups.world_group(), lambda _: works.extend(tdist.batch_isend_irecv(
              [tdist.P2POp(fn, buf, p.peer, group=g.process_group) for (fn, buf, _), (p, _, g) in zip(staged, ops)])),
-             tensors=[t for _, t, _ in ops], traced=False))
+             tensors=[t for _, t, _ in ops], traced=False,
+             peers={f"peer {i}": r for i, r in enumerate(sorted({p.peer for p, _, _ in ops}))}))
     return [Task([w], then=fin) for w, (_, _, fin) in zip(works, staged)]
 
 

@@ -90,7 +90,7 @@ class Task:
         self._works = [w for w in works if w is not None]
         self._then = then
         self._done = done
-        self._call = call  # (op, group key, seq, tensors): what the roll-call shows while wait() blocks
+        self._call = call  # (op, group, seq, tensors): what the roll-call shows while wait() blocks
 
     def wait(self, timeout=None) -> bool:
         if not self._done:
@@ -300,6 +300,14 @@ INSIDE = frozenset({matching})  # from the first of these on, the rank shows as 
 _FIRST_INSIDE = next(i for i, c in enumerate(CHECKS) if c in INSIDE)
 
 
+def _p2p_ranks(call: Call, g: Group) -> tuple:
+    """The global ranks a point-to-point call waits on, this one included (the group's when it names no peer)."""
+    ranks = {g.ranks[g.rank], *(call.peers or {}).values()}
+    if call.peer is not None:
+        ranks.add(call.peer)
+    return tuple(sorted(ranks)) if len(ranks) > 1 else g.key
+
+
 def run(call: Call, checks: Sequence[Check] = CHECKS) -> Task:
     """Issue one collective: resolve its group, apply ``checks`` in order, trace, start, finish.
 
@@ -317,15 +325,16 @@ def run(call: Call, checks: Sequence[Check] = CHECKS) -> Task:
         if not check(call, g, None):
             return Task(done=True)
     rec = rollcall.current()
-    # a send or recv is two ranks of the group, not all: it uses up no number of the group's collectives
-    prev = rec.enter(op, g.key, call.tensors, call.nbytes, counted=call.op not in _P2P)
+    # a send or recv waits on its peers, not on the whole group: it shows them and uses up no number of the group's
+    p2p = call.op in _P2P
+    prev = rec.enter(op, _p2p_ranks(call, g) if p2p else g.key, call.tensors, call.nbytes, counted=not p2p)
     task = None
     try:
         for check in checks[first_inside:]:
             if not check(call, g, rec.seq):
                 task = Task(done=True)
                 return task
-        key = (op, g.key, rec.seq, call.tensors)
+        key = (op, rec.group, rec.seq, call.tensors)
         if not call.traced or not trace.active():
             task = _finish(call.start(g), call.sync_op, call.then, key)
             return task

@@ -263,8 +263,10 @@ def _send_recv(step: Step, local: torch.Tensor | None, rank: int, dtype, device)
             if fin is not None:
                 copy_back.append(fin)
     if ops:
+        peers = sorted({op.peer for op in ops})
         run(Call(CollectiveOp.SEND_RECV, groups.world_group(), lambda g: tdist.batch_isend_irecv(ops),
-                 tensors=tensors, traced=False, then=lambda: [fin() for fin in copy_back]))
+                 tensors=tensors, traced=False, then=lambda: [fin() for fin in copy_back],
+                 peers={f"peer {i}": r for i, r in enumerate(peers)}))
     if pending:
         result = pending[0]
     return result

@@ -58,10 +58,10 @@ class Record:
     # -- the comm layer's side: keep it cheap -------------------------------------------------------------------
     def enter(self, op: str, group: tuple, tensors=(), nbytes: int | None = None, counted: bool = True):
         """This rank enters collective ``op`` on ``group`` (a tuple of global ranks); returns what to restore.
-        ``counted``: the call uses up the group's next number (a point-to-point call shows it but leaves it)."""
-        seq = self.entered.get(group, 0) + 1
+        ``counted``: the call uses up the group's next number (a point-to-point call has none)."""
+        seq = None
         if counted:
-            self.entered[group] = seq
+            seq = self.entered[group] = self.entered.get(group, 0) + 1
         prev = None if self.op is None else (self.op, self.group, self.seq, self.tensors, self.nbytes, self.since)
         self.group, self.seq, self.tensors, self.nbytes = group, seq, tensors, nbytes
         self.since = _monotonic()

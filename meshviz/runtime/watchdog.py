@@ -113,7 +113,7 @@ class _RankWatch:
                 continue  # a DataParallel backward shows in the answers, it does not ask
             if op is None or time.monotonic() - since < self.hang_after:
                 continue
-            what = (op, rec.group, rec.seq)
+            what = (op, rec.group, rec.seq if rec.seq is not None else since)  # a send or recv has no number
             if what in self._announced:
                 continue
             self._announced.add(what)

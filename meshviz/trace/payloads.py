@@ -70,8 +70,8 @@ class ReshardPlan(Payload):
 
 @dataclass(frozen=True, repr=False)
 class Issued(Payload):
-    """Who issued a communication: the group's sequence number of it (1, 2, ... per group and rank), the user's
-    ``file:line``, and the ``nn.Module`` whose forward (or backward) was running."""
+    """Who issued a communication: the group's sequence number of it (1, 2, ... per group and rank; None for a
+    send or recv), the user's ``file:line``, and the ``nn.Module`` whose forward (or backward) was running."""
 
     seq: int | None = None
     where: str | None = None

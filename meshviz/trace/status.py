@@ -13,6 +13,8 @@ STATES = ("idle", "running", "in_collective", "dead", "unknown")
 
 # collectives whose tensors must have the same shapes and dtypes on every member (others may differ per rank)
 SHAPED_OPS = frozenset({"all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter", "gather", "scatter"})
+P2P_OPS = frozenset({"send", "recv", "send_recv", "batch_isend_irecv"})  # on their peers, without a number
+_MATCHING = {"send": "recv", "recv": "send"}  # what the peer of a rank waiting in one must enter
 
 
 @dataclass(frozen=True)
@@ -148,7 +150,7 @@ class Situation:
             return "; ".join(_now(r, how, what, None) for r, (how, what) in sorted(self.culprits.items()))
         head = f"{_ranks(self.waiting)} wait{'s' if len(self.waiting) == 1 else ''} in {self.collective} for " \
                f"{self.waited_s:.1f} s"
-        name = describe(self.op, None, self.seq)
+        name = describe(_MATCHING.get(self.op, self.op), None, self.seq)
         parts = [head] + [_now(r, how, what, name) for r, (how, what) in sorted(self.culprits.items())]
         if not self.culprits:
             parts.append("every member entered it")
@@ -165,7 +167,7 @@ class Situation:
         or the mismatch, then the ranks that waited."""
         if self.mismatch:
             return [self._mismatch_line()]
-        coll = self.collective
+        coll = describe(_MATCHING.get(self.op, self.op), self.group, self.seq)  # what the missing ones must enter
         out = []
         for r, (how, what) in sorted(self.culprits.items()):
             if not self.waiting:
@@ -181,7 +183,7 @@ class Situation:
             else:
                 out.append(f"rank {r} never entered {coll} (it did not answer the roll-call)")
         if self.waiting:
-            out.append(f"{_ranks(self.waiting)} waited in {coll} for {self.waited_s:.1f} s")
+            out.append(f"{_ranks(self.waiting)} waited in {self.collective} for {self.waited_s:.1f} s")
         return out
 
 
@@ -254,7 +256,8 @@ class RollCall(Sequence):
         for s in self.statuses:
             if s.state != "in_collective" or s.group is None:
                 continue
-            key = (tuple(s.group), s.seq) if s.seq is not None else (tuple(s.group), None, s.op)
+            op = "p2p" if s.op in P2P_OPS else s.op  # a send and the recv it waits for are one situation
+            key = (tuple(s.group), s.seq) if s.seq is not None else (tuple(s.group), None, op)
             inst.setdefault(key, []).append(s)
         out = []
         for key, inside in sorted(inst.items(), key=lambda kv: min(s.rank for s in kv[1])):
@@ -262,7 +265,7 @@ class RollCall(Sequence):
             first = inside[0]
             mismatch = {}
             ops = {s.op for s in inside}
-            if len(ops) > 1:
+            if len(ops) > 1 and not ops <= P2P_OPS:
                 mismatch = {s.rank: f"{s.op} {s.signature()}".rstrip() for s in inside}
             elif first.op in SHAPED_OPS and len({(s.shapes, s.dtypes) for s in inside if s.shapes}) > 1:
                 mismatch = {s.rank: f"{s.op} with {s.signature()}" for s in inside}

@@ -188,6 +188,12 @@ def _other_op():
         dist.all_gather([], t)
 
 
+def _unsent():
+    dist.init_parallel_env()
+    if dist.get_rank() == 0:
+        dist.recv(torch.zeros(4), src=1)
+
+
 def _loops():
     dist.init_parallel_env()
     t = torch.ones(4)
@@ -215,7 +221,7 @@ def _shapes():
 def _spawn(fn, capfd, **kw):
     capfd.readouterr()
     with pytest.raises(RankError) as info:
-        dist.spawn(fn, nprocs=2, timeout=TIMEOUT, hang_after=HANG, **kw)
+        dist.spawn(fn, **{"nprocs": 2, "timeout": TIMEOUT, "hang_after": HANG, **kw})
     return info.value, capfd.readouterr().err
 
 
@@ -244,6 +250,16 @@ def test_spawn_names_a_mismatch_before_the_timeout(capfd):
                                  "all_gather float32[4]")
     assert err.ranks == [0, 1] and str(err).startswith("mismatch at #1 on group [0, 1]")
     assert [o.status for o in err.outcomes] == ["stopped", "stopped"]  # ended at the roll-call, not by the timeout
+
+
+def test_spawn_names_the_peer_a_recv_waits_for(capfd):
+    """A recv waits on its sender alone: rank 1 is named, with the send it never made; rank 2, idle too, is not."""
+    err, text = _spawn(_unsent, capfd, nprocs=3)
+    assert re.fullmatch(r"rank 0 waits in recv on group \[0, 1\] for [\d.]+ s; rank 1 is idle: its function "
+                        r"returned without entering send", _printed(text)[0]), text
+    assert err.ranks == [1]
+    assert re.fullmatch(r"rank 1 never entered send on group \[0, 1\] \(idle: its function returned\); "
+                        r"rank 0 waited in recv on group \[0, 1\] for [\d.]+ s", str(err).splitlines()[0]), str(err)
 
 
 def test_spawn_names_a_rank_stuck_in_a_loop(capfd):

@@ -31,6 +31,22 @@ def test_a_skipped_collective_names_the_rank_that_never_entered():
                           "rank 0 waited in all_reduce #1 on group [0, 1] for 6.2 s"]
 
 
+def test_a_send_or_recv_waits_on_its_peer_only():
+    """A point-to-point call has no number on its group: it waits on its peer, and the peer is the one to name
+    (with the call it must enter), never the other ranks of the world."""
+    world = (0, 1, 2, 3)
+    idle = [RankStatus(r, "idle", note="its cell finished", entered=((world, 2),)) for r in (1, 2, 3)]
+    rc = RollCall([_waits(0, op="recv", seq=None, group=(0, 1), s=3.0)] + idle)
+    assert rc.lines() == ["rank 0 waits in recv on group [0, 1] for 3.0 s; rank 1 is idle: its cell finished "
+                          "without entering send"]
+    assert rc.culprits() == [1] and not rc.mismatches()
+    assert rc.blame() == ["rank 1 never entered send on group [0, 1] (idle: its cell finished)",
+                          "rank 0 waited in recv on group [0, 1] for 3.0 s"]
+    both = RollCall([_waits(0, op="send", seq=None, group=(0, 1)), _waits(1, op="recv", seq=None, group=(0, 1))])
+    assert both.culprits() == [] and not both.mismatches()
+    assert both.lines() == ["ranks 0, 1 wait in send on group [0, 1] for 6.2 s; every member entered it"]
+
+
 def test_running_elsewhere_dead_and_silent_ranks():
     group = (0, 1, 2, 3, 4)
     rc = RollCall([
