@@ -14,7 +14,7 @@ STATES = ("idle", "running", "in_collective", "dead", "unknown")
 # collectives whose tensors must have the same shapes and dtypes on every member (others may differ per rank)
 SHAPED_OPS = frozenset({"all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter", "gather", "scatter"})
 P2P_OPS = frozenset({"send", "recv", "send_recv", "batch_isend_irecv"})  # on their peers, without a number
-_MATCHING = {"send": "recv", "recv": "send"}  # what the peer of a rank waiting in one must enter
+_MATCHING: dict[str | None, str | None] = {"send": "recv", "recv": "send"}  # what a waiting rank's peer must enter
 
 
 @dataclass(frozen=True)
