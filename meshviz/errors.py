@@ -86,10 +86,12 @@ class RankError(RuntimeError):
                 parts.append(f"rank {r} was stopped ({o.error})")
             else:
                 parts.append(f"rank {r} raised {o.error}")
-        others = [o.rank for o in self.outcomes if o.rank not in self.ranks and o.status != "ok"]
+        others = [o for o in self.outcomes if o.rank not in self.ranks and o.status != "ok"]
         line = strip_ansi("; ".join(parts) or "ranks failed")
-        if others:
-            line += f" (rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))} stopped because of it)"
+        for what, rs in (("stopped because of it", [o.rank for o in others if o.status != "running"]),
+                         ("still running", [o.rank for o in others if o.status == "running"])):
+            if rs:
+                line += f" (rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))} {what})"
         return line
 
     def render_traceback(self, color: bool = False) -> list[str]:

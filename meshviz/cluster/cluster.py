@@ -26,6 +26,8 @@ from .threads import Threads
 
 __all__ = ["Cluster", "ClusterState", "DEFAULT_CPU_RANKS", "CellJob", "RankBackend", "RUNNERS"]
 
+STUCK_AFTER = 10.0  # seconds past the collective timeout a rank may run on after an abort before it counts as stuck
+
 
 class CellJob(Job, Protocol):
     """A Job of a Cluster's ranks; ``result`` is what ``Cluster.execute`` returns for it (ipyparallel's
@@ -286,9 +288,9 @@ class Cluster:
     def _check_alive(self) -> None:
         if self.state == ClusterState.STOPPED or self.view is None:
             raise RuntimeError("Cluster is stopped; call cluster.start() or cluster.restart()")
-        dead = self._control.dead
-        if dead:
-            which = ", ".join(f"rank {r} ({why})" for r, why in sorted(dead.items()))
+        broken = {**self._control.dead, **self._control.stuck}
+        if broken:
+            which = ", ".join(f"rank {r} ({why})" for r, why in sorted(broken.items()))
             raise RuntimeError(f"Cluster: {which}; call cluster.restart() for a working cluster")
 
     def execute(self, code: str, timeout: float | None = None):
@@ -370,6 +372,14 @@ class Cluster:
                     if pending:
                         ranks.interrupt(pending)
                     stragglers_told = True
+            if aborted_at is not None and time.monotonic() - aborted_at > self.timeout + STUCK_AFTER:
+                # past the collective timeout, interrupted, still running (it caught the KeyboardInterrupt, or C
+                # code never returns): waiting longer could be forever
+                for r in job.pending():
+                    if r not in control.dead:
+                        control.mark_stuck(r, f"still running {self.timeout + STUCK_AFTER:.0f} s after the abort "
+                                              "and the interrupt")
+                return
             if tick is not None:
                 tick()
             if watch is not None and watch.tick() is not None:

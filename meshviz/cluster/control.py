@@ -63,6 +63,7 @@ class Control:
         self._state = S.STOPPED
         self.failures: list[dict] = []  # failure reports from ranks, in arrival order
         self.dead: dict[int, str] = {}  # rank -> why its process is gone
+        self.stuck: dict[int, str] = {}  # rank -> why it counts as stuck: alive, still running what it was told to stop
         self.abort_sent = False
         self.needs_reset = False
         self._publish: Callable[[dict], None] | None = None
@@ -93,7 +94,7 @@ class Control:
     def started(self) -> None:
         """The ranks are set up and their process group is ready."""
         with self._lock:
-            self.dead = {}
+            self.dead, self.stuck = {}, {}
             self.abort_sent = False
             self.needs_reset = False
             self._move(S.READY)
@@ -125,6 +126,12 @@ class Control:
             self.dead[rank] = why
             self._move(S.BROKEN)
             return True
+
+    def mark_stuck(self, rank: int, why: str) -> None:
+        """A rank still runs what an abort and an interrupt should have stopped: the cluster is broken."""
+        with self._lock:
+            self.stuck.setdefault(rank, why)
+            self._move(S.BROKEN)
 
     # -- messages -----------------------------------------------------------------------------------------------
     def attach(self, publish: Callable[[dict], None] | None) -> None:
@@ -281,8 +288,9 @@ class Control:
         note = ""
         if self.needs_reset:
             note = "The ranks' process group was torn down to stop them; it is re-created before the next cell."
-        if dead:
-            note = "Call cluster.restart() for a working cluster."
+        if dead or self.stuck:
+            note = "Call cluster.restart() for a working cluster." + "".join(
+                f" Rank {r} is {why}." for r, why in sorted(self.stuck.items()))
         return rank_error(outcomes, seen, inside=inside, rollcall=rollcall, note=note,
                           mismatch=None if mismatch is None else (
                               mismatch.get("ranks") or [f["rank"] for f in reports if f.get("mismatch")],

@@ -170,7 +170,28 @@ def test_a_killed_engine(cluster):
     _next_cell_works(cluster)
 
 
+def test_a_rank_that_will_not_stop_is_named_and_the_cluster_asks_for_a_restart(cluster):
+    """Rank 0 raises; rank 1 catches the interrupt that should stop it and runs on. The cell ends (not hangs) once
+    the collective timeout and STUCK_AFTER have passed since the abort, and the cluster asks for a restart."""
+    from meshviz.cluster.cluster import STUCK_AFTER
+
+    err, took = _run(cluster, "if r == 0:\n    raise ValueError('rank 0 broke')\nt0 = time.time()\n"
+                              "while time.time() - t0 < 60:\n    try:\n        time.sleep(0.1)\n"
+                              "    except KeyboardInterrupt:\n        pass\n")
+    assert TIMEOUT + STUCK_AFTER <= took < TIMEOUT + STUCK_AFTER + 10, took
+    assert str(err).startswith("rank 0 raised ValueError: rank 0 broke (rank 1 still running)"), str(err)
+    assert [o.status for o in err.outcomes] == ["error", "running"]
+    assert f"Rank 1 is still running {TIMEOUT + STUCK_AFTER:.0f} s after the abort and the interrupt." in str(err)
+    assert cluster.state == "broken"
+    with pytest.raises(RuntimeError, match=r"rank 1 \(still running .*\); call cluster.restart\(\)"):
+        cluster.execute("print(1)")
+    cluster.restart()
+    cluster.execute("import time, torch, meshviz.distributed as dist\nr = dist.get_rank()\n")
+    _next_cell_works(cluster)
+
+
 # -- spawn ---------------------------------------------------------------------------------------------------------
+
 
 def _skips():
     dist.init_parallel_env()
