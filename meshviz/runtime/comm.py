@@ -325,7 +325,7 @@ def run(call: Call, checks: Sequence[Check] = CHECKS) -> Task:
         if not check(call, g, None):
             return Task(done=True)
     rec = rollcall.current()
-    # a send or recv waits on its peers, not on the whole group: it shows them and uses up no number of the group's
+    # a send or recv waits on its peers alone: the roll-call shows it on them, with no number of the group's
     p2p = call.op in _P2P
     prev = rec.enter(op, _p2p_ranks(call, g) if p2p else g.key, call.tensors, call.nbytes, counted=not p2p)
     task = None
