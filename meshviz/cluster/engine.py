@@ -44,20 +44,15 @@ def _ipython():
 def _in_users_code(frame) -> bool:
     """Is ``frame`` (the main thread's, where a signal landed) inside the code a kernel request runs for the user:
     a cell's code under IPython's ``run_code``, or an apply's call under ipyparallel's ``do_apply``?"""
+    dirs = tuple(os.path.dirname(m.__file__) + os.sep for name in ("IPython", "ipykernel", "ipyparallel")
+                 if (m := sys.modules.get(name)) is not None and getattr(m, "__file__", None))
     while frame is not None and frame.f_back is not None:
         parent = frame.f_back
-        if parent.f_code.co_name in ("run_code", "do_apply") and _kernels_file(parent.f_code.co_filename) \
-                and not _kernels_file(frame.f_code.co_filename):
+        if parent.f_code.co_name in ("run_code", "do_apply") and parent.f_code.co_filename.startswith(dirs) \
+                and not frame.f_code.co_filename.startswith(dirs):
             return True
         frame = parent
     return False
-
-
-def _kernels_file(path: str) -> bool:
-    """Is ``path`` a file of IPython, ipykernel or ipyparallel?"""
-    dirs = [os.path.dirname(m.__file__) + os.sep for name in ("IPython", "ipykernel", "ipyparallel")
-            if (m := sys.modules.get(name)) is not None and getattr(m, "__file__", None)]
-    return any(path.startswith(d) for d in dirs)
 
 
 def _summary(value: BaseException) -> str:

@@ -11,7 +11,7 @@ import torch.distributed as tdist
 from .. import trace
 from ..core.placements import ReduceType
 from ..runtime import comm, groups
-from ..runtime.comm import Call, CollectiveOp, Task, check_peer, local, reduction, run, tensor_bytes
+from ..runtime.comm import Call, CollectiveOp, Task, check_peer, local, peer_names, reduction, run, tensor_bytes
 from ..runtime.devices import staged_recv, staged_send
 from ..runtime.groups import Group
 from ..runtime.world import get_rank, init_parallel_env
@@ -452,7 +452,7 @@ def batch_isend_irecv(p2p_op_list):
     run(Call(CollectiveOp.BATCH_ISEND_IRECV, groups.world_group(), lambda _: works.extend(tdist.batch_isend_irecv(
              [tdist.P2POp(fn, buf, p.peer, group=g.process_group) for (fn, buf, _), (p, _, g) in zip(staged, ops)])),
              tensors=[t for _, t, _ in ops], traced=False,
-             peers={f"peer {i}": r for i, r in enumerate(sorted({p.peer for p, _, _ in ops}))}))
+             peers=peer_names(p.peer for p, _, _ in ops)))
     return [Task([w], then=fin) for w, (_, _, fin) in zip(works, staged)]
 
 

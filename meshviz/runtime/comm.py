@@ -14,13 +14,14 @@ import torch.distributed as tdist
 from .. import compat, trace
 from ..core.placements import ReduceType
 from ..core.traffic import received
+from ..trace.status import P2P_OPS
 from . import devices, rollcall
 from .groups import Group, resolve
 from .match import CollectiveMismatch, check_match, checking
 
 __all__ = ["torch_reduce_op", "dtensor_reduce_op", "from_dtensor_reduce_op", "reduction", "divide_", "Task",
            "CollectiveOp", "Call", "Check", "membership", "on_devices", "matching", "CHECKS", "INSIDE", "run",
-           "check_peer", "local", "tensor_bytes", "passed_sizes", "received_bytes", "all_to_all_flat",
+           "check_peer", "peer_names", "local", "tensor_bytes", "passed_sizes", "received_bytes", "all_to_all_flat",
            "all_reduce_mean_", "FUSE_BYTES"]
 
 # -- reduce ops ------------------------------------------------------------------------------------------------
@@ -208,7 +209,7 @@ class CollectiveOp(str, Enum):
     __format__ = str.__format__
 
 
-_P2P = frozenset({CollectiveOp.SEND, CollectiveOp.RECV, CollectiveOp.SEND_RECV, CollectiveOp.BATCH_ISEND_IRECV})
+_P2P = frozenset(op for op in CollectiveOp if op.value in P2P_OPS)
 _KIND = {CollectiveOp.SEND: "send", CollectiveOp.RECV: "recv"}  # the trace event's kind; "collective" for the rest
 
 
@@ -298,6 +299,11 @@ def matching(call: Call, g: Group, seq: int | None) -> bool:
 CHECKS: tuple[Check, ...] = (membership, on_devices, matching)
 INSIDE = frozenset({matching})  # from the first of these on, the rank shows as inside the collective (they may block)
 _FIRST_INSIDE = next(i for i, c in enumerate(CHECKS) if c in INSIDE)
+
+
+def peer_names(ranks) -> dict[str, int]:
+    """``Call.peers`` for a call with several peers (a batch of sends and receives): ``{"peer 0": rank, ...}``."""
+    return {f"peer {i}": r for i, r in enumerate(sorted(set(ranks)))}
 
 
 def _p2p_ranks(call: Call, g: Group) -> tuple:

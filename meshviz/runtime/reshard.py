@@ -16,7 +16,7 @@ from ..core.placements import ReduceType
 from ..core.planner import Plan, Step
 from ..trace.state import trace_state
 from . import groups
-from .comm import Call, CollectiveOp, all_to_all_flat, divide_, reduction, run
+from .comm import Call, CollectiveOp, all_to_all_flat, divide_, peer_names, reduction, run
 from .devices import staged_recv, staged_send
 from .reshard_events import UNKNOWN, issued_now, plan_event, step_event, traced_plan
 
@@ -263,10 +263,9 @@ def _send_recv(step: Step, local: torch.Tensor | None, rank: int, dtype, device)
             if fin is not None:
                 copy_back.append(fin)
     if ops:
-        peers = sorted({op.peer for op in ops})
         run(Call(CollectiveOp.SEND_RECV, groups.world_group(), lambda g: tdist.batch_isend_irecv(ops),
                  tensors=tensors, traced=False, then=lambda: [fin() for fin in copy_back],
-                 peers={f"peer {i}": r for i, r in enumerate(peers)}))
+                 peers=peer_names(op.peer for op in ops)))
     if pending:
         result = pending[0]
     return result

@@ -142,6 +142,11 @@ class Situation:
     def collective(self) -> str:
         return describe(self.op, self.group, self.seq)
 
+    @property
+    def awaited(self) -> str | None:
+        """What the members not inside must enter: the op itself, or a send's recv (and a recv's send)."""
+        return _MATCHING.get(self.op, self.op)
+
     def line(self) -> str:
         """One line for the roll-call: who waits where and for how long, and what each missing member does."""
         if self.mismatch:
@@ -150,7 +155,7 @@ class Situation:
             return "; ".join(_now(r, how, what, None) for r, (how, what) in sorted(self.culprits.items()))
         head = f"{_ranks(self.waiting)} wait{'s' if len(self.waiting) == 1 else ''} in {self.collective} for " \
                f"{self.waited_s:.1f} s"
-        name = describe(_MATCHING.get(self.op, self.op), None, self.seq)
+        name = describe(self.awaited, None, self.seq)
         parts = [head] + [_now(r, how, what, name) for r, (how, what) in sorted(self.culprits.items())]
         if not self.culprits:
             parts.append("every member entered it")
@@ -167,7 +172,7 @@ class Situation:
         or the mismatch, then the ranks that waited."""
         if self.mismatch:
             return [self._mismatch_line()]
-        coll = describe(_MATCHING.get(self.op, self.op), self.group, self.seq)  # what the missing ones must enter
+        coll = describe(self.awaited, self.group, self.seq)
         out = []
         for r, (how, what) in sorted(self.culprits.items()):
             if not self.waiting:
