@@ -1,6 +1,7 @@
-"""The op layer's cost: ops on meshviz dist tensors against the same ops on torch DTensors, 2 gloo ranks.
+"""The op layer's cost: ops on meshviz dist tensors against the same ops on torch DTensors, 2 gloo ranks (or 1:
+the fixed cost of a call with nothing to wait for).
 
-Run: .venv/bin/python bench/bench_ops.py [--size 256] [--repeat 30] [--rounds 5]
+Run: .venv/bin/python bench/bench_ops.py [--size 256] [--repeat 30] [--rounds 5] [--ranks 2]
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ def run(size: int, repeat: int, rounds: int):
     from meshviz.runtime.groups import device_mesh
 
     dist.init_parallel_env()
-    mesh = dist.ProcessMesh([0, 1], dim_names=["x"])
+    mesh = dist.ProcessMesh(list(range(dist.get_world_size())), dim_names=["x"])
     dm = device_mesh(mesh, "cpu")
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(size, size, generator=g), torch.randn(size, size, generator=g)
@@ -46,6 +47,8 @@ def run(size: int, repeat: int, rounds: int):
     tx = DTensor.from_local(mx._local_value().detach(), dm, [TS(0)]).requires_grad_()
     tw = DTensor.from_local(mw._local_value().detach(), dm, [TR()]).requires_grad_()
 
+    ms = dist.shard_tensor(w, mesh, [dist.Shard(0)])
+    ts = DTensor.from_local(ms._local_value(), dm, [TS(0)])
     mmask = dist.shard_tensor(x > 0, mesh, [dist.Shard(0)])
     tmask = DTensor.from_local(mmask._local_value(), dm, [TS(0)])
 
@@ -62,6 +65,7 @@ def run(size: int, repeat: int, rounds: int):
     cases = {
         "add (S(0) + S(0))": (lambda: mx + mx, lambda: tx + tx),
         "matmul S(0) @ R": (lambda: mx @ mw, lambda: tx @ tw),
+        "matmul S(0) @ S(0) (gathers w)": (lambda: mx @ ms, lambda: tx @ ts),
         "sum over the sharded dim": (lambda: mx.sum(0), lambda: tx.sum(0)),
         "fwd+bwd relu(x @ w).sum()": (step(mx, mw), step(tx, tw)),
         "masked_select (no torch rule)": (lambda: mx.masked_select(mmask), by_hand),
@@ -87,11 +91,12 @@ def main():
     ap.add_argument("--size", type=int, default=256)
     ap.add_argument("--repeat", type=int, default=30)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--ranks", type=int, default=2)
     a = ap.parse_args()
     import os
 
-    res = run_ranks(run, 2, a.size, a.repeat, a.rounds, ranks="processes", timeout=600)[0]
-    print(f"2 gloo ranks, {a.size}x{a.size} float32, load average {os.getloadavg()[0]:.1f}")
+    res = run_ranks(run, a.ranks, a.size, a.repeat, a.rounds, ranks="processes", timeout=600)[0]
+    print(f"{a.ranks} gloo ranks, {a.size}x{a.size} float32, load average {os.getloadavg()[0]:.1f}")
     print(f"{'op':30} {'meshviz us':>10} {'DTensor us':>10} {'ratio median (min-max)':>24}   CPU us, rank 0: "
           f"meshviz / DTensor, ratio")
     for name, (m, t, lo, med, hi, mc, tc) in res.items():

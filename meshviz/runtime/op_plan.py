@@ -8,20 +8,17 @@ import itertools
 import torch
 import torch.distributed as tdist
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor import Partial as TPartial
-from torch.distributed.tensor import Replicate as TReplicate
 
 from .. import compat
 from ..compat import tree_map as _tree_map
-from ..core.mesh import ProcessMesh
 from ..core.partial import summed
 from ..core.placements import Partial, Replicate, Shard
 from . import dtensor
-from .dtensor import DistTensor, from_torch_placements, make_dtensor, representable
+from .dtensor import DistTensor, representable
 from .op_rules import RULES, Strategy, TensorSpec, partial_meets_shard
 
-__all__ = ["tree_map", "call_key", "Plan", "plan", "Decision", "decide", "ask_torch", "remember", "decisions",
-           "clear_decisions", "layout_number", "probe", "as_replicate", "writes_self", "name_of", "METADATA_OPS"]
+__all__ = ["tree_map", "call_key", "Plan", "plan", "Decision", "decide", "remember", "decisions",
+           "clear_decisions", "layout_number", "probe", "writes_self", "name_of", "METADATA_OPS"]
 
 aten = torch.ops.aten
 
@@ -303,11 +300,13 @@ class Decision:
     events), or None."""
 
     __slots__ = ("how", "moves", "op", "call", "local_args", "outputs", "out_keys", "single", "note", "inplace",
-                 "whole", "nested", "hooks", "why", "fallback", "torch_rule", "summed_first", "member")
+                 "whole", "nested", "hooks", "why", "fallback", "torch_rule", "summed_first", "member",
+                 "torch_moves")
 
     def __init__(self, how, moves=None, note=None, inplace=False, hooks=True, why=""):
         self.how, self.moves, self.note, self.inplace, self.hooks, self.why = how, moves, note, inplace, hooks, why
         self.op = self.call = self.local_args = self.outputs = self.out_keys = self.fallback = None
+        self.torch_moves = None  # the moves torch's rule adds to ``moves`` (made on the deciding call)
         self.single = True
         self.whole = self.nested = False
         self.torch_rule = self.summed_first = False
@@ -336,7 +335,7 @@ def remember(key, d: Decision) -> None:
 
 def decide(func, args, kwargs, skip_random: bool = False) -> Decision:
     """The decision as far as meshviz's own rules go (:func:`plan`); ``torch`` ones are completed by
-    :func:`ask_torch` once the inputs are laid out."""
+    :func:`~meshviz.runtime.torch_rule.ask_torch` once the inputs are laid out."""
     sargs, skwargs = _specs(args, kwargs)
     p = plan(func, sargs, skwargs)
     inplace = bool(args) and writes_self(func) and isinstance(args[0], DistTensor)
@@ -384,85 +383,6 @@ def _out_specs_of(stand_in, placements) -> tuple:
         else:
             specs.append(None)
     return specs, single
-
-
-def ask_torch(d: Decision, func, args, kwargs, dists) -> None:
-    """Complete ``d`` (how ``torch``) with torch DTensor's rule for the inputs as laid out now: ``local`` where the
-    rule moves nothing and names plain placements, ``default`` where torch has no rule, else DTensor runs it."""
-    if func in compat.dtensor_special_ops() or any(isinstance(v, torch.Tensor) for v in kwargs.values()):
-        return
-    dm = dists[0]._dtensor.device_mesh
-    tensors: list = []
-
-    def unwrap(x):
-        if isinstance(x, DistTensor):
-            tensors.append(x)
-            return x._dtensor
-        if isinstance(x, torch.Tensor) and not isinstance(x, DTensor):
-            tensors.append(x)
-            return as_replicate(x, dists[0], dm)
-        return x
-
-    uargs, ukwargs = tree_map(unwrap, (args, kwargs))
-    try:
-        got = compat.dtensor_decision(func, uargs, ukwargs)
-    except compat.NoDTensorRule as e:
-        if e.decomposes:
-            d.how, d.torch_rule = "decompose", True
-        else:
-            d.how, d.note = "default", ("default", "torch DTensor has no sharding rule for it")
-            d.moves = None
-        return
-    current = []
-    for x in tensors:
-        if isinstance(x, DistTensor):
-            current.append(x._dtensor.placements)
-        else:
-            current.append(None)
-    if len(got.wanted) != len(tensors):
-        return
-    for t, want, now in zip(tensors, got.wanted, current):
-        if want is None or now is None:
-            if want is not None and isinstance(t, torch.Tensor) and any(not p.is_replicate() for p in want):
-                return  # a dense input torch would lay out otherwise
-            continue
-        if tuple(want) != tuple(now):
-            if not compat.dtensor_converts_partial_kinds() and _converts_partial_kind(now, want):
-                # torch 2.11's DTensor cannot turn one Partial reduction into another inside an op (P(avg) + P(sum)):
-                # the Partial inputs are reduced first
-                d.summed_first = True
-            return  # DTensor moves data: it runs the op (its collectives observed)
-    outputs = []
-    for o in got.outputs:
-        if o is None:
-            outputs.append(None)
-            continue
-        tpl, shape, stride, dtype, layout = o
-        if any(compat.is_mask_partial(p) for p in tpl):
-            return  # torch's embedding mask: DTensor keeps it until meshviz applies it
-        own = None if all(type(p) in _PLAIN for p in tpl) else layout  # _StridedShard: only torch names it
-        outputs.append((tuple(from_torch_placements(tpl)), shape, stride, dtype, own))
-    d.how, d.op, d.local_args, d.outputs, d.single = "local", got.op, got.local_args, outputs, got.single
-    d.nested = _nested(args, kwargs)
-
-
-_PLAIN = (type(TReplicate()), type(TPartial()), type(dtensor.TShard(0)))
-
-
-def _converts_partial_kind(now, want) -> bool:
-    return any(a.is_partial() and b.is_partial() and a != b for a, b in zip(now, want))
-
-
-def as_replicate(x: torch.Tensor, ref: DistTensor, dm):
-    """A dense tensor meeting a dist one is replicated on its mesh, as in Paddle."""
-    if x.dim() > 0 and x.numel() > 1:
-        return make_dtensor(_local_for_replicate(x, ref._pmesh), ref._pmesh, [Replicate()] * ref._pmesh.ndim,
-                            x.shape, dm.device_type)
-    return x
-
-
-def _local_for_replicate(x: torch.Tensor, mesh: ProcessMesh) -> torch.Tensor:
-    return x.detach() if mesh.contains(_rank()) else compat.empty_block(x.dtype, x.device)
 
 
 def _meta_of(x: DistTensor) -> torch.Tensor:

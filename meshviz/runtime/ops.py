@@ -22,8 +22,6 @@ from .dtensor import DistTensor, contiguous_stride, from_torch_placements, make_
 from .op_plan import (
     METADATA_OPS,
     Decision,
-    as_replicate,
-    ask_torch,
     call_key,
     decide,
     decisions,
@@ -35,6 +33,7 @@ from .op_plan import (
     writes_self,
 )
 from .op_rules import CANONICAL_ARGS, RULES
+from .torch_rule import as_replicate, ask_torch, plain_layout
 
 __all__ = ["dispatch", "decisions", "redistribute", "grad_like"]
 
@@ -120,12 +119,15 @@ def _ask_and_run(key, d: Decision, func, args, kwargs, dists):
         args, kwargs, dists = _moved(d, func, args, kwargs)
     ask_torch(d, func, args, kwargs, dists)
     remember(key, d)
+    if d.torch_moves is not None:
+        args, kwargs, dists = _moved(d, func, args, kwargs, d.torch_moves)
     return _run(d, func, args, kwargs, dists, moved=True)
 
 
-def _moved(d: Decision, func, args, kwargs):
-    """The call with its dist inputs resharded to ``d.moves`` (an in-place op's self holding its new layout)."""
-    moves = iter(d.moves)
+def _moved(d: Decision, func, args, kwargs, targets=None):
+    """The call with its dist inputs resharded to ``targets`` (default ``d.moves``; an in-place op's self holding
+    its new layout)."""
+    moves = iter(d.moves if targets is None else targets)
     name = f"{name_of(func)} input"
 
     def move(x):
@@ -255,12 +257,15 @@ def _torch_rule(func, args, kwargs, ref: DistTensor):
                 if tuple(from_torch_placements(x.placements)) != hit._mpl:
                     hit._dtensor = x  # an in-place op that changed the layout
                 return hit
+            mpl = plain_layout(x.placements) if func not in METADATA_OPS else None
+            if mpl is not None and x.device_mesh is dm:
+                return new_dist(compat.dtensor_local(x), ref._pmesh, mpl, x.shape, x.stride(), dt=x)
             x = _masks_applied(x)
             keep = ref._pl if func in METADATA_OPS else None
             return DistTensor(x, ref._pmesh if x.device_mesh is dm else None, placements=keep)
         return x
 
-    return _tree_map(wrap, out)
+    return wrap(out) if type(out) is DTensor else _tree_map(wrap, out)
 
 
 def _is_view(func) -> bool:

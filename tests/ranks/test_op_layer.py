@@ -278,3 +278,40 @@ def test_a_torch_function_mode_sees_the_users_calls_only():
     # calls on each rank's block (nor anything else the dense run does not show it)
     for names, dense_names in run_ranks(_under_a_torch_function_mode, 2):
         assert names == dense_names and len(names) == 3  # the two aten ops and the product
+
+
+def _torch_rule_moves(shape):
+    import meshviz.trace as trace
+
+    dist, _ = _setup()
+    mesh = dist.ProcessMesh([[0, 1], [2, 3]], dim_names=["x", "y"]) if shape == "2d" else dist.ProcessMesh(
+        [0, 1], dim_names=["x"])
+    pl = [dist.Shard(0), dist.Shard(1)] if shape == "2d" else [dist.Shard(0)]
+    g = torch.Generator().manual_seed(4)
+    x, w, v = torch.randn(4, 6, generator=g), torch.randn(6, 4, generator=g), torch.randn(4, 6, generator=g)
+    dx = dist.shard_tensor(x, mesh, pl).requires_grad_()
+    dw = dist.shard_tensor(w, mesh, pl).requires_grad_()
+    dv = dist.shard_tensor(v, mesh, pl).requires_grad_()
+    seen = []
+    for _ in range(2):  # the call that decides, then the remembered decision
+        with trace.record() as events:
+            out = (dx @ dw).softmax(1).cumsum(0) @ dv
+        seen.append(sorted((e.kind, e.op) for e in events.events if e.kind in ("collective", "reshard_step")))
+    out.sum().backward()
+    refs = [t.clone().requires_grad_() for t in (x, w, v)]
+    rout = (refs[0] @ refs[1]).softmax(1).cumsum(0) @ refs[2]
+    rout.sum().backward()
+    torch.testing.assert_close(dist.unshard_dtensor(out), rout.detach())
+    for d, r in zip((dx, dw, dv), refs):
+        torch.testing.assert_close(dist.unshard_dtensor(d.grad), r.grad)
+    return seen
+
+
+@pytest.mark.parametrize("shape", ["1d", "2d"])
+def test_the_moves_torchs_rule_asks_for_are_meshvizs_reshards(shape):
+    # mm of a row-sharded weight, softmax and cumsum along a sharded dim: torch's rule gathers first; meshviz's
+    # planner makes those moves (reshard events), the same on the call that decides and on the remembered one
+    for seen in run_ranks(_torch_rule_moves, 4 if shape == "2d" else 2, shape):
+        first, again = seen
+        assert first == again and first, seen
+        assert all(kind == "reshard_step" for kind, _ in first), first

@@ -1,0 +1,147 @@
+"""torch DTensor's rule for one op call, read as a meshviz decision: run locally, after meshviz's moves where the
+rule moves data, by Paddle's default rule where torch has none, or by DTensor itself."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as tdist
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import Partial as TPartial
+from torch.distributed.tensor import Replicate as TReplicate
+from torch.distributed.tensor import Shard as TShard
+
+from .. import compat
+from ..core.mesh import ProcessMesh
+from ..core.placements import Replicate
+from .dtensor import DistTensor, from_torch_placements, make_dtensor
+from .op_plan import Decision, _nested, tree_map
+
+__all__ = ["ask_torch", "as_replicate", "plain_layout"]
+
+_PLAIN = (TShard, TReplicate, TPartial)
+_PLAIN_LAYOUTS: dict = {}  # torch placements of plain types -> meshviz placements
+
+
+def plain_layout(placements) -> tuple | None:
+    """meshviz's placements for torch's when each is a plain Shard, Replicate or Partial (no mask to apply, nothing
+    only torch can name), remembered; None otherwise (a ``_MaskPartial`` hashes by its buffer: never a key)."""
+    for p in placements:
+        if type(p) not in _PLAIN:
+            return None
+    hit = _PLAIN_LAYOUTS.get(placements)
+    if hit is None:
+        hit = tuple(from_torch_placements(placements))
+        if len(_PLAIN_LAYOUTS) < 4096:
+            _PLAIN_LAYOUTS[placements] = hit
+    return hit
+
+
+def _rank() -> int:
+    return tdist.get_rank() if tdist.is_initialized() else 0
+
+
+def ask_torch(d: Decision, func, args, kwargs, dists) -> None:
+    """Complete ``d`` (how ``torch``) with torch DTensor's rule for the inputs as laid out now: ``local`` where the
+    rule moves nothing and names plain placements, ``default`` where torch has no rule, else DTensor runs it."""
+    if func in compat.dtensor_special_ops() or any(isinstance(v, torch.Tensor) for v in kwargs.values()):
+        return
+    dm = dists[0]._dtensor.device_mesh
+    tensors: list = []
+
+    def unwrap(x):
+        if isinstance(x, DistTensor):
+            tensors.append(x)
+            return x._dtensor
+        if isinstance(x, torch.Tensor) and not isinstance(x, DTensor):
+            tensors.append(x)
+            return as_replicate(x, dists[0], dm)
+        return x
+
+    uargs, ukwargs = tree_map(unwrap, (args, kwargs))
+    try:
+        got = compat.dtensor_decision(func, uargs, ukwargs)
+    except compat.NoDTensorRule as e:
+        if e.decomposes:
+            d.how, d.torch_rule = "decompose", True
+        else:
+            d.how, d.note = "default", ("default", "torch DTensor has no sharding rule for it")
+            d.moves = None
+        return
+    current = []
+    for x in tensors:
+        if isinstance(x, DistTensor):
+            current.append(x._dtensor.placements)
+        else:
+            current.append(None)
+    if len(got.wanted) != len(tensors):
+        return
+    moves: list = []  # per dist input: the placements torch's rule lays it out in first, None where it stays
+    for t, want, now in zip(tensors, got.wanted, current):
+        if want is None or now is None:
+            if want is not None and isinstance(t, torch.Tensor) and any(not p.is_replicate() for p in want):
+                return  # a dense input torch would lay out otherwise
+            if now is not None:
+                moves.append(None)
+            continue
+        if tuple(want) != tuple(now):
+            if not compat.dtensor_converts_partial_kinds() and _converts_partial_kind(now, want):
+                # torch 2.11's DTensor cannot turn one Partial reduction into another inside an op (P(avg) + P(sum)):
+                # the Partial inputs are reduced first
+                d.summed_first = True
+                return
+            target = _plain_target(want, now, t)
+            if target is None or (d.inplace and t is tensors[0]):
+                return  # DTensor moves data: it runs the op (its collectives observed)
+            moves.append(target)
+        else:
+            moves.append(None)
+    outputs = []
+    for o in got.outputs:
+        if o is None:
+            outputs.append(None)
+            continue
+        tpl, shape, stride, dtype, layout = o
+        if any(compat.is_mask_partial(p) for p in tpl):
+            return  # torch's embedding mask: DTensor keeps it until meshviz applies it
+        own = None if all(type(p) in _PLAIN for p in tpl) else layout  # _StridedShard: only torch names it
+        outputs.append((tuple(from_torch_placements(tpl)), shape, stride, dtype, own))
+    d.how, d.op, d.local_args, d.outputs, d.single = "local", got.op, got.local_args, outputs, got.single
+    d.nested = _nested(args, kwargs)
+    if any(m is not None for m in moves):
+        # torch's rule moves data: meshviz's planner makes those moves (its events, Paddle's collectives), then each
+        # rank runs the op on its blocks; a later call moves each input from its own layout straight there
+        d.torch_moves = tuple(moves)
+        before = d.moves or (None,) * len(moves)
+        d.moves = tuple(m if m is not None else b for m, b in zip(moves, before))
+
+
+def _plain_target(want, now, t):
+    """meshviz's placements for the layout torch's rule wants ``t`` in, where meshviz's planner makes the same
+    move: plain placements, no tensor dim split by several mesh axes, no Partial turned into another kind; else
+    None."""
+    if not all(type(p) in _PLAIN for p in want):
+        return None
+    dims = [p.dim for p in want if p.is_shard()]
+    if len(dims) != len(set(dims)):
+        return None
+    if any(w.is_partial() and n.is_partial() and n != w for w, n in zip(want, now)):
+        return None
+    return tuple(from_torch_placements(want))
+
+
+
+
+def _converts_partial_kind(now, want) -> bool:
+    return any(a.is_partial() and b.is_partial() and a != b for a, b in zip(now, want))
+
+
+def as_replicate(x: torch.Tensor, ref: DistTensor, dm):
+    """A dense tensor meeting a dist one is replicated on its mesh, as in Paddle."""
+    if x.dim() > 0 and x.numel() > 1:
+        return make_dtensor(_local_for_replicate(x, ref._pmesh), ref._pmesh, [Replicate()] * ref._pmesh.ndim,
+                            x.shape, dm.device_type)
+    return x
+
+
+def _local_for_replicate(x: torch.Tensor, mesh: ProcessMesh) -> torch.Tensor:
+    return x.detach() if mesh.contains(_rank()) else compat.empty_block(x.dtype, x.device)
