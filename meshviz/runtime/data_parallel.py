@@ -109,7 +109,28 @@ def broadcast_params_buffers(model: nn.Module, g: Group, src: int | None = None,
 
 
 def average_gradients(parameters, group, bucket_bytes: int = FUSE_BYTES) -> None:
-    """Replace the gradient of every parameter that has one by its mean over ``group`` (one all-reduce per
-    buffer of about ``bucket_bytes`` per dtype; parameters without a gradient are skipped)."""
-    grads = [p.grad for p in parameters if getattr(p, "grad", None) is not None]
-    all_reduce_mean_(grads, group, bucket_bytes=bucket_bytes)
+    """Replace the gradient of every parameter that has one on some rank by its mean over ``group`` (one
+    all-reduce per buffer of about ``bucket_bytes`` per dtype), a rank without it counting zero, as DDP counts a
+    parameter a rank did not use; one that no rank has a gradient for keeps none.
+
+    Each rank packs every parameter that requires a gradient, so the buffers agree whichever gradients a rank has
+    (packing only the gradients there are hangs the ranks on buffers of different sizes); one more element per
+    parameter says whether the rank had its gradient. Where every rank is known to have every gradient, call
+    :func:`~meshviz.runtime.comm.all_reduce_mean_` on them."""
+    params = [p for p in parameters if getattr(p, "grad", None) is not None or getattr(p, "requires_grad", False)]
+    if not params:
+        return
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    by_dtype: dict = {}  # dtype -> indices into params
+    for i, g in enumerate(grads):
+        by_dtype.setdefault(g.dtype, []).append(i)
+    flags = {dt: torch.tensor([params[i].grad is not None for i in ix], dtype=dt, device=grads[ix[0]].device)
+             for dt, ix in by_dtype.items()}
+    # each dtype's flags first: they join its first buffer (last, they could open a buffer of their own)
+    all_reduce_mean_(list(flags.values()) + grads, group, bucket_bytes=bucket_bytes)
+    if all(p.grad is not None for p in params):
+        return
+    for dt, ix in by_dtype.items():
+        for i, somewhere in zip(ix, flags[dt].tolist()):
+            if params[i].grad is None and somewhere:
+                params[i].grad = grads[i]

@@ -341,7 +341,8 @@ def _state(m) -> dict:
 
 def dp_run(mode, world_ranks):
     """``mode``: "accumulate" (2 micro-batches in no_sync, then a synced one), "fused" (every backward in no_sync,
-    then fused_allreduce_gradients), "unused" (b used on rank 0 only, find_unused_parameters=True)."""
+    then fused_allreduce_gradients), "unused" (b used on rank 0 only, find_unused_parameters=True), "fused_unused"
+    (b used on rank 0 only, c on none, the backward in no_sync, then fused_allreduce_gradients)."""
     import meshviz.distributed as dist
     from meshviz.distributed.fleet.utils.hybrid_parallel_util import fused_allreduce_gradients
 
@@ -350,7 +351,7 @@ def dp_run(mode, world_ranks):
     groups = [dist.new_group(g) for g in world_ranks]
     group = next(g for g, ranks in zip(groups, world_ranks) if r in ranks)
     torch.manual_seed(r)  # every rank its own initial values: the wrap makes them the group's first rank's
-    net = _Net(with_c=mode == "unused")
+    net = _Net(with_c=mode in _UNUSED)
     dp = dist.DataParallel(net, find_unused_parameters=mode == "unused",
                            group=None if len(world_ranks) == 1 else group)
     out = {"wrapped": _state(dp), "keys": sorted(dp.state_dict())}
@@ -361,6 +362,11 @@ def dp_run(mode, world_ranks):
         if mode == "unused":
             x, y = micro[0]
             nn.functional.mse_loss(dp(x, use_b=r == 0), y).backward()
+        elif mode == "fused_unused":  # b's gradient on rank 0 only: the buffers must still agree
+            x, y = micro[0]
+            with dp.no_sync():
+                nn.functional.mse_loss(dp(x, use_b=r == 0), y).backward()
+            fused_allreduce_gradients(list(dp.parameters()), None)
         else:
             for m, (x, y) in enumerate(micro):
                 if m < 2 or mode == "fused":
@@ -377,19 +383,22 @@ def dp_run(mode, world_ranks):
     return out
 
 
+_UNUSED = ("unused", "fused_unused")
+
+
 def _dense_dp(mode, ranks):
     """The single-process run: the group's first rank's initial values, each step's loss the mean over the group's
     ranks (ranks that do not use b contribute nothing to its gradient)."""
     torch.manual_seed(ranks[0])
-    net = _Net(with_c=mode == "unused")
+    net = _Net(with_c=mode in _UNUSED)
     opt = torch.optim.SGD([p for p in net.parameters() if p.requires_grad], lr=0.1)
     grads = []
     for step in range(2):
         loss = 0
-        for m in range(1 if mode == "unused" else 3):
+        for m in range(1 if mode in _UNUSED else 3):
             for r in ranks:
                 x, y = _dp_batch(r, 3 * step + m)
-                use_b = mode != "unused" or r == ranks[0]
+                use_b = mode not in _UNUSED or r == ranks[0]
                 loss = loss + nn.functional.mse_loss(net(x, use_b=use_b), y) / len(ranks)
         loss.backward()
         grads.append(_grads(net))
@@ -401,13 +410,14 @@ def _dense_dp(mode, ranks):
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("mode,world_ranks", [
     ("accumulate", [[0, 1]]), ("fused", [[0, 1]]), ("unused", [[0, 1]]), ("accumulate", [[0, 1], [2, 3]]),
+    ("fused_unused", [[0, 1, 2]]),
 ])
 def test_data_parallel_matches_the_dense_run(mode, world_ranks):
     n = sum(len(g) for g in world_ranks)
     res = run_ranks(dp_run, n, mode, world_ranks, timeout=50)
     for ranks in world_ranks:
         torch.manual_seed(ranks[0])
-        first = _Net(with_c=mode == "unused")
+        first = _Net(with_c=mode in _UNUSED)
         grads, dense = _dense_dp(mode, ranks)
         for r in ranks:
             got = res[r]
@@ -425,7 +435,7 @@ def test_data_parallel_matches_the_dense_run(mode, world_ranks):
             for k, p in dense.named_parameters():
                 torch.testing.assert_close(got["trained"][k], p.detach(), rtol=1e-5, atol=1e-6, msg=(r, k))
             # buffers are synced at the wrap only, as in Paddle: each rank's then count its own batches
-            forwards = 2 * (1 if mode == "unused" else 3)
+            forwards = 2 * (1 if mode in _UNUSED else 3)
             own = sum(_dp_batch(r, 3 * s + m)[0].sum() for s in range(2) for m in range(forwards // 2))
             assert int(got["trained"]["calls"]) == int(first.calls) + forwards, r
             torch.testing.assert_close(got["trained"]["total"], first.total + own, msg=r)

@@ -167,7 +167,8 @@ def test_data_parallel_matches_single_process(tmp_path):
         for r in range(W):
             torch.testing.assert_close(res[r]["pylayer"][k], v, rtol=1e-5, atol=1e-6)
     fused = res[0]["fused_events"]
-    assert len(fused) == 10 and all(e == ("all_reduce", [0, 1], 6 * 4) for e in fused)
+    # one buffer: the 6 gradient values and one flag per parameter (whether the rank had its gradient)
+    assert len(fused) == 10 and all(e == ("all_reduce", [0, 1], (6 + 2) * 4) for e in fused)
 
     MB = 1024 * 1024
     assert res[0]["buckets"] == (int(0.3 * MB), [int(0.1 * MB), int(0.3 * MB)])

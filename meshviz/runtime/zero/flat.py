@@ -8,7 +8,7 @@ import torch.nn as nn
 
 from ... import trace
 from ...core.sharding import SHARDED, plan_pieces
-from ..data_parallel import average_gradients
+from ..comm import all_reduce_mean_
 from ..devices import device
 from .engine import Zero, create_states
 from .fsdp import apply_fsdp, unmix_foreach
@@ -162,7 +162,7 @@ class FlatZero(Zero):
                 if s.param.grad is None:
                     s.param.grad = torch.zeros_like(s.param)
             itemsize = live[0].param.grad.element_size() if live else 4
-            average_gradients([s.param for s in live], grp.group, bucket_bytes=self._buffer_max_size * itemsize)
+            all_reduce_mean_([s.param.grad for s in live], grp.group, bucket_bytes=self._buffer_max_size * itemsize)
         else:
             live = [s for s in slots if s.param.grad is not None]
         for s in live:
