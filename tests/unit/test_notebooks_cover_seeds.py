@@ -1,5 +1,4 @@
-"""Every code example of every seed document is translated in a notebook cell that says so (a marker comment); no
-stored output names a machine's checkout."""
+"""Each seed example is translated in a notebook cell that says so; no stored output names a machine's checkout."""
 
 import json
 import os
