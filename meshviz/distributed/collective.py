@@ -9,10 +9,11 @@ import torch
 import torch.distributed as tdist
 
 from .. import trace
-from ..core.placements import ReduceType
+from ..core.placements import Partial, ReduceType
 from ..runtime import comm, groups
 from ..runtime.comm import Call, CollectiveOp, Task, check_peer, local, peer_names, reduction, run, tensor_bytes
 from ..runtime.devices import staged_recv, staged_send
+from ..runtime.dtensor import DistTensor
 from ..runtime.groups import Group
 from ..runtime.world import get_rank, init_parallel_env
 
@@ -50,6 +51,18 @@ def _check_like(what: str, tensors, t: torch.Tensor) -> None:
             raise ValueError(f"{what}[{i}] is {str(x.dtype).replace('torch.', '')}{list(x.shape)}, but the tensor "
                              f"is {str(t.dtype).replace('torch.', '')}{list(t.shape)}; give tensors of its shape and "
                              f"dtype")
+
+
+def _no_partial(what: str, *tensors) -> None:
+    """A collective works on each rank's block; a Partial dist tensor's blocks are summands, which it would leave
+    still read as Partial (summed again by whatever reads them): refused on every rank, before communicating."""
+    for t in tensors:
+        for x in t if isinstance(t, (list, tuple)) else (t,):
+            if isinstance(x, DistTensor) and any(isinstance(p, Partial) for p in x._mpl):
+                raise ValueError(
+                    f"{what} got a dist tensor with placements {x.placements}: its blocks are summands, which a "
+                    f"collective would leave read as Partial. Use dist.reshard(t, t.process_mesh, [dist.Replicate()"
+                    f", ...]) for their sum on every rank, or dist.dtensor_to_local(t) for this rank's summand")
 
 
 def _check_avg(what: str, rt: ReduceType, t: torch.Tensor) -> None:
@@ -158,6 +171,7 @@ def destroy_process_group(group=None) -> None:
 
 def all_reduce(tensor, op=ReduceOp.SUM, group=None, sync_op=True):
     """Reduce ``tensor`` over the group in place; every member ends with the result."""
+    _no_partial("all_reduce", tensor)
     rt = _check_op(op)
     t = local(tensor)
     _check_avg("all_reduce", rt, t)
@@ -172,6 +186,7 @@ def all_reduce(tensor, op=ReduceOp.SUM, group=None, sync_op=True):
 
 def reduce(tensor, dst=0, op=ReduceOp.SUM, group=None, sync_op=True):
     """Reduce ``tensor`` onto global rank ``dst`` (in place there; others' tensors are left as they are)."""
+    _no_partial("reduce", tensor)
     rt = _check_op(op)
     t = local(tensor)
     _check_avg("reduce", rt, t)
@@ -189,6 +204,7 @@ def reduce(tensor, dst=0, op=ReduceOp.SUM, group=None, sync_op=True):
 
 def broadcast(tensor, src, group=None, sync_op=True):
     """Copy global rank ``src``'s ``tensor`` into every member's ``tensor``."""
+    _no_partial("broadcast", tensor)
     t = local(tensor)
     buf, back = _dense(t)
     return run(Call(CollectiveOp.BROADCAST, group,
@@ -198,6 +214,7 @@ def broadcast(tensor, src, group=None, sync_op=True):
 
 def all_gather(tensor_list, tensor, group=None, sync_op=True):
     """Gather every member's ``tensor`` into ``tensor_list`` (filled in when empty, as in Paddle)."""
+    _no_partial("all_gather", tensor, tensor_list)
     t = local(tensor)
     g = groups.resolve(group)
     if not isinstance(tensor_list, list):
@@ -241,6 +258,7 @@ def broadcast_object_list(object_list, src=0, group=None):
 
 def scatter(tensor, tensor_list=None, src=0, group=None, sync_op=True):
     """Global rank ``src`` sends ``tensor_list[i]`` to the group's i-th member, received into ``tensor``."""
+    _no_partial("scatter", tensor, tensor_list or [])
     t = local(tensor)
     g = groups.resolve(group)
     mine = tdist.get_rank() == src
@@ -283,6 +301,7 @@ def scatter_object_list(out_object_list, in_object_list=None, src=0, group=None)
 
 def gather(tensor, gather_list=None, dst=0, group=None, sync_op=True):
     """Collect every member's ``tensor`` into ``gather_list`` on global rank ``dst`` (filled in when empty)."""
+    _no_partial("gather", tensor, gather_list or [])
     t = local(tensor)
     g = groups.resolve(group)
     lst = None
@@ -301,6 +320,7 @@ def gather(tensor, gather_list=None, dst=0, group=None, sync_op=True):
 
 def reduce_scatter(tensor, tensor_list, op=ReduceOp.SUM, group=None, sync_op=True):
     """Reduce ``tensor_list`` elementwise over the group; the i-th member gets the i-th reduced tensor."""
+    _no_partial("reduce_scatter", tensor, tensor_list)
     rt = _check_op(op)
     t = local(tensor)
     _check_avg("reduce_scatter", rt, t)
@@ -320,6 +340,7 @@ def reduce_scatter(tensor, tensor_list, op=ReduceOp.SUM, group=None, sync_op=Tru
 
 def alltoall(in_tensor_list, out_tensor_list, group=None, sync_op=True):
     """Member i sends ``in_tensor_list[j]`` to member j, which receives it as ``out_tensor_list[i]``."""
+    _no_partial("alltoall", in_tensor_list, out_tensor_list or [])
     g = groups.resolve(group)
     if in_tensor_list is None or len(in_tensor_list) != g.nranks:
         n = None if in_tensor_list is None else len(in_tensor_list)
@@ -346,6 +367,7 @@ def alltoall(in_tensor_list, out_tensor_list, group=None, sync_op=True):
 def alltoall_single(in_tensor, out_tensor, in_split_sizes=None, out_split_sizes=None, group=None,
                     sync_op=True):
     """All-to-all on dim 0 of one tensor, evenly or by the given split sizes."""
+    _no_partial("alltoall_single", in_tensor, out_tensor)
     g = groups.resolve(group)
     t_in, t_out = local(in_tensor), local(out_tensor)
     for name, sizes, t in (("in_split_sizes", in_split_sizes, t_in), ("out_split_sizes", out_split_sizes, t_out)):
@@ -374,6 +396,7 @@ def alltoall_single(in_tensor, out_tensor, in_split_sizes=None, out_split_sizes=
 
 def send(tensor, dst=0, group=None, sync_op=True):
     """Send ``tensor`` to global rank ``dst`` (a CUDA tensor over gloo goes through a CPU copy)."""
+    _no_partial("send", tensor)
     t = local(tensor)
     _check_not_self("send: dst", dst, sync_op)
     return run(Call(CollectiveOp.SEND, group, lambda g: tdist.isend(staged_send(t.contiguous(), g.process_group), dst,
@@ -383,6 +406,7 @@ def send(tensor, dst=0, group=None, sync_op=True):
 
 def recv(tensor, src=0, group=None, sync_op=True):
     """Receive into ``tensor`` from global rank ``src`` (over gloo, a CUDA tensor through a CPU buffer)."""
+    _no_partial("recv", tensor)
     t = local(tensor)
     _check_not_self("recv: src", src, sync_op)
     copy_back = []
@@ -429,6 +453,7 @@ def batch_isend_irecv(p2p_op_list):
     """Start a batch of sends/receives; returns their tasks (call ``wait()`` on each)."""
     if not p2p_op_list or not all(isinstance(p, P2POp) for p in p2p_op_list):
         raise ValueError("batch_isend_irecv: need a non-empty list of P2POp")
+    _no_partial("batch_isend_irecv", [p.tensor for p in p2p_op_list])
     ops = []
     for p in p2p_op_list:
         g = groups.resolve(p.group)

@@ -129,6 +129,16 @@ def collectives():
     _expect(ValueError, [f"send: dst={r} is this rank itself"], lambda: dist.send(t, dst=r))
     _expect(ValueError, [f"recv: src={r} is this rank itself"], lambda: dist.recv(t, src=r))
     assert all(torch.equal(o, torch.zeros(3)) for o in outs) and torch.equal(t, torch.full((2,), float(r + 1)))
+    # a Partial dist tensor's blocks are summands: a collective would leave them read as Partial (summed twice)
+    mesh = dist.ProcessMesh([0, 1], dim_names=["x"])
+    p = dist.dtensor_from_local(torch.full((2,), float(r + 1)), mesh, [dist.Partial()])
+    for name, call in (("all_reduce", lambda: dist.all_reduce(p)), ("broadcast", lambda: dist.broadcast(p, src=0)),
+                       ("all_gather", lambda: dist.all_gather([p, p], t)), ("send", lambda: dist.send(p, dst=1 - r))):
+        _expect(ValueError, [f"{name} got a dist tensor with placements [P(sum)]", "dist.reshard"], call)
+    assert p._local_value().tolist() == [float(r + 1)] * 2 and dist.unshard_dtensor(p).tolist() == [3.0, 3.0]
+    s = dist.shard_tensor(torch.arange(4.0), mesh, [dist.Shard(0)])
+    dist.all_reduce(s)  # a Shard or Replicate dist tensor: the collective runs on this rank's block
+    assert s._local_value().tolist() == [2.0, 4.0]
     # the world still talks, and the group ids agree (numpy ints are ranks too)
     g = dist.new_group(np.arange(2))
     dist.all_reduce(t, group=g)

@@ -392,6 +392,7 @@ def test_a_mean_of_booleans_is_refused_on_every_rank_before_data_moves():
 
 def _dist_tensors():
     import meshviz.distributed as dist
+    from meshviz.runtime import rollcall
 
     dist.init_parallel_env()
     r = dist.get_rank()
@@ -399,8 +400,12 @@ def _dist_tensors():
     out = {}
     p = dist.shard_tensor(torch.arange(4.0), mesh, [dist.Partial()])
     before = p._local_value().clone()
-    dist.all_reduce(p)
-    out["partial"] = (before, p._local_value().clone(), p.placements)
+    entered = dict(rollcall.current().entered)
+    try:
+        dist.all_reduce(p)
+    except ValueError as e:
+        out["partial"] = (before, p._local_value().clone(), p.placements, str(e),
+                          dict(rollcall.current().entered) == entered)
     s = dist.shard_tensor(torch.arange(8.0), mesh, [dist.Shard(0)])
     lst: list = []
     dist.all_gather(lst, s)
@@ -412,13 +417,14 @@ def _dist_tensors():
 
 
 @pytest.mark.timeout(60)
-def test_a_dist_tensor_in_a_collective_is_its_local_block():
+def test_a_dist_tensor_in_a_collective_is_its_local_block_and_a_partial_one_is_refused():
     for r, out in enumerate(run_ranks(_dist_tensors, W, timeout=50)):
-        before, after, placements = out["partial"]
-        # P(sum) from a dense tensor: coordinate 0 holds it, the others zeros; the block sum lands on every rank and
-        # the placements stay as they were
+        before, after, placements, err, untouched = out["partial"]
+        # P(sum) from a dense tensor: coordinate 0 holds it, the others zeros. Its blocks are summands: an all-reduce
+        # would put their sum on every rank still read as P(sum) (4x the value), so every rank refuses it first
         assert before.tolist() == ([0.0, 1.0, 2.0, 3.0] if r == 0 else [0.0] * 4)
-        assert after.tolist() == [0.0, 1.0, 2.0, 3.0] and [str(p) for p in placements] == ["P(sum)"]
+        assert after.tolist() == before.tolist() and [str(p) for p in placements] == ["P(sum)"] and untouched
+        assert err.startswith("all_reduce got a dist tensor with placements [P(sum)]"), err
         assert [t.tolist() for t in out["shard_gather"]] == [[2.0 * i, 2.0 * i + 1] for i in range(W)]
         local, full = out["replicate_bcast"]
         assert local.tolist() == [2.0, 2.0] and full.tolist() == [2.0, 2.0]
