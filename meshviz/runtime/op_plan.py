@@ -297,7 +297,7 @@ class Decision:
     ``how``: ``local`` (each rank runs ``op`` on its blocks: the outputs' placements, shapes and strides are
     known), ``torch`` (DTensor runs it, moving data as its rule says), ``default``, ``decompose``, ``random`` or
     ``refuse``; ``moves``: the placements each dist input is resharded to first (by meshviz's planner: reshard
-    events), or None."""
+    events), those torch's rule asks for included, or None."""
 
     __slots__ = ("how", "moves", "op", "call", "local_args", "outputs", "out_keys", "single", "note", "inplace",
                  "whole", "nested", "hooks", "why", "fallback", "torch_rule", "summed_first", "member",

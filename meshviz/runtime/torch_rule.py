@@ -42,7 +42,8 @@ def _rank() -> int:
 
 def ask_torch(d: Decision, func, args, kwargs, dists) -> None:
     """Complete ``d`` (how ``torch``) with torch DTensor's rule for the inputs as laid out now: ``local`` where the
-    rule moves nothing and names plain placements, ``default`` where torch has no rule, else DTensor runs it."""
+    rule names plain placements (after meshviz's planner makes the moves it asks for, :attr:`Decision.torch_moves`),
+    ``default`` where torch has no rule, else DTensor runs it."""
     if func in compat.dtensor_special_ops() or any(isinstance(v, torch.Tensor) for v in kwargs.values()):
         return
     dm = dists[0]._dtensor.device_mesh
@@ -124,11 +125,9 @@ def _plain_target(want, now, t):
     dims = [p.dim for p in want if p.is_shard()]
     if len(dims) != len(set(dims)):
         return None
-    if any(w.is_partial() and n.is_partial() and n != w for w, n in zip(want, now)):
+    if _converts_partial_kind(now, want):
         return None
     return tuple(from_torch_placements(want))
-
-
 
 
 def _converts_partial_kind(now, want) -> bool:
