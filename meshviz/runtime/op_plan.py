@@ -18,7 +18,7 @@ from .dtensor import DistTensor, representable
 from .op_rules import RULES, Strategy, TensorSpec, partial_meets_shard
 
 __all__ = ["tree_map", "call_key", "Plan", "plan", "Decision", "decide", "remember", "decisions",
-           "clear_decisions", "layout_number", "probe", "writes_self", "name_of", "METADATA_OPS"]
+           "clear_decisions", "layout_number", "probe", "writes_self", "nests_tensors", "name_of", "METADATA_OPS"]
 
 aten = torch.ops.aten
 
@@ -358,12 +358,12 @@ def decide(func, args, kwargs, skip_random: bool = False) -> Decision:
         d.how, d.op, d.single, d.outputs = "local", func, True, [(t._mpl, tuple(t.shape), t.stride(), t.dtype,
                                                                    t._tpl)]
     elif p.how == "local":
-        d.whole, d.op, d.nested = True, func, _nested(args, kwargs)
+        d.whole, d.op, d.nested = True, func, nests_tensors(args, kwargs)
         d.outputs, d.single = _out_specs_of(probe(func, args, kwargs), p.strategy.outputs)
     return d
 
 
-def _nested(args, kwargs) -> bool:
+def nests_tensors(args, kwargs) -> bool:
     """Whether a tensor sits anywhere but at the top level of ``args`` (a list of tensors, a keyword tensor)."""
     for a in args:
         if type(a) in _FLAT and any(isinstance(x, torch.Tensor) for x in a):

@@ -1,5 +1,4 @@
-"""torch DTensor's rule for one op call, read as a meshviz decision: run locally, after meshviz's moves where the
-rule moves data, by Paddle's default rule where torch has none, or by DTensor itself."""
+"""torch DTensor's rule for an op call read as a decision: local after meshviz's moves, Paddle's default, or DTensor."""
 
 from __future__ import annotations
 
@@ -14,7 +13,7 @@ from .. import compat
 from ..core.mesh import ProcessMesh
 from ..core.placements import Replicate
 from .dtensor import DistTensor, from_torch_placements, make_dtensor
-from .op_plan import Decision, _nested, tree_map
+from .op_plan import Decision, nests_tensors, tree_map
 
 __all__ = ["ask_torch", "as_replicate", "plain_layout"]
 
@@ -107,7 +106,7 @@ def ask_torch(d: Decision, func, args, kwargs, dists) -> None:
         own = None if all(type(p) in _PLAIN for p in tpl) else layout  # _StridedShard: only torch names it
         outputs.append((tuple(from_torch_placements(tpl)), shape, stride, dtype, own))
     d.how, d.op, d.local_args, d.outputs, d.single = "local", got.op, got.local_args, outputs, got.single
-    d.nested = _nested(args, kwargs)
+    d.nested = nests_tensors(args, kwargs)
     if any(m is not None for m in moves):
         # torch's rule moves data: meshviz's planner makes those moves (its events, Paddle's collectives), then each
         # rank runs the op on its blocks; a later call moves each input from its own layout straight there
