@@ -130,14 +130,18 @@ class _EngineState:
         ip = _ipython()
         if ip is None:
             return
-        ip.events.register("pre_run_cell", self._pre)
-        ip.events.register("post_run_cell", self._post)
+        for name, cb in self._events():
+            ip.events.register(name, cb)
         ip.set_custom_exc((Exception, KeyboardInterrupt), self._on_exception)
         self._custom_tb = ip.CustomTB
         kernel = getattr(ip, "kernel", None)
         if kernel is not None:  # the kernel makes SIGINT raise during every request, its reply included
             kernel.pre_handler_hook = lambda: setattr(kernel, "saved_sigint_handler",
                                                       signal.signal(signal.SIGINT, self._on_sigint))
+
+    def _events(self) -> tuple:
+        """IPython's events this rank follows: a cell's start and end."""
+        return (("pre_run_cell", self._pre), ("post_run_cell", self._post))
 
     def _on_sigint(self, signum, frame):
         # an interrupt escaping the request it lands in (the kernel's reply on its way, IPython's own steps around
@@ -155,7 +159,7 @@ class _EngineState:
             return
         if "pre_handler_hook" in vars(getattr(ip, "kernel", None) or object()):
             del ip.kernel.pre_handler_hook
-        for name, cb in (("pre_run_cell", self._pre), ("post_run_cell", self._post)):
+        for name, cb in self._events():
             try:
                 ip.events.unregister(name, cb)
             except ValueError:

@@ -22,8 +22,9 @@ from . import groups
 from .comm import dtensor_reduce_op, from_dtensor_reduce_op
 from .devices import device
 
-__all__ = ["DistTensor", "to_torch_placements", "from_torch_placements", "paddle_placement", "make_dtensor",
-           "make_dist", "new_dist", "contiguous_stride", "set_op_layer", "set_local_functions", "torch_only_axes"]
+__all__ = ["DistTensor", "to_torch_placements", "from_torch_placements", "plain_layout", "PLAIN_PLACEMENTS",
+           "paddle_placement", "make_dtensor", "make_dist", "new_dist", "contiguous_stride", "set_op_layer",
+           "set_local_functions", "torch_only_axes"]
 
 _pmesh_of: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # DeviceMesh -> ProcessMesh
 @dataclass
@@ -89,14 +90,29 @@ def from_torch_placements(placements) -> list[Placement]:
     """meshviz's placements for torch's; a placement Paddle has no name for (``_StridedShard``, a view merging a
     sharded dim into one before it) reads as Replicate, which is what Paddle's rule for that view gives: the
     block becomes that once it is used (:meth:`DistTensor._resolved`)."""
-    key = tuple(placements)
+    return list(_torch_layout(tuple(placements)))
+
+
+def _torch_layout(key: tuple) -> tuple:
+    """:func:`from_torch_placements` of a tuple, as a tuple, remembered."""
     hit = _from_torch.get(key)
-    if hit is not None:
-        return list(hit)
-    out = [paddle_placement(p) or Replicate() for p in placements]
-    if len(_from_torch) < 4096:
-        _from_torch[key] = tuple(out)
-    return out
+    if hit is None:
+        hit = tuple(paddle_placement(p) or Replicate() for p in key)
+        if len(_from_torch) < 4096:
+            _from_torch[key] = hit
+    return hit
+
+
+PLAIN_PLACEMENTS = (TShard, TReplicate, TPartial)
+
+
+def plain_layout(placements: tuple) -> tuple | None:
+    """meshviz's placements for a tuple of torch's when each is a plain Shard, Replicate or Partial (no mask to
+    apply, nothing only torch can name); None otherwise, unremembered (a ``_MaskPartial`` hashes by its buffer)."""
+    for p in placements:
+        if type(p) not in PLAIN_PLACEMENTS:
+            return None
+    return _torch_layout(placements)
 
 
 def _torch_only(dt: DTensor) -> tuple | None:
@@ -217,7 +233,7 @@ class DistTensor(torch.Tensor):
     def __new__(cls, dtensor: DTensor, process_mesh: ProcessMesh | None = None, requires_grad: bool = False,
                 placements=None):
         mesh = process_mesh if process_mesh is not None else process_mesh_of(dtensor.device_mesh)
-        pl = tuple(placements) if placements is not None else tuple(from_torch_placements(dtensor.placements))
+        pl = tuple(placements) if placements is not None else _torch_layout(tuple(dtensor.placements))
         return new_dist(compat.dtensor_local(dtensor), mesh, pl, dtensor.shape, dtensor.stride(), requires_grad,
                         dt=dtensor if placements is None or representable(pl) else None, tpl=_torch_only(dtensor))
 
@@ -243,7 +259,7 @@ class DistTensor(torch.Tensor):
     @_dtensor.setter
     def _dtensor(self, dt: DTensor) -> None:
         self._dt, self._local = dt, compat.dtensor_local(dt)
-        self._mpl = tuple(from_torch_placements(dt.placements))
+        self._mpl = _torch_layout(tuple(dt.placements))
         self._tpl = _torch_only(dt)
         self._mv_key = None
 

@@ -18,7 +18,15 @@ from ..core.placements import Partial, Replicate, Shard
 from ..core.traffic import received
 from . import dtensor, rollcall
 from .autograd import run_reshard
-from .dtensor import DistTensor, contiguous_stride, from_torch_placements, make_dist, new_dist, representable
+from .dtensor import (
+    DistTensor,
+    contiguous_stride,
+    from_torch_placements,
+    make_dist,
+    new_dist,
+    plain_layout,
+    representable,
+)
 from .op_plan import (
     METADATA_OPS,
     Decision,
@@ -33,7 +41,7 @@ from .op_plan import (
     writes_self,
 )
 from .op_rules import CANONICAL_ARGS, RULES
-from .torch_rule import as_replicate, ask_torch, plain_layout
+from .torch_rule import as_replicate, ask_torch
 
 __all__ = ["dispatch", "decisions", "redistribute", "grad_like"]
 

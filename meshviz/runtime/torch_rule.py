@@ -5,35 +5,14 @@ from __future__ import annotations
 import torch
 import torch.distributed as tdist
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor import Partial as TPartial
-from torch.distributed.tensor import Replicate as TReplicate
-from torch.distributed.tensor import Shard as TShard
 
 from .. import compat
 from ..core.mesh import ProcessMesh
 from ..core.placements import Replicate
-from .dtensor import DistTensor, from_torch_placements, make_dtensor
+from .dtensor import PLAIN_PLACEMENTS, DistTensor, from_torch_placements, make_dtensor
 from .op_plan import Decision, nests_tensors, tree_map
 
-__all__ = ["ask_torch", "as_replicate", "plain_layout"]
-
-_PLAIN = (TShard, TReplicate, TPartial)
-_PLAIN_LAYOUTS: dict = {}  # torch placements of plain types -> meshviz placements
-
-
-def plain_layout(placements) -> tuple | None:
-    """meshviz's placements for torch's when each is a plain Shard, Replicate or Partial (no mask to apply, nothing
-    only torch can name), remembered; None otherwise (a ``_MaskPartial`` hashes by its buffer: never a key)."""
-    for p in placements:
-        if type(p) not in _PLAIN:
-            return None
-    hit = _PLAIN_LAYOUTS.get(placements)
-    if hit is None:
-        hit = tuple(from_torch_placements(placements))
-        if len(_PLAIN_LAYOUTS) < 4096:
-            _PLAIN_LAYOUTS[placements] = hit
-    return hit
-
+__all__ = ["ask_torch", "as_replicate"]
 
 def _rank() -> int:
     return tdist.get_rank() if tdist.is_initialized() else 0
@@ -103,7 +82,7 @@ def ask_torch(d: Decision, func, args, kwargs, dists) -> None:
         tpl, shape, stride, dtype, layout = o
         if any(compat.is_mask_partial(p) for p in tpl):
             return  # torch's embedding mask: DTensor keeps it until meshviz applies it
-        own = None if all(type(p) in _PLAIN for p in tpl) else layout  # _StridedShard: only torch names it
+        own = None if all(type(p) in PLAIN_PLACEMENTS for p in tpl) else layout  # _StridedShard: only torch names it
         outputs.append((tuple(from_torch_placements(tpl)), shape, stride, dtype, own))
     d.how, d.op, d.local_args, d.outputs, d.single = "local", got.op, got.local_args, outputs, got.single
     d.nested = nests_tensors(args, kwargs)
@@ -119,7 +98,7 @@ def _plain_target(want, now, t):
     """meshviz's placements for the layout torch's rule wants ``t`` in, where meshviz's planner makes the same
     move: plain placements, no tensor dim split by several mesh axes, no Partial turned into another kind; else
     None."""
-    if not all(type(p) in _PLAIN for p in want):
+    if not all(type(p) in PLAIN_PLACEMENTS for p in want):
         return None
     dims = [p.dim for p in want if p.is_shard()]
     if len(dims) != len(set(dims)):
