@@ -68,12 +68,7 @@ def _plan(args):
     from ..runtime.devices import visible_gpu_count
 
     spec, nproc = _spec(args), args.nproc_per_node
-    if nproc is not None and nproc < 1:
-        raise ValueError(f"--nproc_per_node must be >= 1, got {nproc}")
     if isinstance(spec, tuple) and nproc is not None:
-        if nproc > len(spec):
-            raise ValueError(f"--nproc_per_node {nproc} asks for more processes than the {len(spec)} devices "
-                             f"listed in --devices {args.devices}")
         spec = spec[:nproc]
     return plan_devices(nproc, spec, visible_gpu_count(), os.environ.get("MESHVIZ_BACKEND") or None,
                         default_cpu=1, who="", names={"n": "--nproc_per_node", "devices": "--devices",
@@ -105,16 +100,16 @@ def build_config(args: argparse.Namespace):
     return config, env
 
 
-def _build(args: argparse.Namespace):
-    """build_config, the port reservation for the agent's store when this process picked the port, and the plan."""
-    from torch.distributed.launcher.api import LaunchConfig
-
-    from ..runtime import rendezvous
-
+def _flags(args: argparse.Namespace):
+    """(nnodes, node rank, master or None) from the flags that need no torch; ValueError on inconsistent ones."""
     if args.run_mode != "collective":
         raise ValueError(f"--run_mode {args.run_mode!r}: only 'collective' is supported")
-    plan = _plan(args)
-    nproc = plan.n
+    if args.nproc_per_node is not None and args.nproc_per_node < 1:
+        raise ValueError(f"--nproc_per_node must be >= 1, got {args.nproc_per_node}")
+    spec = _spec(args)
+    if isinstance(spec, tuple) and args.nproc_per_node is not None and args.nproc_per_node > len(spec):
+        raise ValueError(f"--nproc_per_node {args.nproc_per_node} asks for more processes than the {len(spec)} "
+                         f"devices listed in --devices {args.devices}")
     ips = [i.strip() for i in args.ips.split(",") if i.strip()] if args.ips else None
     nnodes = args.nnodes if args.nnodes is not None else (len(ips) if ips else 1)
     if nnodes < 1:
@@ -135,22 +130,36 @@ def _build(args: argparse.Namespace):
     if not 0 <= node_rank < nnodes:
         raise ValueError(f"--rank {node_rank} outside 0..{nnodes - 1}")
     master = args.master
-    reservation = None
-    if master is None:
-        if nnodes > 1:
-            if not ips:
-                raise ValueError("--nnodes > 1 needs --master ip:port (or --ips)")
-            master = f"{ips[0]}:{args.start_port}"
-        else:
-            reservation = rendezvous.reserve_port()  # held until the agent's store serves on it
-            master = f"{rendezvous.LOOPBACK}:{reservation.port}"
-    host, _, port = master.rpartition(":")
-    if not host or not port.isdigit():
-        raise ValueError(f"--master must be ip:port, got {master!r}")
+    if master is None and nnodes > 1:
+        if not ips:
+            raise ValueError("--nnodes > 1 needs --master ip:port (or --ips)")
+        master = f"{ips[0]}:{args.start_port}"
+    if master is not None:
+        host, _, port = master.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"--master must be ip:port, got {master!r}")
     if args.max_restart < 0:
         raise ValueError(f"--max_restart must be >= 0, got {args.max_restart}")
     if args.hang_after < 0:
         raise ValueError(f"--hang_after must be >= 0, got {args.hang_after}")
+    return nnodes, node_rank, master
+
+
+def _build(args: argparse.Namespace, flags=None):
+    """build_config, the port reservation for the agent's store when this process picked the port, and the plan
+    (``flags``: what :func:`_flags` gave for ``args``, when the caller checked them already)."""
+    nnodes, node_rank, master = flags or _flags(args)
+
+    from torch.distributed.launcher.api import LaunchConfig
+
+    from ..runtime import rendezvous
+
+    plan = _plan(args)
+    nproc = plan.n
+    reservation = None
+    if master is None:
+        reservation = rendezvous.reserve_port()  # held until the agent's store serves on it
+        master = f"{rendezvous.LOOPBACK}:{reservation.port}"
 
     from ..runtime import watchdog
 
@@ -255,12 +264,12 @@ def launch(argv=None) -> int:
 
     args = parse_args(argv)
     try:
-        config, env, reservation, plan = _build(args)
+        flags = _flags(args)  # before torch is imported: a bad flag or a missing script is refused at once
+        if not os.path.isfile(args.training_script):
+            raise ValueError(f"no such script {args.training_script!r}")
+        config, env, reservation, plan = _build(args, flags)
     except ValueError as e:
         print(f"meshviz.launch: error: {e}", file=sys.stderr)
-        return 2
-    if not os.path.isfile(args.training_script):
-        print(f"meshviz.launch: error: no such script {args.training_script!r}", file=sys.stderr)
         return 2
     try:
         store = _agent_store(config, reservation)  # served until the agent is done
@@ -272,9 +281,13 @@ def launch(argv=None) -> int:
         print(f"meshviz.launch: {plan.notice}", file=sys.stderr, flush=True)
     os.environ.update(env)
     host = _rollcall_host(args, config)
+    runner = Torchrun(config, entrypoint=sys.executable)
+    hung = _stop_when_hung(host, runner) if host is not None else None
     try:
-        job = Torchrun(config, entrypoint=sys.executable).start().submit(
+        job = runner.start().submit(
             ["-u", "-m", "meshviz.launch._worker", args.training_script, *args.training_script_args])
+        if hung is not None and hung:
+            return _report_hang(args, hung[0])
         if job.interrupted is not None:
             print(f"meshviz.launch: {job.interrupted}: the workers were stopped", file=sys.stderr, flush=True)
             return 128 + signal.Signals[job.interrupted].value
@@ -305,6 +318,35 @@ def _report_failure(args, job, host) -> int:
                 tail = fh.read().splitlines()[-15:]
             print(f"---- tail of {path} (rank {rank}, exit code {f.exitcode}) ----", file=sys.stderr)
             print("\n".join(tail), file=sys.stderr)
+    return 1
+
+
+def _stop_when_hung(host, runner) -> list:
+    """Watch ``host`` while the job runs: at a roll-call that found a wait nothing can end (ranks in different
+    collectives, or ranks missing from one that are done), keep it in the list returned and stop the workers."""
+    import threading
+    import time
+
+    hung: list = []
+
+    def watch():
+        while runner.job is None or not runner.job.done():
+            rc = host.mismatch or host.stuck
+            if rc is not None and runner.job is not None:
+                hung.append(rc)
+                os.kill(os.getpid(), signal.SIGTERM)  # the agent ends its workers with it (a SIGINT waits 30 s)
+                return
+            time.sleep(0.2)
+
+    threading.Thread(target=watch, name="meshviz-launch-hang", daemon=True).start()
+    return hung
+
+
+def _report_hang(args, rc) -> int:
+    """Say why the workers were stopped at a roll-call: who never entered (or the mismatch), who waited."""
+    print("meshviz.launch: " + "\nmeshviz.launch: ".join(rc.blame()), file=sys.stderr)
+    print(f"meshviz.launch: the workers were stopped at the roll-call: nothing could end that wait. Logs: "
+          f"{os.path.join(args.log_dir, 'workerlog.N')}", file=sys.stderr)
     return 1
 
 
