@@ -58,6 +58,8 @@ class Baton:
         self._idents: dict[int, int] = {}
         self._gens = gens
         self.comms = ThreadComms(self)
+        self.on_deadlock = None  # called as a deadlock is found, before its ranks are stopped
+        self.deadlock = None  # what on_deadlock gave for the last deadlock
 
     # -- the scheduler of the thread groups ------------------------------------------------------------------
     def check(self, rank: int) -> None:
@@ -169,6 +171,8 @@ class Baton:
         if idle:
             lines += f"; rank{'s' if len(idle) > 1 else ''} {', '.join(map(str, idle))} finished"
         self.comms.dirty = True
+        if self.on_deadlock is not None:
+            self.deadlock = self.on_deadlock()
         for r in list(self._blocked):
             self._stop_rank(r, RankStopped(f"deadlock: every rank waits for another: {lines}", own=True))
 

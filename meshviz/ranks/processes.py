@@ -65,7 +65,7 @@ class RankProcesses:
         self._ctx = None
         self._seen: dict[int, int] = {}  # rank -> when its exit was seen (count of waits that returned)
         self._waits = 0
-        self.ended: dict[int, str] = {}  # rank -> "stopped", "running" or "stop": ended by this object, not by itself
+        self.ended: dict[int, str] = {}  # rank -> how terminate() ended it (its why), not by itself
         self._arrived: list[bool] | None = None  # who reached the rendezvous, kept when the store closes
 
     # -- the Runner contract -------------------------------------------------------------------------------------
@@ -177,7 +177,8 @@ class RankProcesses:
 
     def terminate(self, why: str = "stopped", grace: float = 10.0) -> None:
         """End every rank still running (SIGTERM, then SIGKILL after ``grace`` seconds); their outcome is ``why``:
-        ``"stopped"`` (another rank failed), ``"running"`` (past the deadline) or ``"stop"`` (:meth:`stop`)."""
+        ``"stopped"`` (another rank failed), ``"hang"`` (the roll-call found one no wait can end), ``"running"``
+        (past the deadline) or ``"stop"`` (:meth:`stop`)."""
         procs = self.processes
         live = [i for i, p in enumerate(procs) if p.is_alive()]
         for i in live:
@@ -222,6 +223,8 @@ class RankProcesses:
                 o = RankOutcome(r, status="error", error=rep[0], traceback=rep[1])
             elif ended == "stopped":
                 o = RankOutcome(r, status="stopped", error="ended when another rank failed")
+            elif ended == "hang":
+                o = RankOutcome(r, status="stopped", error="ended at the roll-call that found the hang")
             elif ended == "stop":  # the caller ended it: whether it reached the rendezvous says nothing
                 outcomes.append(RankOutcome(r, status="stopped", error="ended by stop() before it returned"))
                 continue
@@ -356,10 +359,11 @@ class SpawnContext:
                 if procs.host is not None:  # look at the roll-call a few times a second
                     left = 0.25 if left is None else min(left, 0.25)
                 procs.wait(left)
-                if self._stop_on_failure and procs.host is not None and procs.host.mismatch is not None:
-                    # ranks sit in different collectives at one sequence number: they would wait until the timeout
-                    rc = procs.host.mismatch
-                    procs.terminate()
+                rc = None if procs.host is None else procs.host.mismatch or procs.host.stuck
+                if self._stop_on_failure and rc is not None:
+                    # ranks sit in different collectives at one sequence number, or wait for ranks whose function
+                    # returned: they would wait until the timeout
+                    procs.terminate("hang")
                     self._error = procs.rank_error({}, rollcall=rc)
                     break
                 if self._stop_on_failure and procs.failed():
@@ -443,7 +447,8 @@ def spawn(func, args=(), nprocs: int = -1, join: bool = True, daemon: bool = Fal
     (seconds a rank may wait in one collective before the roll-call is printed to stderr, default 5; None: no
     watchdog), ``check_collectives`` (compare op, shapes and dtypes before each collective on gloo, default off);
     Paddle's ``print_config`` is accepted and ignored, any other name raises ValueError, as in Paddle.
-    When a collective times out, the error names the ranks that never entered it.
+    When a collective times out, the error names the ranks that never entered it; where every rank missing from
+    it has returned (or died), it says so at the roll-call, without waiting for the timeout.
 
     Ranks and GPUs are counted before any process starts (:func:`meshviz.core.devices.plan_devices`): one GPU per
     rank with NCCL when there are enough; otherwise, unless ``devices``/``backend`` insist on GPUs, every rank runs

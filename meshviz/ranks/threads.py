@@ -292,15 +292,35 @@ def run(fn: Callable, nprocs: int, *args, timeout: float = 120.0, collective_tim
         env: dict | None = None) -> list:
     """Run ``fn(*args)`` on ranks 0..nprocs-1 as threads of this process (process group ready; ``env``: variables
     every rank reads as its own); return the per-rank values, or raise :class:`~meshviz.errors.RankError` naming
-    the rank that failed first."""
+    the rank that failed first (in a deadlock, as rank processes do: the ranks that never entered what the others
+    wait in)."""
+    from ..runtime import rollcall
+    from ..trace.status import RankStatus, RollCall
+
     tw = ThreadWorld(nprocs, timeout=collective_timeout, env=env).start(join=False)  # as a process: init on demand
+    records: dict = {}
+
+    def ranked(r):
+        rec = records[r] = rollcall.current()
+        rec.rank, rec.thread = r, threading.get_ident()
+        rec.start()
+        try:
+            return fn(*args)
+        finally:
+            rec.finish("its function returned")
+
+    # the roll-call a deadlock is named from, taken as the baton finds it (the waiting ranks still inside)
+    tw.on_deadlock = lambda: RollCall([rollcall.snapshot(records[r]) if r in records else RankStatus(r, "unknown")
+                                       for r in range(nprocs)])
     try:
-        job = tw.submit(lambda r: fn(*args))
+        job = tw.submit(ranked)
         if not job.wait(timeout):
             tw.interrupt()
             job.wait(10)
         outcomes = job.outcomes()
-        err = error_of(outcomes, tw.first_failed)
+        rc = tw.deadlock
+        inside = {s.rank for s in rc if s.state == "in_collective"} if rc is not None else ()
+        err = error_of(outcomes, tw.first_failed, inside=inside, rollcall=rc)
         if err is not None:
             raise err
         return [o.value for o in outcomes]

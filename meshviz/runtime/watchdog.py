@@ -198,6 +198,7 @@ class RollCallHost:
         self.dead = dead or (lambda: {})
         self.rollcalls: list[RollCall] = []
         self.mismatch: RollCall | None = None  # the first roll-call that found ranks in different collectives
+        self.stuck: RollCall | None = None  # the first where ranks wait for ranks that are done (RollCall.stuck)
         self._wait_for_store = wait_for_store
         self._stopped = False
         self._client = None
@@ -253,6 +254,8 @@ class RollCallHost:
                 self.rollcalls.append(rc)
                 if rc.mismatches() and self.mismatch is None:
                     self.mismatch = rc
+                if rc.stuck() and self.stuck is None:
+                    self.stuck = rc
                 if rc.gist() != said:
                     said = rc.gist()
                     self._print(rc)

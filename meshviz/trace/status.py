@@ -293,6 +293,12 @@ class RollCall(Sequence):
     def mismatches(self) -> list[Situation]:
         return [x for x in self.situations() if x.mismatch]
 
+    def stuck(self) -> list[Situation]:
+        """The waits no wait can end where idle means done (a rank process whose function or script returned):
+        every member missing from the collective is idle or dead."""
+        return [x for x in self.situations() if x.waiting and x.culprits and not x.mismatch
+                and all(how in ("idle", "dead") for how, _ in x.culprits.values())]
+
     def culprits(self) -> list[int]:
         """The ranks to blame: members missing from a collective others wait in, and the ranks of a mismatch."""
         out = set()

@@ -259,7 +259,10 @@ def _printed(err_text):
 
 
 def test_spawn_names_a_skipped_collective(capfd):
-    err, text = _spawn(_skips, capfd)
+    """Rank 1 returned: nothing can end rank 0's wait, so the roll-call ends the run, not the (long) timeout."""
+    err, text = _spawn(_skips, capfd, timeout=120)
+    stopped = ("stopped", "ended at the roll-call that found the hang")
+    assert [(o.status, o.error) for o in err.outcomes] == [stopped] * 2
     assert re.fullmatch(r"rank 0 waits in all_reduce #1 on group \[0, 1\] for [\d.]+ s; rank 1 is idle: its function "
                         r"returned without entering all_reduce #1", _printed(text)[0])
     assert err.ranks == [1]
@@ -277,7 +280,8 @@ def test_spawn_names_a_mismatch_before_the_timeout(capfd):
 
 def test_spawn_names_the_peer_a_recv_waits_for(capfd):
     """A recv waits on its sender alone: rank 1 is named, with the send it never made; rank 2, idle too, is not."""
-    err, text = _spawn(_unsent, capfd, nprocs=3)
+    err, text = _spawn(_unsent, capfd, nprocs=3, timeout=120)
+    assert [o.status for o in err.outcomes] == ["stopped"] * 3
     assert re.fullmatch(r"rank 0 waits in recv on group \[0, 1\] for [\d.]+ s; rank 1 is idle: its function "
                         r"returned without entering send", _printed(text)[0]), text
     assert err.ranks == [1]

@@ -99,6 +99,17 @@ def _deadlock():
     tdist.recv(t, src=(tdist.get_rank() + 1) % tdist.get_world_size())  # everyone receives, no one sends
 
 
+def _skips(op):
+    import meshviz.distributed as dist
+
+    dist.init_parallel_env()
+    if dist.get_rank() == 0:
+        if op == "all_reduce":
+            dist.all_reduce(torch.ones(4))
+        else:
+            dist.recv(torch.zeros(4), src=1)
+
+
 def _mismatch():
     import torch.distributed as tdist
 
@@ -148,6 +159,15 @@ def test_a_raising_rank_stops_its_peers_at_once_and_a_deadlock_is_named():
     assert "deadlock" in text
     for r in range(3):
         assert f"rank {r} waits in recv from rank {(r + 1) % 3}" in text
+    for op, line in [("all_reduce", "rank 1 never entered all_reduce #1 on group [0, 1, 2] (idle: its function "
+                                    "returned); rank 2 never entered all_reduce #1 on group [0, 1, 2] (idle: its "
+                                    "function returned); rank 0 waited in all_reduce #1 on group [0, 1, 2] for 0.0 s"),
+                     ("recv", "rank 1 never entered send on group [0, 1] (idle: its function returned); rank 0 waited "
+                              "in recv on group [0, 1] for 0.0 s")]:
+        with pytest.raises(RankError) as info:  # named as rank processes name it: who never entered it
+            run_ranks(_skips, 3, op, ranks="threads", timeout=20, collective_timeout=600)
+        assert info.value.ranks == ([1, 2] if op == "all_reduce" else [1])
+        assert str(info.value).splitlines()[0] == line
     with pytest.raises(RankError) as info:
         run_ranks(_mismatch, 2, ranks="threads", timeout=20, collective_timeout=600)
     assert "mismatch" in str(info.value) and "broadcast" in str(info.value) and "all_reduce" in str(info.value)

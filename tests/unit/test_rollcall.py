@@ -27,6 +27,7 @@ def test_a_skipped_collective_names_the_rank_that_never_entered():
     assert rc.lines() == ["rank 0 waits in all_reduce #1 on group [0, 1] for 6.2 s; rank 1 is idle: its cell "
                           "finished without entering all_reduce #1"]
     assert rc.culprits() == [1] and rc.hung(6.0) and not rc.hung(7.0)
+    assert [x.waiting for x in rc.stuck()] == [(0,)]  # where idle means done, nothing can end the wait
     assert rc.blame() == ["rank 1 never entered all_reduce #1 on group [0, 1] (idle: its cell finished)",
                           "rank 0 waited in all_reduce #1 on group [0, 1] for 6.2 s"]
 
@@ -39,11 +40,11 @@ def test_a_send_or_recv_waits_on_its_peer_only():
     rc = RollCall([_waits(0, op="recv", seq=None, group=(0, 1), s=3.0)] + idle)
     assert rc.lines() == ["rank 0 waits in recv on group [0, 1] for 3.0 s; rank 1 is idle: its cell finished "
                           "without entering send"]
-    assert rc.culprits() == [1] and not rc.mismatches()
+    assert rc.culprits() == [1] and not rc.mismatches() and len(rc.stuck()) == 1
     assert rc.blame() == ["rank 1 never entered send on group [0, 1] (idle: its cell finished)",
                           "rank 0 waited in recv on group [0, 1] for 3.0 s"]
     both = RollCall([_waits(0, op="send", seq=None, group=(0, 1)), _waits(1, op="recv", seq=None, group=(0, 1))])
-    assert both.culprits() == [] and not both.mismatches()
+    assert both.culprits() == [] and not both.mismatches() and not both.stuck()
     assert both.lines() == ["ranks 0, 1 wait in send on group [0, 1] for 6.2 s; every member entered it"]
 
 
@@ -69,7 +70,9 @@ def test_running_elsewhere_dead_and_silent_ranks():
         "rank 4 never entered all_reduce #2 on group [0, 1, 2, 3, 4]: it is dead (engine process 9 exited)",
         "ranks 0, 1 waited in all_reduce #2 on group [0, 1, 2, 3, 4] for 3.0 s"]
     assert rc.culprits() == [2, 3, 4]
+    assert [x.waiting for x in rc.stuck()] == [(3,)]  # rank 2 may still come to #2, rank 4 never to rank 3's
     silent = RollCall([_waits(0), RankStatus(1, "unknown")])
+    assert not silent.stuck()
     assert silent.blame()[0] == "rank 1 never entered all_reduce #1 on group [0, 1] (it did not answer the roll-call)"
     alone = RollCall([RankStatus(0, "idle"), RankStatus(1, "dead", note="killed by SIGKILL")])
     assert alone.lines() == ["rank 1 is dead (killed by SIGKILL)"]
