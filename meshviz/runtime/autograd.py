@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-import torch.distributed as tdist
 
 from .. import compat
 from ..core.layout import local_block
@@ -11,7 +10,7 @@ from ..core.mesh import ProcessMesh
 from ..core.partial import partial_fill, summed
 from ..core.placements import Replicate
 from ..core.planner import plan_reshard
-from . import dtensor
+from . import dtensor, groups
 from .dtensor import DistTensor, make_dist
 from .reshard import run_plan, run_plans
 
@@ -19,12 +18,8 @@ __all__ = ["place", "from_local", "to_local", "plan_of", "run_reshard", "run_res
            "local_block_of"]
 
 
-def _rank() -> int:
-    return tdist.get_rank() if tdist.is_initialized() else 0
-
-
 def local_block_of(dense: torch.Tensor, mesh: ProcessMesh, placements) -> torch.Tensor:
-    coord = mesh.coordinate(_rank())
+    coord = mesh.coordinate(groups.rank())
     if coord is None:
         return compat.empty_block(dense.dtype, dense.device)
     blk = local_block(dense.shape, mesh, placements, coord)
@@ -49,7 +44,7 @@ class _Shard(torch.autograd.Function):
             return None, None, None
         full = reshard(grad, ctx.mesh, [Replicate()] * ctx.mesh.ndim)
         local = full._local
-        if not ctx.mesh.contains(_rank()):
+        if not ctx.mesh.contains(groups.rank()):
             local = torch.zeros(ctx.shape, dtype=grad.dtype, device=grad.device)
         return local, None, None
 
@@ -122,7 +117,7 @@ def run_reshard(t: DistTensor, mesh: ProcessMesh, placements, name=None) -> Dist
     t = t._resolved()
     plan = plan_of(t, mesh, placements)
     local = t._local
-    rank = _rank()
+    rank = groups.rank()
     src_has = t.process_mesh.contains(rank)
     new = run_plan(plan, local if src_has else None, rank, dtype=t.dtype, device=local.device,
                    name=name, tensor_id=t.tensor_id)
@@ -139,7 +134,7 @@ def run_reshards(ts, placements_list, names=None, into=None, own: bool = False) 
     ``into``: for each tensor, a dist tensor whose block the result may be written into; where it is, that entry of
     the result is None (the block holds it). ``own``: the caller gives the inputs' blocks up (gradients it
     replaces): a step that keeps a block (a line of one rank) hands it on uncopied."""
-    rank = _rank()
+    rank = groups.rank()
     ts = [t._resolved() for t in ts]
     names = names if names is not None else [t.name for t in ts]
     plans = [plan_of(t, t.process_mesh, pl) for t, pl in zip(ts, placements_list)]

@@ -7,7 +7,6 @@ import weakref
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as tdist
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Partial as TPartial
 from torch.distributed.tensor import Replicate as TReplicate
@@ -290,7 +289,7 @@ class DistTensor(torch.Tensor):
     @property
     def local_shape(self) -> list[int]:
         if self._torch_only:
-            coord = self._pmesh.coordinate(tdist.get_rank() if tdist.is_initialized() else 0)
+            coord = self._pmesh.coordinate(groups.rank())
             if coord is None:
                 return [0]
             return [b - a for a, b in local_block(tuple(self.shape), self._pmesh, self.placements, coord)]
@@ -356,7 +355,7 @@ class DistTensor(torch.Tensor):
 
     def __repr__(self, *, tensor_contents=None) -> str:  # never communicates
         local = self._local
-        rank = tdist.get_rank() if tdist.is_initialized() else 0
+        rank = groups.rank()
         where = "" if self._pmesh.contains(rank) else " (not in mesh)"
         return (
             f"DistTensor(shape={list(self.shape)}, dtype={str(self.dtype).replace('torch.', '')}, "

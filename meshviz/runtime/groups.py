@@ -11,8 +11,13 @@ from .. import compat, rank_context
 from ..core.mesh import ProcessMesh
 from .world import get_world_size, init_parallel_env
 
-__all__ = ["Group", "resolve", "world_group", "register", "lookup", "release", "group_for_ranks", "line_group",
+__all__ = ["rank", "Group", "resolve", "world_group", "register", "lookup", "release", "group_for_ranks", "line_group",
            "mesh_groups", "axis_group", "device_mesh", "has_device_mesh", "check_mesh_in_world", "reset", "clear_cache"]
+
+
+def rank() -> int:
+    """This process's rank in the default group; 0 before there is one."""
+    return tdist.get_rank() if tdist.is_initialized() else 0
 
 
 class Group:

@@ -6,14 +6,13 @@ from __future__ import annotations
 import itertools
 
 import torch
-import torch.distributed as tdist
 from torch.distributed.tensor import DTensor
 
 from .. import compat
 from ..compat import tree_map as _tree_map
 from ..core.partial import summed
 from ..core.placements import Partial, Replicate, Shard
-from . import dtensor
+from . import dtensor, groups
 from .dtensor import DistTensor, representable
 from .op_rules import RULES, Strategy, TensorSpec, partial_meets_shard
 
@@ -64,10 +63,6 @@ def name_of(func) -> str:
     return str(getattr(func, "__name__", func))
 
 
-def _rank() -> int:
-    return tdist.get_rank() if tdist.is_initialized() else 0
-
-
 # -- what an op call is: its layouts, shapes and argument values --------------------------------------------------
 
 _LAYOUTS: dict = {}  # a dist tensor's layout (mesh, placements, shapes, strides, dtype, coordinate) -> its number
@@ -82,7 +77,7 @@ def layout_number(t: DistTensor) -> int:
     local = t._local
     mesh = t._pmesh
     key = (mesh, t._mpl, t.shape, t.stride(), t.dtype, local.shape, local.stride(), local.device.type,
-           t._tpl, mesh.coordinate(_rank()))
+           t._tpl, mesh.coordinate(groups.rank()))
     n = _LAYOUTS.get(key)
     if n is None:
         if len(_LAYOUTS) >= _MAX_ENTRIES:
@@ -352,7 +347,7 @@ def decide(func, args, kwargs, skip_random: bool = False) -> Decision:
     if p.strategy is not None and any(m is not None for m in p.strategy.inputs):
         moves = tuple(None if m is None else tuple(m) for m in p.strategy.inputs)
     d = Decision(p.how, moves=moves, inplace=inplace, hooks=hooks)
-    d.member = _spec_list(sargs, skwargs)[0].mesh.contains(_rank())
+    d.member = _spec_list(sargs, skwargs)[0].mesh.contains(groups.rank())
     if func in METADATA_OPS and isinstance(args[0], DistTensor):
         t = args[0]  # the output is the input's block, laid out as it is (mixed Partials, torch's own layouts)
         d.how, d.op, d.single, d.outputs = "local", func, True, [(t._mpl, tuple(t.shape), t.stride(), t.dtype,

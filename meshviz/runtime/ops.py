@@ -16,7 +16,7 @@ from ..core.mesh import ProcessMesh
 from ..core.partial import summed
 from ..core.placements import Partial, Replicate, Shard
 from ..core.traffic import received
-from . import dtensor, rollcall
+from . import dtensor, groups, rollcall
 from .autograd import run_reshard
 from .dtensor import (
     DistTensor,
@@ -46,10 +46,6 @@ from .torch_rule import as_replicate, ask_torch
 __all__ = ["dispatch", "decisions", "redistribute", "grad_like"]
 
 _DECISIONS = decisions()
-
-
-def _rank() -> int:
-    return tdist.get_rank() if tdist.is_initialized() else 0
 
 
 def dispatch(func, args, kwargs):
@@ -319,7 +315,7 @@ def _default_rule(d: Decision, func, args, kwargs, ref: DistTensor):
     Replicate."""
     mesh = ref._pmesh
     rep = (Replicate(),) * mesh.ndim
-    if not mesh.contains(_rank()):
+    if not mesh.contains(groups.rank()):
         stand_in = probe(func, args, kwargs)
         return _into_self(func, args, _tree_map(
             lambda x: make_dist(compat.empty_block(x.dtype, ref.device), mesh, rep, x.shape)
@@ -458,7 +454,7 @@ class _CommObserver(TorchDispatchMode):
             nbytes, sizes, root = 0, None, None
             if isinstance(inp, torch.Tensor) and group:
                 sizes = ((inp.numel(), inp.element_size()),)
-                me = group.index(_rank()) if _rank() in group else 0
+                me = group.index(groups.rank()) if groups.rank() in group else 0
                 root = args[1] if op == "broadcast" and len(args) > 1 and args[1] in group else None
                 nbytes = received(op, sizes, len(group), me, None if root is None else group.index(root))
             module, backward = rollcall.issuer()

@@ -3,20 +3,16 @@
 from __future__ import annotations
 
 import torch
-import torch.distributed as tdist
 from torch.distributed.tensor import DTensor
 
 from .. import compat
 from ..core.mesh import ProcessMesh
 from ..core.placements import Replicate
+from . import groups
 from .dtensor import PLAIN_PLACEMENTS, DistTensor, from_torch_placements, make_dtensor
 from .op_plan import Decision, nests_tensors, tree_map
 
 __all__ = ["ask_torch", "as_replicate"]
-
-def _rank() -> int:
-    return tdist.get_rank() if tdist.is_initialized() else 0
-
 
 def ask_torch(d: Decision, func, args, kwargs, dists) -> None:
     """Complete ``d`` (how ``torch``) with torch DTensor's rule for the inputs as laid out now: ``local`` where the
@@ -121,4 +117,4 @@ def as_replicate(x: torch.Tensor, ref: DistTensor, dm):
 
 
 def _local_for_replicate(x: torch.Tensor, mesh: ProcessMesh) -> torch.Tensor:
-    return x.detach() if mesh.contains(_rank()) else compat.empty_block(x.dtype, x.device)
+    return x.detach() if mesh.contains(groups.rank()) else compat.empty_block(x.dtype, x.device)
