@@ -177,8 +177,7 @@ class RankProcesses:
 
     def terminate(self, why: str = "stopped", grace: float = 10.0) -> None:
         """End every rank still running (SIGTERM, then SIGKILL after ``grace`` seconds); their outcome is ``why``:
-        ``"stopped"`` (another rank failed), ``"hang"`` (the roll-call found one no wait can end), ``"running"``
-        (past the deadline) or ``"stop"`` (:meth:`stop`)."""
+        ``"stopped"`` (a rank failed), ``"hang"`` (a wait nothing ends), ``"running"`` (the deadline) or ``"stop"``."""
         procs = self.processes
         live = [i for i, p in enumerate(procs) if p.is_alive()]
         for i in live:
@@ -361,8 +360,7 @@ class SpawnContext:
                 procs.wait(left)
                 rc = None if procs.host is None else procs.host.mismatch or procs.host.stuck
                 if self._stop_on_failure and rc is not None:
-                    # ranks sit in different collectives at one sequence number, or wait for ranks whose function
-                    # returned: they would wait until the timeout
+                    # a mismatch, or ranks missing that returned: they would wait until the timeout
                     procs.terminate("hang")
                     self._error = procs.rank_error({}, rollcall=rc)
                     break
