@@ -282,11 +282,11 @@ def launch(argv=None) -> int:
     os.environ.update(env)
     host = _rollcall_host(args, config)
     runner = Torchrun(config, entrypoint=sys.executable)
-    hung = _stop_when_hung(host, runner) if host is not None else None
+    hung, over = _stop_when_hung(host, runner) if host is not None else ([], None)
     try:
         job = runner.start().submit(
             ["-u", "-m", "meshviz.launch._worker", args.training_script, *args.training_script_args])
-        if hung is not None and hung:
+        if hung:
             return _report_hang(args, hung[0])
         if job.interrupted is not None:
             print(f"meshviz.launch: {job.interrupted}: the workers were stopped", file=sys.stderr, flush=True)
@@ -294,6 +294,8 @@ def launch(argv=None) -> int:
         if job.exception is not None:
             return _report_failure(args, job, host)
     finally:
+        if over is not None:
+            over.set()
         if host is not None:
             host.stop()
         del store
@@ -321,25 +323,25 @@ def _report_failure(args, job, host) -> int:
     return 1
 
 
-def _stop_when_hung(host, runner) -> list:
-    """Watch ``host`` while the job runs: at a roll-call that found a wait nothing can end (ranks in different
-    collectives, or ranks missing from one that are done), keep it in the list returned and stop the workers."""
+def _stop_when_hung(host, runner):
+    """Watch ``host`` until the returned event is set: at a roll-call that found a wait nothing can end (ranks in
+    different collectives, or ranks missing from one that are done), keep it in the returned list and stop the
+    workers."""
     import threading
-    import time
 
     hung: list = []
+    over = threading.Event()
 
     def watch():
-        while runner.job is None or not runner.job.done():
+        while not over.wait(0.2):
             rc = host.mismatch or host.stuck
-            if rc is not None and runner.job is not None:
+            if rc is not None and runner.job is not None and not runner.job.done():
                 hung.append(rc)
                 os.kill(os.getpid(), signal.SIGTERM)  # the agent ends its workers with it (a SIGINT waits 30 s)
                 return
-            time.sleep(0.2)
 
     threading.Thread(target=watch, name="meshviz-launch-hang", daemon=True).start()
-    return hung
+    return hung, over
 
 
 def _report_hang(args, rc) -> int:

@@ -142,6 +142,29 @@ def test_a_hang_prints_the_roll_call_and_names_the_rank(tmp_path):
     assert waited and 0.5 <= float(waited.group(1)) < 600, err
 
 
+OTHER_OP = textwrap.dedent("""
+    import torch
+    import meshviz.distributed as dist
+    dist.init_parallel_env()
+    t = torch.ones(4)
+    if dist.get_rank() == 0:
+        dist.all_reduce(t)
+    else:
+        dist.all_gather([], t)
+""")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_a_mismatch_is_stopped_at_the_roll_call(tmp_path):
+    (tmp_path / "m.py").write_text(OTHER_OP)
+    rc, out, err = _launch(["--nproc_per_node", "2", "--log_dir", str(tmp_path / "log"), "--max_restart", "0",
+                            "--hang_after", "0.5", "m.py"], cwd=str(tmp_path), MESHVIZ_TIMEOUT="600")
+    assert rc == 1
+    assert ("meshviz.launch: mismatch at #1 on group [0, 1]: rank 0 entered all_reduce float32[4]; rank 1 entered "
+            "all_gather float32[4]\nmeshviz.launch: the workers were stopped at the roll-call") in err, err
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_one_node_listens_on_loopback_only(tmp_path):
