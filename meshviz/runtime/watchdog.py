@@ -80,7 +80,7 @@ class _RankWatch:
         self._writer = _client(host, port, 5.0)
         self._waiter = _client(host, port)
         self._lock = threading.Lock()
-        self._announced: set = set()
+        self._announced: dict = {}  # collective -> how long this rank waits in it before it asks again
         self._stopped = False
         self._next = int(self._writer.add(_key("gen"), 0)) + 1
         rollcall._state().fail_hooks.append(self._failed)
@@ -114,9 +114,12 @@ class _RankWatch:
             if op is None or time.monotonic() - since < self.hang_after:
                 continue
             what = (op, rec.group, rec.seq if rec.seq is not None else since)  # a send or recv has no number
-            if what in self._announced:
+            # asked again at 2, 4, 8 ... times hang_after: a rank running at the first roll-call may finish later
+            # without entering, which makes the wait one nothing can end (RollCall.stuck)
+            waited = time.monotonic() - since
+            if waited < self._announced.get(what, self.hang_after):
                 continue
-            self._announced.add(what)
+            self._announced[what] = 2 * waited
             try:
                 with self._lock:
                     n = int(self._writer.add(_key("gen"), 1))

@@ -202,6 +202,15 @@ def _skips():
         dist.all_reduce(t)
 
 
+def _skips_late():
+    dist.init_parallel_env()
+    t = torch.ones(4)
+    if dist.get_rank() == 0:
+        dist.all_reduce(t)
+    else:
+        time.sleep(HANG + 1.0)  # running at the first roll-call, then returns without entering
+
+
 def _other_op():
     dist.init_parallel_env()
     t = torch.ones(4)
@@ -268,6 +277,17 @@ def test_spawn_names_a_skipped_collective(capfd):
     assert err.ranks == [1]
     assert re.fullmatch(r"rank 1 never entered all_reduce #1 on group \[0, 1\] \(idle: its function returned\); "
                         r"rank 0 waited in all_reduce #1 on group \[0, 1\] for [\d.]+ s", str(err).splitlines()[0])
+
+
+def test_spawn_asks_again_and_names_a_rank_that_finished_after_the_first_roll_call(capfd):
+    err, text = _spawn(_skips_late, capfd, timeout=120)
+    lines = _printed(text)
+    assert re.fullmatch(r"rank 0 waits in all_reduce #1 on group \[0, 1\] for [\d.]+ s; rank 1 is running at "
+                        r"test_hangs.py:\d+ in _skips_late\(\): it never entered all_reduce #1", lines[0]), text
+    assert re.fullmatch(r"rank 0 waits in all_reduce #1 on group \[0, 1\] for [\d.]+ s; rank 1 is idle: its function "
+                        r"returned without entering all_reduce #1", lines[-1]), text
+    assert err.ranks == [1] and [o.status for o in err.outcomes] == ["stopped", "stopped"]
+    assert str(err).startswith("rank 1 never entered all_reduce #1 on group [0, 1] (idle: its function returned)")
 
 
 def test_spawn_names_a_mismatch_before_the_timeout(capfd):
