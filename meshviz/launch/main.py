@@ -334,7 +334,7 @@ def _stop_when_hung(host, runner):
 
     def watch():
         while not over.wait(0.2):
-            rc = host.mismatch or host.stuck
+            rc = host.unending()
             if rc is not None and runner.job is not None and not runner.job.done():
                 hung.append(rc)
                 os.kill(os.getpid(), signal.SIGTERM)  # the agent ends its workers with it (a SIGINT waits 30 s)

@@ -358,7 +358,7 @@ class SpawnContext:
                 if procs.host is not None:  # look at the roll-call a few times a second
                     left = 0.25 if left is None else min(left, 0.25)
                 procs.wait(left)
-                rc = None if procs.host is None else procs.host.mismatch or procs.host.stuck
+                rc = None if procs.host is None else procs.host.unending()
                 if self._stop_on_failure and rc is not None:
                     # a mismatch, or ranks missing that returned: they would wait until the timeout
                     procs.terminate("hang")

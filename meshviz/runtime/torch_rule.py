@@ -14,6 +14,7 @@ from .op_plan import Decision, nests_tensors, tree_map
 
 __all__ = ["ask_torch", "as_replicate"]
 
+
 def ask_torch(d: Decision, func, args, kwargs, dists) -> None:
     """Complete ``d`` (how ``torch``) with torch DTensor's rule for the inputs as laid out now: ``local`` where the
     rule names plain placements (after meshviz's planner makes the moves it asks for, :attr:`Decision.torch_moves`),

@@ -109,10 +109,8 @@ class _RankWatch:
         while not self._stopped:
             time.sleep(every)
             op, since = rec.op, rec.since
-            if op is None and rec.region is not None:
-                continue  # a DataParallel backward shows in the answers, it does not ask
-            if op is None or time.monotonic() - since < self.hang_after:
-                continue
+            if op is None:
+                continue  # outside a collective (a DataParallel backward shows in the answers, it does not ask)
             what = (op, rec.group, rec.seq if rec.seq is not None else since)  # a send or recv has no number
             # asked again at 2, 4, 8 ... times hang_after: a rank running at the first roll-call may finish later
             # without entering, which makes the wait one nothing can end (RollCall.stuck)
@@ -293,6 +291,10 @@ class RollCallHost:
             else:
                 out.append(RankStatus(r, "unknown"))
         return RollCall(out, title=f"meshviz roll-call (a rank waited over {self.hang_after:g} s in a collective):")
+
+    def unending(self) -> RollCall | None:
+        """The first roll-call that found a wait nothing can end (a mismatch, or ranks missing that are done)."""
+        return self.mismatch or self.stuck
 
     def ask(self, timeout: float = 1.0) -> RollCall | None:
         """Take a roll-call now (the ranks' answerers reply even while blocked); None if the store is gone."""

@@ -294,7 +294,7 @@ class RollCall(Sequence):
         return [x for x in self.situations() if x.mismatch]
 
     def stuck(self) -> list[Situation]:
-        """The waits no wait can end where idle means done (a rank process whose function or script returned):
+        """The waits nothing can end where idle means done (a rank process whose function or script returned):
         every member missing from the collective is idle or dead."""
         return [x for x in self.situations() if x.waiting and x.culprits and not x.mismatch
                 and all(how in ("idle", "dead") for how, _ in x.culprits.values())]

@@ -123,12 +123,17 @@ HANGS = textwrap.dedent("""
 """)
 
 
+def _launch_hang(tmp_path, script):
+    """2 ranks running ``script`` with a roll-call after 0.5 s and a collective timeout far beyond the test's."""
+    (tmp_path / "s.py").write_text(script)
+    return _launch(["--nproc_per_node", "2", "--log_dir", str(tmp_path / "log"), "--max_restart", "0",
+                    "--hang_after", "0.5", "s.py"], cwd=str(tmp_path), MESHVIZ_TIMEOUT="600")
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_a_hang_prints_the_roll_call_and_names_the_rank(tmp_path):
-    (tmp_path / "h.py").write_text(HANGS)
-    rc, out, err = _launch(["--nproc_per_node", "2", "--log_dir", str(tmp_path / "log"), "--max_restart", "0",
-                            "--hang_after", "0.5", "h.py"], cwd=str(tmp_path), MESHVIZ_TIMEOUT="600")
+    rc, out, err = _launch_hang(tmp_path, HANGS)
     assert rc == 1
     situation = re.search(r"  - (rank 0 waits in all_reduce #1 on group \[0, 1\] for ([\d.]+) s; .*)", err)
     assert situation, err
@@ -157,9 +162,7 @@ OTHER_OP = textwrap.dedent("""
 @pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_a_mismatch_is_stopped_at_the_roll_call(tmp_path):
-    (tmp_path / "m.py").write_text(OTHER_OP)
-    rc, out, err = _launch(["--nproc_per_node", "2", "--log_dir", str(tmp_path / "log"), "--max_restart", "0",
-                            "--hang_after", "0.5", "m.py"], cwd=str(tmp_path), MESHVIZ_TIMEOUT="600")
+    rc, out, err = _launch_hang(tmp_path, OTHER_OP)
     assert rc == 1
     assert ("meshviz.launch: mismatch at #1 on group [0, 1]: rank 0 entered all_reduce float32[4]; rank 1 entered "
             "all_gather float32[4]\nmeshviz.launch: the workers were stopped at the roll-call") in err, err
