@@ -26,6 +26,7 @@ TORCH=$(.venv/bin/python -c "import torch; print(torch.__version__.split('+')[0]
 MATRIX="${MESHVIZ_TORCH_MATRIX-2.11.0 2.15.0}"
 LAST=$(echo $MATRIX | awk '{print $NF}')  # its notebooks run in front, after the Binder check
 at() { echo "$((SECONDS / 60)) min $((SECONDS % 60)) s"; }  # since the command started
+NBVAL="--nbval --nbval-kernel-startup-timeout=180"  # nbval's 60 s for a kernel to answer was once missed under load
 matrix() {  # every tier on each release of $MATRIX in turn (in $OUT/torch-V.summary)
   local v venv notebooks rc=0
   for v in $MATRIX; do  # the venvs are made (downloads, mostly) at once
@@ -41,7 +42,7 @@ matrix() {  # every tier on each release of $MATRIX in turn (in $OUT/torch-V.sum
     venv=$(cat "$OUT/venv-$v.path")
     if [ "$v" = "$LAST" ]; then notebooks=; else notebooks=notebooks; fi
     if CUDA_VISIBLE_DEVICES= MESHVIZ_RANKS=threads "$venv/bin/python" -m pytest tests/unit tests/ranks \
-        tests/transport $notebooks --nbval -m "not browser and not torch_free" -p no:cacheprovider -q --durations=10 \
+        tests/transport $notebooks $NBVAL -m "not browser and not torch_free" -p no:cacheprovider -q --durations=10 \
         --junitxml="$OUT/torch-$v.xml" "$@" > "$OUT/torch-$v.log" 2>&1; then
       echo "torch $v: $(tail -n 1 "$OUT/torch-$v.log") (done at $(at))" > "$OUT/torch-$v.summary"
     else
@@ -69,7 +70,7 @@ fi
 # the torch-free tests (the pure core, the trace, the widgets) once, torch blocked: no release can change them
 .venv/bin/python -m pytest tests/unit -m torch_free -p tests.no_torch -p no:cacheprovider -q \
   --junitxml="$OUT/torch-free.xml" "$@" || [ $? -eq 5 ] || status=1  # 5: none selected (a -k of the caller's)
-MESHVIZ_RANKS=threads .venv/bin/python -m pytest tests/unit tests/ranks tests/transport notebooks --nbval \
+MESHVIZ_RANKS=threads .venv/bin/python -m pytest tests/unit tests/ranks tests/transport notebooks $NBVAL \
   -m "not torch_free" -p no:cacheprovider --durations=25 --junitxml="$OUT/torch-$TORCH.xml" "$@" || status=1
 echo "torch $TORCH: done at $(at)"
 if [ "${MESHVIZ_BINDER_CHECK:-1}" != "0" ]; then
@@ -90,7 +91,7 @@ if [ -n "$LAST" ]; then  # the last release's notebooks, in its venv (made by th
     echo "torch $LAST, notebooks: not run, its venv could not be made"
     status=1
   elif CUDA_VISIBLE_DEVICES= MESHVIZ_RANKS=threads "$(cat "$OUT/venv-$LAST.path")/bin/python" -m pytest notebooks \
-      --nbval -p no:cacheprovider -q --junitxml="$OUT/torch-$LAST-notebooks.xml" "$@" \
+      $NBVAL -p no:cacheprovider -q --junitxml="$OUT/torch-$LAST-notebooks.xml" "$@" \
       > "$OUT/torch-$LAST-notebooks.log" 2>&1; then
     echo "torch $LAST, notebooks: $(tail -n 1 "$OUT/torch-$LAST-notebooks.log") (done at $(at))"
   else
@@ -101,7 +102,7 @@ if [ -n "$LAST" ]; then  # the last release's notebooks, in its venv (made by th
 fi
 
 if [ "${MESHVIZ_TEST_ENGINES:-1}" != "0" ]; then  # a Cluster's default ranks: one ipyparallel engine each
-  if MESHVIZ_RANKS=engines .venv/bin/python -m pytest --nbval -p no:cacheprovider -q notebooks/00_quickstart.ipynb \
+  if MESHVIZ_RANKS=engines .venv/bin/python -m pytest $NBVAL -p no:cacheprovider -q notebooks/00_quickstart.ipynb \
       notebooks/03_data_parallel.ipynb notebooks/11_debugging_hangs.ipynb \
       --junitxml="$OUT/torch-$TORCH-engines.xml" "$@" > "$OUT/engines.log" 2>&1; then
     echo "torch $TORCH, notebooks with engines: $(tail -n 1 "$OUT/engines.log") (done at $(at))"

@@ -98,8 +98,9 @@ class Cluster:
     per GPU, or 4 without GPUs. A world never mixes NCCL and gloo ranks.
 
     ``timeout``: collective timeout in seconds (every rank stops within it when one fails; usually much
-    sooner, see ``%%px`` below). ``ipp_options`` go to ``ipyparallel.Cluster`` unchanged (``engines='mpi'``,
-    ``controller_ip=...``, ...). The controller, the process-group store and the event stream listen on
+    sooner, see ``%%px`` below). ``ipp_options`` go to ``ipyparallel.Cluster`` (``engines='mpi'``,
+    ``controller_ip=...``, ...); the controller's heartbeat is 0.5 s, not 3 s, unless ``controller_args`` set
+    ``HeartMonitor``: an engine counts as started at its first answered beat. The controller, the process-group store and the event stream listen on
     loopback unless you pass ``controller_ip``; connection files live in a private state dir (``state_dir``,
     mode 0700) with the engines' and controller's logs.
 

@@ -20,6 +20,8 @@ from .control import Control
 
 __all__ = ["Engines", "EngineJob"]
 
+HEARTBEAT_MS = 500  # ipyparallel's 3000 kept every start waiting two beats (5-6 s) for the engines' first heartbeats
+
 
 def _pid_alive(pid: int) -> bool:
     try:
@@ -118,6 +120,11 @@ class Engines:
         opts.setdefault("controller_ip", "127.0.0.1")
         opts.setdefault("delay", 0)
         opts.setdefault("engine_timeout", max(60, int(cfg.timeout)))
+        args = list(opts.get("controller_args", ()))
+        if not any("HeartMonitor" in a for a in args):  # the same 30 s of missed beats before an engine is dropped
+            args += [f"--HeartMonitor.period={HEARTBEAT_MS}",
+                     f"--HeartMonitor.max_heartmonitor_misses={30_000 // HEARTBEAT_MS}"]
+        opts["controller_args"] = args
         opts["n"] = cfg.n
         opts["log"] = log
         multi = cfg.multi_machine

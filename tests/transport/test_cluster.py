@@ -96,6 +96,14 @@ def test_ranks_devices_and_state(cluster):
     pids = {i["pid"] for i in cluster.info}
     listening = [c.laddr.ip for c in psutil.net_connections("tcp") if c.status == "LISTEN" and c.pid in pids]
     assert listening and set(listening) == {"127.0.0.1"}
+    # the controller beats every 0.5 s (an engine checks every beat + 0.5 s): a start waits for one beat, not 3 s
+    assert cluster.apply(_heartbeat_check_ms) == [1000] * N
+
+
+def _heartbeat_check_ms():
+    from ipyparallel.engine.app import IPEngine
+
+    return IPEngine.instance().hb_check_period
 
 
 def _whoami():
