@@ -100,9 +100,9 @@ class Cluster:
     ``timeout``: collective timeout in seconds (every rank stops within it when one fails; usually much
     sooner, see ``%%px`` below). ``ipp_options`` go to ``ipyparallel.Cluster`` (``engines='mpi'``,
     ``controller_ip=...``, ...); the controller's heartbeat is 0.5 s, not 3 s, unless ``controller_args`` set
-    ``HeartMonitor``: an engine counts as started at its first answered beat. The controller, the process-group store and the event stream listen on
-    loopback unless you pass ``controller_ip``; connection files live in a private state dir (``state_dir``,
-    mode 0700) with the engines' and controller's logs.
+    ``HeartMonitor``: an engine counts as started at its first answered beat. The controller, the process-group
+    store and the event stream listen on loopback unless you pass ``controller_ip``; connection files live in a
+    private state dir (``state_dir``, mode 0700) with the engines' and controller's logs.
 
     ``%%px`` is activated: a failing cell raises :class:`RankError` naming the rank that failed first, with
     its traceback; the other ranks are stopped at once (their process group is torn down and re-created

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import torch.distributed as tdist
 from torch import nn
 
@@ -64,11 +66,36 @@ class DataParallel(nn.Module):
     # -- state -------------------------------------------------------------------------------------
     def state_dict(self, destination=None, include_sublayers=True, structured_name_prefix="", prefix=None,
                    keep_vars=False, **kwargs):
+        """The wrapped layer's parameters and persistent buffers; ``include_sublayers=False``: its own only."""
         prefix = structured_name_prefix if prefix is None else prefix
-        return self._layers.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
+        if include_sublayers:
+            return self._layers.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
+        own = self._layers.state_dict(prefix=prefix, keep_vars=keep_vars)
+        out = destination if destination is not None else type(own)()
+        out.update((k, v) for k, v in own.items() if "." not in k[len(prefix):])
+        return out
 
-    def set_state_dict(self, state_dict, use_structured_name=True, strict=True):
-        return self._layers.load_state_dict(_strip_prefix(state_dict), strict=strict)
+    def set_state_dict(self, state_dict, use_structured_name=True):
+        """Paddle's ``Layer.set_state_dict``: load every entry whose key and shape match; a parameter or buffer the
+        dict lacks, or gives another shape, is skipped with a warning. Returns ``(missing_keys, unexpected_keys)``."""
+        if not use_structured_name:
+            raise ValueError("set_state_dict: use_structured_name=False matches Paddle's parameter names "
+                             "(linear_0.w_0), which torch parameters do not have; pass the state_dict's keys")
+        given = _strip_prefix(state_dict)
+        own = self._layers.state_dict(keep_vars=True)
+        load, missing = {}, []
+        for k, v in own.items():
+            if k not in given:
+                why = f"{k} is not found in the provided dict."
+            elif hasattr(given[k], "shape") and list(given[k].shape) != list(v.shape):
+                why = f"{k} receives a shape {list(given[k].shape)}, but the expected shape is {list(v.shape)}."
+            else:
+                load[k] = given[k]
+                continue
+            missing.append(k)
+            warnings.warn(f"Skip loading for {k}. {why}", stacklevel=2)
+        self._layers.load_state_dict(load, strict=False)
+        return missing, [k for k in given if k not in load]
 
     def load_state_dict(self, state_dict, strict=True, assign=False):
         return self._layers.load_state_dict(_strip_prefix(state_dict), strict=strict, assign=assign)

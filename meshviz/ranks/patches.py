@@ -12,13 +12,15 @@ from typing import Any
 from .. import rank_context
 from ..rank_context import current
 
-__all__ = ["CaptureState", "Generators", "capture", "install", "route_streams", "uninstall", "unroute_streams"]
+__all__ = ["CaptureState", "Generators", "capture", "install", "joined", "route_streams", "uninstall",
+           "unroute_streams"]
 
 # torch is imported when the patches go in, not here: the cluster's notebook side imports the stream routing
 _installed = 0
 _install_lock = threading.Lock()
 _real_sleep = time.sleep
 _here = None  # meshviz.ranks.baton.here, once installed
+_excepthook = sys.excepthook  # the process's, kept from rank threads' init_process_group
 
 
 def _sleep(seconds) -> None:
@@ -30,7 +32,7 @@ def _sleep(seconds) -> None:
 
 def install() -> None:
     """Patch the process for rank threads (counted: the patches stay until the last :func:`uninstall`)."""
-    global _installed, _here
+    global _installed, _here, _excepthook
     from .. import compat
     from ..backends import threads as thread_backend
     from .baton import here
@@ -45,6 +47,7 @@ def install() -> None:
             compat.share_dtensor_decisions(rank_context.in_rank_thread)
             thread_backend.register()
             _here = here
+            _excepthook = sys.excepthook
             time.sleep = _sleep
         _installed += 1
 
@@ -57,8 +60,15 @@ def uninstall() -> None:
         _installed -= 1
         if _installed == 0:
             time.sleep = _real_sleep
+            sys.excepthook = _excepthook
             compat.share_dtensor_decisions(None)
             compat.uninstall_thread_worlds()
+
+
+def joined() -> None:
+    """After a rank thread's ``init_process_group``: torch made the process's excepthook prefix every traceback with
+    that one rank's number (``[rank1]: [rank0]: ...`` once each rank has joined); the process's own hook is back."""
+    sys.excepthook = _excepthook
 
 
 # -- sys.stdout and sys.stderr ------------------------------------------------------------------------------------

@@ -189,6 +189,7 @@ class SimulatedWorld:
         def join():
             tdist.init_process_group(sim_backend.BACKEND, rank=rank, world_size=n, store=tdist.HashStore(),
                                      timeout=datetime.timedelta(seconds=timeout))
+            patches.joined()
 
         reads: list[str] = []
         t0 = time.monotonic()

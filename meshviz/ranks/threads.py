@@ -150,6 +150,7 @@ class ThreadWorld(Baton):
         def join():
             tdist.init_process_group(BACKEND, rank=rank, world_size=self.n, store=self.store,
                                      timeout=datetime.timedelta(seconds=self.timeout))
+            patches.joined()
         return join
 
     # -- jobs ------------------------------------------------------------------------------------------------

@@ -39,7 +39,8 @@ class Group:
 
     @property
     def world_size(self) -> int:
-        return self.nranks
+        """The group's size; -1 on a rank that is not a member (as Paddle's ``Group.world_size``)."""
+        return self.nranks if self.rank >= 0 else -1
 
     @property
     def backend(self) -> str:

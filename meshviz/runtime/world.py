@@ -126,21 +126,26 @@ def is_initialized() -> bool:
 
 
 def get_rank(group=None) -> int:
-    """This process's rank (in ``group`` when given); 0 before any process group exists, like Paddle."""
+    """This process's rank (in ``group`` when given, -1 when it is not a member); 0 before any process group exists,
+    like Paddle."""
     if not tdist.is_initialized():
         return _env_int("RANK", "PADDLE_TRAINER_ID", default=0)
     if group is None:
         return tdist.get_rank()
-    pg = getattr(group, "process_group", group)
-    return tdist.get_rank(pg)
+    if hasattr(group, "process_group"):  # a Group; a non-member's process_group is None, which torch reads as WORLD
+        return group.rank
+    return tdist.get_rank(group)
 
 
 def get_world_size(group=None) -> int:
+    """The number of ranks (in ``group`` when given, -1 when this rank is not a member, as Paddle)."""
     if not tdist.is_initialized():
         return _env_int("WORLD_SIZE", "PADDLE_TRAINERS_NUM", default=1)
     if group is None:
         return tdist.get_world_size()
-    return tdist.get_world_size(getattr(group, "process_group", group))
+    if hasattr(group, "process_group"):
+        return group.world_size
+    return tdist.get_world_size(group)
 
 
 class ParallelEnv:

@@ -322,6 +322,9 @@ def _contracts():
     out["outside_objects"] = objs
     dist.barrier(group=g)
     out["group"] = (g.ranks, g.rank, g.nranks, g.is_member(), dist.get_group(g.id) is g, dist.get_backend(g))
+    # Paddle: -1 on a rank outside (torch reads a non-member's missing process group as the world)
+    out["group_sizes"] = (dist.get_rank(g), dist.get_world_size(g), g.world_size, dist.get_world_size(),
+                          dist.get_rank(g.process_group) if g.process_group is not None else None)
 
     # new_group with a backend or a timeout: the world's kind of group, so ranks as threads work too
     g13 = dist.new_group([3, 1], backend="gloo", timeout=30)
@@ -353,6 +356,8 @@ def test_paddle_contracts_reduce_scatter_aliasing_outsiders_and_groups():
             assert out["outside_objects"] == ["kept"]
         assert out["group"][:5] == ([0, 2], {0: 0, 2: 1}.get(r, -1), 2, r in (0, 2), True)
         assert out["group"][5] in ("THREADS", "GLOO")  # a rank outside asks too (Paddle raises there)
+        inside = {0: 0, 2: 1}.get(r)
+        assert out["group_sizes"] == ((inside, 2, 2, W, inside) if inside is not None else (-1, -1, -1, W, None))
         assert out["backend_group"] == ([1, 3], 4.0 if r in (1, 3) else float(r))
         assert out["destroyed"] is None
 

@@ -173,3 +173,45 @@ def test_data_parallel_matches_single_process(tmp_path):
     MB = 1024 * 1024
     assert res[0]["buckets"] == (int(0.3 * MB), [int(0.1 * MB), int(0.3 * MB)])
     assert len(res[0]["errs"]) == 2 and all("positive" in e for e in res[0]["errs"])
+
+
+class _Own(nn.Module):
+    """A parameter of its own beside a sublayer (Paddle's include_sublayers)."""
+
+    def __init__(self):
+        super().__init__()
+        self.own = nn.Parameter(torch.zeros(2))
+        self.sub = nn.Linear(2, 3)
+
+
+def _state_dict_as_paddle():
+    import warnings
+
+    import meshviz.distributed as dist
+
+    dist.init_parallel_env()
+    dp = dist.DataParallel(_Own())
+    out = {"own_only": list(dp.state_dict(include_sublayers=False)), "all": list(dp.state_dict())}
+    weight = dp.sub.weight.detach().clone()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out["returned"] = dp.set_state_dict({"own": torch.tensor([1.0, 2.0]), "sub.bias": torch.ones(7),
+                                             "extra": torch.ones(1)})
+    out["warned"] = [str(w.message) for w in caught]
+    out["loaded"] = (dp.own.detach().clone(), torch.equal(dp.sub.weight, weight), dp.sub.bias.detach().clone())
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_state_dict_and_set_state_dict_as_paddle():
+    """include_sublayers=False: the layer's own entries; set_state_dict loads what matches, warns for and skips a
+    missing key or another shape, and returns (missing_keys, unexpected_keys), as Paddle's Layer."""
+    for out in run_ranks(_state_dict_as_paddle, W, timeout=50):
+        assert out["own_only"] == ["own"] and out["all"] == ["own", "sub.weight", "sub.bias"]
+        assert out["returned"] == (["sub.weight", "sub.bias"], ["sub.bias", "extra"])
+        assert out["warned"] == ["Skip loading for sub.weight. sub.weight is not found in the provided dict.",
+                                 "Skip loading for sub.bias. sub.bias receives a shape [7], but the expected shape "
+                                 "is [3]."]
+        own, weight_kept, bias = out["loaded"]
+        assert own.tolist() == [1.0, 2.0] and weight_kept and bias.shape == (3,)
+        assert not torch.equal(bias, torch.ones(3))

@@ -449,3 +449,59 @@ def test_fleet_sharding_is_paddles_stage_1(hybrid, world):
         assert all(g is not None and not g.any() for g in res["grads"])  # clear_grad zeroes every parameter's
         for k, v in model.state_dict().items():
             torch.testing.assert_close(res["params"][k], v, rtol=1e-5, atol=1e-6)
+
+
+def _paddle_optimizer_methods():
+    """get_lr / set_lr / minimize on the three wrappers Paddle's API returns, every rank on the same batch."""
+    import meshviz.distributed as dist
+    from meshviz.distributed import fleet
+
+    fleet.init(is_collective=True)
+    x, y = torch.randn(4, 10, generator=torch.Generator().manual_seed(7)), torch.ones(4, 1)
+    out = {}
+    wrappers = {"fleet": lambda m: fleet.distributed_optimizer(torch.optim.SGD(m.parameters(), lr=0.1)),
+                "shard_optimizer": lambda m: dist.shard_optimizer(torch.optim.SGD(m.parameters(), lr=0.1)),
+                "group_sharded": lambda m: dist.sharding.group_sharded_parallel(
+                    m, torch.optim.SGD(m.parameters(), lr=0.1), "os_g")[1]}
+    for name, wrap in wrappers.items():
+        torch.manual_seed(0)
+        model = LinearNet()
+        opt = wrap(model)
+        lrs = [opt.get_lr()]
+        opt.set_lr(0.05)
+        lrs.append(opt.get_lr())
+        F.mse_loss(model(x), y).backward()
+        errors = []
+        if name == "group_sharded":  # Paddle's group-sharded optimizers refuse minimize: step instead
+            pairs = None  # its level os_g keeps the gradients in its own shards
+            for bad in (lambda: opt.minimize(None), lambda: opt.set_lr("0.1")):
+                try:
+                    bad()
+                except (RuntimeError, TypeError) as e:
+                    errors.append(type(e).__name__)
+            opt.step()
+        else:
+            _, pairs = opt.minimize(None)
+            for bad in (lambda: opt.minimize(None, parameters=[]), lambda: opt.set_lr("0.1")):
+                try:
+                    bad()
+                except (TypeError, ValueError) as e:
+                    errors.append(type(e).__name__)
+        out[name] = (lrs, pairs and len(pairs), {k: v.detach().clone() for k, v in model.state_dict().items()}, errors)
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_paddle_optimizer_methods_on_every_wrapper():
+    torch.manual_seed(0)
+    ref = LinearNet()
+    x, y = torch.randn(4, 10, generator=torch.Generator().manual_seed(7)), torch.ones(4, 1)
+    F.mse_loss(ref(x), y).backward()
+    torch.optim.SGD(ref.parameters(), lr=0.05).step()
+    for out in run_ranks(_paddle_optimizer_methods, 2, timeout=100):
+        for name, (lrs, pairs, params, errors) in out.items():
+            want = ["RuntimeError" if name == "group_sharded" else "ValueError", "TypeError"]
+            assert lrs == [0.1, 0.05] and pairs == (None if name == "group_sharded" else 4), (name, lrs, pairs)
+            assert errors == want, (name, errors)
+            for k, v in ref.state_dict().items():
+                torch.testing.assert_close(params[k], v, rtol=1e-5, atol=1e-6, msg=f"{name} {k}")

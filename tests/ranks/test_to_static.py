@@ -65,7 +65,7 @@ def test_mode_defaults_and_errors():
         pm.dist_main_program("predict")
     with pytest.raises(TypeError):
         pm("x")
-    with pytest.raises(ValueError, match="pipeline"):
+    with pytest.raises(ValueError, match="pipeline.enable is not supported: place each stage's layers on its own mesh"):
         s = Strategy()
         s.pipeline.enable = True
         to_static(net, None, nn.MSELoss(), None, s)
@@ -268,3 +268,48 @@ def test_seed_demo_net_with_dist_tensor_weights_equals_eager():
             torch.testing.assert_close(params[k], v, rtol=1e-5, atol=1e-6)
         assert local_w0 == (IMAGE // 2, IMAGE)
         assert any("all_reduce" in c or "allreduce" in c for c in colls)
+
+
+def _two_stages(steps):
+    """linear_0 on rank 0's mesh, linear_1 on rank 1's: DistModel runs them stage after stage."""
+    import meshviz.distributed as dist
+
+    dist.init_parallel_env()
+    first, last = dist.ProcessMesh([0], dim_names=["pp"]), dist.ProcessMesh([1], dim_names=["pp"])
+
+    class TwoStages(Net):
+        def __init__(self):
+            super().__init__()
+            for layer, mesh in ((self.linear_0, first), (self.linear_1, last)):
+                for name, p in list(layer.named_parameters()):
+                    setattr(layer, name, nn.Parameter(dist.shard_tensor(p.detach(), mesh, [dist.Replicate()])))
+
+        def forward(self, x):
+            h = dist.reshard(F.relu(self.linear_0(x)), last, [dist.Replicate()])
+            return self.linear_1(h)
+
+    net = TwoStages()
+    dm = to_static(net, None, nn.MSELoss(), torch.optim.SGD(net.parameters(), lr=0.1))
+    losses = []
+    for s in range(steps):
+        x, y = data(s)
+        x, y = dist.shard_tensor(x, first, [dist.Replicate()]), dist.shard_tensor(y, last, [dist.Replicate()])
+        losses.append(dm(x, y))
+    mine = {k: v._local_value().detach().clone() for k, v in net.state_dict().items() if v._local_value().numel()}
+    return losses, mine
+
+
+@pytest.mark.timeout(120)
+def test_stages_on_two_meshes_run_one_after_the_other():
+    """The loss on the last stage's rank (an empty array on the first's, as Paddle's), and each stage's parameters
+    as the eager run on one process leaves them."""
+    batches = [data(s) for s in range(3)]
+    ref, ref_losses = eager(3, batches)
+    (first_losses, first), (last_losses, last) = run_ranks(_two_stages, 2, 3, timeout=100)
+    assert [loss.size for loss in first_losses] == [0, 0, 0]
+    np.testing.assert_allclose([float(loss) for loss in last_losses], ref_losses, rtol=1e-5)
+    want = ref.state_dict()
+    assert sorted(first) == ["linear_0.bias", "linear_0.weight"]
+    assert sorted(last) == ["linear_1.bias", "linear_1.weight"]
+    for k, v in {**first, **last}.items():
+        torch.testing.assert_close(v, want[k], rtol=1e-5, atol=1e-6)

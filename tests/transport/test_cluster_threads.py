@@ -23,16 +23,18 @@ def test_stop_leaves_nothing_behind():
 
     from meshviz.runtime import match
 
-    world_before, sleep_before, out_before = c10d._world, time.sleep, sys.stdout
+    world_before, sleep_before, out_before, hook_before = c10d._world, time.sleep, sys.stdout, sys.excepthook
     checking_before = match.checking()
     c = meshviz.Cluster(n=2, ranks="threads")
     assert match.checking()  # collectives are matched while it runs (check_collectives=True)
     assert time.sleep is not sleep_before
     c.execute("import torch, torch.distributed as tdist\nx = torch.ones(1)\ntdist.all_reduce(x)\n")
+    assert sys.excepthook is hook_before  # not torch's, which prefixed the script's tracebacks with [rank1]: [rank0]:
     c.stop()
     assert c.state == "stopped" and "stopped" in repr(c)
     assert not [t for t in threading.enumerate() if t.name.startswith("meshviz-rank")]
     assert c10d._world is world_before and time.sleep is sleep_before and sys.stdout is out_before
+    assert sys.excepthook is hook_before
     assert match.checking() == checking_before
     c.restart()
     assert c.execute("print(tdist.get_rank() if 'tdist' in dir() else 'fresh')").stdout == ["fresh\n"] * 2

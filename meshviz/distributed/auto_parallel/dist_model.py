@@ -56,8 +56,9 @@ class DistModel:
         if not isinstance(strategy, Strategy):
             raise ValueError(f"to_static: strategy must be a dist.Strategy, got {type(strategy).__name__}")
         if strategy.pipeline.enable:
-            raise ValueError("to_static: strategy.pipeline is not supported here; build the pipeline with "
-                             "meshviz's pipeline API and pass each stage's layer")
+            raise ValueError("to_static: strategy.pipeline.enable is not supported: place each stage's layers on "
+                             "its own mesh (they run stage after stage on the whole batch), or schedule micro-batches "
+                             "with fleet's PipelineLayer and train_batch")
         gm = strategy.gradient_merge
         k = int(gm.k_steps) if gm.enable else 1
         if k < 1:

@@ -35,18 +35,10 @@ class GroupShardedOptimizer(FlatZero):
         name = type(self._inner_opt).__name__
         return f"GroupShardedOptimizer({name}, level={self.level!r}, group={self._group.ranks})"
 
-    def get_lr(self) -> float:
-        return self._inner_opt.param_groups[0]["lr"]
-
-    def set_lr(self, lr: float) -> None:
-        for g in self._inner_opt.param_groups:
-            g["lr"] = lr
-
     clear_grad = FlatZero.zero_grad
 
-    def minimize(self, loss):
-        loss.backward()
-        self.step()
+    def minimize(self, *args, **kwargs):
+        raise RuntimeError("optimizer.minimize() not support now, please use optimizer.step()")  # Paddle's words
 
     def state_dict(self):
         """This rank's shard of the optimizer state (torch format over its shard parameters)."""

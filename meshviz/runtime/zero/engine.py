@@ -61,6 +61,28 @@ class Zero:
         self._gather()
         return loss if out is None else out
 
+    # Paddle's optimizer methods, over the torch optimizer's param_groups
+    def get_lr(self) -> float:
+        """The learning rate (of the first parameter group), as Paddle's ``get_lr``."""
+        return float(self._inner_opt.param_groups[0]["lr"])
+
+    def set_lr(self, value: float) -> None:
+        """Set every parameter group's learning rate, as Paddle's ``set_lr``."""
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"set_lr: the learning rate must be a number, got {type(value).__name__}")
+        for g in self._inner_opt.param_groups:
+            g["lr"] = float(value)
+
+    def minimize(self, loss, startup_program=None, parameters=None, no_grad_set=None):
+        """Paddle's dygraph ``minimize``: one ``step()`` on the gradients ``loss.backward()`` left (call it first);
+        returns ``(None, [(parameter, gradient), ...])``."""
+        if parameters is not None or no_grad_set:
+            raise ValueError("minimize: parameters and no_grad_set are not supported; every parameter the "
+                             "optimizer holds is stepped (build the optimizer over the ones to update)")
+        params_grads = [(p, p.grad) for p in self.grad_params() if p.grad is not None]
+        self.step()
+        return None, params_grads
+
     # the layout's parts; the defaults shard nothing
     def _prepare(self) -> None:
         pass
