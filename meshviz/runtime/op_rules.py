@@ -3,6 +3,7 @@ out), each declared where its op is registered."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -10,6 +11,7 @@ import torch
 
 from ..core.mesh import ProcessMesh
 from ..core.partial import summed
+from ..core.layout import local_block
 from ..core.placements import Partial, Placement, Replicate, Shard
 from .autograd import local_block_of
 from .dtensor import make_dist
@@ -301,6 +303,32 @@ def _index_add_local(args, kwargs):
             want_src.append(Replicate())
     index_want = ([Replicate()] * self.mesh.ndim,) if isinstance(index, TensorSpec) else ()
     return Strategy((want_self, *index_want, want_src), (want_self,))
+
+
+def _empty_somewhere(x: TensorSpec, dims) -> bool:
+    """Whether some rank's block of ``x`` holds none of one of ``dims`` (an uneven split's empty tail: 6 rows on 4
+    ranks are 2, 2, 2 and 0) though the tensor has some."""
+    if any(x.shape[d] == 0 for d in dims) or not any(isinstance(p, Shard) and p.dim in dims for p in x.placements):
+        return False
+    pls = [p if isinstance(p, Shard) else Replicate() for p in x.placements]
+    return any(any(b - a == 0 for a, b in (local_block(x.shape, x.mesh, pls, c)[d] for d in dims))
+               for c in itertools.product(*map(range, x.mesh.shape)))
+
+
+@register("paddle", aten.max.default, aten.min.default, aten.amax.default, aten.amin.default,
+          aten.aminmax.default)
+def _extremum_rule(args, kwargs):
+    """max / min / amax / amin / aminmax over a dim a rank holds none of: that dim made whole first. torch's rule
+    reduces each block (Partial(max)), and an empty block has no extremum: torch raises on that rank alone."""
+    x = args[0]
+    if not isinstance(x, TensorSpec) or x.dim() == 0:
+        return None
+    dim = args[1] if len(args) > 1 else kwargs.get("dim")
+    dims = range(x.dim()) if dim is None or dim == [] else [d % x.dim() for d in
+                                                            (dim if isinstance(dim, (list, tuple)) else [dim])]
+    if not _empty_somewhere(x, dims):
+        return None
+    return Strategy(([Replicate() if isinstance(p, Shard) and p.dim in dims else p for p in x.placements],))
 
 
 @register("local", aten.argmax.default, aten.argmin.default)

@@ -245,6 +245,34 @@ def test_inplace_on_partial_and_uneven_co_shards_match_dense():
     assert run_ranks(inplace_and_uneven, 4) == ["[S(0), R]"] * 4
 
 
+def _extremes_of_empty_tails():
+    import meshviz.distributed as dist
+
+    dist.init_parallel_env()
+    m4 = dist.ProcessMesh([0, 1, 2, 3], dim_names=["x"])
+    out = []
+    for n in (2, 9):  # 1, 1, 0, 0 rows and 3, 3, 3, 0: a rank holds none
+        x = torch.arange(float(n)) - 3
+        t = dist.shard_tensor(x, m4, [dist.Shard(0)])
+        got = [t.max(), t.min(), torch.amax(t, 0), torch.amin(t, [0]), *torch.aminmax(t)]
+        out.append(([dist.unshard_dtensor(v).item() for v in got], x))
+    x = torch.arange(15.0).reshape(5, 3)  # 2, 2, 1, 0 rows
+    t = dist.shard_tensor(x, m4, [dist.Shard(0)])
+    out.append(([dist.unshard_dtensor(torch.amax(t, 0)), dist.unshard_dtensor(torch.amax(t, 1))], x))
+    return out
+
+
+def test_max_and_min_over_an_empty_tail_give_the_dense_value():
+    """torch's rule reduces each block and an empty one has no extremum: it raised on the ranks holding none."""
+    for out in run_ranks(_extremes_of_empty_tails, 4):
+        for got, x in out[:2]:
+            assert got == [x.max().item(), x.min().item(), x.max().item(), x.min().item(), x.min().item(),
+                           x.max().item()]
+        (over_rows, over_cols), x = out[2]
+        torch.testing.assert_close(over_rows, x.amax(0))
+        torch.testing.assert_close(over_cols, x.amax(1))
+
+
 def _under_a_torch_function_mode():
     from torch.overrides import TorchFunctionMode
 

@@ -42,6 +42,19 @@ def test_cumsum_keeps_the_scanned_dim_whole():
     assert rule((spec(M2, [Shard(1), R], (4, 6)), -2), {}) is None  # the scanned dim is whole already
 
 
+def test_extremum_rules_make_whole_a_reduced_dim_some_rank_holds_none_of():
+    M4 = ProcessMesh([0, 1, 2, 3], ["x"])
+    for op in (aten.max.default, aten.min.default):
+        rule = RULES[op].fn
+        assert rule((spec(M4, [Shard(0)], (6,)),), {}) == Strategy(([R],))  # 2, 2, 2, 0
+        assert rule((spec(M4, [Shard(0)], (8,)),), {}) is None  # every rank holds 2: torch's rule
+        assert rule((spec(M2, [Shard(1), Shard(0)], (1, 3)),), {}) == Strategy(([R, R],))  # 1 row, 0 on y=1
+    amax = RULES[aten.amax.default].fn
+    assert amax((spec(M2, [Shard(0), Shard(1)], (3, 1)), [1]), {}) == Strategy(([Shard(0), R],))
+    assert amax((spec(M2, [Shard(0), Shard(1)], (1, 4)), [1]), {}) is None  # dim 0's empty block is kept
+    assert RULES[aten.aminmax.default].fn((spec(M4, [Shard(0)], (3, 2)),), {"dim": 0}) == Strategy(([R],))
+
+
 def test_join_rules_merge_the_inputs_as_paddle_does():
     a, b = spec(M2, [Shard(0), R], (4, 6)), spec(M2, [R, Shard(1)], (4, 6))
     # stack: every input aligned to the merged placements
