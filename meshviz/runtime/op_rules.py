@@ -9,9 +9,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ..core.layout import local_block
 from ..core.mesh import ProcessMesh
 from ..core.partial import summed
-from ..core.layout import local_block
 from ..core.placements import Partial, Placement, Replicate, Shard
 from .autograd import local_block_of
 from .dtensor import make_dist
