@@ -262,6 +262,8 @@ def plan_reshard(shape: Sequence[int], src_mesh: ProcessMesh, src_placements, ds
     shape: replicate on the source, send each target rank its block, then fill Partial axes on the target.
     """
     shape = tuple(int(s) for s in shape)
+    if any(s < 0 for s in shape) or itemsize < 0:
+        raise ValueError(f"plan_reshard: sizes are not negative, got shape {list(shape)} and itemsize {itemsize}")
     if dst_mesh is None:
         dst_mesh = src_mesh
     if dst_placements is None:

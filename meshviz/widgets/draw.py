@@ -310,7 +310,10 @@ def tensor_block(shape, blocks, colours, *, values=None, labels=None, faded=(), 
     rows, cols = _view_shape(shape)
     nd = len(shape)
     strs = None
-    if values is not None and rows * cols <= max_numbers:
+    empty = rows * cols == 0  # a 0-size dim: the frame alone, and a note that says so
+    if empty and not note:
+        note = "no elements: a dim of size 0"
+    if values is not None and not empty and rows * cols <= max_numbers:
         v2 = np.asarray(values, dtype=float).reshape(rows, cols)
         strs = [[_fmt_value(v) for v in row] for row in v2]
         cw = max(0.2, max(text_width(s, VALUE_FONT) for row in strs for s in row) + 0.08)
@@ -321,7 +324,7 @@ def tensor_block(shape, blocks, colours, *, values=None, labels=None, faded=(), 
             w, h = cols * cw, rows * ch
     if strs is None:
         side = min(max_w, max_h, 2.2)
-        unit = min(0.28, side / max(rows, cols))
+        unit = min(0.28, side / max(rows, cols, 1))
         w, h = max(0.45, cols * unit), max(0.3, rows * unit)
         w, h = min(w, max_w), min(h, max_h)
     xt = index_ticks(cols, w, TICK, True)
@@ -351,7 +354,13 @@ def tensor_block(shape, blocks, colours, *, values=None, labels=None, faded=(), 
     def paint(sheet, x, y):
         for i, ln in enumerate(tlines):
             sheet.text(x + bw / 2, y + i * line_height(TITLE), ln, TITLE, ha="center")
-        panel = Panel(sheet, x + inset + left, y + top, w, h, (0, cols), (0, rows))
+        panel = Panel(sheet, x + inset + left, y + top, w, h, (0, max(cols, 1)), (0, max(rows, 1)))
+        if empty:
+            panel.frame(edgecolor="black", linewidth=1.2)
+            _index_labels(panel, xt, yt, xlabel, ylabel, centre=0.5)
+            for i, ln in enumerate(nlines_note):
+                sheet.text(x + inset, y + top + h + bottom + i * line_height(MIN_FONT), ln, MIN_FONT, color="#a00")
+            return
         cols_ = np.asarray(colours, dtype=float).reshape(-1, 3)
         pal = np.vstack([cols_, EMPTY[None, :]]) if len(cols_) else EMPTY[None, :]
         pal = pal.copy()

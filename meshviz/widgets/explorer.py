@@ -85,17 +85,24 @@ class Explorer:
                 raise ValueError(f"mesh shape must be positive integers, got {p['mesh_shape']!r}")
             if int(np.prod(mshape)) > 65536:
                 raise ValueError("the explorer draws meshes of up to 65536 ranks")
-            names = [n for n in str(p["dim_names"]).replace(" ", ",").split(",") if n] or None
+            given = p["dim_names"]
+            if isinstance(given, (list, tuple)):
+                given = ",".join(map(str, given))
+            names = [n for n in str(given or "").replace(" ", ",").split(",") if n] or None
             if names is not None and len(names) != len(mshape):
-                names = [f"d{i}" for i in range(len(mshape))]
+                raise ValueError(f"dim names: {len(names)} ({', '.join(names)}) for a mesh of {len(mshape)} axes")
             mesh = ProcessMesh(parse_ids(p["ids"], mshape), names)
             tgt = mesh
             if str(p.get("target_ids") or "").strip():
                 tgt = ProcessMesh(parse_ids(p["target_ids"], mshape), mesh.dim_names)
             shape = parse_ints(p["shape"])
+            if any(n < 0 for n in shape):
+                raise ValueError(f"tensor shape must be sizes of 0 or more, got {p['shape']!r}")
+            if int(p["itemsize"]) < 1:
+                raise ValueError(f"bytes per element must be 1 or more, got {p['itemsize']!r}")
             plan = plan_reshard(shape, mesh, parse_placements(p["src"]), tgt, parse_placements(p["dst"]),
                                 int(p["itemsize"]))
-        except (ValueError, TypeError) as exc:
+        except (ValueError, TypeError, OverflowError) as exc:
             self.error = str(exc)
             self._show()
             return self

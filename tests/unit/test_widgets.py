@@ -309,6 +309,27 @@ def test_explorer_controls_and_errors():
     assert w.children
 
 
+def test_explorer_puts_every_bad_size_under_its_controls_and_draws_an_empty_tensor():
+    e = Explorer()
+    for bad, says in ((dict(shape="-4,6"), "tensor shape must be sizes of 0 or more"),
+                      (dict(itemsize=0), "bytes per element must be 1 or more"),
+                      (dict(itemsize=-4), "bytes per element must be 1 or more"),
+                      (dict(dim_names="x"), "dim names: 1 (x) for a mesh of 2 axes")):
+        e.update(**bad)
+        assert e.error is not None and says in e.error, (bad, e.error)
+        e.update(shape="4,6", itemsize=4, dim_names="x,y")
+        assert e.error is None
+    e.update(dim_names=["pp", "dp"])
+    assert e.error is None and e.plan.src_mesh.dim_names == ["pp", "dp"]
+    for shape in ("0,6", "4,0"):  # a 0-size tensor is drawn (an empty frame and a note), as the runtime runs it
+        e.update(shape=shape)
+        assert e.error is None and e.plan.total_bytes == 0, e.error
+        assert e.redraw() > 0 and e.reshard_view.png().startswith(PNG) and e.widget.children
+    with pytest.raises(ValueError, match="sizes are not negative"):
+        plan_reshard((-4,), SEED, ["S(0)"], SEED, ["R"])
+    assert TensorView((0, 6), SEED, ["S(0)", "S(1)"]).png().startswith(PNG)
+
+
 def test_explorer_needs_no_torch_distributed():
     code = ("import sys, meshviz; e = meshviz.explore(mesh_shape='4,4', ids='', shape='8,8'); e.redraw(); "
             "assert e.error is None; print('torch.distributed' in sys.modules)")
