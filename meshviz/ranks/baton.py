@@ -58,8 +58,8 @@ class Baton:
         self._idents: dict[int, int] = {}
         self._gens = gens
         self.comms = ThreadComms(self)
-        self.on_deadlock = None  # called as a deadlock is found, before its ranks are stopped
-        self.deadlock = None  # what on_deadlock gave for the last deadlock
+        self.on_deadlock = None  # called as a deadlock (or the first collective timeout) is found, before a stop
+        self.deadlock = None  # what on_deadlock gave
 
     # -- the scheduler of the thread groups ------------------------------------------------------------------
     def check(self, rank: int) -> None:
@@ -77,6 +77,8 @@ class Baton:
             if rank in self._blocked:
                 left = deadline - time.monotonic()
                 if left <= 0:
+                    if self.on_deadlock is not None and self.deadlock is None:  # who never came, and where it is
+                        self.deadlock = self.on_deadlock()
                     self._stop_rank(rank, RankStopped(f"rank {rank} timed out after {self.timeout:g} s in {what}",
                                                       own=True))
                     self.comms.dirty = True

@@ -1,6 +1,8 @@
 """Ranks as threads of one process: the thread process group, the baton, per-rank state, and meshes far larger
 than the machine (64 ranks, a 16-rank hybrid step) against the dense truth."""
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -141,6 +143,10 @@ def test_a_wait_ends_at_the_collective_timeout_naming_what_it_waits_for():
         run_ranks(_late, 2, ranks="threads", timeout=30, collective_timeout=1)
     by = {o.rank: o for o in info.value.outcomes}
     assert "rank 0 timed out after 1 s in all_reduce #1 on ranks [0, 1] (waiting for rank 1)" in by[0].error
+    # named as rank processes name it: the rank that never came, and where it is (the roll-call at the timeout)
+    assert info.value.ranks == [1]
+    assert re.match(r"rank 1 never entered all_reduce on group \[0, 1\]; it is running at test_threads\.py:\d+ in "
+                    r"_late\(\); rank 0 waited in all_reduce on group \[0, 1\]", str(info.value)), str(info.value)
 
 
 def test_a_raising_rank_stops_its_peers_at_once_and_a_deadlock_is_named():
