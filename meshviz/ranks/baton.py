@@ -13,6 +13,10 @@ from ..backends.threads import RankStopped, ThreadComms
 __all__ = ["Baton", "here", "set_here"]
 
 
+# a meeting left half done would pair each later call with the next one of its peers: every call fails instead
+_STOPPED = "the ranks' collectives stopped at a failed wait ({}); none runs again in this run of the ranks"
+
+
 @dataclass
 class BatonState:
     baton: Baton | None = None  # the Baton this rank thread runs under
@@ -79,9 +83,9 @@ class Baton:
                 if left <= 0:
                     if self.on_deadlock is not None and self.deadlock is None:  # who never came, and where it is
                         self.deadlock = self.on_deadlock()
-                    self._stop_rank(rank, RankStopped(f"rank {rank} timed out after {self.timeout:g} s in {what}",
-                                                      own=True))
-                    self.comms.dirty = True
+                    timed_out = f"rank {rank} timed out after {self.timeout:g} s in {what}"
+                    self._stop_rank(rank, RankStopped(timed_out, own=True))
+                    self.comms.tear_down(_STOPPED.format(timed_out))
                     continue
                 self._turn[rank].wait(min(left, 1.0))
             else:
@@ -172,11 +176,12 @@ class Baton:
         idle = [r for r in range(self.n) if r not in self._blocked]
         if idle:
             lines += f"; rank{'s' if len(idle) > 1 else ''} {', '.join(map(str, idle))} finished"
-        self.comms.dirty = True
         if self.on_deadlock is not None:
             self.deadlock = self.on_deadlock()
+        why = f"deadlock: every rank waits for another: {lines}"
         for r in list(self._blocked):
-            self._stop_rank(r, RankStopped(f"deadlock: every rank waits for another: {lines}", own=True))
+            self._stop_rank(r, RankStopped(why, own=True))
+        self.comms.tear_down(_STOPPED.format(why))
 
     # -- interrupting ----------------------------------------------------------------------------------------
     def interrupt(self, ranks=None) -> None:

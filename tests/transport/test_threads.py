@@ -426,3 +426,34 @@ def test_16_rank_hybrid_steps_match_a_single_process():
         else:
             np.testing.assert_allclose(losses, ref, rtol=1e-5)
             torch.testing.assert_close(g1, w1.detach(), rtol=1e-5, atol=1e-6)
+
+
+def _caught_then_more():
+    import torch.distributed as tdist
+
+    import meshviz.distributed as dist
+    from meshviz.backends.threads import RankStopped
+
+    dist.init_parallel_env()
+    r = tdist.get_rank()
+    out = []
+    try:  # rank 0 reduces while rank 1 receives: a deadlock, caught by the user's code
+        t = torch.zeros(1)
+        tdist.all_reduce(t) if r == 0 else tdist.recv(t, src=0)
+    except RankStopped as e:
+        out.append(str(e).split(":")[0])
+    for step in range(2):  # a meeting the deadlock left half done would pair these with the peer's next calls
+        t = torch.full((1,), 10.0 * step + r + 1)
+        try:
+            tdist.all_reduce(t)
+            out.append(t.item())
+        except RankStopped as e:
+            out.append(str(e)[:59])
+    return out
+
+
+def test_a_caught_failed_wait_stops_every_later_collective_of_the_run():
+    """Rank 0's half-done all_reduce would meet rank 1's next one (each later call paired with the peer's next:
+    values silently wrong); every later call fails instead, as a process group is unusable after a failed wait."""
+    stopped = "the ranks' collectives stopped at a failed wait (deadlock: "
+    assert run_ranks(_caught_then_more, 2, ranks="threads", timeout=30) == [["deadlock", stopped, stopped]] * 2
