@@ -107,7 +107,7 @@ def fingerprint(op: str, seq: int, tensors=(), root=None, reduce: str | None = N
     return fp
 
 
-def _status(rank: int, op: str, fp: list[int], reduce: bool = False) -> RankStatus:
+def _status(rank: int, op: str, fp: list[int], reduce: bool = False, root: bool = False) -> RankStatus:
     n, ndim = fp[2], fp[4]
     shapes = dtypes = None
     if n:
@@ -118,6 +118,8 @@ def _status(rank: int, op: str, fp: list[int], reduce: bool = False) -> RankStat
     name = _OPS[fp[1]] if fp[1] < len(_OPS) else (op if fp[1] == _code(op, _OPS) else f"op#{fp[1]}")
     if reduce and fp[14] >= 0:  # the reduce op is named where it is what differs
         name += f"({_REDUCES[fp[14]] if fp[14] < len(_REDUCES) else f'op#{fp[14]}'})"
+    if root and fp[13] >= 0:  # so is the root (broadcast's src, reduce's dst)
+        name += f"({'dst' if name.startswith(('reduce', 'gather')) else 'src'}={fp[13]})"
     return RankStatus(rank=rank, state="in_collective", op=name, seq=fp[0], shapes=shapes, dtypes=dtypes)
 
 
@@ -154,8 +156,10 @@ def check_match(g, op: str, seq: int, tensors=(), root=None, reduce: str | None 
     common = max(counts.values())
     majority = [k for k, c in counts.items() if c == common]
     odd = [g.ranks[i] for i, r in enumerate(rows) if len(majority) > 1 or tuple(r) != majority[0]]
-    reduces = len({r[1] for r in rows}) == 1 and len({r[14] for r in rows}) > 1  # one op, reduced differently
-    statuses = [_status(rank, op, r, reduces) for rank, r in zip(g.ranks, rows)]
+    one_op = len({r[1] for r in rows}) == 1
+    reduces = one_op and len({r[14] for r in rows}) > 1  # one op, reduced differently
+    roots = one_op and len({r[13] for r in rows}) > 1  # one op, another root
+    statuses = [_status(rank, op, r, reduces, roots) for rank, r in zip(g.ranks, rows)]
     statuses = [dataclasses.replace(s, group=tuple(g.ranks)) for s in statuses]
     found = RollCall(statuses).mismatches()
     if found:

@@ -341,6 +341,35 @@ def test_a_reduce_op_of_its_own_on_one_rank_is_named_before_data_moves():
     assert [r[2] for r in res] == [[1.0, 1.0], [2.0, 2.0], [3.0, 3.0]]  # nothing reduced
 
 
+def other_root():
+    import meshviz.distributed as dist
+    from meshviz.runtime.match import CollectiveMismatch, set_checking
+
+    dist.init_parallel_env()
+    r = dist.get_rank()
+    old = set_checking(True)
+    out = []
+    try:
+        t = torch.full((2,), float(r + 1))
+        for call in (lambda: dist.broadcast(t, src=2 if r == 2 else 0), lambda: dist.reduce(t, dst=r % 2)):
+            with pytest.raises(CollectiveMismatch) as info:
+                call()
+            out.append(str(info.value))
+        return out, t.tolist()
+    finally:
+        set_checking(old)
+
+
+@pytest.mark.timeout(60)
+def test_a_root_of_its_own_is_named_before_data_moves():
+    lines = ["mismatch at #1 on group [0, 1, 2]: rank 0 entered broadcast(src=0) float32[2]; rank 1 entered "
+             "broadcast(src=0) float32[2]; rank 2 entered broadcast(src=2) float32[2]",
+             "mismatch at #2 on group [0, 1, 2]: rank 0 entered reduce(dst=0) float32[2]; rank 1 entered "
+             "reduce(dst=1) float32[2]; rank 2 entered reduce(dst=0) float32[2]"]
+    res = run_ranks(other_root, 3, timeout=50)
+    assert res == [(lines, [float(r + 1)] * 2) for r in range(3)]  # named on every rank, nothing moved
+
+
 def group_beyond_the_world():
     import meshviz.distributed as dist
 
