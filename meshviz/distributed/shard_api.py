@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
@@ -168,6 +170,7 @@ class _ShardOptimizer(PlacedZero):
             raise ValueError(f"shard_fn must be ShardingStage1/2/3, got {shard_fn!r}")
         self._inner_opt = optimizer
         self._stage = shard_fn
+        self._told = False  # about a stage with nothing to shard
         # as in Paddle, only recorded: every step() updates; the training loop decides how often to call it
         self.gradient_accumulation_steps = gradient_accumulation_steps
         _place_plain(optimizer)
@@ -184,6 +187,13 @@ class _ShardOptimizer(PlacedZero):
 
     @torch.no_grad()
     def step(self, closure=None):
+        if self._stage is not None and not self._told:
+            self._told = True
+            params = [p for g in self._inner_opt.param_groups for p in g["params"]]
+            if not any(isinstance(p, DistTensor) or isinstance(p.grad, DistTensor) for p in params):
+                warnings.warn(f"shard_optimizer: {self._stage!r} shards the states of dist parameters (or of dense "
+                              "ones whose gradients are dist, from dist inputs); every parameter and gradient here "
+                              "is dense, so nothing is sharded and each rank steps its own copy", stacklevel=2)
         return super().step(closure)
 
     def clear_grad(self, set_to_zero: bool = True) -> None:

@@ -496,3 +496,31 @@ def test_a_gradient_reduced_over_a_line_of_one_rank_is_not_copied():
         torch.testing.assert_close(grad, w.grad[:, cols])
         torch.testing.assert_close(block, w.detach()[:, cols])
         assert kept == 24.0
+
+
+def _stage_with_nothing_dist(dist_input):
+    import warnings
+
+    import meshviz.distributed as dist
+
+    dist.init_parallel_env()
+    mesh = dist.ProcessMesh([0, 1], dim_names=["dp"])
+    w = torch.nn.Parameter(torch.ones(4, 4))
+    opt = dist.shard_optimizer(torch.optim.AdamW([w], lr=0.1), dist.ShardingStage1("dp", mesh))
+    x = torch.ones(2, 4)
+    x = dist.shard_tensor(x, mesh, [dist.Shard(0)]) if dist_input else x
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            (x @ w).sum().backward()
+            opt.step()
+            opt.clear_grad()
+    return [str(m.message) for m in seen if "shard_optimizer" in str(m.message)]
+
+
+def test_a_sharding_stage_with_nothing_dist_to_shard_says_so_once():
+    """Dense parameters and dense inputs: the stage has nothing to shard (each rank steps its own copy); a dense
+    parameter fed dist inputs gets a dist gradient and is sharded, so nothing is said."""
+    for said in run_ranks(_stage_with_nothing_dist, 2, False, timeout=60):
+        assert len(said) == 1 and "every parameter and gradient here is dense, so nothing is sharded" in said[0]
+    assert run_ranks(_stage_with_nothing_dist, 2, True, timeout=60) == [[], []]
