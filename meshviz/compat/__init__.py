@@ -32,7 +32,7 @@ __all__ = [
     "share_dtensor_decisions", "in_sharding_propagation",
     # pipelining
     "PIPELINE_STAGE_METHODS", "pipeline_setup_calls", "pipeline_neighbor_init_ops",
-    "pipeline_stage_marks_every_recv", "pipeline_order", "action_fields",
+    "pipeline_stage_marks_every_recv", "pipeline_stage_sends_zero_grads", "pipeline_order", "action_fields",
     # ranks as threads
     "install_thread_worlds", "uninstall_thread_worlds", "backend_plugins", "no_dispatch_modes",
     # ipyparallel
@@ -295,9 +295,14 @@ def pipeline_setup_calls() -> tuple[str, ...]:
 
 def pipeline_stage_marks_every_recv() -> bool:
     """Whether PipelineStage makes every received activation need a gradient (an integer one, such as position ids,
-    raises) and sends a gradient back for each (a missing one raises): torch 2.11; 2.12 and later leave integer
-    activations alone and send zeros for a missing gradient."""
+    raises): torch 2.11; 2.12 and later leave integer activations alone."""
     return TORCH_VERSION < (2, 12)
+
+
+def pipeline_stage_sends_zero_grads() -> bool:
+    """Whether PipelineStage sends zeros back for a received activation that got no gradient: torch 2.13 and later;
+    2.11 and 2.12 expect a gradient for every one and raise on a missing one."""
+    return TORCH_VERSION >= (2, 13)
 
 
 def pipeline_neighbor_init_ops() -> str | None:

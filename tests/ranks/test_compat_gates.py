@@ -50,6 +50,8 @@ def test_pipeline_set_up_calls_are_every_one_torch_has():
     assert set(compat.pipeline_setup_calls()) == {n for n in known if hasattr(PipelineStage, n)}
     init = compat.pipeline_neighbor_init_ops()
     assert (init is not None) is hasattr(PipelineStage, "_get_init_p2p_neighbors_ops")
+    # 2.13 keeps each gradient's metadata to send zeros for a missing one; 2.11 and 2.12 raise there
+    assert compat.pipeline_stage_sends_zero_grads() is hasattr(PipelineStage, "_get_grad_send_meta")
 
 
 def _doubled_and_viewed(rows: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -9,7 +9,7 @@ import torch.distributed as tdist
 from torch.distributed.pipelining import PipelineStage
 
 from ... import trace
-from ...compat import pipeline_setup_calls, pipeline_stage_marks_every_recv
+from ...compat import pipeline_setup_calls, pipeline_stage_marks_every_recv, pipeline_stage_sends_zero_grads
 from ...trace import Compute, Event, Recv, Send
 from ..devices import needs_host_p2p, p2p_through_host, staged_recv, staged_send
 
@@ -21,12 +21,14 @@ def _nbytes(ops) -> int:
 
 
 _MARKS_EVERY_RECV = pipeline_stage_marks_every_recv()
+_SENDS_ZEROS = pipeline_stage_sends_zero_grads()
 
 
 class _Stage(PipelineStage):
     """torch 2.11's PipelineStage marks every received activation as needing a gradient (an integer one, such as
-    position ids, raises) and sends a gradient back for each (a missing one raises). Here integer activations need
-    none, and a received activation without a gradient sends back zeros, as torch 2.13 does by itself."""
+    position ids, raises), and 2.11's and 2.12's send a gradient back for each (a missing one raises). Here integer
+    activations need none, and a received activation without a gradient sends back zeros, as torch 2.13 does by
+    itself."""
 
     def _prepare_forward_infra(self, *args, **kwargs):
         if not _MARKS_EVERY_RECV:
@@ -46,11 +48,17 @@ class _Stage(PipelineStage):
         return out
 
     def get_bwd_send_ops(self, bwd_chunk_id):
-        if _MARKS_EVERY_RECV and self.has_backward and not self.is_first and bwd_chunk_id in self.bwd_cache:
+        if not _SENDS_ZEROS and self.has_backward and not self.is_first and bwd_chunk_id in self.bwd_cache:
             bufs = [getattr(info, "buffer", None) for info in self.args_recv_info[bwd_chunk_id]]
+            if not _MARKS_EVERY_RECV:  # 2.12: the previous stage waits for a gradient where the activation needs one
+                if self.grad_send_info is None:
+                    self.grad_send_info = self._create_grad_send_info(self.args_recv_info[0])
+                self.grad_send_info = [None if isinstance(b, torch.Tensor) and not b.requires_grad else to
+                                       for to, b in zip(self.grad_send_info, bufs)]
+            sends = self.grad_send_info or [True] * len(bufs)
             self.bwd_cache[bwd_chunk_id] = tuple(
-                torch.zeros_like(b) if g is None and isinstance(b, torch.Tensor) else g
-                for g, b in zip(self.bwd_cache[bwd_chunk_id], bufs))
+                torch.zeros_like(b) if g is None and isinstance(b, torch.Tensor) and to is not None else g
+                for g, b, to in zip(self.bwd_cache[bwd_chunk_id], bufs, sends))
         return super().get_bwd_send_ops(bwd_chunk_id)
 
 
