@@ -168,14 +168,15 @@ def what_if(fn: Callable, nranks: int, *args, share: bool = True, timeout: float
             while left:
                 rep = left[0]
                 job = world.submit(lambda r: fn(*args, **kwargs), ranks=[rep])
-                if not job.wait(max(0.0, deadline - time.monotonic())):
-                    world.interrupt()
+                late = not job.wait(max(0.0, deadline - time.monotonic()))
+                if late:
+                    world.interrupt()  # where it was is in the interrupted rank's traceback, chained below
                     job.wait(10)
                 err = job.error()
+                if late or not job.done():
+                    raise TimeoutError(f"what_if: rank {rep} was still simulating after {timeout:g} s") from err
                 if err is not None:
                     raise err
-                if not job.done():
-                    raise TimeoutError(f"what_if: rank {rep} was still simulating after {timeout:g} s")
                 run = runs[rep] = job.runs[rep]
                 if share:
                     t1 = time.monotonic()

@@ -1,6 +1,8 @@
 """meshviz.what_if against the same function on real thread ranks: every rank's parameters, gradients, optimizer
 state and received bytes, to the byte; alike ranks sharing a simulation; failures named as a real run names them."""
 
+import time
+
 import pytest
 import torch
 
@@ -268,3 +270,16 @@ def test_a_plan_that_cannot_be_placed_raises_as_for_real():
     assert all(line in o.error for o in real.value.outcomes)
     assert est.value.rank == 0 and line in est.value.outcomes[0].error
     assert est.value.outcomes[0].error == real.value.outcomes[real.value.rank].error
+
+
+def _sleeps():
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 60:  # a simulation that takes its time (Python running, as a model's ops do)
+        sum(range(100))
+
+
+def test_a_simulation_past_its_timeout_says_so():
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"what_if: rank 0 was still simulating after 1 s") as info:
+        meshviz.what_if(_sleeps, 2, timeout=1)
+    assert time.monotonic() - t0 < 15 and info.value.__cause__ is not None  # the interrupted rank's traceback
