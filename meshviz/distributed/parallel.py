@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import warnings
 
+import torch
 import torch.distributed as tdist
 from torch import nn
 
@@ -138,5 +139,14 @@ def fused_allreduce_gradients(parameter_list, hcg=None):
     Gradients are packed into buffers of up to 128 MB per dtype, each all-reduced once, then divided by the
     group size, as Paddle does. Parameters without a gradient are skipped.
     """
+    try:
+        params = None if isinstance(parameter_list, (str, bytes, torch.Tensor)) else list(parameter_list)
+    except TypeError:  # not iterable
+        params = None
+    if params is None or not all(isinstance(p, torch.Tensor) for p in params):
+        what = type(parameter_list).__name__ if params is None else \
+            next(type(p).__name__ for p in params if not isinstance(p, torch.Tensor))
+        raise TypeError(f"fused_allreduce_gradients: parameter_list is a list of parameters (such as "
+                        f"list(model.parameters())), got {what}")
     init_parallel_env()
-    average_gradients(parameter_list, None if hcg is None else hcg.get_data_parallel_group())
+    average_gradients(params, None if hcg is None else hcg.get_data_parallel_group())

@@ -222,6 +222,11 @@ def training_wrappers():
                                                              group=g))
     else:
         dist.DataParallel(plain, group=g)
+    from meshviz.distributed.fleet.utils.hybrid_parallel_util import fused_allreduce_gradients
+
+    for bad, what in (("abc", "got str"), (5, "got int"), ([torch.ones(1), "w"], "got str"), (plain, "got Linear")):
+        _expect(TypeError, ["fused_allreduce_gradients: parameter_list is a list of parameters", what],
+                lambda: fused_allreduce_gradients(bad))
     return _same(before, _values(plain))
 
 
