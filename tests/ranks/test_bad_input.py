@@ -222,6 +222,12 @@ def training_wrappers():
                                                              group=g))
     else:
         dist.DataParallel(plain, group=g)
+    model = _net(seed=2)
+    opt = torch.optim.AdamW(model.parameters())
+    wrapped, sharded, _ = dist.sharding.group_sharded_parallel(model, opt, "os_g")
+    for again in (opt, sharded):  # the torch optimizer now steps this rank's shards: a second call is refused
+        _expect(ValueError, ["group_sharded_parallel: this optimizer is already sharded"],
+                lambda: dist.sharding.group_sharded_parallel(model, again, "os"))
     from meshviz.distributed.fleet.utils.hybrid_parallel_util import fused_allreduce_gradients
 
     for bad, what in (("abc", "got str"), (5, "got int"), ([torch.ones(1), "w"], "got str"), (plain, "got Linear")):

@@ -28,8 +28,9 @@ def _validate(model, optimizer, level, scaler, segment_size, buffer_max_size, gr
         raise ValueError(
             f"group_sharded_parallel: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
         )
-    if isinstance(optimizer, GroupShardedOptimizer):
-        raise ValueError("group_sharded_parallel: this optimizer is already sharded")
+    if isinstance(optimizer, GroupShardedOptimizer) or getattr(optimizer, "_meshviz_sharded", False):
+        raise ValueError("group_sharded_parallel: this optimizer is already sharded (an earlier call made it step "
+                         "this rank's shards); pass a fresh torch optimizer over the model's parameters")
     for name, v in (("segment_size", segment_size), ("buffer_max_size", buffer_max_size)):
         if not isinstance(v, int) or v < 1:
             raise ValueError(f"group_sharded_parallel: {name} must be a positive int, got {v!r}")
@@ -86,6 +87,7 @@ def group_sharded_parallel(
     place_module(model, "group_sharded_parallel")  # a CPU model on a GPU rank moves to the GPU, as in Paddle
     opt = GroupShardedOptimizer(optimizer, model, level, grp, names, dev, offload=offload, segment_size=segment_size,
                                 grad_clip=grad_clip, buffer_max_size=buffer_max_size, sync_buffers=sync_buffers)
+    optimizer._meshviz_sharded = True  # its param_groups hold this rank's shards now, not the model's parameters
     return model, opt, make_scaler(scaler, grp, dev.type)
 
 
