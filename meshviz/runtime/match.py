@@ -124,10 +124,10 @@ def _status(rank: int, op: str, fp: list[int], reduce: bool = False, root: bool 
 
 
 def _differs(op: str, a: list[int], b: list[int]) -> bool:
-    if a[:2] != b[:2] or a[14] != b[14]:  # seq, op, reduce op
+    if a[:2] != b[:2] or a[13] != b[13] or a[14] != b[14]:  # seq, op, root (an object broadcast's too), reduce op
         return True
     if op in SHAPED_OPS:
-        return a[12] != b[12] or a[13] != b[13]
+        return a[12] != b[12]
     return a[3] != b[3] and a[2] and b[2]  # dtypes, where shapes may differ per rank (all-to-all pieces)
 
 

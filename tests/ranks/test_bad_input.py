@@ -362,7 +362,8 @@ def other_root():
     out = []
     try:
         t = torch.full((2,), float(r + 1))
-        for call in (lambda: dist.broadcast(t, src=2 if r == 2 else 0), lambda: dist.reduce(t, dst=r % 2)):
+        for call in (lambda: dist.broadcast(t, src=2 if r == 2 else 0), lambda: dist.reduce(t, dst=r % 2),
+                     lambda: dist.broadcast_object_list([r], src=r)):
             with pytest.raises(CollectiveMismatch) as info:
                 call()
             out.append(str(info.value))
@@ -376,7 +377,9 @@ def test_a_root_of_its_own_is_named_before_data_moves():
     lines = ["mismatch at #1 on group [0, 1, 2]: rank 0 entered broadcast(src=0) float32[2]; rank 1 entered "
              "broadcast(src=0) float32[2]; rank 2 entered broadcast(src=2) float32[2]",
              "mismatch at #2 on group [0, 1, 2]: rank 0 entered reduce(dst=0) float32[2]; rank 1 entered "
-             "reduce(dst=1) float32[2]; rank 2 entered reduce(dst=0) float32[2]"]
+             "reduce(dst=1) float32[2]; rank 2 entered reduce(dst=0) float32[2]",
+             "mismatch at #3 on group [0, 1, 2]: rank 0 entered broadcast_object_list(src=0); rank 1 entered "
+             "broadcast_object_list(src=1); rank 2 entered broadcast_object_list(src=2)"]
     res = run_ranks(other_root, 3, timeout=50)
     assert res == [(lines, [float(r + 1)] * 2) for r in range(3)]  # named on every rank, nothing moved
 
