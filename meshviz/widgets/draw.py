@@ -355,21 +355,16 @@ def tensor_block(shape, blocks, colours, *, values=None, labels=None, faded=(), 
         for i, ln in enumerate(tlines):
             sheet.text(x + bw / 2, y + i * line_height(TITLE), ln, TITLE, ha="center")
         panel = Panel(sheet, x + inset + left, y + top, w, h, (0, max(cols, 1)), (0, max(rows, 1)))
-        if empty:
-            panel.frame(edgecolor="black", linewidth=1.2)
-            _index_labels(panel, xt, yt, xlabel, ylabel, centre=0.5)
-            for i, ln in enumerate(nlines_note):
-                sheet.text(x + inset, y + top + h + bottom + i * line_height(MIN_FONT), ln, MIN_FONT, color="#a00")
-            return
-        cols_ = np.asarray(colours, dtype=float).reshape(-1, 3)
-        pal = np.vstack([cols_, EMPTY[None, :]]) if len(cols_) else EMPTY[None, :]
-        pal = pal.copy()
-        for k in faded:
-            pal[k] = pal[k] * 0.3 + 0.7
-        panel.image(pal[img])
-        segs = _boundaries(img, xedges, yedges)
-        if segs:
-            panel.add(LineCollection(segs, colors="black", linewidths=1.2))
+        if not empty:  # a 0-size tensor has no cells: its frame alone
+            cols_ = np.asarray(colours, dtype=float).reshape(-1, 3)
+            pal = np.vstack([cols_, EMPTY[None, :]]) if len(cols_) else EMPTY[None, :]
+            pal = pal.copy()
+            for k in faded:
+                pal[k] = pal[k] * 0.3 + 0.7
+            panel.image(pal[img])
+            segs = _boundaries(img, xedges, yedges)
+            if segs:
+                panel.add(LineCollection(segs, colors="black", linewidths=1.2))
         panel.frame(edgecolor="black", linewidth=1.2)
         _index_labels(panel, xt, yt, xlabel, ylabel, centre=0.5)
         if strs is not None:
