@@ -50,11 +50,10 @@ class _Stage(PipelineStage):
     def get_bwd_send_ops(self, bwd_chunk_id):
         if not _SENDS_ZEROS and self.has_backward and not self.is_first and bwd_chunk_id in self.bwd_cache:
             bufs = [getattr(info, "buffer", None) for info in self.args_recv_info[bwd_chunk_id]]
-            if not _MARKS_EVERY_RECV:  # 2.12: the previous stage waits for a gradient where the activation needs one
-                if self.grad_send_info is None:
-                    self.grad_send_info = self._create_grad_send_info(self.args_recv_info[0])
+            if not _MARKS_EVERY_RECV and self.grad_send_info is None:
+                # 2.12: the previous stage waits for a gradient only where the activation needs one
                 self.grad_send_info = [None if isinstance(b, torch.Tensor) and not b.requires_grad else to
-                                       for to, b in zip(self.grad_send_info, bufs)]
+                                       for to, b in zip(self._create_grad_send_info(self.args_recv_info[0]), bufs)]
             sends = self.grad_send_info or [True] * len(bufs)
             self.bwd_cache[bwd_chunk_id] = tuple(
                 torch.zeros_like(b) if g is None and isinstance(b, torch.Tensor) and to is not None else g
