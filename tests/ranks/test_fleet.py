@@ -505,3 +505,8 @@ def test_paddle_optimizer_methods_on_every_wrapper():
             assert errors == want, (name, errors)
             for k, v in ref.state_dict().items():
                 torch.testing.assert_close(params[k], v, rtol=1e-5, atol=1e-6, msg=f"{name} {k}")
+    from meshviz.runtime.zero.engine import Zero
+
+    adam = torch.optim.Adam([nn.Parameter(torch.ones(2))], lr=torch.tensor(0.1))
+    Zero(adam, None).set_lr(0.25)  # a tensor learning rate stays a tensor
+    assert torch.is_tensor(adam.param_groups[0]["lr"]) and adam.param_groups[0]["lr"].item() == 0.25

@@ -71,7 +71,10 @@ class Zero:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise TypeError(f"set_lr: the learning rate must be a number, got {type(value).__name__}")
         for g in self._inner_opt.param_groups:
-            g["lr"] = float(value)
+            if torch.is_tensor(g["lr"]):  # a tensor learning rate (capturable, fused) stays one, as step() above
+                g["lr"].fill_(float(value))
+            else:
+                g["lr"] = float(value)
 
     def minimize(self, loss, startup_program=None, parameters=None, no_grad_set=None):
         """Paddle's dygraph ``minimize``: one ``step()`` on the gradients ``loss.backward()`` left (call it first);
