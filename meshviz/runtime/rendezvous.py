@@ -19,6 +19,7 @@ __all__ = [
     "loopback_ifname",
     "mark_arrived",
     "arrived",
+    "never_arrived",
     "HOSTED",
 ]
 
@@ -136,18 +137,47 @@ def process_group_store(rank: int, world: int, host: str, port: int, timeout, re
     """
     if os.environ.get(HOSTED, "") == "True":
         store = connect_store(host, port, world, timeout)
-        mark_arrived(store, rank)
-        return store
-    if reservation is not None:
+    elif reservation is not None:
         if rank == 0:
-            return serve_store(reservation, world, timeout)
-        reservation.close()
-        return connect_store(host, port, world, timeout)
-    if not is_loopback(host):
+            store = serve_store(reservation, world, timeout)
+        else:
+            reservation.close()
+            store = _rank0_store(host, port, world, timeout)
+    elif not is_loopback(host):
         return None
-    if rank == 0:
-        return serve_store(PortReservation(LOOPBACK, int(port)), world, timeout)
-    return connect_store(LOOPBACK, port, world, timeout)
+    elif rank == 0:
+        store = serve_store(PortReservation(LOOPBACK, int(port)), world, timeout)
+    else:
+        store = _rank0_store(LOOPBACK, port, world, timeout)
+    mark_arrived(store, rank)
+    return store
+
+
+def _rank0_store(host: str, port: int, world: int, timeout):
+    import torch.distributed as tdist
+
+    try:
+        return connect_store(host, port, world, timeout)
+    except tdist.DistNetworkError as exc:  # nothing served there in time
+        raise RuntimeError(
+            f"init_parallel_env: rank 0 never served the rendezvous store at {host}:{port} (waited "
+            f"{_timeout(timeout).total_seconds():g} s; WORLD_SIZE={world}): start rank 0 too, with the same "
+            "MASTER_ADDR and MASTER_PORT, or start the ranks with dist.spawn or meshviz.launch") from exc
+
+
+def never_arrived(store, world: int, host: str, port: int, timeout) -> RuntimeError | None:
+    """An error naming the ranks that never reached the rendezvous of ``store``, or None when every rank did
+    (a failed ``init_process_group`` then has another cause)."""
+    came = arrived(store, world)
+    if all(came):
+        return None
+    missing = [r for r, c in enumerate(came) if not c]
+    names = f"rank {missing[0]}" if len(missing) == 1 else "ranks " + ", ".join(map(str, missing))
+    there = [r for r, c in enumerate(came) if c]
+    return RuntimeError(
+        f"init_parallel_env: {names} never reached the rendezvous at {host}:{port} (waited "
+        f"{_timeout(timeout).total_seconds():g} s; WORLD_SIZE={world}; arrived: {there or 'none'}): start every "
+        "rank with the same MASTER_ADDR and MASTER_PORT, or start them with dist.spawn or meshviz.launch")
 
 
 def rank_env(rank: int, world: int, master_addr: str, master_port: int, local_rank: int | None = None,

@@ -102,10 +102,17 @@ def init_parallel_env(backend: str | None = None, timeout: float | None = None):
         if rendezvous.is_loopback(master):
             # one machine: gloo's sockets listen on loopback only, not on every interface (and so does the store)
             os.environ.setdefault("GLOO_SOCKET_IFNAME", rendezvous.loopback_ifname())
-        store = rendezvous.process_group_store(rank, world, master, int(os.environ["MASTER_PORT"]), to, reservation)
+        port = int(os.environ["MASTER_PORT"])
+        store = rendezvous.process_group_store(rank, world, master, port, to, reservation)
         if store is not None:
             kwargs["store"] = store
-        tdist.init_process_group(backend=backend, rank=rank, world_size=world, timeout=to, **kwargs)
+        try:
+            tdist.init_process_group(backend=backend, rank=rank, world_size=world, timeout=to, **kwargs)
+        except Exception as exc:
+            named = None if store is None else rendezvous.never_arrived(store, world, master, port, to)
+            if named is None:
+                raise
+            raise named from exc
         rec = rollcall.current()
         rec.rank = rank
         if not rec.running:

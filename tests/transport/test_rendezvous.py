@@ -74,6 +74,30 @@ def test_rank_env_and_arrival_on_a_hosted_store(monkeypatch):
     assert rendezvous.arrived(server, 3) == [True, False, True]
 
 
+_INIT = "import meshviz.distributed as dist\ndist.init_parallel_env(timeout=3)\n"
+
+
+def test_init_parallel_env_names_the_rank_that_never_came():
+    import subprocess
+    import sys
+
+    def start(rank, world, port):
+        env = {k: v for k, v in os.environ.items() if k not in (rendezvous.HOSTED, "MESHVIZ_RANKS")}
+        env.update(rendezvous.rank_env(rank, world, "127.0.0.1", port), CUDA_VISIBLE_DEVICES="")
+        return subprocess.Popen([sys.executable, "-c", _INIT], env=env, stderr=subprocess.PIPE, text=True)
+
+    three, alone = rendezvous.free_port(), rendezvous.free_port()
+    procs = [start(0, 3, three), start(1, 3, three), start(1, 2, alone)]  # rank 2 of three never starts; nor rank 0
+    errs = [p.communicate(timeout=120)[1].strip().splitlines()[-1] for p in procs]
+    assert all(p.returncode == 1 for p in procs)
+    for err in errs[:2]:  # both ranks that came name the one that did not
+        assert err == (f"RuntimeError: init_parallel_env: rank 2 never reached the rendezvous at 127.0.0.1:{three} "
+                       "(waited 3 s; WORLD_SIZE=3; arrived: [0, 1]): start every rank with the same MASTER_ADDR and "
+                       "MASTER_PORT, or start them with dist.spawn or meshviz.launch"), err
+    assert errs[2].startswith(f"RuntimeError: init_parallel_env: rank 0 never served the rendezvous store at "
+                              f"127.0.0.1:{alone} (waited 3 s; WORLD_SIZE=2)"), errs[2]
+
+
 def test_rank_error_is_one_class_with_plain_text_and_coloured_rendering():
     import meshviz.cluster
     import meshviz.cluster.errors
