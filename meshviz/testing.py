@@ -75,19 +75,23 @@ def run_ranks(func, nprocs: int, *args, timeout: float = 120.0, collective_timeo
         raise ValueError(f"run_ranks: ranks must be 'processes' or 'threads', got {ranks!r}")
     from .core.devices import plan_devices
     from .ranks.processes import DEFAULT_START_METHOD, RankProcesses
+    from .runtime import watchdog
     from .runtime.devices import rank_env, visible_gpu_count
 
     plan = plan_devices(nprocs, devices, visible_gpu_count(), backend, who="run_ranks")
     rank_envs = [rank_env(plan, r) for r in range(nprocs)]
     outdir = tempfile.mkdtemp(prefix="meshviz-ranks-")
-    envd = {"MESHVIZ_TIMEOUT": str(collective_timeout), **(env or {})}
-    procs = RankProcesses(nprocs, collective_timeout, DEFAULT_START_METHOD).start()
+    # the ranks answer a roll-call (printed only for a wait as long as the collective timeout): at the deadline it
+    # names a rank that never entered the collective the others wait in
+    envd = {"MESHVIZ_TIMEOUT": str(collective_timeout), watchdog.HANG_AFTER_ENV: str(float(collective_timeout)),
+            watchdog.HOST_ENV: "parent", **(env or {})}
+    procs = RankProcesses(nprocs, collective_timeout, DEFAULT_START_METHOD, hang_after=collective_timeout).start()
     try:
         job = procs.submit(partial(_entry, port=procs.port, func=func, args=args, world=nprocs, outdir=outdir,
                                    env=envd, rank_envs=rank_envs),
                            read_reports=partial(_read_results, outdir, nprocs), stop_on_failure=False)
         job.wait(timeout)
-        procs.terminate("running")
+        job.end_running()
         err = job.error()
         if err is not None:
             raise err

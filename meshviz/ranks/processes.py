@@ -339,6 +339,7 @@ class SpawnContext:
         self._error: RankError | None = None
         self._results: tuple[dict, dict | None] | None = None
         self._deadline_s: float | None = None  # the wait that ran out, when one did
+        self._deadline_rc = None  # the roll-call taken when the ranks still running at it were ended
         self._closed = False
 
     def done(self) -> bool:
@@ -395,6 +396,13 @@ class SpawnContext:
             self._results = results
         return self._results
 
+    def end_running(self) -> None:
+        """End the ranks still running after a wait ran out (their outcome: ``"running"``), the roll-call taken
+        first: the error then names a rank that never entered the collective the others wait in."""
+        if not self.done():
+            self._deadline_rc = self._procs.blame()
+        self._procs.terminate("running")
+
     def outcomes(self) -> list[RankOutcome]:
         if self._error is not None:
             return list(self._error.outcomes)
@@ -408,7 +416,7 @@ class SpawnContext:
             bad = reports or (len(values) < len(self.ranks) if values is not None else self._procs.failed())
             bad = bad or bool(self._procs.ended)  # ended by stop() or a deadline: no result
             if bad:
-                self._error = self._procs.rank_error(reports, values, self._deadline_s)
+                self._error = self._procs.rank_error(reports, values, self._deadline_s, self._deadline_rc)
         return self._error
 
     def join(self, timeout: float | None = None) -> bool:

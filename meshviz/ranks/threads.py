@@ -315,15 +315,42 @@ def run(fn: Callable, nprocs: int, *args, timeout: float = 120.0, collective_tim
                                        for r in range(nprocs)])
     try:
         job = tw.submit(ranked)
+        late = holder = None
         if not job.wait(timeout):
+            late, holder = tw.on_deadlock(), tw.holder  # as the deadline finds them: who waits where, who runs
             tw.interrupt()
             job.wait(10)
         outcomes = job.outcomes()
-        rc = tw.deadlock
+        rc = tw.deadlock or late
+        seen, note = tw.first_failed, ""
+        if late is not None:
+            outcomes = _ran_out(outcomes, timeout, late)
+            if not seen and not late.culprits() and holder is not None:
+                # nobody waits in a collective: the rank that kept the turn held the others back
+                seen = [holder]
+                others = [o.rank for o in outcomes if o.rank != holder]
+                note = (f"ranks as threads take turns: rank {holder} kept the turn for {timeout:g} s without "
+                        f"entering a collective or sleeping, so {_names(others)} could not go on")
         inside = {s.rank for s in rc if s.state == "in_collective"} if rc is not None else ()
-        err = error_of(outcomes, tw.first_failed, inside=inside, rollcall=rc)
+        err = error_of(outcomes, seen, inside=inside, rollcall=rc, note=note)
         if err is not None:
             raise err
         return [o.value for o in outcomes]
     finally:
         tw.stop()
+
+
+def _ran_out(outcomes: list[RankOutcome], timeout: float, rollcall) -> list[RankOutcome]:
+    """The outcomes of the ranks a deadline interrupted: still running at it, not failed."""
+    where = {s.rank: s.where for s in rollcall}
+    out = []
+    for o in outcomes:
+        if o.status == "error" and (o.error or "").startswith("KeyboardInterrupt"):
+            at = f" at {where[o.rank]}" if where.get(o.rank) else ""
+            o = RankOutcome(o.rank, o.engine, "running", f"no result after {timeout:g} s; interrupted{at}")
+        out.append(o)
+    return out
+
+
+def _names(ranks) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))

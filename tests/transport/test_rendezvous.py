@@ -8,6 +8,7 @@ import time
 from functools import partial
 
 import pytest
+import torch
 
 from meshviz.errors import RankError, RankOutcome
 from meshviz.runtime import rendezvous
@@ -308,3 +309,56 @@ def test_spawn_and_run_ranks_name_a_rank_that_dies():
     assert err.ranks == [1] and str(err).startswith("rank 1 died (exit code 3)")
     assert {o.rank: o.status for o in err.outcomes}[0] in ("error", "ok")
     assert run_ranks(dies_on_rank_1, 1, 3, timeout=60) == [1.0]  # a lone rank 0 never dies
+
+
+def spins_on(rank):
+    import meshviz.distributed as dist
+
+    dist.init_parallel_env()
+    if dist.get_rank() == rank:
+        while True:  # pure Python: never waits, never sleeps
+            time.perf_counter()
+    t = torch.ones(1)
+    dist.all_reduce(t)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind", ["processes", "threads"])
+def test_run_ranks_past_its_deadline_names_the_rank_that_never_came(kind):
+    from meshviz.testing import RankFailed, run_ranks
+
+    with pytest.raises(RankFailed) as info:
+        run_ranks(spins_on, 2, 1, timeout=3, collective_timeout=30, ranks=kind)
+    err = info.value  # rank 0 waits in the all-reduce, rank 1 spins
+    assert err.ranks == [1] and err.lead, str(err)
+    assert str(err).startswith("rank 1 never entered all_reduce #1 on group [0, 1]; it is running at "
+                               "test_rendezvous.py:"), str(err)
+    assert "in spins_on(); rank 0 waited in all_reduce #1 on group [0, 1] for " in str(err)
+    by = {o.rank: o for o in err.outcomes}
+    assert by[0].status == by[1].status == "running", err.outcomes
+    assert by[0].error.startswith("no result after 3 s;")
+    if kind == "threads":  # the rank that runs first keeps the turn: the other never runs
+        _FIRST.clear()
+        with pytest.raises(RankFailed) as info:
+            run_ranks(first_spins, 2, timeout=3, collective_timeout=30, ranks=kind)
+        err = info.value
+        held, other = _FIRST[0], 1 - _FIRST[0]
+        assert len(_FIRST) == 1 and err.ranks == [held] and not err.lead
+        assert str(err).startswith(f"rank {held} was still running (no result after 3 s; interrupted at "
+                                   "test_rendezvous.py:"), str(err)
+        assert (f"ranks as threads take turns: rank {held} kept the turn for 3 s without entering a collective or "
+                f"sleeping, so rank {other} could not go on") in str(err)
+
+
+_FIRST: list = []
+
+
+def first_spins():
+    import meshviz.distributed as dist
+
+    _FIRST.append(dist.get_rank())  # before init: its RANK
+    if len(_FIRST) == 1:
+        while True:
+            time.perf_counter()
+    dist.init_parallel_env()
