@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import pickle
 import signal
 from collections.abc import Collection, Iterable, Sequence
 from typing import TYPE_CHECKING
@@ -11,7 +13,7 @@ from ..errors import RankError, RankOutcome
 if TYPE_CHECKING:
     from ..trace.status import RollCall
 
-__all__ = ["rank_error", "error_of", "exit_text"]
+__all__ = ["rank_error", "error_of", "exit_text", "read_report"]
 
 
 def rank_error(outcomes: Iterable[RankOutcome], seen: Sequence[int | Sequence[int]] = (), *,
@@ -75,3 +77,23 @@ def exit_text(code: int | None) -> str:
         except ValueError:
             return f"killed by signal {-code}"
     return f"exit code {code}"
+
+
+def read_report(path: str) -> tuple[str, str, float] | None:
+    """(summary, traceback, when written) from torch's error file of a rank that raised; None if it wrote none."""
+    try:
+        with open(path, "rb") as fh:
+            text = str(pickle.load(fh))
+        return _summary_of(text), text, os.path.getmtime(path)
+    except Exception:
+        return None
+
+
+def _summary_of(tb: str) -> str:
+    """The exception line of a formatted traceback: "ValueError: failing on purpose"."""
+    lines = [ln for ln in tb.rstrip().splitlines() if ln.strip()]
+    i = len(lines)
+    while i > 0 and not lines[i - 1].startswith((" ", "\t", "Traceback")):
+        i -= 1
+    head = lines[i] if i < len(lines) else (lines[-1] if lines else "unknown error")
+    return head if len(head) <= 500 else head[:497] + "..."

@@ -13,7 +13,7 @@ from functools import partial
 from ..errors import RankError, RankOutcome
 from ..runtime import rendezvous
 from . import outcomes as _outcomes
-from .outcomes import exit_text
+from .outcomes import exit_text, read_report
 
 __all__ = ["spawn", "SpawnContext", "RankProcesses", "DEFAULT_START_METHOD"]
 
@@ -276,26 +276,6 @@ def _with_environ(index, environ, fn):
     os.environ.clear()
     os.environ.update(environ)
     _call(index, fn)
-
-
-def read_report(path: str) -> tuple[str, str, float] | None:
-    """(summary, traceback, when written) from torch's error file of a rank that raised; None if it wrote none."""
-    try:
-        with open(path, "rb") as fh:
-            text = str(pickle.load(fh))
-        return _summary_of(text), text, os.path.getmtime(path)
-    except Exception:
-        return None
-
-
-def _summary_of(tb: str) -> str:
-    """The exception line of a formatted traceback: "ValueError: failing on purpose"."""
-    lines = [ln for ln in tb.rstrip().splitlines() if ln.strip()]
-    i = len(lines)
-    while i > 0 and not lines[i - 1].startswith((" ", "\t", "Traceback")):
-        i -= 1
-    head = lines[i] if i < len(lines) else (lines[-1] if lines else "unknown error")
-    return head if len(head) <= 500 else head[:497] + "..."
 
 
 def _spawn_entry(index, port, func, args, world, env, rank_envs=None):
