@@ -25,6 +25,7 @@ class DataParallel(nn.Module):
     Built on ``torch.nn.parallel.DistributedDataParallel``: buckets of ``comm_buffer_size`` MB, the first bucket
     (the parameters defined first, whose gradients are ready last) of ``last_comm_buffer_size`` MB.
     ``state_dict()`` keys are those of ``layers`` (no wrapper prefix); other attributes pass through to it.
+    ``strategy`` (Paddle 1.x's ``ParallelStrategy``, environment only) is checked and not used: the group decides.
     """
 
     def __init__(self, layers: nn.Module, strategy=None, comm_buffer_size=25, last_comm_buffer_size=1,
@@ -32,6 +33,9 @@ class DataParallel(nn.Module):
         super().__init__()
         if not isinstance(layers, nn.Module):
             raise TypeError(f"DataParallel wraps an nn.Module, got {type(layers).__name__}")
+        if strategy is not None and not hasattr(strategy, "nranks"):  # Paddle reads only strategy.nranks
+            raise TypeError(f"DataParallel: strategy must be a ParallelStrategy (an object with nranks) or None, "
+                            f"got {strategy!r} ({type(strategy).__name__})")
         for name, v in (("comm_buffer_size", comm_buffer_size), ("last_comm_buffer_size", last_comm_buffer_size)):
             if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
                 raise ValueError(f"DataParallel: {name} must be a positive number of MB, got {v!r}")

@@ -196,9 +196,6 @@ class _ShardOptimizer(PlacedZero):
                               "is dense, so nothing is sharded and each rank steps its own copy", stacklevel=2)
         return super().step(closure)
 
-    def clear_grad(self, set_to_zero: bool = True) -> None:
-        self.zero_grad(set_to_none=not set_to_zero)
-
     def state_dict(self):
         """This rank's states; before training they are made first (zeros, as Paddle's), so that
         ``dist.load_state_dict`` has tensors to load a checkpoint into (collective then)."""

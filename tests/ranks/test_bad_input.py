@@ -241,6 +241,27 @@ def test_training_wrappers_refuse_an_axis_or_group_they_cannot_use():
     assert run_ranks(training_wrappers, 2, timeout=50) == [True, True]
 
 
+def data_parallel_strategy():
+    import meshviz.distributed as dist
+    from meshviz.distributed import fleet
+
+    dist.init_parallel_env()
+    plain = _net(seed=dist.get_rank())
+    before = _values(plain)
+    for bad, got in (("junk", "got 'junk' (str)"), (fleet.DistributedStrategy(), "(DistributedStrategy)")):
+        _expect(TypeError, ["DataParallel: strategy must be a ParallelStrategy (an object with nranks) or None", got],
+                lambda: dist.DataParallel(plain, strategy=bad))
+    unchanged = _same(before, _values(plain))  # nothing broadcast
+    dist.DataParallel(plain, strategy=dist.ParallelEnv())  # it has nranks, as Paddle's ParallelStrategy
+    return unchanged, [v.tolist() for v in _values(plain)]
+
+
+@pytest.mark.timeout(60)
+def test_data_parallel_refuses_a_strategy_that_is_not_a_parallel_strategy():
+    rank0 = [v.tolist() for v in _values(_net(seed=0))]
+    assert run_ranks(data_parallel_strategy, 2, timeout=50) == [(True, rank0)] * 2
+
+
 # -- to_static / DistModel ----------------------------------------------------------------------------------------
 
 

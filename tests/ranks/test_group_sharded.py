@@ -132,6 +132,50 @@ def _check_saved(tmp, ref):
             assert float(got[i]["step"]) == STEPS
 
 
+def _clear_grad(level):
+    import meshviz.distributed as dist
+    from meshviz.distributed.sharding import group_sharded_parallel
+    from meshviz.runtime.zero.slot import local_tensor
+
+    dist.init_parallel_env()
+    model = make_model()
+    model, opt, _ = group_sharded_parallel(model, torch.optim.SGD(model.parameters(), lr=0.0), level,
+                                           segment_size=8)
+    x, y = batch(0, dist.get_rank())
+    # the model's parameters and the shards the user's optimizer steps (os_g frees the former after backward)
+    tensors = list(model.parameters()) + [p for g in opt.param_groups for p in g["params"]]
+
+    def grads():
+        return [None if t.grad is None else local_tensor(t.grad).detach().clone() for t in tensors]
+
+    def train():  # learning rate 0: the parameters stay, so every round's gradients are the first round's
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        return grads()
+
+    first = train()
+    opt.clear_grad()
+    zeroed = grads()
+    again = train()  # accumulated onto the zeros
+    opt.clear_grad(set_to_zero=False)
+    return first, zeroed, again, grads(), train()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("level", LEVELS)
+def test_clear_grad_zeroes_the_gradients_as_paddles_and_set_to_zero_false_drops_them(level):
+    for first, zeroed, again, dropped, fresh in run_ranks(_clear_grad, 2, level, timeout=100):
+        held = [g is not None for g in first]
+        assert any(held)
+        # Paddle's clear_grad() (set_to_zero=True): the same gradients, each zero, none dropped
+        assert [None if z is None else list(z.shape) for z in zeroed] == \
+            [None if g is None else list(g.shape) for g in first]
+        assert [float(z.abs().sum()) for z in zeroed if z is not None] == [0.0] * sum(held)
+        assert dropped == [None] * len(first)
+        for g, a, f in zip(first, again, fresh):
+            assert (a is None and f is None) if g is None else (torch.equal(a, g) and torch.equal(f, g))
+
+
 def _memory(world_levels):
     return _train(world_levels, 1)
 

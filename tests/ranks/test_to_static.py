@@ -91,6 +91,22 @@ def test_strategy_defaults_and_unknown_keys():
         Strategy("config.yaml")
 
 
+def test_strategy_refuses_a_k_steps_that_is_not_a_positive_int_when_it_is_set():
+    s = Strategy()
+    for bad, shown in (("2", "'2' (str)"), (2.0, "2.0 (float)"), (True, "True (bool)"), (0, "0 (int)"),
+                       (-1, "-1 (int)")):
+        words = f"Strategy.gradient_merge.k_steps must be a positive int, got {shown}"
+        with pytest.raises(ValueError) as info:
+            s.gradient_merge.k_steps = bad
+        assert str(info.value) == words
+        with pytest.raises(ValueError) as info:
+            Strategy({"gradient_merge": {"enable": True, "k_steps": bad}})
+        assert str(info.value) == words
+    assert s.gradient_merge.k_steps == 1  # left as it was
+    s.gradient_merge.k_steps = 3
+    assert s.gradient_merge.k_steps == 3 and "k_steps=3" in repr(s)
+
+
 def test_train_eval_predict_equal_eager():
     batches = [data(s) for s in range(3)]
     ref, ref_losses = eager(3, batches)

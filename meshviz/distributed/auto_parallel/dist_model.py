@@ -60,9 +60,7 @@ class DistModel:
                              "its own mesh (they run stage after stage on the whole batch), or schedule micro-batches "
                              "with fleet's PipelineLayer and train_batch")
         gm = strategy.gradient_merge
-        k = int(gm.k_steps) if gm.enable else 1
-        if k < 1:
-            raise ValueError(f"to_static: gradient_merge.k_steps must be >= 1, got {gm.k_steps}")
+        k = gm.k_steps if gm.enable else 1  # a positive int: checked when set
         amp = strategy.amp
         if amp.enable and str(amp.dtype) not in ("float16", "bfloat16"):
             raise ValueError(f"to_static: amp.dtype must be 'float16' or 'bfloat16', got {amp.dtype!r}")

@@ -62,6 +62,10 @@ SECTIONS = {
 }
 
 
+# options Paddle reads as a count of steps: anything but a positive int raises when it is set
+_COUNTS = {("gradient_merge", "k_steps")}
+
+
 class Section:
     """One section (``strategy.sharding``, ``strategy.amp``, ...): attributes with defaults, nothing else."""
 
@@ -83,6 +87,9 @@ class Section:
     def __setattr__(self, key, value):
         if key not in self._values:
             raise UnknownOption(self._unknown(key))
+        if (self._name, key) in _COUNTS and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"Strategy.{self._name}.{key} must be a positive int, got {value!r} "
+                             f"({type(value).__name__})")
         self._values[key] = value
 
     def _unknown(self, key) -> str:

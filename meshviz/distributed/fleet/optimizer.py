@@ -56,9 +56,6 @@ class HybridParallelOptimizer(Zero):
         if self._sharding is not None:
             self._sharding._gather()
 
-    def clear_grad(self, set_to_zero=True):
-        self.zero_grad(set_to_none=not set_to_zero)
-
     def zero_grad(self, set_to_none=True):
         if self._sharding is not None:
             self._sharding.zero_grad(set_to_none)

@@ -35,8 +35,6 @@ class GroupShardedOptimizer(FlatZero):
         name = type(self._inner_opt).__name__
         return f"GroupShardedOptimizer({name}, level={self.level!r}, group={self._group.ranks})"
 
-    clear_grad = FlatZero.zero_grad
-
     def minimize(self, *args, **kwargs):
         raise RuntimeError("optimizer.minimize() not support now, please use optimizer.step()")  # Paddle's words
 

@@ -4,7 +4,22 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["Zero", "create_states"]
+__all__ = ["Zero", "clear_grads", "create_states"]
+
+
+def clear_grads(tensors, set_to_none: bool = True) -> None:
+    """torch's ``zero_grad`` over ``tensors``: each gradient dropped, or (``set_to_none=False``) zeroed in place."""
+    for t in tensors:
+        if t.grad is None:
+            continue
+        if set_to_none:
+            t.grad = None
+            continue
+        if t.grad.grad_fn is not None:
+            t.grad.detach_()
+        else:
+            t.grad.requires_grad_(False)
+        t.grad.zero_()
 
 
 @torch.no_grad()
@@ -61,7 +76,15 @@ class Zero:
         self._gather()
         return loss if out is None else out
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._inner_opt.zero_grad(set_to_none=set_to_none)
+
     # Paddle's optimizer methods, over the torch optimizer's param_groups
+    def clear_grad(self, set_to_zero: bool = True) -> None:
+        """Paddle's ``clear_grad``: every gradient zeroed in place (``set_to_zero=False``: dropped, as torch's
+        ``zero_grad()``)."""
+        self.zero_grad(set_to_none=not set_to_zero)
+
     def get_lr(self) -> float:
         """The learning rate (of the first parameter group), as Paddle's ``get_lr``."""
         return float(self._inner_opt.param_groups[0]["lr"])

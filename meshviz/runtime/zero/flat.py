@@ -10,7 +10,7 @@ from ... import trace
 from ...core.sharding import SHARDED, plan_pieces
 from ..comm import all_reduce_mean_
 from ..devices import device
-from .engine import Zero, create_states
+from .engine import Zero, clear_grads, create_states
 from .fsdp import apply_fsdp, unmix_foreach
 from .group import ShardingGroup, broadcast_module
 from .slot import Slot, local_tensor
@@ -246,11 +246,11 @@ class FlatZero(Zero):
                 grp.broadcast(flat, owner)
 
     def zero_grad(self, set_to_none: bool = True):
-        for s in self._slots:
-            s.param.grad = None
-            s.grad_buf = None
-            if s.shard is not None:
-                s.shard.grad = None
+        """Every gradient (the parameters' and the shards' the inner optimizer steps) dropped, or zeroed in place."""
+        clear_grads({id(t): t for s in self._slots for t in (s.param, s.shard) if t is not None}.values(), set_to_none)
+        if set_to_none:
+            for s in self._slots:
+                s.grad_buf = None  # os_g: the shard's gradient, zeroed above otherwise
         self._dirty = False
 
     # state -----------------------------------------------------------------------------------------------

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ...core.sharding import owners_by_size
-from .engine import Zero
+from .engine import Zero, clear_grads
 from .group import ShardingGroup
 
 __all__ = ["OwnerZero"]
@@ -48,11 +48,4 @@ class OwnerZero(Zero):
                 self._group.broadcast(p.data, self.owner[id(p)])
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        for p in self.params:
-            if p.grad is None:
-                continue
-            if set_to_none:
-                p.grad = None
-            else:
-                p.grad.detach_()
-                p.grad.zero_()
+        clear_grads(self.params, set_to_none)
