@@ -83,10 +83,20 @@ class _Recv:
         self.source = src
 
     def fill(self, data, source: int) -> None:
-        with torch.no_grad():
-            self.tensor.detach().copy_(data)
+        t = self.tensor
+        if data.dtype != t.dtype or data.numel() != t.numel():  # gloo would garble (or abort on) what copy_ casts
+            self.error = ValueError(
+                f"{self.what}: the sender's {_desc(data)} does not fit this rank's {_desc(t)} (a receive takes "
+                "the sent dtype and number of elements)")
+        else:
+            with torch.no_grad():
+                t.detach().copy_(data.view(t.shape))
         self.filled = True
         self.source = source
+
+
+def _desc(t) -> str:
+    return f"{str(t.dtype).replace('torch.', '')} {list(t.shape)}"
 
 
 class _Work(tdist.Work):

@@ -404,6 +404,8 @@ class ThreadGroup(_InProcessGroup):
                     with compat.no_dispatch_modes():
                         rv.fill(data, self._group_rank)
                     c.sched.wake(rv.rank)
+                    if rv.error is not None:  # both sides hear of it
+                        raise ValueError(f"send to rank {self.ranks[dst]}: {rv.error}")
                     break
             else:
                 c.mail[(self._name, self._group_rank, dst, tag)].append(data)

@@ -427,3 +427,38 @@ def test_torchs_autograd_collectives_on_rank_threads():
     assert done.returncode == 0, done.stderr[-3000:]
     # all_reduce of 1s and 2s is 3s on both ranks; its gradient is the sum of both ranks' output gradients (1s)
     assert done.stdout.split("\n")[:2] == ["[([3.0, 3.0], [2.0, 2.0]), ([3.0, 3.0], [2.0, 2.0])]"] * 2
+
+
+def _p2p_pairs(sleep_first):
+    import time
+
+    import meshviz.distributed as dist
+
+    dist.init_parallel_env()
+    if dist.get_rank() == 0:
+        dist.send(torch.arange(4.0).view(2, 2), 1)  # as gloo: the elements count, not the shape
+        if sleep_first:  # the receive is posted first
+            time.sleep(0.1)
+        dist.send(torch.tensor([1.5, 2.5], dtype=torch.float64), 1)
+        return None
+    ok = torch.zeros(4)
+    dist.recv(ok, 0)
+    assert ok.tolist() == [0.0, 1.0, 2.0, 3.0]
+    dist.recv(torch.zeros(2, dtype=torch.int64), 0)  # float64 into int64: copy_ would have truncated to [1, 2]
+
+
+@pytest.mark.parametrize("sleep_first", [False, True])
+def test_a_receive_of_another_dtype_raises_on_rank_threads(sleep_first):
+    from meshviz.testing import RankFailed
+
+    with pytest.raises(RankFailed) as info:
+        run_ranks(_p2p_pairs, 2, sleep_first, timeout=30, ranks="threads")
+    err = info.value
+    line = ("recv from rank 0 (tag 0) on ranks [0, 1]: the sender's float64 [2] does not fit this rank's int64 [2] (a "
+            "receive takes the sent dtype and number of elements)")
+    by = {o.rank: o for o in err.outcomes}
+    assert by[1].error == f"ValueError: {line}" or by[0].error == f"ValueError: send to rank 1: {line}", err.outcomes
+    if sleep_first:  # the sender filled the posted receive: both hear of it
+        assert by[0].error == f"ValueError: send to rank 1: {line}" and err.ranks == [0]
+    else:  # the receiver found the message in its mailbox: the send had returned
+        assert by[1].error == f"ValueError: {line}" and by[0].status == "ok" and err.ranks == [1]
