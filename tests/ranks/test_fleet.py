@@ -348,6 +348,38 @@ def test_orders_modes_and_errors():
         assert "positive" in errs[3]
 
 
+def _degrees_per_rank():
+    import meshviz.distributed as dist
+    from meshviz.distributed import fleet
+
+    dist.init_parallel_env()
+    r, errs = dist.get_rank(), []
+    order = ["dp", "pp", "sharding", "mp"] if r != 1 else ["mp", "pp", "sharding", "dp"]
+    for configs in ({"dp_degree": 2 if r < 2 else 1, "mp_degree": 2 if r < 2 else 4},
+                    {"mp_degree": 2, "order": order}):
+        s = fleet.DistributedStrategy()
+        s.hybrid_configs = configs
+        try:
+            fleet.init(is_collective=True, strategy=s)
+        except ValueError as e:
+            errs.append(str(e))
+    return errs
+
+
+@pytest.mark.timeout(60)
+def test_degrees_that_differ_per_rank_raise_on_every_rank_naming_them():
+    head = "fleet.init: the ranks were given different hybrid_configs (every rank needs the same): "
+    degrees = head + "ranks 0, 1: dp 2, pp 1, sharding 1, mp 2, sep 1; ranks 2, 3: dp 1, pp 1, sharding 1, mp 4, sep 1"
+    res = run_ranks(_degrees_per_rank, 4, timeout=50)
+    two = "dp 2, pp 1, sharding 1, mp 2, sep 1"
+    for r, errs in enumerate(res):  # each rank names its own order; it only knows the others' differ
+        assert len(errs) == 2 and errs[0] == degrees, errs
+        expect = (f"ranks 0, 2, 3: {two}, another order; rank 1: {two}, order ['mp', 'pp', 'sharding', 'dp']"
+                  if r == 1 else f"ranks 0, 2, 3: {two}, order ['dp', 'pp', 'sharding', 'mp']; rank 1: {two}, "
+                  "another order")
+        assert errs[1] == head + expect, (r, errs[1])
+
+
 def test_strategy_defaults_and_merge():
     from meshviz.distributed import fleet
 
