@@ -246,6 +246,32 @@ def test_unknown_level_raises_on_every_rank_before_communication():
         assert not initialised  # raised before the process group even started
 
 
+def _levels_per_rank():
+    import meshviz.distributed as dist
+    from meshviz.distributed.sharding import group_sharded_parallel
+
+    dist.init_parallel_env()
+    model = make_model()
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = torch.optim.AdamW(model.parameters())
+    level = "os" if dist.get_rank() < 2 else "p_g_os"
+    try:
+        group_sharded_parallel(model, opt, level, offload=dist.get_rank() == 3)
+    except ValueError as e:
+        return str(e), all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    return None, None
+
+
+@pytest.mark.timeout(60)
+def test_levels_that_differ_per_rank_raise_on_every_rank_naming_them():
+    res = run_ranks(_levels_per_rank, 4, timeout=50)
+    head = "group_sharded_parallel: the ranks were given different settings (every rank needs the same): "
+    for r, (msg, untouched) in enumerate(res):
+        os_, pgos = ("level 'os'", "another level") if r < 2 else ("another level", "level 'p_g_os'")
+        kinds = [f"ranks 0, 1: {os_}, offload False", f"rank 2: {pgos}, offload False", f"rank 3: {pgos}, offload True"]
+        assert msg == head + "; ".join(kinds) and untouched, (r, msg)
+
+
 def _amp(level):
     import meshviz.distributed as dist
     from meshviz.distributed.sharding import group_sharded_parallel

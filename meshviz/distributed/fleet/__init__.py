@@ -5,6 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from ...rank_context import getenv
+from ...runtime.agree import same_on_every_rank
 from ...runtime.world import get_rank, get_world_size, init_parallel_env
 from ..collective import barrier
 from . import topology  # noqa: F401  (fleet.topology, as in Paddle)
@@ -21,40 +22,7 @@ __all__ = [
 ]
 
 
-def _same_on_every_rank(degrees: dict, order: list, world: int) -> None:
-    """Every rank was given the same degrees and order (ValueError on every rank naming them, before any group is
-    made: ranks building different topologies would pair the wrong collectives)."""
-    if world < 2:
-        return
-    import zlib
-
-    import torch
-    import torch.distributed as tdist
-
-    from ...compat import all_gather_single
-
-    mine = [degrees[k] for k in _DEGREES] + [zlib.crc32(repr(order).encode())]
-    out = torch.empty(world * len(mine), dtype=torch.int64)
-    all_gather_single(out, torch.tensor(mine, dtype=torch.int64), group=tdist.group.WORLD)
-    rows = out.view(world, len(mine)).tolist()
-    if all(r == rows[0] for r in rows):
-        return
-    kinds: dict = {}
-    for r, row in enumerate(rows):
-        kinds.setdefault(tuple(row), []).append(r)
-    orders = len({k[-1] for k in kinds}) > 1  # the order is named only where it differs (each rank knows its own)
-    parts = [f"{_ranks(rs)}: " + ", ".join(f"{n} {v}" for n, v in zip(_DEGREES, k))
-             + ("" if not orders else f", order {order}" if k[-1] == mine[-1] else ", another order")
-             for k, rs in kinds.items()]
-    raise ValueError("fleet.init: the ranks were given different hybrid_configs (every rank needs the same): "
-                     + "; ".join(parts))
-
-
 _DEGREES = ("dp", "pp", "sharding", "mp", "sep")
-
-
-def _ranks(rs) -> str:
-    return f"rank {rs[0]}" if len(rs) == 1 else "ranks " + ", ".join(map(str, rs))
 
 
 class Fleet:
@@ -104,7 +72,7 @@ class Fleet:
                 f"fleet.init: dp_degree*pp_degree*sharding_degree*mp_degree*sep_degree = "
                 f"{degrees['dp']}*{degrees['pp']}*{degrees['sharding']}*{degrees['mp']}*{degrees['sep']} = "
                 f"{degrees['dp'] * others}, but the world has {world} ranks")
-        _same_on_every_rank(degrees, order, world)
+        same_on_every_rank("fleet.init: hybrid_configs", {**degrees, "order": order})
         names = [AXIS_NAMES[a] for a in order]
         if degrees["sep"] == 1:
             names = [n for n in names if n != "sep"]

@@ -7,6 +7,7 @@ import torch.nn as nn
 
 from ...core.sharding import LEVELS
 from ...nn import ClipGradByGlobalNorm
+from ...runtime.agree import same_on_every_rank
 from ...runtime.devices import place_module
 from ...runtime.groups import resolve
 from ...runtime.world import device, init_parallel_env
@@ -83,6 +84,9 @@ def group_sharded_parallel(
     names = _validate(model, optimizer, level, scaler, segment_size, buffer_max_size, grad_clip)
     init_parallel_env()
     grp = resolve_group(group)
+    same_on_every_rank("group_sharded_parallel", {"level": level, "offload": bool(offload),
+                                                  "sync_buffers": bool(sync_buffers), "segment_size": segment_size},
+                       grp.pg, grp.ranks)
     dev = device()
     place_module(model, "group_sharded_parallel")  # a CPU model on a GPU rank moves to the GPU, as in Paddle
     opt = GroupShardedOptimizer(optimizer, model, level, grp, names, dev, offload=offload, segment_size=segment_size,

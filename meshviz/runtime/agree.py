@@ -1,0 +1,53 @@
+"""Settings every rank of a group must share, compared once (one small all-gather) before anything is built."""
+
+from __future__ import annotations
+
+import zlib
+
+import torch
+
+from .. import compat
+
+__all__ = ["same_on_every_rank"]
+
+
+def _code(v) -> int:
+    return int(v) if isinstance(v, int) else zlib.crc32(repr(v).encode())
+
+
+def same_on_every_rank(who: str, settings: dict, pg=None, ranks=None) -> None:
+    """Raise ValueError on every rank of process group ``pg`` (the world by default; ``ranks``: its global ranks)
+    naming which ranks were given what, where their ``settings`` differ. An int or a bool is shown as it is; anything
+    else by this rank's own value, the others' as "another" (a rank only sees a checksum of theirs)."""
+    import torch.distributed as tdist
+
+    pg = pg or tdist.group.WORLD
+    n = tdist.get_world_size(pg)
+    if n < 2:
+        return
+    ranks = list(range(n)) if ranks is None else list(ranks)
+    mine = [_code(v) for v in settings.values()]
+    out = torch.empty(n * len(mine), dtype=torch.int64)
+    compat.all_gather_single(out, torch.tensor(mine, dtype=torch.int64), group=pg)
+    rows = [tuple(r) for r in out.view(n, len(mine)).tolist()]
+    if len(set(rows)) == 1:
+        return
+    differ = [i for i in range(len(mine)) if len({r[i] for r in rows}) > 1]
+    names = list(settings)
+    kinds: dict = {}
+    for rank, row in zip(ranks, rows):
+        kinds.setdefault(row, []).append(rank)
+
+    def shown(i, code):
+        v = settings[names[i]]
+        if isinstance(v, int):
+            return f"{names[i]} {bool(code) if isinstance(v, bool) else code}"
+        return f"{names[i]} {v!r}" if _code(v) == code else f"another {names[i]}"
+
+    parts = [f"{_ranks(rs)}: " + ", ".join(shown(i, row[i]) for i in differ) for row, rs in kinds.items()]
+    raise ValueError(f"{who}: the ranks were given different settings (every rank needs the same): "
+                     + "; ".join(parts))
+
+
+def _ranks(rs) -> str:
+    return f"rank {rs[0]}" if len(rs) == 1 else "ranks " + ", ".join(map(str, rs))
