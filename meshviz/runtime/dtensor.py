@@ -168,7 +168,7 @@ def make_dtensor(local: torch.Tensor, mesh: ProcessMesh, placements, shape, devi
     dm = device_mesh_for(mesh, device_type or block_device_type(local))
     if not representable(placements):
         placements = summed(placements)
-    return compat.dtensor_from_local(local.detach(), dm, to_torch_placements(placements), shape,
+    return compat.dtensor_from_local(local.detach().contiguous(), dm, to_torch_placements(placements), shape,
                                      contiguous_stride(shape))
 
 
@@ -190,7 +190,9 @@ def make_dist(local: torch.Tensor, mesh: ProcessMesh, placements, shape, require
     kind = local.device.type if local.device.type != "meta" else block_device_type(local)
     if not groups.has_device_mesh(mesh, kind):
         device_mesh_for(mesh, kind)
-    return new_dist(local, mesh, tuple(placements), shape, contiguous_stride(shape), requires_grad)
+    # the global strides are contiguous on every rank (a block's own layout can differ per rank: an empty block is
+    # contiguous), so a block laid out otherwise (a transposed one a reshard passed on) is made contiguous to match
+    return new_dist(local.contiguous(), mesh, tuple(placements), shape, contiguous_stride(shape), requires_grad)
 
 
 def new_dist(local: torch.Tensor, mesh: ProcessMesh, placements: tuple, shape, stride, requires_grad: bool = False,

@@ -527,3 +527,35 @@ def test_a_model_built_on_the_meta_device_trains_as_one_built_on_the_cpu(pp):
     for a, b in zip(cpu, meta):
         assert a[:2] == b[:2] and a[2] == pytest.approx(b[2], rel=1e-6)
         assert b[3] == ["cpu"]
+
+
+class _ColNorm(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.l1, self.norm = torch.nn.Linear(8, 8), torch.nn.LayerNorm(8)
+
+    def forward(self, x):
+        return self.norm(self.l1(x))
+
+
+_X = torch.randn(4, 6, 8, generator=torch.Generator().manual_seed(3))
+
+
+def _col_then_sequence_parallel():
+    import meshviz.distributed as dist
+
+    dist.init_parallel_env()
+    mesh = dist.ProcessMesh([0, 1], dim_names=["mp"])
+    plan = {"l1": dist.ColWiseParallel(gather_output=True), "norm": dist.SequenceParallelEnable()}
+    m, _ = dist.parallelize(_ColNorm(), None, mesh=mesh, config={"mp_config": {"parallelize_plan": plan}})
+    m(_X).pow(2).sum().backward()  # SequenceParallelEnable's reshard hands LayerNorm a transposed block
+    return {k: dist.unshard_dtensor(p.grad) for k, p in m.named_parameters()}
+
+
+def test_sequence_parallel_after_a_gathered_column_split_gives_the_dense_gradients():
+    ref = _ColNorm()
+    ref(_X).pow(2).sum().backward()
+    for grads in run_ranks(_col_then_sequence_parallel, 2, timeout=60):
+        for k, p in ref.named_parameters():
+            torch.testing.assert_close(grads[k], p.grad, atol=1e-5, rtol=1e-5, msg=k)

@@ -524,3 +524,32 @@ def test_a_sharding_stage_with_nothing_dist_to_shard_says_so_once():
     for said in run_ranks(_stage_with_nothing_dist, 2, False, timeout=60):
         assert len(said) == 1 and "every parameter and gradient here is dense, so nothing is sharded" in said[0]
     assert run_ranks(_stage_with_nothing_dist, 2, True, timeout=60) == [[], []]
+
+
+def _transposed_blocks():
+    import meshviz.distributed as dist
+
+    dist.init_parallel_env()
+    mesh = dist.ProcessMesh([0, 1], dim_names=["x"])
+    dense = torch.arange(192.0).reshape(6, 4, 8)
+    want = dense.transpose(0, 1).reshape(24, 8)
+    out = []
+    for src in ([dist.Replicate()], [dist.Shard(2)]):
+        y = dist.shard_tensor(dense, mesh, src).transpose(0, 1)
+        for dst in ([dist.Replicate()], [dist.Shard(2)], [dist.Shard(0)]):
+            s = dist.reshard(y, mesh, dst)  # a new tensor: contiguous, its block too (it may have been transposed)
+            out.append((s.is_contiguous() and s._local_value().is_contiguous(),
+                        torch.equal(dist.unshard_dtensor(s.reshape(24, 8)), want)))
+    block = torch.arange(32.0).reshape(8, 4).t()  # [4, 8], not contiguous
+    t = dist.dtensor_from_local(block, mesh, [dist.Shard(0)])
+    out.append((t._local_value().is_contiguous() and torch.equal(t._local_value(), block),
+                torch.equal(dist.unshard_dtensor(t.reshape(-1)), block.repeat(2, 1).reshape(-1))))
+    sliced = torch.arange(32.0).reshape(4, 8)[:, ::2]  # strided
+    t = dist.dtensor_from_local(sliced, mesh, [dist.Replicate()])
+    out.append((t._local_value().is_contiguous(), torch.equal(t.view(-1)._local_value(), sliced.reshape(-1))))
+    return out
+
+
+def test_a_block_that_is_not_contiguous_is_made_contiguous_as_its_strides_say():
+    for out in run_ranks(_transposed_blocks, 2, timeout=60):
+        assert out == [(True, True)] * 8, out
