@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 import torch.distributed as tdist
+import torch.utils._pytree as pytree
 
 from .. import compat, trace
 from ..core.layout import local_block, normalize_placements, pad_placements
@@ -204,18 +205,21 @@ def _member_block(t: DistTensor) -> torch.Tensor:
 
 
 def local_map(func, out_placements, in_placements=None, process_mesh=None, reshard_inputs=False):
-    """Wrap ``func`` to run on local blocks: dist inputs become their blocks, outputs become dist tensors
-    with ``out_placements`` (one list per output; None for a non-tensor output)."""
+    """Wrap ``func`` to run on local blocks: dist inputs (nested in lists, tuples and dicts too) become their blocks,
+    outputs become dist tensors with ``out_placements`` (one list per output, flattened as the inputs are; None
+    for a non-tensor output). ``in_placements``: one per flattened input (None: as it is)."""
 
     def wrapped(*args, **kwargs):
         mesh = process_mesh
-        flat_in = list(args)
+        flat_in, spec = pytree.tree_flatten(args)
         if in_placements is not None and len(in_placements) != len(flat_in):
-            raise ValueError(f"local_map: {len(in_placements)} in_placements for {len(flat_in)} inputs")
-        locals_, stand_ins = [], []
+            raise ValueError(f"local_map: {len(in_placements)} in_placements for {len(flat_in)} inputs "
+                             "(nested inputs count one by one)")
+        locals_, stand_ins, seen = [], [], False
+        known: dict = {}  # the dist inputs on the mesh: an output placed and shaped as one's block is as large
         for i, a in enumerate(flat_in):
             if isinstance(a, DistTensor):
-                mesh = mesh or a.process_mesh
+                mesh, seen = mesh or a.process_mesh, True
                 want = None if in_placements is None else in_placements[i]
                 if want is not None and list(want) != a.placements:
                     if not reshard_inputs:
@@ -224,31 +228,47 @@ def local_map(func, out_placements, in_placements=None, process_mesh=None, resha
                     a = reshard(a, a.process_mesh, want)
                 locals_.append(dtensor_to_local(a))
                 stand_ins.append(_member_block(a))
+                if a.process_mesh == mesh:
+                    known[i] = a
             else:
                 locals_.append(a)
                 stand_ins.append(a)
         if mesh is None:
             raise ValueError("local_map needs a process_mesh when no input is a dist tensor")
         outside = not mesh.contains(_rank())
+        blocks = stand_ins if outside else locals_
+        known = {(tuple(blocks[i].shape), tuple(a.placements)): tuple(a.shape) for i, a in reversed(known.items())}
         if outside:
             # a rank outside the mesh holds no blocks: func runs on meta stand-ins of a member's blocks, which give
             # the outputs' shapes (so every rank agrees on them); the rank keeps empty blocks, as for any op
             with torch.device("meta"):
-                out = func(*stand_ins, **kwargs)
+                out = func(*pytree.tree_unflatten(stand_ins, spec), **kwargs)
         else:
-            out = func(*locals_, **kwargs)
-        single = not isinstance(out, (tuple, list))
-        outs = [out] if single else list(out)
-        out_pls = [out_placements] if single and out_placements and not isinstance(out_placements[0], (list, tuple)) \
-            else list(out_placements)
+            out = func(*pytree.tree_unflatten(locals_, spec), **kwargs)
+        outs, out_spec = pytree.tree_flatten(out)
+        out_pls = list(out_placements)
+        if len(outs) == 1 and out_pls and not isinstance(out_pls[0], (list, tuple)) and out_pls[0] is not None:
+            out_pls = [out_pls]  # one output's placements, not in a list of their own
+        if seen and len(out_pls) != len(outs):  # as Paddle's: one placement list for each output value
+            raise ValueError(f"local_map: {len(out_pls)} out_placements for {len(outs)} output(s) of {_name(func)} "
+                             "(one list per output value, None for a non-tensor one)")
+        for o, p in zip(outs, out_pls):
+            if p is not None and not isinstance(o, torch.Tensor):
+                raise ValueError(f"local_map: an output of {_name(func)} is not a tensor ({type(o).__name__}); "
+                                 f"its out_placements entry must be None, not {p}")
 
-        def place(o, p):
-            if not outside:
-                return dtensor_from_local(o, mesh, p)
-            shape = _global_shape(o, mesh, pad_placements(p, mesh))
-            return dtensor_from_local(compat.empty_block(o.dtype, device()), mesh, p, shape=shape)
+        def place(o, p, block):
+            # an output whose block is shaped and placed as an input's is as large as it (uneven splits included);
+            # any other is its block times the mesh
+            pl = pad_placements(list(p), mesh)
+            shape = known.get((tuple(block.shape), tuple(pl))) or _global_shape(block, mesh, pl)
+            return dtensor_from_local(compat.empty_block(o.dtype, device()) if outside else o, mesh, p, shape=shape)
 
-        res = [place(o, p) if p is not None and isinstance(o, torch.Tensor) else o for o, p in zip(outs, out_pls)]
-        return res[0] if single else type(out)(res)
+        res = [place(o, p, o) if p is not None else o for o, p in zip(outs, out_pls)] + outs[len(out_pls):]
+        return pytree.tree_unflatten(res, out_spec)
 
     return wrapped
+
+
+def _name(func) -> str:
+    return getattr(func, "__qualname__", None) or type(func).__name__

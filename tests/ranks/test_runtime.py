@@ -376,6 +376,42 @@ def test_local_map_on_a_rank_outside_the_mesh_agrees_on_the_shape():
     assert res[0][2] + res[1][2] == want and res[2][2] == res[3][2] == []
 
 
+def local_map_as_paddle():
+    """Paddle's local_map: nested inputs flattened, one placement list per output value; uneven blocks too."""
+    import meshviz.distributed as dist
+
+    dist.init_parallel_env()
+    mesh = dist.ProcessMesh([0, 1, 2], dim_names=["x"])
+    dense = torch.arange(10.0).reshape(5, 2)  # 5 rows on 3 ranks: 2, 2, 1
+    a = dist.shard_tensor(dense, mesh, [dist.Shard(0)])
+    b = dist.shard_tensor(dense * 10, mesh, [dist.Shard(0)])
+    summed = dist.local_map(lambda xs, k: xs[0] + xs[1] * k["k"], [[dist.Shard(0)]])([a, b], {"k": 2})
+    both = dist.local_map(lambda x: {"twice": x * 2, "n": x.shape[0]}, [[dist.Shard(0)], None])(a)
+    errors = []
+    for call in (lambda: dist.local_map(lambda x: (x + 1, x * 2), [[dist.Shard(0)]])(a),
+                 lambda: dist.local_map(lambda x: x, [[dist.Shard(0)], [dist.Shard(0)]])(a),
+                 lambda: dist.local_map(lambda x: (x, 3), [[dist.Shard(0)], [dist.Shard(0)]])(a),
+                 lambda: dist.local_map(lambda x: x, [[dist.Shard(0)]], in_placements=[[dist.Shard(0)]])([a, b])):
+        try:
+            call()
+            errors.append(None)
+        except ValueError as e:
+            errors.append(str(e).split(" of ")[0].split(" (")[0])
+    return (list(summed.shape), dist.unshard_dtensor(summed).tolist(), list(both["twice"].shape),
+            dist.unshard_dtensor(both["twice"]).tolist(), both["n"], errors)
+
+
+def test_local_map_flattens_nested_inputs_and_checks_one_placement_per_output():
+    dense = torch.arange(10.0).reshape(5, 2)
+    for r, out in enumerate(run_ranks(local_map_as_paddle, 3, timeout=60)):
+        shape, summed, shape2, twice, n, errors = out
+        assert shape == shape2 == [5, 2]  # as the input (an uneven split), on every rank
+        assert summed == (dense * 21).tolist() and twice == (dense * 2).tolist()
+        assert n == [2, 2, 1][r]
+        assert errors == ["local_map: 1 out_placements for 2 output(s)", "local_map: 2 out_placements for 1 output(s)",
+                          "local_map: an output", "local_map: 1 in_placements for 2 inputs"], errors
+
+
 def dist_shard0():
     from meshviz import Shard
 
