@@ -296,7 +296,7 @@ def run(fn: Callable, nprocs: int, *args, timeout: float = 120.0, collective_tim
     the rank that failed first (in a deadlock, as rank processes do: the ranks that never entered what the others
     wait in)."""
     from ..runtime import rollcall
-    from ..trace.status import RankStatus, RollCall
+    from ..trace.status import RankStatus, RollCall, name_ranks
 
     tw = ThreadWorld(nprocs, timeout=collective_timeout, env=env).start(join=False)  # as a process: init on demand
     records: dict = {}
@@ -330,7 +330,7 @@ def run(fn: Callable, nprocs: int, *args, timeout: float = 120.0, collective_tim
                 seen = [holder]
                 others = [o.rank for o in outcomes if o.rank != holder]
                 note = (f"ranks as threads take turns: rank {holder} kept the turn for {timeout:g} s without "
-                        f"entering a collective or sleeping, so {_names(others)} could not go on")
+                        f"entering a collective or sleeping, so {name_ranks(others)} could not go on")
         inside = {s.rank for s in rc if s.state == "in_collective"} if rc is not None else ()
         err = error_of(outcomes, seen, inside=inside, rollcall=rc, note=note)
         if err is not None:
@@ -350,7 +350,3 @@ def _ran_out(outcomes: list[RankOutcome], timeout: float, rollcall) -> list[Rank
             o = RankOutcome(o.rank, o.engine, "running", f"no result after {timeout:g} s; interrupted{at}")
         out.append(o)
     return out
-
-
-def _names(ranks) -> str:
-    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))

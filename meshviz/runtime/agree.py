@@ -7,6 +7,7 @@ import zlib
 import torch
 
 from .. import compat
+from ..trace.status import name_ranks
 
 __all__ = ["same_on_every_rank"]
 
@@ -44,10 +45,6 @@ def same_on_every_rank(who: str, settings: dict, pg=None, ranks=None) -> None:
             return f"{names[i]} {bool(code) if isinstance(v, bool) else code}"
         return f"{names[i]} {v!r}" if _code(v) == code else f"another {names[i]}"
 
-    parts = [f"{_ranks(rs)}: " + ", ".join(shown(i, row[i]) for i in differ) for row, rs in kinds.items()]
+    parts = [f"{name_ranks(rs)}: " + ", ".join(shown(i, row[i]) for i in differ) for row, rs in kinds.items()]
     raise ValueError(f"{who}: the ranks were given different settings (every rank needs the same): "
                      + "; ".join(parts))
-
-
-def _ranks(rs) -> str:
-    return f"rank {rs[0]}" if len(rs) == 1 else "ranks " + ", ".join(map(str, rs))

@@ -171,8 +171,9 @@ def never_arrived(store, world: int, host: str, port: int, timeout) -> RuntimeEr
     came = arrived(store, world)
     if all(came):
         return None
-    missing = [r for r, c in enumerate(came) if not c]
-    names = f"rank {missing[0]}" if len(missing) == 1 else "ranks " + ", ".join(map(str, missing))
+    from ..trace.status import name_ranks
+
+    names = name_ranks(r for r, c in enumerate(came) if not c)
     there = [r for r, c in enumerate(came) if c]
     return RuntimeError(
         f"init_parallel_env: {names} never reached the rendezvous at {host}:{port} (waited "

@@ -7,7 +7,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["STATES", "RankStatus", "RollCall", "Situation", "describe", "SHAPED_OPS"]
+__all__ = ["STATES", "RankStatus", "RollCall", "Situation", "describe", "name_ranks", "SHAPED_OPS"]
 
 STATES = ("idle", "running", "in_collective", "dead", "unknown")
 
@@ -117,7 +117,8 @@ def describe(op, group, seq) -> str:
     return text if group is None else f"{text} on group {list(group)}"
 
 
-def _ranks(rs) -> str:
+def name_ranks(rs) -> str:
+    """``"rank 2"`` or ``"ranks 0, 3"``."""
     rs = sorted(rs)
     return f"rank {rs[0]}" if len(rs) == 1 else "ranks " + ", ".join(map(str, rs))
 
@@ -153,7 +154,7 @@ class Situation:
             return self._mismatch_line()
         if not self.waiting:
             return "; ".join(_now(r, how, what, None) for r, (how, what) in sorted(self.culprits.items()))
-        head = f"{_ranks(self.waiting)} wait{'s' if len(self.waiting) == 1 else ''} in {self.collective} for " \
+        head = f"{name_ranks(self.waiting)} wait{'s' if len(self.waiting) == 1 else ''} in {self.collective} for " \
                f"{self.waited_s:.1f} s"
         name = describe(self.awaited, None, self.seq)
         parts = [head] + [_now(r, how, what, name) for r, (how, what) in sorted(self.culprits.items())]
@@ -188,7 +189,7 @@ class Situation:
             else:
                 out.append(f"rank {r} never entered {coll} (it did not answer the roll-call)")
         if self.waiting:
-            out.append(f"{_ranks(self.waiting)} waited in {self.collective} for {self.waited_s:.1f} s")
+            out.append(f"{name_ranks(self.waiting)} waited in {self.collective} for {self.waited_s:.1f} s")
         return out
 
 
