@@ -329,3 +329,43 @@ def test_stages_on_two_meshes_run_one_after_the_other():
     assert sorted(last) == ["linear_1.bias", "linear_1.weight"]
     for k, v in {**first, **last}.items():
         torch.testing.assert_close(v, want[k], rtol=1e-5, atol=1e-6)
+
+
+class _Branches(nn.Module):
+    """Rank 1's batch takes branch c, rank 0's branch b: each rank has gradients for other parameters."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.c = nn.Linear(4, 4), nn.Linear(4, 2), nn.Linear(4, 2)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        return self.c(h) if bool(x[0, 0] > 0) else self.b(h)
+
+
+def _branch_batch(rank):
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(rank))
+    x[0, 0] = 1.0 if rank == 1 else -1.0
+    return x, torch.ones(2, 2)
+
+
+def _branches_data_parallel():
+    import meshviz.distributed as dist
+
+    dist.init_parallel_env()
+    net = _Branches()
+    dm = dist.to_static(net, None, nn.MSELoss(), torch.optim.SGD(net.parameters(), lr=0.5))
+    loss = float(dm(*_branch_batch(dist.get_rank())))
+    return loss, {k: v.clone() for k, v in net.state_dict().items()}
+
+
+def test_data_parallel_ranks_with_gradients_for_other_parameters_equal_eager():
+    net = _Branches()
+    loss = sum(F.mse_loss(net(x), y) for x, y in map(_branch_batch, range(2))) / 2
+    loss.backward()
+    torch.optim.SGD(net.parameters(), lr=0.5).step()
+    for got, params in run_ranks(_branches_data_parallel, 2, timeout=60):
+        assert got == pytest.approx(loss.item(), abs=1e-6)
+        for k, v in net.state_dict().items():  # b's and c's gradients were averaged with each other
+            torch.testing.assert_close(params[k], v, atol=1e-6, rtol=1e-6, msg=k)

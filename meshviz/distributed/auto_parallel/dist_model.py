@@ -11,7 +11,7 @@ from torch.distributed.tensor import DTensor
 
 from ... import compat, trace
 from ...core.sharding import STAGES
-from ...runtime.comm import all_reduce_mean_
+from ...runtime.data_parallel import average_gradients
 from ...runtime.zero import create_states
 from ..api import is_dist_tensor
 from ..collective import all_reduce, broadcast
@@ -229,8 +229,10 @@ class DistModel:
         self._micro += 1
         if self._micro % self._k == 0:
             if self._dp:
-                grads = [p.grad for p in self._layer.parameters() if p.grad is not None and not _is_dist(p.grad)]
-                all_reduce_mean_(grads)
+                # every dense parameter, a rank without its gradient counting zeros: ranks whose branches used
+                # different parameters still pack the same buffers
+                average_gradients([p for p in self._layer.parameters() if not (_is_dist(p) or _is_dist(p.grad))],
+                                  None)
             if self._scaler is not None:
                 self._scaler.step(self._optimizer)
                 self._scaler.update()
