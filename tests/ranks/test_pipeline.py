@@ -436,3 +436,73 @@ def test_fthenb_backward_collectives_name_their_module_past_many_micro_batches()
         # where its input needs a gradient: on the second stage (the first stage's input is the data)
         assert Counter(r["forward"]) == {("all_reduce", "_Chunk.0.down"): m, ("broadcast", None): 1}  # the loss's
         assert Counter(r["backward"]) == ({("all_reduce", "_Chunk.0.up"): m} if r["stage"] == 1 else {})
+
+
+class _SeqBlock(nn.Module):
+    def __init__(self, w=4):
+        super().__init__()
+        self.lin = nn.Linear(w, w)
+
+    def forward(self, x):  # [B, T, H]: any sequence length
+        return torch.tanh(self.lin(x)) + x
+
+
+def _mean_t(x):
+    return x.mean(1)
+
+
+def _seq_batches():
+    g = torch.Generator().manual_seed(0)
+    return [(torch.randn(4, t, 4, generator=g), torch.randn(4, 4, generator=g)) for t in (3, 5, 3, 2)]
+
+
+def _seq_descs():
+    from meshviz.distributed.fleet.meta_parallel import LayerDesc
+
+    return [LayerDesc(_SeqBlock), LayerDesc(_SeqBlock), LayerDesc(_SeqBlock), _mean_t]
+
+
+def later_stages_given_no_inputs():
+    from meshviz.distributed import fleet
+    from meshviz.distributed.fleet.meta_parallel import PipelineLayer
+
+    s = fleet.DistributedStrategy()
+    s.hybrid_configs = {"pp_degree": 2}
+    s.pipeline_configs = {"micro_batch_size": 2, "accumulate_steps": 2}
+    fleet.init(is_collective=True, strategy=s)
+    first = fleet.get_hybrid_communicate_group().get_stage_id() == 0
+    layer = PipelineLayer(_seq_descs(), loss_fn=nn.MSELoss())
+    model = fleet.distributed_model(layer)
+    opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+    # as in Paddle, only the first stage needs the inputs: the sequence length changes from step to step
+    losses = [float(model.train_batch((x if first else None, y), opt)) for x, y in _seq_batches()]
+    x, y = _seq_batches()[1]
+    return losses, float(model.eval_batch((x if first else None, y), compute_loss=True))
+
+
+def test_later_stages_given_no_inputs_follow_the_first_stages_shapes():
+    from meshviz.distributed.pipeline.layers import BASE_SEED
+
+    blocks = []
+    for i, d in enumerate(_seq_descs()[:3]):  # layer i built under seed BASE_SEED + i, as Paddle's PipelineLayer
+        torch.manual_seed(BASE_SEED + i)
+        blocks.append(d.build_layer())
+    opt = torch.optim.SGD([p for b in blocks for p in b.parameters()], lr=0.1)
+
+    def run(x):
+        for b in blocks:
+            x = b(x)
+        return _mean_t(x)
+
+    want = []
+    for x, y in _seq_batches():  # micro-batches of 2 rows, each loss / 2: the mean loss's gradients
+        loss = nn.functional.mse_loss(run(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        want.append(loss.item())
+    x, y = _seq_batches()[1]
+    with torch.no_grad():
+        evaluated = nn.functional.mse_loss(run(x), y).item()
+    for losses, ev in run_ranks(later_stages_given_no_inputs, 2, timeout=60):
+        assert losses == pytest.approx(want, rel=1e-5) and ev == pytest.approx(evaluated, rel=1e-5)
