@@ -41,6 +41,7 @@ from .op_plan import (
     writes_self,
 )
 from .op_rules import CANONICAL_ARGS, RULES
+from .op_writes import moved, write_back, writing, written_args
 from .torch_rule import as_replicate, ask_torch
 
 __all__ = ["dispatch", "decisions", "redistribute", "grad_like"]
@@ -50,6 +51,17 @@ _DECISIONS = decisions()
 
 def dispatch(func, args, kwargs):
     """Run ``func`` on ``args`` holding dist tensors; the single place meshviz decides an op's placements."""
+    if written_args(func):  # batch norm's running statistics: written in place wherever the op layer moved them
+        watched, token = writing(func, args, kwargs, lambda x: isinstance(x, DistTensor))
+        try:
+            out = _dispatch(func, args, kwargs)
+        finally:
+            write_back(watched, token, redistribute)
+        return out
+    return _dispatch(func, args, kwargs)
+
+
+def _dispatch(func, args, kwargs):
     canon = CANONICAL_ARGS.get(id(func))
     if canon is not None:
         args, kwargs = canon(args, kwargs)
@@ -138,7 +150,9 @@ def _moved(d: Decision, func, args, kwargs, targets=None):
         if isinstance(x, DistTensor):
             target = next(moves, None)
             if target is not None:
-                return redistribute(x, target, name)
+                y = redistribute(x, target, name)
+                moved(x, y)
+                return y
         return x
 
     self = args[0] if d.inplace else None

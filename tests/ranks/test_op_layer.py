@@ -343,3 +343,29 @@ def test_the_moves_torchs_rule_asks_for_are_meshvizs_reshards(shape):
         first, again = seen
         assert first == again and first, seen
         assert all(kind == "reshard_step" for kind, _ in first), first
+
+
+def _batch_norm_statistics():
+    import meshviz.distributed as dist
+
+    dist.init_parallel_env()
+    mesh = dist.ProcessMesh([0, 1], dim_names=["x"])
+    out = {}
+    for pl in ("S(1)", "S(0)", "P(sum)"):
+        stats = [dist.shard_tensor(v, mesh, [dist.Replicate()]) for v in (torch.zeros(4), torch.ones(4))]
+        x = dist.shard_tensor(torch.arange(24.0).reshape(6, 4), mesh, [parse_placement(pl)])
+        y = F.batch_norm(x, *stats, training=True, momentum=0.5)  # a channel split moves the statistics
+        ev = F.batch_norm(x, *stats, training=False)
+        out[pl] = [dist.unshard_dtensor(t) for t in (y, *stats, ev)] + [[str(p) for p in stats[0].placements]]
+    return out
+
+
+def test_batch_norm_updates_running_statistics_held_in_another_layout():
+    x, stats = torch.arange(24.0).reshape(6, 4), [torch.zeros(4), torch.ones(4)]
+    y = F.batch_norm(x, *stats, training=True, momentum=0.5)
+    want = [y, *stats, F.batch_norm(x, *stats, training=False)]
+    for res in run_ranks(_batch_norm_statistics, 2, timeout=60):
+        for pl, got in res.items():
+            assert got[-1] == ["R"], pl  # the caller's layout is kept
+            for g, w in zip(got, want):
+                torch.testing.assert_close(g, w, msg=pl)
