@@ -13,6 +13,7 @@ from functools import partial
 from ..errors import RankError, RankOutcome
 from ..runtime import rendezvous
 from . import outcomes as _outcomes
+from .options import check_spawn_options
 from .outcomes import exit_text, read_report
 
 __all__ = ["spawn", "SpawnContext", "RankProcesses", "DEFAULT_START_METHOD"]
@@ -417,10 +418,6 @@ def _remove(paths) -> None:
             pass
 
 
-_SPAWN_OPTIONS = frozenset({"backend", "devices", "gpus", "timeout", "trace", "threads", "start_method", "hang_after",
-                            "check_collectives", "print_config"})
-
-
 def spawn(func, args=(), nprocs: int = -1, join: bool = True, daemon: bool = False, **options):
     """Run ``func(*args)`` in ``nprocs`` new processes, ranks 0..nprocs-1, with the process-group variables set.
 
@@ -432,9 +429,10 @@ def spawn(func, args=(), nprocs: int = -1, join: bool = True, daemon: bool = Fal
     that imported torch once; ``"fork"`` for a function a new process cannot import by name), ``hang_after``
     (seconds a rank may wait in one collective before the roll-call is printed to stderr, default 5; None: no
     watchdog), ``check_collectives`` (compare op, shapes and dtypes before each collective on gloo, default off);
-    Paddle's ``print_config`` is accepted and ignored, any other name raises ValueError, as in Paddle.
-    When a collective times out, the error names the ranks that never entered it; where every rank missing from
-    it has returned (or died), it says so at the roll-call, without waiting for the timeout.
+    Paddle's ``print_config`` is accepted and ignored (its deprecated options warned about), ``ips`` may name this
+    machine; any other name raises ValueError, as in Paddle. Returns the joined :class:`SpawnContext`, as Paddle
+    (``join=False``: at once). When a collective times out, the error names the ranks that never entered it;
+    where every rank missing from it has returned (or died), it says so at the roll-call, without waiting.
 
     Ranks and GPUs are counted before any process starts (:func:`meshviz.core.devices.plan_devices`): one GPU per
     rank with NCCL when there are enough; otherwise, unless ``devices``/``backend`` insist on GPUs, every rank runs
@@ -451,9 +449,7 @@ def spawn(func, args=(), nprocs: int = -1, join: bool = True, daemon: bool = Fal
 
     if isinstance(nprocs, bool) or not isinstance(nprocs, int) or (nprocs < 1 and nprocs != -1):
         raise ValueError(f"spawn: nprocs must be a positive int or -1, got {nprocs!r}")
-    unknown = sorted(set(options) - _SPAWN_OPTIONS)
-    if unknown:  # as Paddle's spawn: a misspelt option is an error, not silently ignored
-        raise ValueError(f"spawn: unknown options {unknown}; the options are {sorted(_SPAWN_OPTIONS)}")
+    check_spawn_options(options)
     plan = plan_devices(None if nprocs == -1 else nprocs, options.get("devices", options.get("gpus")),
                         visible_gpu_count(), options.get("backend") or None, default_cpu=2, who="spawn",
                         names={"n": "nprocs"})
@@ -485,4 +481,4 @@ def spawn(func, args=(), nprocs: int = -1, join: bool = True, daemon: bool = Fal
     if not join:
         return ctx
     ctx.join()
-    return None
+    return ctx

@@ -346,6 +346,11 @@ def test_spawn_refuses_an_unknown_option_before_starting():
 
     with pytest.raises(ValueError, match=r"spawn: unknown options \['backnd'\]; the options are \[.*'backend'"):
         dist.spawn(print, nprocs=2, backnd="gloo")
+    with pytest.raises(ValueError, match=r"spawn: ips='10\.0\.0\.2,10\.0\.0\.3': spawn starts its ranks on this "
+                                         r"machine; for several machines run python -m meshviz.launch on each"):
+        dist.spawn(print, nprocs=2, ips="10.0.0.2,10.0.0.3")
+    with pytest.raises(ValueError, match=r"spawn: xpus='0,1': meshviz runs on CPUs and CUDA GPUs"):
+        dist.spawn(print, nprocs=2, xpus="0,1")
 
 
 def other_reduce_op():

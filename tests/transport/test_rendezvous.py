@@ -363,3 +363,23 @@ def first_spins():
         while True:
             time.perf_counter()
     dist.init_parallel_env()
+
+
+def sums_ranks():
+    import meshviz.distributed as dist
+
+    dist.init_parallel_env()
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    assert t.item() == dist.get_world_size()
+
+
+@pytest.mark.timeout(120)
+def test_spawn_takes_paddles_options_and_returns_its_context():
+    import meshviz.distributed as dist
+    from meshviz.ranks.processes import SpawnContext
+
+    with pytest.warns(DeprecationWarning, match="'started_port' is deprecated and ignored"):
+        ctx = dist.spawn(sums_ranks, nprocs=2, ips="127.0.0.1", started_port=6170, devices="cpu")
+    assert isinstance(ctx, SpawnContext) and ctx.join() and [p.exitcode for p in ctx.processes] == [0, 0]
+
