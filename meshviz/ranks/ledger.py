@@ -11,6 +11,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from .. import compat, rank_context
+from ..runtime.zero.engine import STEP_OBSERVERS
 
 __all__ = ["Held", "Ledger", "ledger", "install_hooks", "remove_hooks"]
 
@@ -218,6 +219,15 @@ def _on_step_pre(opt, args, kwargs):
         led.sample(state=False)
 
 
+def _on_sharded_step(opt):
+    """A sharded optimizer's step begins: the gradients are still whole (its torch optimizer's own step, whose
+    pre-hook samples too, sees them sharded)."""
+    led = ledger()
+    if led is not None:
+        led.begin_step()
+        led.sample(state=False)
+
+
 def _on_step_post(opt, args, kwargs):
     led = ledger()
     if led is not None:
@@ -237,6 +247,7 @@ def install_hooks() -> None:
 
     with _hooks_lock:
         if _users[0] == 0:
+            STEP_OBSERVERS.append(_on_sharded_step)
             _hooks.extend([nn_module.register_module_parameter_registration_hook(_on_param),
                            nn_module.register_module_forward_pre_hook(_on_forward),
                            optim.register_optimizer_step_pre_hook(_on_step_pre),
@@ -252,5 +263,6 @@ def remove_hooks() -> bool:
             for h in _hooks:
                 h.remove()
             _hooks.clear()
+            STEP_OBSERVERS.remove(_on_sharded_step)
             return True
         return False

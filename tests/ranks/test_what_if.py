@@ -96,7 +96,7 @@ def mlp_sharded(stage):
         mesh = dist.ProcessMesh(list(range(n)), ["dp"])
         torch.manual_seed(0)
         model = dist.shard_layer(MLP(), mesh)
-        stages = {1: dist.ShardingStage1, 3: dist.ShardingStage3}
+        stages = {1: dist.ShardingStage1, 2: dist.ShardingStage2, 3: dist.ShardingStage3}
         opt = dist.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=0.01), stages[stage]("dp", mesh))
         meter = Meter(model, opt)
         meter.sample(grads=False, state=False)
@@ -189,7 +189,7 @@ def _compare(fn, n, *args):
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("n", [4, 8])
-@pytest.mark.parametrize("stage", [1, 3])
+@pytest.mark.parametrize("stage", [1, 2, 3])  # 2: the whole gradients before the step shards them
 def test_sharded_mlp_equals_real_run(stage, n):
     est, real = _compare(mlp_sharded, n, stage)
     assert est.simulated == [0]  # every rank of the dp line is alike

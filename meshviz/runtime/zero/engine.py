@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["Zero", "clear_grads", "create_states"]
+__all__ = ["Zero", "clear_grads", "create_states", "STEP_OBSERVERS"]
+
+# called with the optimizer as each sharded step begins (what_if's ledger counts the full gradients there)
+STEP_OBSERVERS: list = []
 
 
 def clear_grads(tensors, set_to_none: bool = True) -> None:
@@ -68,6 +71,8 @@ class Zero:
         return [p for g in self._inner_opt.param_groups for p in g["params"]]
 
     def step(self, closure=None):
+        for observe in STEP_OBSERVERS:  # before any gradient is reduced or sharded: what the rank holds now
+            observe(self)
         self._prepare()
         loss = self._before_sync(closure)
         self._sync_grads()
