@@ -126,9 +126,10 @@ def name_ranks(rs) -> str:
 @dataclass(frozen=True)
 class Situation:
     """One hang: the collective ``op`` #``seq`` on ``group`` that ``waiting`` ranks are inside, the members that
-    are not (``culprits``: rank -> (what it does instead: "idle", "running", "elsewhere", "dead" or "unknown",
-    the detail)), or the members inside it with another op, shape or dtype (``mismatch``: rank -> what it
-    entered). A situation without waiting ranks is a dead rank nobody waits for."""
+    are not (``culprits``: rank -> (what it does instead: "idle", "running", "elsewhere", "dead", "passed" (it
+    left the collective and is done) or "unknown", the detail)), or the members inside it with another op, shape or
+    dtype (``mismatch``: rank -> what it entered). A situation without waiting ranks is a dead rank nobody waits
+    for."""
 
     op: str | None
     group: tuple | None
@@ -186,6 +187,10 @@ class Situation:
                 out.append(f"rank {r} never entered {coll} (idle: {what or 'it runs nothing'})")
             elif how == "dead":
                 out.append(f"rank {r} never entered {coll}: it is dead" + (f" ({what})" if what else ""))
+            elif how == "passed":
+                out.append(f"rank {r} passed {coll} without the ranks still in it and is done"
+                           + (f" ({what})" if what else "") + ": its call was paired with another (a different "
+                           "size?); check_collectives names the difference")
             else:
                 out.append(f"rank {r} never entered {coll} (it did not answer the roll-call)")
         if self.waiting:
@@ -199,6 +204,8 @@ def _now(rank: int, how: str, what, name) -> str:
         return f"rank {rank} is dead" + (f" ({what})" if what else "")
     if how == "elsewhere":
         return f"rank {rank} is elsewhere: in {what}"
+    if how == "passed":
+        return f"rank {rank} passed {name or 'it'} and is done" + (f" ({what})" if what else "")
     if how == "idle":
         return f"rank {rank} is idle: {what or 'it runs nothing'}" + (f" without entering {name}" if name else "")
     if how == "running":
@@ -279,7 +286,11 @@ class RollCall(Sequence):
             culprits, left = {}, []
             for m in members:
                 why = _absent(by.get(m), group, seq)
-                if why is None:
+                if why is None and by[m].state in ("idle", "dead"):
+                    # it passed this collective and is done: the call it was paired with was not this one (gloo
+                    # pairs calls of one op whatever their sizes), so nothing can end the wait
+                    culprits[m] = ("passed", by[m].note)
+                elif why is None:
                     left.append(m)
                 else:
                     culprits[m] = why
@@ -296,9 +307,9 @@ class RollCall(Sequence):
 
     def stuck(self) -> list[Situation]:
         """The waits nothing can end where idle means done (a rank process whose function or script returned):
-        every member missing from the collective is idle or dead."""
+        every member missing from the collective is idle or dead, or passed it and is done."""
         return [x for x in self.situations() if x.waiting and x.culprits and not x.mismatch
-                and all(how in ("idle", "dead") for how, _ in x.culprits.values())]
+                and all(how in ("idle", "dead", "passed") for how, _ in x.culprits.values())]
 
     def culprits(self) -> list[int]:
         """The ranks to blame: members missing from a collective others wait in, and the ranks of a mismatch."""

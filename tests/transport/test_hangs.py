@@ -331,3 +331,21 @@ def test_spawn_shape_mismatch_with_the_check(capfd):
     assert "mismatch at #1 on group [0, 1]: rank 0 entered all_reduce with float32[4]; rank 1 entered all_reduce " \
            "with float32[8]" in str(err).splitlines()[0]
     assert "Timed out" not in str(err) and "SIGABRT" not in str(err)
+
+
+def _sizes():
+    dist.init_parallel_env()
+    dist.all_reduce(torch.ones(2 if dist.get_rank() == 0 else 3))  # gloo may end one side's call, not the other's
+
+
+def test_spawn_without_the_check_names_a_rank_that_passed_a_mismatched_collective(capfd):
+    """One side's call ended (gloo paired calls of different sizes) and its function returned: nothing can end the
+    other's wait, so the roll-call ends the run, naming the rank that passed."""
+    err, text = _spawn(_sizes, capfd, timeout=120)
+    assert [o.status for o in err.outcomes] == ["stopped", "stopped"], err.outcomes
+    (done,) = err.ranks
+    assert re.fullmatch(rf"rank {1 - done} waits in all_reduce #1 on group \[0, 1\] for [\d.]+ s; rank {done} passed "
+                        r"all_reduce #1 and is done \(its function returned\)", _printed(text)[0]), text
+    assert str(err).startswith(f"rank {done} passed all_reduce #1 on group [0, 1] without the ranks still in it and "
+                               "is done (its function returned): its call was paired with another (a different "
+                               "size?); check_collectives names the difference"), str(err)

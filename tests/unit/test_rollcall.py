@@ -93,9 +93,17 @@ def test_mismatches_at_one_sequence_number():
     # all-to-all pieces may differ per rank; everyone inside one collective is no mismatch
     a2a = RollCall([_waits(0, op="all_to_all"), _waits(1, op="all_to_all", shape=(2,))])
     assert a2a.mismatches() == [] and a2a.lines()[0].endswith("every member entered it")
-    # a member whose count says it already passed this collective is not blamed
-    passed = RollCall([_waits(0), RankStatus(1, "idle", entered=((G, 1),))])
-    assert passed.culprits() == [] and passed.situations()[0].left == (1,)
+    # a member whose count says it already passed this collective is not blamed while it runs on
+    passed = RollCall([_waits(0), RankStatus(1, "running", where="a.py:3", entered=((G, 1),))])
+    assert passed.culprits() == [] and passed.situations()[0].left == (1,) and not passed.stuck()
+    # but once it is done, nothing can end the wait: gloo paired its call with another (a different size)
+    done = RollCall([_waits(0), RankStatus(1, "idle", note="its script finished", entered=((G, 1),))])
+    assert done.culprits() == [1] and len(done.stuck()) == 1 and done.situations()[0].left == ()
+    assert done.lines() == ["rank 0 waits in all_reduce #1 on group [0, 1] for 6.2 s; rank 1 passed all_reduce #1 "
+                            "and is done (its script finished)"]
+    assert done.blame()[0] == ("rank 1 passed all_reduce #1 on group [0, 1] without the ranks still in it and is "
+                               "done (its script finished): its call was paired with another (a different size?); "
+                               "check_collectives names the difference")
 
 
 def test_status_records_round_trip_and_check_their_state():
