@@ -33,8 +33,9 @@ def written_args(func) -> tuple:
 def writing(func, args, kwargs, is_dist) -> tuple[dict, contextvars.Token]:
     """Start watching the dist tensors ``func`` writes besides its first argument (see :func:`moved`)."""
     watched: dict = {}
-    training = args[5] if len(args) > 5 else kwargs.get("training", False)
-    for i, name in written_args(func) if func not in _UNMARKED or training else ():
+    if func in _UNMARKED and not (args[5] if len(args) > 5 else kwargs.get("training", False)):
+        return watched, _PENDING.set(watched)  # native_batch_norm in eval writes nothing
+    for i, name in written_args(func):
         x = args[i] if i < len(args) else kwargs.get(name)
         if is_dist(x):
             watched[id(x)] = [x, x]
