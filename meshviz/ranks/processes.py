@@ -15,6 +15,7 @@ from ..runtime import rendezvous
 from . import outcomes as _outcomes
 from .options import check_spawn_options
 from .outcomes import exit_text, read_report
+from .returns import Returns, put_return
 
 __all__ = ["spawn", "SpawnContext", "RankProcesses", "DEFAULT_START_METHOD"]
 
@@ -279,7 +280,7 @@ def _with_environ(index, environ, fn):
     _call(index, fn)
 
 
-def _spawn_entry(index, port, func, args, world, env, rank_envs=None):
+def _spawn_entry(index, port, func, args, world, env, rank_envs=None, returns=None):
     os.environ.update(env)
     if rank_envs:
         os.environ.update(rank_envs[index])  # this rank's device, before anything starts CUDA here
@@ -289,7 +290,9 @@ def _spawn_entry(index, port, func, args, world, env, rank_envs=None):
     from ..runtime.world import exit_quietly
 
     torch.set_num_threads(int(env.get("MESHVIZ_THREADS", "1")))
-    func(*args)
+    value = func(*args)
+    if returns is not None:
+        put_return(returns, index, value)
     exit_quietly(0, note="its function returned")
 
 
@@ -308,8 +311,9 @@ def _importable(func) -> bool:
 
 
 class SpawnContext:
-    """The processes' one job (a :class:`~meshviz.ranks.runner.Job`), and what ``spawn(join=False)`` returns:
-    ``join()`` waits and raises :class:`RankError` when a rank fails; ``processes`` are the children."""
+    """The processes' one job (a :class:`~meshviz.ranks.runner.Job`), and what ``spawn`` returns: ``join()`` waits
+    and raises :class:`RankError` when a rank fails; ``processes`` are the children; after ``spawn``,
+    ``return_queues[r].get()`` is what rank ``r``'s function returned, as in Paddle."""
 
     def __init__(self, procs: RankProcesses, read_reports, stop_on_failure: bool = True):
         self._procs = procs
@@ -322,6 +326,8 @@ class SpawnContext:
         self._deadline_s: float | None = None  # the wait that ran out, when one did
         self._deadline_rc = None  # the roll-call taken when the ranks still running at it were ended
         self._closed = False
+        self.return_queues: list = []
+        self.returns: Returns | None = None  # spawn's: closed with the job, the values read first
 
     def done(self) -> bool:
         return all(p.exitcode is not None for p in self.processes)
@@ -364,6 +370,8 @@ class SpawnContext:
     def _close(self) -> None:
         if not self._closed:
             _remove(self._procs.error_files)
+            if self.returns is not None:
+                self.returns.close()
             self._procs.close()
             self._closed = True
 
@@ -476,8 +484,10 @@ def spawn(func, args=(), nprocs: int = -1, join: bool = True, daemon: bool = Fal
     timeout = float(env.get("MESHVIZ_TIMEOUT", os.environ.get("MESHVIZ_TIMEOUT", DEFAULT_TIMEOUT_S)))
     rank_envs = [rank_env(plan, r) for r in range(nprocs)]
     procs = RankProcesses(nprocs, timeout, method, daemon, hang_after=hang_after).start()
+    returns = Returns()
     ctx = procs.submit(partial(_spawn_entry, port=procs.port, func=func, args=tuple(args), world=nprocs, env=env,
-                               rank_envs=rank_envs))
+                               rank_envs=rank_envs, returns=returns.folder))
+    ctx.returns, ctx.return_queues = returns, returns.watch(ctx.processes)
     if not join:
         return ctx
     ctx.join()

@@ -23,9 +23,16 @@ SCRIPT = textwrap.dedent(
         if len(sys.argv) > 1 and dist.get_rank() == int(sys.argv[1]):
             raise ValueError("failing on purpose")
         dist.barrier()
+        return {"rank": dist.get_rank(), "local": t._local_value().tolist()}
 
     if __name__ == "__main__":
-        dist.spawn(train, args=(2.0,), nprocs=3, devices="cpu")
+        import queue
+        ctx = dist.spawn(train, args=(2.0,), nprocs=3, devices="cpu")
+        print("returned", [ctx.return_queues[r].get() for r in range(3)], flush=True)
+        try:
+            ctx.return_queues[0].get()
+        except queue.Empty as e:
+            print("again:", e, flush=True)
     """
 )
 
@@ -47,6 +54,10 @@ def test_spawn_runs_a_function_defined_in_a_script(tmp_path):
         f"rank 1/3 local [4.0, 6.0] full {full}",
         f"rank 2/3 local [8.0, 10.0] full {full}",
     ]
+    # what each rank's function returned, as Paddle's context.return_queues[rank].get() gives it
+    assert ("returned [{'rank': 0, 'local': [0.0, 2.0]}, {'rank': 1, 'local': [4.0, 6.0]}, "
+            "{'rank': 2, 'local': [8.0, 10.0]}]") in out.stdout
+    assert "again: spawn: rank 0's return value was taken already" in out.stdout
 
 
 def test_spawn_names_the_failing_rank_and_does_not_hang(tmp_path):
@@ -54,6 +65,31 @@ def test_spawn_names_the_failing_rank_and_does_not_hang(tmp_path):
     assert out.returncode != 0
     assert "RankError: rank 1 raised" in out.stderr
     assert "failing on purpose" in out.stderr
+
+
+def _returns_or_raises(failing: int):
+    import meshviz.distributed as dist
+
+    dist.init_parallel_env()
+    if dist.get_rank() == failing:
+        raise ValueError("failing on purpose")
+    return dist.get_rank() * 10
+
+
+def test_spawn_without_join_hands_each_ranks_return_value():
+    import queue
+
+    import meshviz.distributed as dist
+    from meshviz.errors import RankError
+
+    ctx = dist.spawn(_returns_or_raises, args=(-1,), nprocs=2, join=False, devices="cpu", timeout=20)
+    assert [ctx.return_queues[r].get(timeout=60) for r in range(2)] == [0, 10]
+    assert ctx.join()
+    ctx = dist.spawn(_returns_or_raises, args=(1,), nprocs=2, join=False, devices="cpu", timeout=20)
+    with pytest.raises(queue.Empty, match="rank 1 ended without returning"):
+        ctx.return_queues[1].get(timeout=60)
+    with pytest.raises(RankError, match="rank 1 raised"):
+        ctx.join()
 
 
 def test_single_process_defaults():
