@@ -113,7 +113,9 @@ def _all_gather(step: Step, local: torch.Tensor, group, sizes: list) -> torch.Te
     elif len(spans) == 1 and spans[0] == [0, k * m]:
         joined = buf
     elif len(spans) == 1:
-        joined = buf[spans[0][0] : spans[0][1]]
+        joined = buf[spans[0][0] : spans[0][1]]  # at dim 0 a copy: a view would keep the padding alive with it
+        if d == 0:
+            return joined.clone()
     else:
         joined = torch.cat([buf[a:b] for a, b in spans])
     return joined.movedim(0, d).contiguous()
