@@ -13,7 +13,14 @@ from ..core.sharding import STAGES
 from ..runtime.devices import device
 from ..runtime.dtensor import DistTensor
 from ..runtime.world import init_parallel_env
-from ..runtime.zero import PlacedZero, create_states, dist_params_for_dist_grads, grads_as_params, sharded_placements
+from ..runtime.zero import (
+    PlacedZero,
+    check_elementwise,
+    create_states,
+    dist_params_for_dist_grads,
+    grads_as_params,
+    sharded_placements,
+)
 from .api import dtensor_from_local, reshard, shard_tensor
 from .shard_scaler import shard_scaler
 
@@ -168,6 +175,10 @@ class _ShardOptimizer(PlacedZero):
             raise ValueError(f"gradient_accumulation_steps must be a positive int, got {gradient_accumulation_steps}")
         if shard_fn is not None and not isinstance(shard_fn, _ShardingStage):
             raise ValueError(f"shard_fn must be ShardingStage1/2/3, got {shard_fn!r}")
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        if shard_fn is not None or any(isinstance(p, DistTensor) and any(not isinstance(q, Replicate)
+                                                                         for q in p.placements) for p in params):
+            check_elementwise(optimizer, "shard_optimizer")
         self._inner_opt = optimizer
         self._stage = shard_fn
         self._told = False  # about a stage with nothing to shard

@@ -45,8 +45,8 @@ class LossScaler:
         self._good = 0
         self._bad = 0
         self._enable = bool(enable)
-        self._found_inf = False
-        self._unscaled = False
+        self._states: dict[int, str] = {}  # id(optimizer) -> "unscaled" or "stepped" since the last update()
+        self._found: dict[int, bool] = {}  # id(optimizer) -> whether its gradients held an inf or nan
         self._group = group
 
     @property
@@ -92,10 +92,22 @@ class LossScaler:
         for g in optimizer.param_groups:
             yield from g["params"]
 
+    @property
+    def _found_inf(self) -> bool:
+        """Whether any optimizer unscaled since the last update() held an inf or nan (that update backs off)."""
+        return any(self._found.values())
+
     @torch.no_grad()
     def unscale_(self, optimizer) -> None:
-        if not self._enable or self._unscaled:
+        """Divide ``optimizer``'s gradients by the scale, once per optimizer between updates (as Paddle's and
+        torch's scalers: a second call raises)."""
+        if not self._enable:
             return
+        state = self._states.get(id(optimizer))
+        if state == "unscaled":
+            raise RuntimeError("unscale_() has already been called on this optimizer since the last update()")
+        if state == "stepped":
+            raise RuntimeError("unscale_() is being called after step()")
         bad = torch.zeros(1, device=device())
         for p in self._params(optimizer):
             if p.grad is None:
@@ -104,13 +116,20 @@ class LossScaler:
             if local.numel() and not torch.isfinite(local).all():
                 bad.fill_(1.0)
             p.grad.mul_(1.0 / self._scale)
-        self._found_inf = agree_found_inf(bad, self._group)
-        self._unscaled = True
+        self._found[id(optimizer)] = agree_found_inf(bad, self._group)
+        self._states[id(optimizer)] = "unscaled"
 
     def step(self, optimizer):
-        self.unscale_(optimizer)
-        if not self._found_inf:
+        """Unscale ``optimizer``'s gradients (unless unscale_ did) and step it unless they held an inf or nan on
+        any rank; once per optimizer between updates."""
+        if self._states.get(id(optimizer)) == "stepped":
+            raise RuntimeError("step() has already been called since the last update()")
+        if self._states.get(id(optimizer)) is None:
+            self.unscale_(optimizer)
+        if not self._found.get(id(optimizer), False):
             optimizer.step()
+        if self._enable:
+            self._states[id(optimizer)] = "stepped"
 
     def update(self) -> None:
         if self._enable and self._dynamic:
@@ -126,8 +145,8 @@ class LossScaler:
                 if self._good == self._every:
                     self._scale *= self._incr
                     self._good = 0
-        self._found_inf = False
-        self._unscaled = False
+        self._states.clear()
+        self._found.clear()
 
     def minimize(self, optimizer, loss=None):
         self.step(optimizer)

@@ -11,7 +11,7 @@ from ...runtime.agree import same_on_every_rank
 from ...runtime.devices import place_module
 from ...runtime.groups import resolve
 from ...runtime.world import device, init_parallel_env
-from ...runtime.zero import ShardingGroup
+from ...runtime.zero import ShardingGroup, check_elementwise
 from .optimizer import GroupShardedOptimizer
 from .scaler import make_scaler
 
@@ -82,6 +82,7 @@ def group_sharded_parallel(
     compatibility (torch orders its own communication).
     """
     names = _validate(model, optimizer, level, scaler, segment_size, buffer_max_size, grad_clip)
+    check_elementwise(optimizer, "group_sharded_parallel")
     init_parallel_env()
     grp = resolve_group(group)
     same_on_every_rank("group_sharded_parallel", {"level": level, "offload": bool(offload),

@@ -8,6 +8,7 @@ from collections import defaultdict
 import torch
 
 from ..dtensor import DistTensor, contiguous_stride, new_dist
+from .engine import settle_states
 
 __all__ = ["step_on_blocks"]
 
@@ -39,6 +40,7 @@ def step_on_blocks(optimizer):
     state the step makes is kept as a dist tensor laid out as its parameter. Groups that leave ``foreach`` unset
     step with torch's foreach kernels. Where some gradient or state lies otherwise, the step runs on the dist
     tensors themselves."""
+    settle_states(optimizer)
     if not _blockwise(optimizer):
         return optimizer.step()
     state = optimizer.state

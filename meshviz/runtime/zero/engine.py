@@ -4,10 +4,25 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["Zero", "clear_grads", "create_states", "STEP_OBSERVERS"]
+__all__ = ["Zero", "check_elementwise", "clear_grads", "create_states", "settle_states", "STEP_OBSERVERS"]
 
 # called with the optimizer as each sharded step begins (what_if's ledger counts the full gradients there)
 STEP_OBSERVERS: list = []
+
+
+# torch's optimizers whose update of a parameter reads all of it (a factored or orthogonalised update, a line
+# search): stepped on a rank's part they give other values than the dense step
+WHOLE_TENSOR_UPDATES = ("LBFGS", "Adafactor", "Muon")
+
+
+def check_elementwise(optimizer, who: str) -> None:
+    """Refuse an optimizer whose update is not elementwise where each rank steps only its part of a parameter."""
+    hit = [c.__name__ for c in type(optimizer).__mro__ if c.__name__ in WHOLE_TENSOR_UPDATES]
+    if hit:
+        raise ValueError(f"{who}: torch.optim.{hit[0]} updates each parameter from all of it, but here each rank "
+                         f"steps only its part of the parameters, which would give other values than the dense step "
+                         f"(Paddle's shard_optimizer takes SGD and AdamW only); use an elementwise optimizer (SGD, "
+                         f"Adam, AdamW, ...) or keep the parameters whole (Replicate, no sharding stage)")
 
 
 def clear_grads(tensors, set_to_none: bool = True) -> None:
@@ -29,23 +44,71 @@ def clear_grads(tensors, set_to_none: bool = True) -> None:
 def create_states(optimizer, params) -> None:
     """Make ``optimizer``'s states as its first step would, leaving the parameters as they are: one step on zero
     gradients of ``params`` at learning rate 0 (as Paddle's ``state_dict`` does before training, so that a
-    checkpoint can be loaded into them). Nothing happens once the states exist or a gradient does."""
+    checkpoint can be loaded into them). Nothing happens once the states exist or a gradient does.
+
+    The step is taken without weight decay and its count is set back to 0, so the states read as before any step
+    (zero moments for SGD and the Adam family). Unless something is loaded into them (in place, or by
+    ``load_state_dict``) before the next step, that step drops them and starts afresh, as the same training without
+    ``state_dict()`` would (a product such as NAdam's ``mu_product`` has moved)."""
     params = [p for p in params if p.requires_grad]
     if optimizer.state or any(p.grad is not None for p in params):
         return
     for p in params:
         p.grad = torch.zeros_like(p)
-    lrs = [g.get("lr") for g in optimizer.param_groups]
-    for g, lr in zip(optimizer.param_groups, lrs):
-        if lr is not None:
-            g["lr"] = torch.zeros_like(lr) if torch.is_tensor(lr) else 0.0
+    kept = [{k: g[k] for k in ("lr", "weight_decay") if g.get(k) is not None} for g in optimizer.param_groups]
+    for g, was in zip(optimizer.param_groups, kept):  # zero gradients then leave zero moments (no L2 decay)
+        g.update({k: torch.zeros_like(v) if torch.is_tensor(v) else 0.0 for k, v in was.items()})
     try:
         optimizer.step()
     finally:
-        for g, lr in zip(optimizer.param_groups, lrs):
-            if lr is not None:
-                g["lr"] = lr
+        for g, was in zip(optimizer.param_groups, kept):
+            g.update(was)
         optimizer.zero_grad(set_to_none=True)
+    for st in _torch_optimizer(optimizer).state.values():  # as no step was taken (a checkpoint of them says so)
+        step = st.get("step")
+        if torch.is_tensor(step):
+            step.zero_()
+        elif isinstance(step, (int, float)):
+            st["step"] = type(step)(0)
+    _forget_unless_loaded(optimizer)
+
+
+def _torch_optimizer(optimizer):
+    while not isinstance(optimizer, torch.optim.Optimizer) and hasattr(optimizer, "_inner_opt"):
+        optimizer = optimizer._inner_opt
+    return optimizer
+
+
+def _version(v) -> int:
+    """A state tensor's version, its block's for a dist tensor (a load in place writes the block)."""
+    block = getattr(v, "_local", None)
+    if block is None:
+        block = getattr(v, "_local_tensor", None)
+    return (v if block is None else block)._version
+
+
+def _fingerprint(state) -> list:
+    return [(id(p), k, id(v), _version(v) if torch.is_tensor(v) else repr(v))
+            for p, st in state.items() for k, v in st.items()]
+
+
+def _forget_unless_loaded(optimizer) -> None:
+    inner = _torch_optimizer(optimizer)
+    if isinstance(inner, torch.optim.Optimizer):
+        inner._meshviz_made = (inner.state, _fingerprint(inner.state),
+                               inner.register_step_pre_hook(lambda opt, args, kwargs: settle_states(opt)))
+
+
+def settle_states(optimizer) -> None:
+    """Before the first step after :func:`create_states`: drop the states it made unless something was loaded into
+    them (called by the step itself, and first by a step that stands blocks in for the states)."""
+    made = optimizer.__dict__.pop("_meshviz_made", None)
+    if made is None:
+        return
+    state, fingerprint, handle = made
+    handle.remove()
+    if optimizer.state is state and _fingerprint(state) == fingerprint:
+        state.clear()
 
 
 class Zero:

@@ -48,6 +48,8 @@ class FlatZero(Zero):
         else:
             self._keep_whole(offload)
         for s in self._slots:
+            if not s.param.requires_grad:  # frozen: no gradient to reduce (Paddle's skip non-trainable ones)
+                continue
             if level == "os_g":
                 hook = (lambda slot: (lambda p: self._reduce_to_owner(slot)))(s)
             elif level == "os" or s.piece.mode == "replicated":

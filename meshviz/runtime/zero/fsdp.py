@@ -41,11 +41,21 @@ def unmix_foreach(optimizer) -> None:
 
     torch's optimizers default to their ``foreach`` kernels for CUDA parameters, and one foreach call over a list
     that mixes DTensors with plain tensors raises ("got mixed torch.Tensor and DTensor"); p_g_os leaves parameters
-    under ``segment_size`` whole, so its groups can mix. A group whose ``foreach`` the user set is left alone.
+    under ``segment_size`` whole, so its groups can mix. A group the user asked to step with ``foreach`` or
+    ``fused`` kernels is stepped one tensor at a time too (said once, as a warning): those kernels cannot run there.
     """
+    import warnings
+
     from torch.distributed.tensor import DTensor
 
-    for group in optimizer.param_groups:
-        kinds = {isinstance(p, DTensor) for p in group["params"]}
-        if len(kinds) == 2 and group.get("foreach") is None and not group.get("fused"):
-            group["foreach"] = False
+    for i, group in enumerate(optimizer.param_groups):
+        if len({isinstance(p, DTensor) for p in group["params"]}) < 2:
+            continue
+        asked = [k for k in ("foreach", "fused") if group.get(k)]
+        if asked:
+            warnings.warn(f"group_sharded_parallel: param group {i} holds FSDP-sharded parameters beside ones under "
+                          f"segment_size kept whole; torch's {' and '.join(asked)} kernels cannot step that mix, so "
+                          f"it is stepped one tensor at a time", UserWarning, stacklevel=3)
+            if group.get("fused"):
+                group["fused"] = False
+        group["foreach"] = False

@@ -15,7 +15,7 @@ from ..autograd import run_reshards
 from ..dtensor import DistTensor, new_dist
 from ..reshard import BUCKET_BYTES
 from .blocks import step_on_blocks
-from .engine import Zero
+from .engine import Zero, clear_grads
 
 __all__ = ["PlacedZero", "StateView", "sharded_placements", "dist_params_for_dist_grads", "grads_as_params"]
 
@@ -231,12 +231,9 @@ class PlacedZero(Zero):
         """Every gradient reduced to the layout its step needs: the all-reduces along one mesh line go as one
         collective per bucket (each gradient keeps its own reshard events); os then keeps this rank's part."""
         grads_as_params(self._inner_opt, self._reshard, skip={id(s) for s in self._shadow.values()})
-        live = []
-        for p, shadow in self._shadow.items():
-            if p.grad is None:
-                shadow.grad = None
-            else:
-                live.append((p, shadow))
+        # a parameter with no new gradient keeps its shard's (zeroed by zero_grad(set_to_none=False), so it is
+        # stepped on zeros, as torch steps a zeroed gradient; None after zero_grad(): not stepped)
+        live = [(p, shadow) for p, shadow in self._shadow.items() if p.grad is not None]
         if self.level == "os":  # the full gradient kept, then this rank's part
             full = [(p, p.grad) for p, _ in live if p.grad.placements == p.placements]
             moving = [(p, p.grad) for p, _ in live if p.grad.placements != p.placements]
@@ -283,6 +280,5 @@ class PlacedZero(Zero):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._inner_opt.zero_grad(set_to_none=set_to_none)
-        for p in self._shadow:
-            p.grad = None
+        clear_grads(self._shadow, set_to_none)  # os keeps the parameters' whole gradients
 
