@@ -15,6 +15,7 @@ from ..runtime.dtensor import DistTensor
 from ..runtime.world import init_parallel_env
 from ..runtime.zero import (
     PlacedZero,
+    Zero,
     check_elementwise,
     create_states,
     dist_params_for_dist_grads,
@@ -169,8 +170,9 @@ class _ShardOptimizer(PlacedZero):
     """Wraps a torch optimizer whose parameters are dist tensors (Paddle's shard_optimizer result)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, shard_fn=None, gradient_accumulation_steps: int = 1):
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise ValueError(f"shard_optimizer expects a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if not isinstance(optimizer, torch.optim.Optimizer) or isinstance(optimizer, Zero):
+            raise ValueError(f"shard_optimizer expects a torch.optim.Optimizer (not one sharded already), got "
+                             f"{type(optimizer).__name__}")
         if not isinstance(gradient_accumulation_steps, int) or gradient_accumulation_steps < 1:
             raise ValueError(f"gradient_accumulation_steps must be a positive int, got {gradient_accumulation_steps}")
         if shard_fn is not None and not isinstance(shard_fn, _ShardingStage):

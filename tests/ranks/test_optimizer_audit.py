@@ -212,3 +212,47 @@ def test_an_update_that_reads_the_whole_parameter_is_refused_on_parts(where):
     with pytest.raises(RankError, match=r"torch.optim.Adafactor updates each parameter from all of it"):
         run_ranks(_refused, 2, where)
     assert run_ranks(_refused, 2, "whole") == ["accepted", "accepted"]  # replicated, no stage: whole tensors
+
+
+# -- torch's LR schedulers take the sharded optimizers ----------------------------------------------------------
+def _scheduled(which):
+    import meshviz.distributed as dist
+    from meshviz.distributed.sharding import group_sharded_parallel
+
+    dist.init_parallel_env()
+    mesh = dist.ProcessMesh([0, 1], dim_names=["dp"])
+    torch.manual_seed(0)
+    m = nn.Linear(4, 2)
+    if which == "group_sharded":
+        m, opt, _ = group_sharded_parallel(m, torch.optim.SGD(m.parameters(), lr=1.0, momentum=0.5), "os_g")
+    else:
+        dist.shard_layer(m, mesh)
+        opt = dist.shard_optimizer(torch.optim.SGD(m.parameters(), lr=1.0, momentum=0.5),
+                                   dist.ShardingStage1("dp", mesh))
+        with pytest.raises(ValueError, match="not one sharded already"):
+            dist.shard_optimizer(opt)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+    for s in range(3):
+        m(torch.full((2, 4), float(s + 1))).pow(2).sum().backward()
+        opt.step()
+        opt.clear_grad()
+        sched.step()
+    full = {n: (dist.unshard_dtensor(p) if hasattr(p, "placements") else p).detach() for n, p in m.named_parameters()}
+    return full, opt.param_groups[0]["lr"]
+
+
+@pytest.mark.parametrize("which", ["shard_optimizer", "group_sharded"])
+def test_torch_lr_schedulers_step_the_sharded_optimizers(which):
+    torch.manual_seed(0)
+    m = nn.Linear(4, 2)
+    opt = torch.optim.SGD(m.parameters(), lr=1.0, momentum=0.5)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+    for s in range(3):
+        m(torch.full((2, 4), float(s + 1))).pow(2).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+    for full, lr in run_ranks(_scheduled, 2, which):
+        assert lr == 0.125
+        for n, p in m.named_parameters():
+            torch.testing.assert_close(full[n], p.detach(), msg=n)

@@ -74,7 +74,7 @@ def create_states(optimizer, params) -> None:
 
 
 def _torch_optimizer(optimizer):
-    while not isinstance(optimizer, torch.optim.Optimizer) and hasattr(optimizer, "_inner_opt"):
+    while "_inner_opt" in getattr(optimizer, "__dict__", {}):
         optimizer = optimizer._inner_opt
     return optimizer
 
@@ -111,18 +111,58 @@ def settle_states(optimizer) -> None:
         state.clear()
 
 
-class Zero:
+class Zero(torch.optim.Optimizer):
     """A torch optimizer (``inner``) whose ``param_groups`` hold only what this rank owns at ``level``.
 
     ``level``: ``"os"`` (optimizer states sharded), ``"os_g"`` (and gradients), ``"p_g_os"`` (and parameters),
     or None (nothing sharded). A layout says who owns what and how the shards move: ``_prepare`` (before the
     gradients are read), ``_sync_grads`` (every gradient reduced to the rank that steps it), ``_clip``,
     ``_inner_step`` and ``_gather`` (the stepped shards back into the parameters the model uses).
+
+    It is a ``torch.optim.Optimizer`` so that torch's LR schedulers take it (they set the inner optimizer's
+    ``param_groups``' learning rates); what torch's base class would do on its own state goes to the inner one.
     """
 
-    def __init__(self, inner, level):
+    def __init__(self, inner, level):  # torch's __init__ is not called: the inner optimizer holds the state
         self._inner_opt = inner
         self.level = level
+
+    def __getstate__(self):
+        return self.__dict__
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+
+    def state_dict(self):
+        return self._inner_opt.state_dict()
+
+    def load_state_dict(self, state_dict) -> None:
+        self._inner_opt.load_state_dict(state_dict)
+
+    def add_param_group(self, param_group) -> None:
+        raise NotImplementedError(f"{type(self).__name__}: parameters cannot be added once the optimizer is "
+                                  f"sharded; build the torch optimizer with every parameter group first")
+
+    def register_step_pre_hook(self, hook):
+        return self._inner_opt.register_step_pre_hook(hook)
+
+    def register_step_post_hook(self, hook):
+        return self._inner_opt.register_step_post_hook(hook)
+
+    def register_state_dict_pre_hook(self, hook, prepend: bool = False):
+        return self._inner_opt.register_state_dict_pre_hook(hook, prepend)
+
+    def register_state_dict_post_hook(self, hook, prepend: bool = False):
+        return self._inner_opt.register_state_dict_post_hook(hook, prepend)
+
+    def register_load_state_dict_pre_hook(self, hook, prepend: bool = False):
+        return self._inner_opt.register_load_state_dict_pre_hook(hook, prepend)
+
+    def register_load_state_dict_post_hook(self, hook, prepend: bool = False):
+        return self._inner_opt.register_load_state_dict_post_hook(hook, prepend)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self._inner_opt!r}, level={self.level!r})"
 
     @property
     def param_groups(self):

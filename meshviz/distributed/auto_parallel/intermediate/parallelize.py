@@ -9,7 +9,7 @@ import torch
 from ....core.mesh import ProcessMesh
 from ....runtime import groups
 from ....runtime.world import init_parallel_env
-from ....runtime.zero import gather_per_unit
+from ....runtime.zero import Zero, gather_per_unit
 from ..interface import _state, get_mesh, set_mesh
 from .parallel_base import param_holders, remap_optimizer, shard_all_params
 from .pipeline_parallel import (
@@ -148,7 +148,7 @@ class _Prepared:
 def _parallelize(model, optimizer, config, who):
     mesh = _need_mesh()
     prepared = _Prepared(model, mesh, config)
-    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+    if optimizer is not None and (not isinstance(optimizer, torch.optim.Optimizer) or isinstance(optimizer, Zero)):
         raise ValueError(f"{who}: optimizer should be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     holders = param_holders(model)
     if optimizer is not None and optimizer.state:
@@ -221,7 +221,7 @@ def parallelize_optimizer(optimizer, mesh=None, config=None):
         return optimizer
     if not _state().model_done:
         raise ValueError("Please parallelize the model before parallelize optimizer.")
-    if not isinstance(optimizer, torch.optim.Optimizer):
+    if not isinstance(optimizer, torch.optim.Optimizer) or isinstance(optimizer, Zero):
         raise ValueError(f"parallelize_optimizer expects a torch.optim.Optimizer, got {type(optimizer).__name__}")
     from ....runtime.dtensor import DistTensor
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ....runtime.zero import Zero
 from ...shard_api import ShardingStage1, ShardingStage2, ShardingStage3, shard_optimizer
 
 __all__ = ["check_dp_config", "shard_optimizer_with"]
@@ -39,8 +40,8 @@ def check_dp_config(config: dict, mesh) -> tuple:
 
 def shard_optimizer_with(optimizer, level, sharding_mesh_dim, mesh):
     """Paddle's ParallelOptimizer: ``shard_optimizer`` with ``ShardingStage{level}(sharding_mesh_dim, mesh)``."""
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise ValueError(f"expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if not isinstance(optimizer, torch.optim.Optimizer) or isinstance(optimizer, Zero):
+        raise ValueError(f"expected a torch.optim.Optimizer (not one sharded already), got {type(optimizer).__name__}")
     if level is None:
         return shard_optimizer(optimizer, None)
     if "pp" in mesh.dim_names:
