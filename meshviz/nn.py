@@ -74,6 +74,30 @@ def _dist_sq_share(grads, dev) -> torch.Tensor:
     return total
 
 
+def _sum_over(sq: torch.Tensor, group) -> None:
+    """Add ``sq`` in place over the process ``group`` (nothing for None or a group of one)."""
+    if group is None or not tdist.is_initialized():
+        return
+    from .runtime.comm import Call, CollectiveOp, run
+    from .runtime.groups import resolve
+
+    if resolve(group).nranks <= 1:
+        return
+
+    run(Call(CollectiveOp.ALL_REDUCE, group, lambda g: tdist.all_reduce(sq, group=g.process_group, async_op=True),
+             tensors=(sq,), traced=False))
+
+
+def _fleet_mp_group():
+    """fleet's model-parallel group when ``fleet.init`` set one up with mp > 1 on this rank, else None."""
+    from .distributed.fleet.state import current
+
+    hcg = current()._hcg
+    if hcg is None or hcg.get_model_parallel_world_size() <= 1:
+        return None
+    return hcg.get_model_parallel_group()
+
+
 def _scale_(g, coef: float) -> None:
     if _is_dist(g):
         g._local.mul_(coef)  # every placement scales blockwise (Partial summands too)
@@ -90,7 +114,10 @@ class ClipGradByGlobalNorm:
     meshviz dist tensors (Shard, Replicate or Partial, on one mesh or several) too: a Replicate block counts once,
     a Partial one is reduced first. With dist gradients every rank of the world must call it (one all-reduce).
     ``group``: the local gradients are disjoint pieces spread over this process group (as in ZeRO); their
-    squared sums are added over the group. Parameters with ``need_clip = False`` are left alone, like Paddle.
+    squared sums are added over the group. After ``fleet.init`` with mp > 1, the gradients of split parameters
+    (``is_distributed``, the ``fleet.meta_parallel`` layers') are added over the model-parallel group and the
+    others counted once, as Paddle's ``HybridParallelClipGrad``: every mp rank must call it.
+    Parameters with ``need_clip = False`` are left alone, like Paddle.
     Attach it to a sharded optimizer with ``group_sharded_parallel(..., grad_clip=clip)`` or
     ``optimizer._grad_clip = clip`` (also read by ``dist.shard_optimizer``: Paddle's ``AdamW(..., grad_clip=clip)``).
     """
@@ -120,11 +147,7 @@ class ClipGradByGlobalNorm:
         replicated = [g for g in replicated if not _is_dist(g)]
         dev = _norm_device(plain + dts + dists)
         sq = _sq_sum([g for g in sharded if not _is_dtensor(g)], dev)
-        if group is not None and tdist.is_initialized() and tdist.get_world_size(group) > 1:
-            from .runtime.comm import Call, CollectiveOp, run
-
-            run(Call(CollectiveOp.ALL_REDUCE, group,
-                     lambda g: tdist.all_reduce(sq, group=g.process_group, async_op=True), tensors=(sq,), traced=False))
+        _sum_over(sq, group)
         if dists:  # every rank of the world steps every dist parameter (empty off its mesh), as in Paddle
             share = _dist_sq_share(dists, dev)
             if tdist.is_initialized() and tdist.get_world_size() > 1:
@@ -147,13 +170,41 @@ class ClipGradByGlobalNorm:
                 _scale_(g, coef)
         return torch.tensor(norm)
 
+    def clip_hybrid(self, parts) -> torch.Tensor:
+        """Clip plain gradients in place, as Paddle's ``HybridParallelClipGrad``: ``parts`` is ``[(grads, groups),
+        ...]``; each list's squared sum is added over every process group of ``groups`` in turn (groups along
+        different axes of the hybrid topology, so over all the ranks they span). The model-parallel shards are added
+        over the mp, pipeline and sharding groups; the other gradients, the same on every mp rank, only over the
+        pipeline and sharding groups, so they count once. Returns the global norm."""
+        dev = _norm_device([g for grads, _ in parts for g in grads])
+        sq = torch.zeros((), dtype=torch.float64, device=dev)
+        for grads, groups in parts:
+            part = _sq_sum(grads, dev)
+            for group in groups:
+                _sum_over(part, group)
+            sq = sq + part
+        norm = float(sq.sqrt())
+        coef = self.coefficient(norm)
+        if coef < 1.0:
+            for grads, _ in parts:
+                for g in grads:
+                    _scale_(g, coef)
+        return torch.tensor(norm)
+
     def __call__(self, parameters, group=None):
         items = list(parameters) if not isinstance(parameters, torch.Tensor) else [parameters]
         if items and isinstance(items[0], (tuple, list)):  # Paddle's params_grads form
             grads = [g for p, g in items if g is not None and getattr(p, "need_clip", True)]
             self.clip_pieces(replicated=grads, group=None) if group is None else self.clip_pieces(grads, (), group)
             return items
-        grads = [p.grad for p in items if p.grad is not None and getattr(p, "need_clip", True)]
+        kept = [p for p in items if p.grad is not None and getattr(p, "need_clip", True)]
+        grads = [p.grad for p in kept]
+        split = [p.grad for p in kept if getattr(p, "is_distributed", False) is True and not _is_dist(p.grad)
+                 and not _is_dtensor(p.grad)]
+        mp = _fleet_mp_group() if group is None and split else None
+        if mp is not None:  # fleet's tensor-parallel shards: their squares are added over the mp group
+            ids = {id(g) for g in split}
+            return self.clip_pieces(sharded=split, replicated=[g for g in grads if id(g) not in ids], group=mp)
         if group is None:
             return self.clip_pieces(replicated=grads)
         return self.clip_pieces(sharded=grads, group=group)

@@ -23,9 +23,9 @@ class MPNet(nn.Module):
 
         super().__init__()
         self.emb = mpu.VocabParallelEmbedding(V, D)
-        self.up = mpu.ColumnParallelLinear(D, H, gather_output=False)
+        self.up = mpu.ColumnParallelLinear(D, H, has_bias=True, gather_output=False)
         self.down = mpu.RowParallelLinear(H, D, input_is_parallel=True)
-        self.head = mpu.ColumnParallelLinear(D, V, gather_output=False)
+        self.head = mpu.ColumnParallelLinear(D, V, has_bias=True, gather_output=False)
         self.ce = mpu.ParallelCrossEntropy()
 
     def forward(self, ids, labels):
@@ -73,7 +73,7 @@ def _hybrid():
     x = torch.randn(3, 4, generator=g)
     gy = torch.randn(3, 6, generator=g)
     torch.manual_seed(21)
-    col = mpu.ColumnParallelLinear(4, 6)  # gather_output=True
+    col = mpu.ColumnParallelLinear(4, 6, has_bias=True)  # gather_output=True
     xc = x.clone().requires_grad_()
     y = col(xc)
     (y * gy).sum().backward()

@@ -398,7 +398,7 @@ class TPBlock(nn.Module):
         from meshviz.distributed.fleet import meta_parallel as mpu
 
         super().__init__()
-        self.up = mpu.ColumnParallelLinear(width, 2 * width, gather_output=False)  # its backward all-reduces
+        self.up = mpu.ColumnParallelLinear(width, 2 * width, has_bias=True, gather_output=False)  # backward all-reduces
         self.down = mpu.RowParallelLinear(2 * width, width, input_is_parallel=True)
 
     def forward(self, x):

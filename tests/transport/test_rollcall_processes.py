@@ -25,7 +25,7 @@ def _tp_step():
     class Net(nn.Module):
         def __init__(self):
             super().__init__()
-            self.col = ColumnParallelLinear(4, 8, gather_output=False)
+            self.col = ColumnParallelLinear(4, 8, has_bias=True, gather_output=False)
             self.row = RowParallelLinear(8, 4, input_is_parallel=True)
 
         def forward(self, x):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from ...rank_context import getenv
@@ -79,6 +80,20 @@ class Fleet:
             order = [a for a in order if a != "sep"]
         self._topology = CommunicateTopology(names, [degrees[a] for a in order])
         self._hcg = HybridCommunicateGroup(self._topology)
+        if degrees["mp"] > 1:  # as Paddle: the tracker's model_parallel_rng state (and the global seed, if given)
+            from .meta_parallel.rng_tracker import model_parallel_random_seed
+
+            seed = strategy.tensor_parallel_configs["tensor_init_seed"]
+            if seed != -1:
+                model_parallel_random_seed(seed)
+            else:  # Paddle reseeds the global RNG at random here; torch's and numpy's are kept as the user seeded
+                import numpy as np
+
+                cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+                kept = np.random.get_state()
+                with torch.random.fork_rng(devices=[torch.cuda.current_device()] if cuda else []):
+                    model_parallel_random_seed(None)
+                np.random.set_state(kept)
         return None
 
     def _require_init(self):
@@ -119,6 +134,8 @@ class Fleet:
             )
         if hcg.get_model_parallel_world_size() > 1:
             sync_params_buffers(model, hcg.get_model_parallel_group(), is_model_parallel=True)
+            if mode == ParallelMode.TENSOR_PARALLEL:
+                _broadcast_inputs(model, hcg, strategy)
         if hcg.get_sharding_parallel_world_size() > 1:
             sync_params_buffers(model, hcg.get_sharding_parallel_group())
         if hcg.get_data_parallel_world_size() > 1:
@@ -149,6 +166,23 @@ class Fleet:
 
     def barrier_worker(self) -> None:
         barrier()
+
+
+def _broadcast_inputs(model: nn.Module, hcg, strategy) -> None:
+    """Paddle's TensorParallel: the tensor inputs of every forward come from the mp group's first rank (unless
+    ``hybrid_configs["mp_configs"]["need_broadcast_data"]`` is False). A hook, so the model and its state_dict keys
+    stay the user's."""
+    from .utils.hybrid_parallel_util import broadcast_input_data
+
+    if not strategy.hybrid_configs["mp_configs"].get("need_broadcast_data", True):
+        return
+    if getattr(model, "_meshviz_mp_broadcast", None) is not None:  # distributed_model called again
+        return
+
+    def hook(module, args, kwargs):
+        return broadcast_input_data(hcg, *args, **kwargs)
+
+    model._meshviz_mp_broadcast = model.register_forward_pre_hook(hook, with_kwargs=True)
 
 
 fleet = Fleet()

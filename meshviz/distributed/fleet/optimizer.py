@@ -52,6 +52,29 @@ class HybridParallelOptimizer(Zero):
         if hcg.get_parallel_mode() != ParallelMode.DATA_PARALLEL and hcg.get_data_parallel_world_size() > 1:
             average_gradients(params, hcg.get_data_parallel_group())
 
+    def _clip(self):
+        """Paddle's ``HybridParallelClipGrad`` for a ``ClipGradByGlobalNorm`` grad clip (``opt._grad_clip`` or the
+        inner optimizer's): the global norm over every rank's gradients, the model-parallel shards added over the
+        mp group, every gradient over the pipeline and sharding groups (each rank clips what it steps)."""
+        from ...nn import ClipGradByGlobalNorm, _is_dist, _is_dtensor
+
+        clip = self.__dict__.get("_grad_clip") or getattr(self._inner_opt, "_grad_clip", None)
+        if clip is None:
+            return None
+        params = self._params() if self._sharding is None else self._sharding.owned()
+        params = [p for p in params if p.grad is not None and getattr(p, "need_clip", True)]
+        hcg = self._hcg
+        if (not isinstance(clip, ClipGradByGlobalNorm) or hcg is None
+                or any(_is_dist(p.grad) or _is_dtensor(p.grad) for p in params)):
+            return clip(params)
+        # ``is True``: a torch tensor's own ``is_distributed`` is a method
+        split = [p.grad for p in params if getattr(p, "is_distributed", False) is True]
+        whole = [p.grad for p in params if getattr(p, "is_distributed", False) is not True]
+        mp = [hcg.get_model_parallel_group()] if hcg.get_model_parallel_world_size() > 1 else []
+        rest = [g for n, g in ((hcg.get_pipe_parallel_world_size(), hcg.get_pipe_parallel_group()),
+                               (hcg.get_sharding_parallel_world_size(), hcg.get_sharding_parallel_group())) if n > 1]
+        return clip.clip_hybrid([(split, mp + rest), (whole, rest)])
+
     def _gather(self):
         if self._sharding is not None:
             self._sharding._gather()

@@ -14,7 +14,7 @@ _HYBRID_DEFAULTS = {
     "sep_degree": 1,
     "order": ["dp", "pp", "sharding", "mp"],
     "pp_configs": {},
-    "mp_configs": {},
+    "mp_configs": {"need_broadcast_data": True},
     "dp_configs": {},
     "sharding_configs": {},
 }
@@ -28,6 +28,29 @@ _PIPELINE_DEFAULTS = {
 }
 
 _TENSOR_PARALLEL_DEFAULTS = {"tensor_parallel_degree": 1, "tensor_init_seed": -1}
+
+# Paddle's defaults for the configs meshviz keeps but does not act on (fleet's amp, recompute and gradient merge
+# are the user's torch code here)
+_OTHER_DEFAULTS = {
+    "amp_configs": {
+        "init_loss_scaling": 32768.0, "incr_every_n_steps": 1000, "decr_every_n_nan_or_inf": 2, "incr_ratio": 2.0,
+        "decr_ratio": 0.8, "use_dynamic_loss_scaling": True, "custom_white_list": [], "custom_black_list": [],
+        "custom_black_varnames": [], "use_pure_fp16": False, "use_fp16_guard": True, "use_optimizer_fp16": False,
+        "use_pure_bf16": False,
+    },
+    "recompute_configs": {"checkpoints": [], "enable_offload": False, "checkpoint_shape": [], "enable_tuning": False,
+                          "refined_ops_patterns": []},
+    "gradient_merge_configs": {"k_steps": 1, "avg": True},
+}
+
+# Paddle's switches that have no effect here; kept so that code setting them runs (their Paddle defaults)
+_PLAIN_DEFAULTS = {
+    "find_unused_parameters": False, "fuse_grad_size_in_MB": 32, "last_comm_group_size_MB": 1,
+    "fuse_all_reduce_ops": True, "sharding": False, "tensor_parallel": False, "pipeline": False, "amp": False,
+    "recompute": False, "gradient_merge": False, "a_sync": True, "sync_nccl_allreduce": True, "nccl_comm_num": 1,
+    "use_hierarchical_allreduce": False, "sync_batch_norm": False, "lars": False, "lamb": False, "dgc": False,
+    "localsgd": False, "heter_ccl_mode": False,
+}
 
 
 def _merge(name: str, current: dict, update) -> dict:
@@ -48,23 +71,35 @@ def _merge(name: str, current: dict, update) -> dict:
 class DistributedStrategy:
     """Settings for ``fleet.init``/``distributed_model``. Assigning a config dict merges it into the current one.
 
-    Reading ``hybrid_configs`` (or ``pipeline_configs``) gives a copy, as in Paddle: change it by assigning.
+    Reading ``hybrid_configs`` (or any ``*_configs``) gives a copy, as in Paddle: change it by assigning. As in
+    Paddle, setting an attribute the strategy does not have (a typo such as ``hybrid_config``) raises TypeError.
     """
 
     def __init__(self):
-        self._hybrid = copy.deepcopy(_HYBRID_DEFAULTS)
-        self._pipeline = copy.deepcopy(_PIPELINE_DEFAULTS)
-        self._tensor_parallel = copy.deepcopy(_TENSOR_PARALLEL_DEFAULTS)
-        self.find_unused_parameters = False
-        self.fuse_grad_size_in_MB = 32
-        self.last_comm_group_size_MB = 1
-        self.fuse_all_reduce_ops = True
-        self.sharding = False
-        self.tensor_parallel = False
-        self.pipeline = False
-        self.amp = False
-        self.recompute = False
-        self.gradient_merge = False
+        d = self.__dict__  # before the lock below: plain stores
+        d["_hybrid"] = copy.deepcopy(_HYBRID_DEFAULTS)
+        d["_pipeline"] = copy.deepcopy(_PIPELINE_DEFAULTS)
+        d["_tensor_parallel"] = copy.deepcopy(_TENSOR_PARALLEL_DEFAULTS)
+        d["_other"] = copy.deepcopy(_OTHER_DEFAULTS)
+        d.update(copy.deepcopy(_PLAIN_DEFAULTS))
+
+    def __setattr__(self, name, value):
+        if name not in self.__dict__ and not isinstance(getattr(type(self), name, None), property):
+            raise TypeError(f"{name} is not a attribute of {type(self).__name__}")
+        object.__setattr__(self, name, value)
+
+    def _config(self, name: str) -> dict:
+        return copy.deepcopy(self._other[name])
+
+    def _set_config(self, name: str, configs) -> None:
+        self._other[name] = _merge(name, self._other[name], configs)
+
+    amp_configs = property(lambda self: self._config("amp_configs"),
+                           lambda self, c: self._set_config("amp_configs", c))
+    recompute_configs = property(lambda self: self._config("recompute_configs"),
+                                 lambda self, c: self._set_config("recompute_configs", c))
+    gradient_merge_configs = property(lambda self: self._config("gradient_merge_configs"),
+                                      lambda self, c: self._set_config("gradient_merge_configs", c))
 
     @property
     def hybrid_configs(self) -> dict:

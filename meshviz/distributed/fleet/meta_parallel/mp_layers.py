@@ -55,9 +55,10 @@ class ColumnParallelLinear(nn.Module):
     [out/n]. Paddle's weight is [in, out] split on dim 1: the same numbers, transposed. Parameters are drawn
     like ``nn.Linear(in, out)``'s full weight from the shared generator, and sliced: with the same seed on every
     rank the shards assemble into exactly that layer. ``gather_output=False`` leaves y split on its last dim.
+    No bias unless ``has_bias`` is true (Paddle's default ``None`` means none; RowParallelLinear's is True).
     """
 
-    def __init__(self, in_features, out_features, weight_attr=None, has_bias=True, gather_output=True,
+    def __init__(self, in_features, out_features, weight_attr=None, has_bias=None, gather_output=True,
                  fuse_matmul_bias=False, mp_group=None, name=None):
         super().__init__()
         self.model_parallel_group = mp_group_of(mp_group)
@@ -70,7 +71,7 @@ class ColumnParallelLinear(nn.Module):
         w, b = _full_linear_init(in_features, out_features, weight_attr, has_bias)
         rows = slice(self.rank * self.output_size_per_partition, (self.rank + 1) * self.output_size_per_partition)
         self.weight = _mark(nn.Parameter(w[rows].clone()), 0)
-        self.bias = _mark(nn.Parameter(b[rows].clone()), 0) if has_bias else None
+        self.bias = _mark(nn.Parameter(b[rows].clone()), 0) if b is not None else None
 
     def forward(self, x):
         x = c_identity(x, self.model_parallel_group)

@@ -149,4 +149,10 @@ def parallel_cross_entropy(logits, label, group=None, ignore_index=-100):
         label = label.squeeze(-1)
     if label.shape != logits.shape[:-1]:
         raise ValueError(f"label shape {list(label.shape)} does not match logits {list(logits.shape)}")
-    return _ParallelCrossEntropy.apply(logits, label.long(), group, ignore_index)
+    label = label.long()
+    classes = logits.shape[-1] * group_index(group)[1]
+    bad = (label != ignore_index) & ((label < 0) | (label >= classes))
+    if bad.any():  # every rank holds every label: all raise, before any collective
+        raise IndexError(f"label {int(label[bad][0])} is out of bounds for {classes} classes (labels must be in "
+                         f"[0, {classes}) or ignore_index={ignore_index})")
+    return _ParallelCrossEntropy.apply(logits, label, group, ignore_index)
