@@ -188,12 +188,18 @@ def reshard(dist_tensor, mesh: ProcessMesh, placements: Sequence):
 
 
 def unshard_dtensor(dist_tensor) -> torch.Tensor:
-    """The dense global value (a collective: every rank calls it); differentiable. Empty off the mesh."""
+    """The dense global value (a collective: every rank calls it); differentiable. Empty off the mesh.
+
+    A parameter gives a parameter holding the value (a new leaf, as Paddle's); a plain tensor raises ValueError.
+    """
     if not isinstance(dist_tensor, DistTensor):
-        return dist_tensor
+        raise ValueError(f"The input should be a distributed tensor (unshard_dtensor got "
+                         f"{type(dist_tensor).__name__}; a plain tensor is its own dense value).")
     mesh = dist_tensor.process_mesh
-    full = reshard(dist_tensor, mesh, [Replicate()] * mesh.ndim)
-    return dtensor_to_local(full)
+    full = dtensor_to_local(reshard(dist_tensor, mesh, [Replicate()] * mesh.ndim))
+    if isinstance(dist_tensor, torch.nn.Parameter):
+        full = torch.nn.Parameter(full.detach(), requires_grad=dist_tensor.requires_grad)
+    return full
 
 
 def _member_block(t: DistTensor) -> torch.Tensor:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import warnings
+import zlib
 
 import torch
 import torch.distributed as tdist
@@ -91,19 +92,42 @@ def _from_dcp(original, loaded):
     return loaded
 
 
+def _holds_tensor(obj) -> bool:
+    if isinstance(obj, torch.Tensor) or _dtensor_of(obj) is not None:
+        return True
+    if isinstance(obj, dict):
+        return any(_holds_tensor(v) for v in obj.values())
+    return isinstance(obj, (list, tuple)) and any(_holds_tensor(v) for v in obj)
+
+
 def _walk(obj, fn):
+    """``fn`` on every leaf of dicts and lists; a tuple holding tensors becomes a list (DCP saves a list element
+    by element but pickles a tuple whole), a tuple without tensors stays one value."""
     if isinstance(obj, dict):
         return {k: _walk(v, fn) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_walk(v, fn) for v in obj)
+    if isinstance(obj, list) or isinstance(obj, tuple) and _holds_tensor(obj):
+        return [_walk(v, fn) for v in obj]
     return fn(obj)
 
 
+def _retuple(like: tuple, values: list) -> tuple:
+    """``values`` as a tuple of ``like``'s type (a namedtuple takes them as fields)."""
+    try:
+        return type(like)(*values) if hasattr(like, "_fields") else type(like)(values)
+    except Exception:  # a tuple subclass whose constructor takes other arguments
+        return tuple(values)
+
+
 def _write_back(target, loaded):
-    """Put what DCP loaded into ``target``'s containers (dicts and lists, at any depth), keeping their values."""
+    """Put what DCP loaded into ``target``'s containers (dicts, lists and tuples, at any depth), keeping their
+    values; a tuple is replaced by one of the same type holding them."""
     for k in range(len(target)) if isinstance(target, list) else list(target):
         o, got = target[k], loaded[k]
-        if isinstance(o, dict) or isinstance(o, list) and isinstance(got, list) and len(o) == len(got):
+        if isinstance(o, tuple) and isinstance(got, list) and len(o) == len(got):
+            items = list(o)
+            _write_back(items, got)
+            target[k] = _retuple(o, items)
+        elif isinstance(o, dict) or isinstance(o, list) and isinstance(got, list) and len(o) == len(got):
             _write_back(o, got)
         else:  # also a list DCP stored whole (plain values) that comes back with another length
             target[k] = _from_dcp(o, got)
@@ -151,23 +175,94 @@ def _resolve(what: str, path, unique_id, saving: bool):
     return uid, None
 
 
-def _version(what: str, path, unique_id, process_group, saving: bool) -> str:
+def _version(what: str, path, unique_id, process_group, saving: bool, problem=None, prints=None) -> str:
     """The directory of checkpoint ``unique_id`` (None: the newest, as Paddle; a first save makes 0), agreed by
-    every rank of the group: a rank's error, or ranks naming different ids, raise on all of them."""
+    every rank of the group in one exchange: a rank's error (``problem``: one in its arguments), ranks naming
+    different ids, or plain tensors that differ across ranks (``prints``, see :func:`_prints`) raise on all."""
     uid, err = _resolve(what, path, unique_id, saving)
+    got = [(uid, problem or err, prints or {})]
     if tdist.is_initialized():
         pg = _group(process_group)
-        got: list = [None] * tdist.get_world_size(pg)
-        tdist.all_gather_object(got, (uid, err), group=pg)
-        failed = [(r, e) for r, (_, e) in enumerate(got) if e is not None]
-        if failed:
-            r, e = failed[0]
-            raise type(e)(f"{e} (rank {r})")
-        if len({u for u, _ in got}) > 1:
-            raise ValueError(f"{what}: the ranks name different unique ids {[u for u, _ in got]}")
-    elif err is not None:
-        raise err
+        mine, got = got[0], [None] * tdist.get_world_size(pg)
+        tdist.all_gather_object(got, mine, group=pg)
+    failed = [(r, e) for r, (_, e, _) in enumerate(got) if e is not None]
+    if failed:
+        r, e = failed[0]
+        raise type(e)(f"{e} (rank {r})") if tdist.is_initialized() else e
+    if len({u for u, _, _ in got}) > 1:
+        raise ValueError(f"{what}: the ranks name different unique ids {[u for u, _, _ in got]}")
+    _check_plain(what, [p for _, _, p in got])
     return str(path) if uid == 0 else os.path.join(str(path), str(uid))
+
+
+def _checksum(t: torch.Tensor):
+    """A cheap fingerprint of ``t``'s bytes: crc32 on the CPU; elsewhere a position-weighted sum computed on the
+    device in chunks (a 0-d tensor, read with the others in one transfer); None where there are no bytes to read."""
+    t = t.detach()
+    if t.numel() == 0:
+        return 0
+    if t.is_sparse or t.device.type == "meta":
+        return None
+    b = t.contiguous().reshape(-1).view(torch.uint8)
+    if b.device.type == "cpu":
+        return zlib.crc32(b.numpy())
+    total = torch.zeros((), dtype=torch.int64, device=b.device)
+    for i in range(0, b.numel(), 1 << 24):
+        c = b[i:i + (1 << 24)].to(torch.int64)
+        total += (c * (torch.arange(i, i + c.numel(), device=b.device) % 65521 + 1)).sum()
+    return total
+
+
+def _prints(state_dict) -> dict:
+    """Key (dotted, as DCP names it) -> (shape, dtype, checksum) of each plain (not dist) tensor in ``state_dict``."""
+    found: dict = {}
+
+    def visit(obj, key):
+        if isinstance(obj, dict):
+            for k, v in obj.items():
+                visit(v, f"{key}.{k}" if key else str(k))
+        elif isinstance(obj, list) or isinstance(obj, tuple) and _holds_tensor(obj):
+            for k, v in enumerate(obj):
+                visit(v, f"{key}.{k}")
+        elif isinstance(obj, torch.Tensor) and _dtensor_of(obj) is None:
+            try:
+                found[key] = [tuple(obj.shape), str(obj.dtype), _checksum(obj)]
+            except Exception:  # a tensor whose bytes cannot be read (a fake one): its shape is still compared
+                found[key] = [tuple(obj.shape), str(obj.dtype), None]
+
+    visit(state_dict, "")
+    pending = [v for v in found.values() if isinstance(v[2], torch.Tensor)]
+    if pending:
+        for v, s in zip(pending, torch.stack([v[2].to(pending[0][2].device) for v in pending]).tolist()):
+            v[2] = s
+    return {k: tuple(v) for k, v in found.items()}
+
+
+def _check_plain(what: str, prints: list) -> None:
+    """Refuse plain tensors whose shape or value differs across ranks under one key: a checkpoint keeps one copy of
+    a plain tensor (a replicated value), so the others' values would be lost, or fail to load."""
+    seen: dict = {}
+    for rank, p in enumerate(prints):
+        for k, v in p.items():
+            seen.setdefault(k, {})[rank] = v
+    bad = sorted(k for k, by in seen.items() if len(set(by.values())) > 1)
+    if not bad:
+        return
+
+    def why(k):
+        shapes = {r: v[0] for r, v in seen[k].items()}
+        if len(set(shapes.values())) > 1:
+            return f"{k!r} (shapes {', '.join(f'{list(s)} on rank {r}' for r, s in shapes.items())})"
+        return f"{k!r} ({'dtypes' if len({v[1] for v in seen[k].values()}) > 1 else 'values'} differ)"
+
+    more = f" and {len(bad) - 4} more" if len(bad) > 4 else ""
+    raise ValueError(
+        f"{what}: plain (not distributed) tensors differ across ranks under {', '.join(map(why, bad[:4]))}{more}; "
+        f"a checkpoint keeps one copy of a plain tensor, so the other ranks' values would be lost. Make them equal "
+        f"first where one copy is meant (dist.broadcast(t, src=0); a DataParallel model's BatchNorm buffers, which "
+        f"follow each rank's batches: dist.parallel.sync_params_buffers(model)), save per-rank values with "
+        f"torch.save on each rank, or make them dist tensors (dist.shard_tensor, dist.dtensor_from_local), whose "
+        f"blocks are saved per rank; group_sharded_parallel's optimizer states are dist tensors at level 'p_g_os' only")
 
 
 def _plain_error(e, what: str, path) -> Exception:
@@ -196,18 +291,51 @@ def _dcp(what: str, path, fn, *args, **kwargs) -> None:
             raise _plain_error(e, what, path) from e
 
 
+_COMM_METHODS = ("send_recv", "broadcast", "multi_group_broadcast", "grouped_send_recv", "parallel_broadcast")
+
+
+def _save_problem(safetensors, save_replicas):
+    if safetensors:
+        return NotImplementedError("save_state_dict: safetensors=True is not supported; meshviz writes "
+                                   "torch.distributed.checkpoint's format (leave safetensors=False)")
+    if save_replicas:
+        return NotImplementedError("save_state_dict: save_replicas=True is not supported; meshviz writes one copy of "
+                                   "each replicated block (leave save_replicas=False)")
+    return None
+
+
+def _load_problem(aoa_config, safetensors, worker_groups, comm_method):
+    if comm_method not in _COMM_METHODS:
+        return ValueError(f"load_state_dict: comm_method must be one of {list(_COMM_METHODS)}, got {comm_method!r}")
+    if safetensors:
+        return NotImplementedError("load_state_dict: safetensors=True is not supported; meshviz reads "
+                                   "torch.distributed.checkpoint's format (leave safetensors=False)")
+    if aoa_config:
+        return NotImplementedError("load_state_dict: aoa_config is not supported; rename or reshape the keys of the "
+                                   "state_dict before loading (leave aoa_config=None)")
+    if worker_groups is not None and not isinstance(worker_groups, (list, tuple)):
+        return ValueError(f"load_state_dict: worker_groups must be a list of groups or None, "
+                          f"got {type(worker_groups).__name__}")
+    return None
+
+
 def save_state_dict(state_dict: dict, path: str, process_group=None, coordinator_rank: int = 0,
-                    unique_id=None, async_save: bool = False) -> None:
+                    unique_id=None, async_save: bool = False, safetensors: bool = False,
+                    save_replicas: bool = False) -> None:
     """Save ``state_dict`` (nested dicts of tensors, dist tensors and plain values) to the directory ``path``.
 
     Every rank calls it; each writes only the blocks it holds (replicated values once). ``path`` must be
     visible to every rank (a shared file system across machines). ``unique_id`` names the version, as in Paddle:
     None overwrites the newest one (0 when there is none); 0 lives in ``path``, k in ``path/k``. The save is
-    synchronous also with ``async_save``; ``coordinator_rank`` is accepted for Paddle's signature.
+    synchronous also with ``async_save``; ``coordinator_rank`` is accepted for Paddle's signature. Lists and tuples
+    holding tensors are saved element by element. A plain tensor must be the same on every rank (one copy is
+    kept): one that differs raises ``ValueError`` on every rank before anything is written, as does
+    ``safetensors`` or ``save_replicas`` (``NotImplementedError``).
     """
     if not isinstance(state_dict, dict):
         raise TypeError(f"save_state_dict: state_dict must be a dict, got {type(state_dict).__name__}")
-    where = _version("save_state_dict", path, unique_id, process_group, saving=True)
+    where = _version("save_state_dict", path, unique_id, process_group, saving=True,
+                     problem=_save_problem(safetensors, save_replicas), prints=_prints(state_dict))
     sd = _walk(_walk(state_dict, _settle_partial), _to_dcp)
     with trace.span("mark", op="save_state_dict", name=str(path), bytes=_nbytes(sd)):
         _dcp("save_state_dict", path, dcp.save, sd, checkpoint_id=where, process_group=_group(process_group),
@@ -215,18 +343,22 @@ def save_state_dict(state_dict: dict, path: str, process_group=None, coordinator
 
 
 def load_state_dict(state_dict: dict, path: str, process_group=None, coordinator_rank: int = 0,
-                    unique_id=None, offload: bool = False) -> None:
+                    unique_id=None, offload: bool = False, mw_name_compatibility: bool = True, aoa_config=None,
+                    safetensors: bool = False, worker_groups=None, comm_method: str = "broadcast") -> None:
     """Load the checkpoint at ``path`` into ``state_dict`` in place, resharding to each tensor's layout.
 
     The values in ``state_dict`` say where the data goes: a dist tensor gets its own block whatever mesh and
     placements it was saved with (a Partial one the value where ``shard_tensor`` would put it); a plain tensor
-    gets the whole value. ``unique_id``: the version (None: the newest). A key the checkpoint lacks, or a shape
-    other than the saved one, raises on every rank before anything is read. ``offload`` changes nothing here:
-    each block is read into the tensor that holds it.
+    gets the whole value; a tuple is replaced by one of its type holding the loaded values. ``unique_id``: the
+    version (None: the newest). A key the checkpoint lacks, or a shape other than the saved one, raises on every
+    rank before anything is read. ``offload`` changes nothing here: each block is read into the tensor that holds
+    it; nor do ``mw_name_compatibility``, ``worker_groups`` and ``comm_method`` (each rank reads its blocks from
+    the files). ``safetensors`` and ``aoa_config`` raise ``NotImplementedError`` on every rank.
     """
     if not isinstance(state_dict, dict):
         raise TypeError(f"load_state_dict: state_dict must be a dict, got {type(state_dict).__name__}")
-    where = _version("load_state_dict", path, unique_id, process_group, saving=False)
+    where = _version("load_state_dict", path, unique_id, process_group, saving=False,
+                     problem=_load_problem(aoa_config, safetensors, worker_groups, comm_method))
     sd = _walk(state_dict, _load_target)
     with trace.span("mark", op="load_state_dict", name=str(path), bytes=_nbytes(sd)):
         _dcp("load_state_dict", path, dcp.load, sd, checkpoint_id=where, process_group=_group(process_group),
