@@ -117,6 +117,37 @@ def test_recompute_replays_the_rng_trackers_dropout_mask():
         torch.testing.assert_close(y, torch.arange(1.0, 17.0) * kept * 2.0)
 
 
+def pipeline_chunk_tracker_dropout():
+    from meshviz.distributed.fleet.meta_parallel import get_rng_state_tracker
+    from meshviz.distributed.pipeline.layers import _Chunk
+
+    fleet = _init(dp_degree=1, mp_degree=2)
+    tr = get_rng_state_tracker()
+    tr.reset()
+    tr.add("local_seed", 300 + fleet.get_hybrid_communicate_group().get_model_parallel_rank())
+
+    class Drop(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(16))
+
+        def forward(self, x):
+            with tr.rng_state("local_seed"):
+                return F.dropout(x * self.w, 0.5, training=True)
+
+    x = torch.arange(1.0, 17.0, requires_grad=True)
+    y = _Chunk([Drop()], recompute_interval=1)(x)  # a pipeline stage's layers under recompute_interval
+    y.sum().backward()
+    return y.detach(), x.grad
+
+
+def test_pipeline_recompute_interval_replays_the_rng_trackers_dropout_mask():
+    for y, gx in run_ranks(pipeline_chunk_tracker_dropout, 2, timeout=120):
+        kept = (y != 0).float()
+        assert 0 < kept.sum() < 16
+        torch.testing.assert_close(gx, kept * 2.0)
+
+
 class TwoInputs(nn.Module):
     def __init__(self):
         from meshviz.distributed.fleet import meta_parallel as mpu

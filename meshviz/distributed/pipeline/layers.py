@@ -125,13 +125,13 @@ class _Chunk(nn.Module):
         funcs, k = self.run_function, self.recompute_interval
         if k <= 0:
             return self._run(funcs, *x)
-        from torch.utils.checkpoint import checkpoint
+        from ..fleet.utils import recompute  # replays with the RNG tracker's states too (tensor-parallel dropout)
 
         for s in range(0, len(funcs), k):
             part = funcs[s:s + k]
             needs = any(isinstance(t, torch.Tensor) and t.requires_grad for t in x) and torch.is_grad_enabled()
             has_params = any(next(iter(m.parameters()), None) is not None for m in part if isinstance(m, nn.Module))
-            out = checkpoint(self._run, part, *x, use_reentrant=False) if needs and has_params else self._run(part, *x)
+            out = recompute(self._run, part, *x) if needs and has_params else self._run(part, *x)
             x = out if isinstance(out, tuple) else (out,)
         return x[0] if len(x) == 1 else x
 
