@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -11,6 +11,7 @@ from .layout import chunk, local_block, normalize_placements, shard_axes, with_n
 from .mesh import ProcessMesh
 from .partial import commutes, nesting, partial_axes, partial_fill, summed
 from .placements import Partial, ReduceType, Replicate, Shard
+from .traffic import step_most
 
 __all__ = ["OPS", "Step", "Plan", "plan_reshard", "simulate", "apply_step", "initial_locals", "assemble"]
 
@@ -131,18 +132,9 @@ class Plan:
 # -- byte model ---------------------------------------------------------------------------------------
 
 
-def _max_block_shape(shape, mesh: ProcessMesh, placements) -> list[int]:
-    out = []
-    for d, n in enumerate(shape):
-        size = int(n)
-        for a in shard_axes(placements, d):
-            size = -(-size // mesh.shape[a])
-        out.append(size)
-    return out
-
-
-def _numel(shape) -> int:
-    return int(np.prod(shape, dtype=np.int64)) if len(shape) else 1
+def _counted(step: Step, itemsize: int) -> Step:
+    """``step`` with its bytes: the most any rank receives in it (:func:`~meshviz.core.traffic.step_most`)."""
+    return replace(step, bytes=step_most(step, itemsize))
 
 
 # -- planning -----------------------------------------------------------------------------------------
@@ -165,20 +157,10 @@ class _Builder:
         if isinstance(new, Shard):  # a new shard is the innermost chunk of its dim
             self.cur = with_nesting(self.cur, new.dim, shard_axes(self.cur, new.dim) + [axis])
         k = self.mesh.shape[axis]
-        blk = _numel(_max_block_shape(self.shape, self.mesh, before))
-        if op == "all_gather":
-            nbytes = (k - 1) * blk
-        elif op == "all_reduce":
-            nbytes = 2 * (k - 1) * -(-blk // k)
-        elif op in ("reduce_scatter", "all_to_all"):
-            nbytes = (k - 1) * -(-blk // k)
-        else:
-            nbytes = 0
-        self.steps.append(
+        self.steps.append(_counted(
             Step(op, self.mesh, axis, before, tuple(self.cur), self.shape,
-                 groups=tuple(self.mesh.axis_groups(axis)) if k > 1 or op != "slice" else (),
-                 bytes=int(nbytes) * self.itemsize, **kw)
-        )
+                 groups=tuple(self.mesh.axis_groups(axis)) if k > 1 or op != "slice" else (), **kw),
+            self.itemsize))
 
 
 def _settle_and_reduce(b: _Builder, i: int, op: str, new, **kw) -> None:
@@ -274,10 +256,9 @@ def plan_reshard(shape: Sequence[int], src_mesh: ProcessMesh, src_placements, ds
         steps = _plan_same_mesh(shape, src_mesh, src, dst, itemsize)
     elif src_mesh.shape == dst_mesh.shape:
         steps = _plan_same_mesh(shape, src_mesh, src, dst, itemsize)
-        blk = _numel(_max_block_shape(shape, src_mesh, dst))
         pairs = tuple(zip(src_mesh.process_ids, dst_mesh.process_ids))
-        steps.append(Step("send_recv", src_mesh, None, dst, dst, shape, groups=pairs,
-                          bytes=blk * itemsize, target_mesh=dst_mesh))
+        steps.append(_counted(Step("send_recv", src_mesh, None, dst, dst, shape, groups=pairs, target_mesh=dst_mesh),
+                              itemsize))
     else:
         rep = tuple(Replicate() for _ in range(src_mesh.ndim))
         steps = _plan_same_mesh(shape, src_mesh, src, rep, itemsize)
@@ -290,9 +271,8 @@ def plan_reshard(shape: Sequence[int], src_mesh: ProcessMesh, src_placements, ds
             s = t if src_mesh.contains(t) else src_ids[j % len(src_ids)]
             moves.append((s, t))
             blocks.append(local_block(shape, dst_mesh, dense_dst, coord))
-        blk = _numel(_max_block_shape(shape, dst_mesh, dense_dst))
-        steps.append(Step("send_recv", src_mesh, None, rep, dense_dst, shape, groups=tuple(moves),
-                          bytes=blk * itemsize, target_mesh=dst_mesh, blocks=tuple(blocks)))
+        steps.append(_counted(Step("send_recv", src_mesh, None, rep, dense_dst, shape, groups=tuple(moves),
+                                   target_mesh=dst_mesh, blocks=tuple(blocks)), itemsize))
         b = _Builder(shape, dst_mesh, dense_dst, itemsize)
         for i, p in enumerate(dst):
             if isinstance(p, Partial):

@@ -3,19 +3,19 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import lru_cache
 
 import numpy as np
 
-from .layout import chunk, local_block
-from .placements import Shard
+from .layout import shard_axes
 
-__all__ = ["RECEIVED", "received", "step_received"]
+__all__ = ["RECEIVED", "received", "step_received", "step_most"]
 
 # op -> what a rank receives (k ranks, ``me`` this rank's index in the group, the root's index for rooted ops):
 # the symmetric collectives by the bandwidth-optimal ring over k chunks of ceil(n / k) elements (the same on every
 # rank: which chunk a rank misses depends on the ring's order, which no rank chooses), the rooted ones directly
 RECEIVED = {
-    "all_reduce": "2 (k-1) chunks: the ring's reduce-scatter, then its all-gather",
+    "all_reduce": "2 (k-1) chunks, at most 2n: the ring's reduce-scatter, then its all-gather",
     "reduce_scatter": "k-1 chunks of the input",
     "all_gather": "the other k-1 ranks' inputs",
     "all_to_all": "k-1 chunks of the input",
@@ -39,6 +39,13 @@ def _chunks(n: int, k: int) -> int:
     return (k - 1) * -(-n // k)
 
 
+def _ring(n, k: int):
+    """Elements a rank receives in one phase of a ring all-reduce over ``k`` ranks: k-1 chunks of ceil(n / k), those
+    past the tensor's end empty, so never more than ``n`` (the k-1 largest chunks of the layout's split)."""
+    got = np.minimum(n, (k - 1) * -(-n // k))
+    return int(got) if np.ndim(got) == 0 else got
+
+
 def received(op: str, sizes: Sizes, k: int, me: int, root: int | None = None) -> int:
     """Bytes this rank (index ``me`` of ``k``) receives in ``op`` over tensors of ``sizes``.
 
@@ -55,7 +62,7 @@ def received(op: str, sizes: Sizes, k: int, me: int, root: int | None = None) ->
     if k <= 1:
         return 0
     if op == "all_reduce":
-        return sum(2 * _chunks(int(n), k) * int(s) for n, s in sizes)
+        return sum(2 * _ring(int(n), k) * int(s) for n, s in sizes)
     if op in ("reduce_scatter", "all_to_all"):
         if len(sizes) == k and len({s for _, s in sizes}) == 1:
             sizes = [(sum(int(n) for n, _ in sizes), sizes[0][1])]
@@ -73,17 +80,91 @@ def _numel(shape) -> int:
     return int(np.prod(shape, dtype=np.int64)) if len(shape) else 1
 
 
-def _block_numel(shape, mesh, placements, coord) -> int:
-    return _numel([b - a for a, b in local_block(shape, mesh, placements, coord)])
+def _chunk_len(length, k: int, i):
+    """Length of chunk ``i`` of ``length`` items split ``k`` ways (:func:`~meshviz.core.layout.chunk`), elementwise."""
+    size = -(-length // k)
+    start = np.minimum(i * size, length)
+    return np.minimum(start + size, length) - start
 
 
-def _even(shape, mesh, placements) -> bool:
-    """Every coordinate's block has the same shape: each sharded dim divides by the product of its mesh axes."""
-    ways: dict[int, int] = {}
-    for axis, p in enumerate(placements):
-        if isinstance(p, Shard):
-            ways[p.dim] = ways.get(p.dim, 1) * mesh.shape[axis]
-    return all(int(shape[d]) % k == 0 for d, k in ways.items())
+def _along(mesh, axis: int) -> np.ndarray:
+    """The coordinate along ``axis``, shaped to broadcast over the mesh."""
+    k = mesh.shape[axis]
+    return np.arange(k, dtype=np.int64).reshape([k if a == axis else 1 for a in range(mesh.ndim)])
+
+
+def _lengths(shape, mesh, placements) -> list:
+    """Per tensor dim, the block's length at every mesh coordinate (arrays that broadcast to the mesh's shape): the
+    nested ceil chunks of :func:`~meshviz.core.layout.local_block`, a whole mesh axis at once."""
+    out = []
+    for d, n in enumerate(shape):
+        length = np.full([1] * mesh.ndim, int(n), dtype=np.int64)
+        for axis in shard_axes(placements, d):
+            length = _chunk_len(length, mesh.shape[axis], _along(mesh, axis))
+        out.append(length)
+    return out
+
+
+def _product(lengths, mesh, skip=None) -> np.ndarray:
+    out = np.ones(mesh.shape, dtype=np.int64)
+    for d, length in enumerate(lengths):
+        if d != skip:
+            out = out * length
+    return out
+
+
+@lru_cache(maxsize=256)
+def _line_table(op: str, mesh, axis: int, shape: tuple, before: tuple, dim, dst_dim) -> np.ndarray:
+    """Elements the rank at each coordinate of ``mesh`` receives in a step along ``axis`` (an array of the mesh's
+    shape): every line of the axis is laid out once for all its ranks."""
+    k = mesh.shape[axis]
+    lengths = _lengths(shape, mesh, before)
+    if k == 1:
+        table = np.zeros(mesh.shape, dtype=np.int64)
+    elif op == "all_gather":  # the other blocks of the line, whole
+        numel = _product(lengths, mesh)
+        table = numel.sum(axis=axis, keepdims=True) - numel
+    elif op == "all_reduce":
+        table = 2 * _ring(_product(lengths, mesh), k)
+    elif op == "reduce_scatter":  # k-1 chunks of the scattered dim, times the rest of the block
+        table = _product(lengths, mesh, dim) * _chunks(lengths[dim], k)
+    elif op == "all_to_all":  # from each partner, the part of its block that this rank's chunk of dst_dim covers
+        # (``axis`` shards ``dim`` alone, so dst_dim's length is the same along the line)
+        part = _product(lengths, mesh, dst_dim)
+        table = (part.sum(axis=axis, keepdims=True) - part) * _chunk_len(lengths[dst_dim], k, _along(mesh, axis))
+    else:  # slice, zero_fill: nothing moves
+        table = np.zeros(mesh.shape, dtype=np.int64)
+    table = np.broadcast_to(table, mesh.shape).copy()
+    table.setflags(write=False)
+    return table
+
+
+_SENT: dict = {}  # id(step) -> (step, {target rank: elements it receives}) for transfers between meshes
+
+
+def _send_recv_table(step) -> dict:
+    hit = _SENT.get(id(step))
+    if hit is not None and hit[0] is step:
+        return hit[1]
+    numel = None
+    if step.blocks is None:
+        numel = _product(_lengths(step.shape, step.target_mesh, step.after), step.target_mesh)
+    got: dict = {}
+    for j, (s, t) in enumerate(step.groups):
+        if s != t:
+            if numel is None:
+                n = _numel([b - a for a, b in step.blocks[j]])
+            else:
+                n = int(numel[step.target_mesh.coordinate(t)])
+            got[t] = got.get(t, 0) + n
+    if len(_SENT) >= 256:
+        _SENT.clear()
+    _SENT[id(step)] = (step, got)
+    return got
+
+
+def _table(step) -> np.ndarray:
+    return _line_table(step.op, step.mesh, step.axis, tuple(step.shape), tuple(step.before), step.dim, step.dst_dim)
 
 
 def step_received(step, rank: int, itemsize: int) -> int:
@@ -91,44 +172,22 @@ def step_received(step, rank: int, itemsize: int) -> int:
 
     The same model as :func:`received`, with the rank's own block; an all-gather, an all-to-all and a transfer
     between meshes move blocks whole, so the rank receives exactly the elements its block gains, which differ
-    between ranks where the blocks split unevenly (``Step.bytes`` is the largest)."""
+    between ranks where the blocks split unevenly (``Step.bytes`` is the largest, :func:`step_most`). Each step's
+    figures are worked out once, for all ranks together."""
     if step.op == "send_recv":
-        got = 0
-        for j, (s, t) in enumerate(step.groups):
-            if t == rank and s != rank:
-                if step.blocks is not None:
-                    got += _numel([b - a for a, b in step.blocks[j]])
-                else:
-                    got += _block_numel(step.shape, step.target_mesh, step.after, step.target_mesh.coordinate(t))
-        return got * itemsize
-    if step.op in ("slice", "zero_fill") or not step.mesh.contains(rank):
+        return _send_recv_table(step).get(rank, 0) * itemsize
+    if step.op in ("slice", "zero_fill"):
         return 0
     coord = step.mesh.coordinate(rank)
-    k = step.mesh.shape[step.axis]
-    if k == 1:
+    if coord is None:
         return 0
-    me = coord[step.axis]
-    line = [tuple(coord[:step.axis]) + (j,) + tuple(coord[step.axis + 1:]) for j in range(k)]
-    shape, mesh, before = step.shape, step.mesh, step.before
-    if step.op == "all_gather":
-        if _even(shape, mesh, before):  # every block the same size: no need to lay out the whole line
-            return (k - 1) * _block_numel(shape, mesh, before, coord) * itemsize
-        return sum(_block_numel(shape, mesh, before, c) for j, c in enumerate(line) if j != me) * itemsize
-    mine = [b - a for a, b in local_block(shape, mesh, before, coord)]
-    n = _numel(mine)
-    if step.op == "all_reduce":
-        return 2 * _chunks(n, k) * itemsize
-    if step.op == "reduce_scatter":
-        length = mine[step.dim]
-        return (n // length * _chunks(length, k) if length else 0) * itemsize
-    if step.op == "all_to_all":
-        got = 0
-        for j, c in enumerate(line):
-            if j == me:
-                continue
-            blk = [b - a for a, b in local_block(shape, mesh, before, c)]
-            length = blk[step.dst_dim]
-            lo, hi = chunk(length, k, me)
-            got += _numel(blk) // length * (hi - lo) if length else 0
-        return got * itemsize
-    return 0
+    return int(_table(step)[coord]) * itemsize
+
+
+def step_most(step, itemsize: int) -> int:
+    """The most bytes any rank receives in ``step``: the largest :func:`step_received` over its ranks."""
+    if step.op == "send_recv":
+        return max(_send_recv_table(step).values(), default=0) * itemsize
+    if step.op in ("slice", "zero_fill"):
+        return 0
+    return int(_table(step).max()) * itemsize

@@ -110,13 +110,15 @@ class Facts:
         for s in plan.steps:
             if s.op == "send_recv":
                 gets = _send_recv_gets(s)
-                self._add(("send_recv", id(s)), lambda r, gets=gets, s=s: (s.group_of(r) is not None, gets.get(r, 0)))
+                part = {x for pair in s.groups for x in pair}  # who takes part, without scanning the pairs per rank
+                self._add(("send_recv", id(s)), lambda r, gets=gets, part=part: (r in part, gets.get(r, 0)))
                 self._layout(s.target_mesh, s.after, s.shape)
                 continue
             self._layout(s.mesh, s.before, s.shape)
             self._layout(s.mesh, s.after, s.shape)
             if not (_even(s.mesh, s.before, s.shape) and _even(s.mesh, s.after, s.shape)):
-                self._add(("step", id(s)), lambda r, s=s: (s.group_of(r) is not None, step_received(s, r, 1)))
+                # step_received lays out each step's lines once (cached), so every rank's check is a lookup
+                self._add(("step", id(s)), lambda r, s=s: (s.mesh.contains(r), step_received(s, r, 1)))
 
     def _line_of(self, group):
         """(mesh, axis, positions of ``group``'s members on this rank's line), or None when no line holds them."""

@@ -10,6 +10,7 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Rectangle
 
 from .sheet import (
+    DPI,
     MIN_FONT,
     Block,
     Panel,
@@ -31,6 +32,9 @@ MAX_CELL_TEXT = 256  # above this many cells, ids are left out (the picture stay
 MAX_SAMPLES = 384  # pixels per side a tensor picture samples at most
 MAX_FACETS = 16
 MAX_W = 8.4  # inches of content (806 px, 826 with the margins): a notebook output area at 1280 px, file browser open
+MIN_CELL = 0.06  # inches (6 px): a row of ranks whose cells would be narrower is wrapped into rows of _WRAP_CELL
+_WRAP_CELL = 0.1
+_ROUND = (1, 2, 4, 5, 8, 10, 16, 20, 25, 32, 50, 64, 100, 128, 200, 256, 500, 512, 1000, 1024)
 _TICKPAD = 3.5 / 72  # tick length + pad, inches
 _LABELPAD = 3 / 72
 
@@ -85,8 +89,9 @@ def _fit_label(candidates, size, room):
     return candidates[-1]
 
 
-def _index_labels(panel, xticks, yticks, xlabel, ylabel, centre=0.0):
-    """Tick labels (indices, at index + ``centre``) and axis labels beside a panel, where an Axes would put them."""
+def _index_labels(panel, xticks, yticks, xlabel, ylabel, centre=0.0, ystep: int = 1):
+    """Tick labels (indices, at index + ``centre``) and axis labels beside a panel, where an Axes would put them;
+    a y tick reads ``index * ystep`` (the first rank of a wrapped row)."""
     below, left = -_TICKPAD * 72, -_TICKPAD * 72
     y1 = panel.ylim[1]
     for i in xticks:
@@ -96,9 +101,9 @@ def _index_labels(panel, xticks, yticks, xlabel, ylabel, centre=0.0):
         panel.text((panel.xlim[0] + panel.xlim[1]) / 2, y1, xlabel, LABEL, dy=down, ha="center", va="top")
     x0 = panel.xlim[0]
     for i in yticks:
-        panel.text(x0, i + centre, str(i), TICK, dx=left, ha="right", va="center")
+        panel.text(x0, i + centre, str(i * ystep), TICK, dx=left, ha="right", va="center")
     if ylabel:
-        widest = max((text_width(str(i), TICK) for i in yticks), default=0.0)
+        widest = max((text_width(str(i * ystep), TICK) for i in yticks), default=0.0)
         dx = left - (widest + _LABELPAD) * 72 if len(yticks) else -_LABELPAD * 72
         panel.text(x0, (panel.ylim[0] + panel.ylim[1]) / 2, ylabel, LABEL, dx=dx, ha="right", va="center",
                    rotation=90)
@@ -107,7 +112,8 @@ def _index_labels(panel, xticks, yticks, xlabel, ylabel, centre=0.0):
 def mesh_block(mesh, cell_rgb=None, *, hatched=(), devices=None, groups_axis=None, title=None, text_extra=None,
                max_w: float = MAX_W, max_facets: int = MAX_FACETS) -> Block:
     """The mesh as a grid of cells (faceted over leading axes beyond two), ids (and ``devices``, ``text_extra``)
-    in the cells when they fit, ``title`` above, wrapped; facets beyond ``max_facets`` summarized on a line below."""
+    in the cells when they fit, ``title`` above, wrapped; facets beyond ``max_facets`` summarized on a line below.
+    A row of ranks too long for cells of ``MIN_CELL`` is wrapped into rows, each labelled with its first index."""
     panels = mesh_panels(mesh, max_facets)
     ids = mesh.ids
     names = mesh.dim_names
@@ -135,18 +141,32 @@ def mesh_block(mesh, cell_rgb=None, *, hatched=(), devices=None, groups_axis=Non
     bottom = _x_margin()
     top = line_height(TITLE) + 0.04 if ids.ndim > 2 else 0.0
     room = max_w - left - 0.06
+    per = 0  # ranks to a row of a wrapped row of ranks; 0: not wrapped
+    if rows == 1 and cols * MIN_CELL > room:
+        left = _y_margin([str(cols - 1)])
+        room = max_w - left - 0.06
+        per = max(k for k in _ROUND if k == 1 or k * _WRAP_CELL <= room)
+        labels = {}  # (cells that would have held them are not MIN_CELL wide)
+    length = cols
+    panel_rgb = [_panel_rgb(cell_rgb, idx, ids.ndim) for _, idx, _ in panels]
+    if per:
+        rows, cols = -(-cols // per), per
+        panels = [(t, idx, _wrap(ids2, per, -1)) for t, idx, ids2 in panels]
+        panel_rgb = [_wrap(rgb, per, 1.0) for rgb in panel_rgb]
     if labels:
         cw = max(text_size(s, fs)[0] for s in labels.values()) + 0.1
         ch = max(text_size(s, fs)[1] for s in labels.values()) + 0.08
         cell = max(cw, ch, 0.3)
         if cols * cell > room:
             labels = {}
-    if not labels:  # a row of ranks may use the width; a grid stays about 3 inches
+    if per:
+        cell = min(0.3 if one_d else 0.2, room / cols)
+    elif not labels:  # a row of ranks may use the width; a grid stays about 3 inches
         cell = min(0.3, room / cols) if one_d else min(0.2, 3.2 / max(rows, cols))
     cell = min(cell, room / cols)
     gw, gh = cols * cell, rows * cell
-    xlabel = f"{names[-1]} ({ids.shape[-1]})"
-    ylabel = "" if one_d else _fit_label([f"{names[-2]} ({ids.shape[-2]})", names[-2]], LABEL, max(gh, 0.9))
+    xlabel = f"{names[-1]} ({ids.shape[-1]})" + (f", {per} a row" if per else "")
+    ylabel = "" if one_d or per else _fit_label([f"{names[-2]} ({ids.shape[-2]})", names[-2]], LABEL, max(gh, 0.9))
     over = max(0.0, (text_width(ylabel, LABEL) - gh) / 2) if ylabel else 0.0
     facet_w = max(left + gw + 0.06, left + text_width(xlabel, LABEL) + 0.06)
     titles = [elide(t, TITLE, facet_w) for t, _, _ in panels]
@@ -165,21 +185,21 @@ def mesh_block(mesh, cell_rgb=None, *, hatched=(), devices=None, groups_axis=Non
     if title:
         parts.append(text_block(title, TITLE, width=width))
     tx = np.asarray(index_ticks(cols, gw, TICK, True))
-    ty = [] if one_d else index_ticks(rows, gh, TICK, False)
+    ty = index_ticks(rows, gh, TICK, False) if per or not one_d else []
     hatched = set(int(r) for r in hatched)
 
     def paint_grid(sheet, x0, y0):
-        for k, (_, idx, ids2) in enumerate(panels):
+        for k, (_, _, ids2) in enumerate(panels):
             fx = x0 + (k % ncols) * (facet_w + gap)
             fy = y0 + (k // ncols) * (facet_h + 0.1)
             panel = Panel(sheet, fx + left, fy + top + over, gw, gh, (-0.5, cols - 0.5), (-0.5, rows - 0.5))
-            panel.image(_panel_rgb(cell_rgb, idx, ids.ndim))
+            panel.image(panel_rgb[k])
             if rows * cols <= 16384:  # cell borders as one collection: cheap for big meshes
                 segs = [((j - 0.5, -0.5), (j - 0.5, rows - 0.5)) for j in range(1, cols)]
                 segs += [((-0.5, i - 0.5), (cols - 0.5, i - 0.5)) for i in range(1, rows)]
                 panel.add(LineCollection(segs, colors="white", linewidths=1.5 if cell >= 0.2 else 0.5))
             panel.frame(edgecolor="black", linewidth=0.8)
-            _index_labels(panel, tx, ty, xlabel, ylabel)
+            _index_labels(panel, tx, ty, xlabel, ylabel, ystep=per or 1)
             if titles[k]:
                 sheet.text(fx + left + gw / 2, fy + top + over - 0.03, titles[k], TITLE, ha="center", va="bottom")
             for (i, j), r in np.ndenumerate(ids2):
@@ -189,8 +209,11 @@ def mesh_block(mesh, cell_rgb=None, *, hatched=(), devices=None, groups_axis=Non
                 if hatched and total <= 4096 and int(r) in hatched:
                     panel.add(Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, hatch="xx", linewidth=0,
                                         edgecolor=(0.2, 0.2, 0.2, 0.5)))
-            if groups_axis is not None:
+            if groups_axis is not None and not per:
                 _draw_groups(panel, ids.ndim, groups_axis, rows, cols)
+            elif groups_axis is not None and groups_axis == ids.ndim - 1:  # one line, through each wrapped row
+                _draw_groups(panel, 1, 0, rows - 1, cols)
+                _draw_groups(panel, 1, 0, 1, length - per * (rows - 1), at=rows - 1)
 
     parts.append(Block(grid_w, grid_h, paint_grid, mid=None))
     notes = []
@@ -198,6 +221,11 @@ def mesh_block(mesh, cell_rgb=None, *, hatched=(), devices=None, groups_axis=Non
         notes.append("groups: the same cell across panels")
     if more > 0:
         notes.append(f"… {more} more panels")
+    if per:
+        along = " × ".join(f"{a} ({n})" for a, n in zip(names[-2:], ids.shape[-2:]))
+        notes.append(f"{along}: wrapped {per} ranks to a row; the left labels are each row's first index")
+    elif cell < MIN_CELL:
+        notes.append(f"squeezed: cells {cell * DPI:.1f} px wide")
     for note in notes:
         parts.append(text_block(note, MIN_FONT, width=max(width, text_width(note, MIN_FONT))))
     out = vstack(parts, gap=0.06)
@@ -206,13 +234,23 @@ def mesh_block(mesh, cell_rgb=None, *, hatched=(), devices=None, groups_axis=Non
     return out
 
 
-def _draw_groups(panel, ndim, axis, rows, cols):
-    """Lines through the cells that talk: one per line of the mesh along ``axis`` (within this panel)."""
+def _wrap(a, per: int, fill):
+    """A one-row panel (1, n, ...) as rows of ``per`` cells, the last row padded with ``fill``."""
+    n = a.shape[1]
+    nrows = -(-n // per)
+    out = np.full((nrows * per,) + a.shape[2:], fill, dtype=a.dtype)
+    out[:n] = a[0]
+    return out.reshape((nrows, per) + a.shape[2:])
+
+
+def _draw_groups(panel, ndim, axis, rows, cols, at: int = 0):
+    """Lines through the cells that talk: one per line of the mesh along ``axis`` (within this panel), in the
+    ``rows`` rows from row ``at``."""
     kw = dict(color="black", alpha=0.55, linewidth=2.5, marker="o", markersize=3, solid_capstyle="round")
     off = 0.3  # beside the ids, not over them
     if ndim == 1 or axis == ndim - 1:
         if cols > 1:
-            for i in range(rows):
+            for i in range(at, at + rows):
                 panel.add(Line2D([0, cols - 1], [i + off, i + off], **kw))
     elif axis == ndim - 2:
         if rows > 1:

@@ -216,7 +216,7 @@ def _expected(case: Case, r: int):
     x, lst = _value(case, r), None
     if op == "all_reduce":
         x = _reduce(case, vals)
-        ev = [("collective", op, ranks, 2 * (k - 1) * -(-n // k) * s)]
+        ev = [("collective", op, ranks, 2 * min(n, (k - 1) * -(-n // k)) * s)]  # a ring never counts more than n
     elif op == "reduce":
         x = _reduce(case, vals) if r == case.root else vals[me]
         ev = [("collective", op, ranks, (k - 1) * n * s if r == case.root else 0)]

@@ -56,7 +56,10 @@ class HybridParallelOptimizer(Zero):
         """Paddle's ``HybridParallelClipGrad`` for a ``ClipGradByGlobalNorm`` grad clip (``opt._grad_clip`` or the
         inner optimizer's): the global norm over every rank's gradients, the model-parallel shards added over the
         mp group, every gradient over the pipeline and sharding groups (each rank clips what it steps)."""
-        from ...nn import ClipGradByGlobalNorm, _is_dist, _is_dtensor
+        from torch.distributed.tensor import DTensor
+
+        from ...nn import ClipGradByGlobalNorm
+        from ...runtime.dtensor import DistTensor
 
         clip = self.__dict__.get("_grad_clip") or getattr(self._inner_opt, "_grad_clip", None)
         if clip is None:
@@ -65,7 +68,7 @@ class HybridParallelOptimizer(Zero):
         params = [p for p in params if p.grad is not None and getattr(p, "need_clip", True)]
         hcg = self._hcg
         if (not isinstance(clip, ClipGradByGlobalNorm) or hcg is None
-                or any(_is_dist(p.grad) or _is_dtensor(p.grad) for p in params)):
+                or any(isinstance(p.grad, (DistTensor, DTensor)) for p in params)):
             return clip(params)
         # ``is True``: a torch tensor's own ``is_distributed`` is a method
         split = [p.grad for p in params if getattr(p, "is_distributed", False) is True]
