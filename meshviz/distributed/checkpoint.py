@@ -12,6 +12,7 @@ import torch.distributed.checkpoint as dcp
 
 from .. import compat, trace
 from ..core.partial import partial_fill, summed
+from ..runtime.zero import is_fresh_state
 
 __all__ = ["save_state_dict", "load_state_dict"]
 
@@ -213,24 +214,42 @@ def _checksum(t: torch.Tensor):
     return total
 
 
+def _leaves(obj, key: str = ""):
+    """(key, value) of every leaf of ``obj``, keyed as DCP names them (dotted, list positions as numbers; a list
+    without tensors is one value)."""
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _leaves(v, f"{key}.{k}" if key else str(k))
+    elif isinstance(obj, (list, tuple)) and _holds_tensor(obj):
+        for k, v in enumerate(obj):
+            yield from _leaves(v, f"{key}.{k}")
+    else:
+        yield key, obj
+
+
+def _missing_fresh_states(state_dict, where: str) -> list:
+    """The keys the checkpoint at ``where`` lacks, when each holds an optimizer state that ``state_dict()`` made
+    before training and nothing was loaded into (a parameter without a gradient when the checkpoint was saved has
+    no state there); [] otherwise, and then a missing key raises as DCP's."""
+    try:
+        saved = dcp.FileSystemReader(where).read_metadata().state_dict_metadata
+    except Exception:
+        return []
+    missing = [(k, v) for k, v in _leaves(state_dict) if torch.is_tensor(v) and k not in saved]
+    if missing and all(is_fresh_state(v) for _, v in missing):
+        return [k for k, _ in missing]
+    return []
+
+
 def _prints(state_dict) -> dict:
     """Key (dotted, as DCP names it) -> (shape, dtype, checksum) of each plain (not dist) tensor in ``state_dict``."""
     found: dict = {}
-
-    def visit(obj, key):
-        if isinstance(obj, dict):
-            for k, v in obj.items():
-                visit(v, f"{key}.{k}" if key else str(k))
-        elif isinstance(obj, list) or isinstance(obj, tuple) and _holds_tensor(obj):
-            for k, v in enumerate(obj):
-                visit(v, f"{key}.{k}")
-        elif isinstance(obj, torch.Tensor) and _dtensor_of(obj) is None:
+    for key, obj in _leaves(state_dict):
+        if isinstance(obj, torch.Tensor) and _dtensor_of(obj) is None:
             try:
                 found[key] = [tuple(obj.shape), str(obj.dtype), _checksum(obj)]
             except Exception:  # a tensor whose bytes cannot be read (a fake one): its shape is still compared
                 found[key] = [tuple(obj.shape), str(obj.dtype), None]
-
-    visit(state_dict, "")
     pending = [v for v in found.values() if isinstance(v[2], torch.Tensor)]
     if pending:
         for v, s in zip(pending, torch.stack([v[2].to(pending[0][2].device) for v in pending]).tolist()):
@@ -359,9 +378,16 @@ def load_state_dict(state_dict: dict, path: str, process_group=None, coordinator
         raise TypeError(f"load_state_dict: state_dict must be a dict, got {type(state_dict).__name__}")
     where = _version("load_state_dict", path, unique_id, process_group, saving=False,
                      problem=_load_problem(aoa_config, safetensors, worker_groups, comm_method))
+    fresh = _missing_fresh_states(state_dict, where)
+    if fresh:
+        warnings.warn(f"load_state_dict: the checkpoint has no {', '.join(fresh[:4])}"
+                      f"{f' and {len(fresh) - 4} more' if len(fresh) > 4 else ''}: optimizer states made before "
+                      f"training for parameters that had no gradient when it was saved; they are left as made "
+                      f"(as before any step)", stacklevel=2)
     sd = _walk(state_dict, _load_target)
     with trace.span("mark", op="load_state_dict", name=str(path), bytes=_nbytes(sd)):
         _dcp("load_state_dict", path, dcp.load, sd, checkpoint_id=where, process_group=_group(process_group),
-             no_dist=not tdist.is_initialized())
+             no_dist=not tdist.is_initialized(),
+             planner=dcp.DefaultLoadPlanner(allow_partial_load=True) if fresh else None)
     _write_back(state_dict, sd)
     _walk(state_dict, _fill_partial)

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
-__all__ = ["Zero", "check_elementwise", "clear_grads", "create_states", "settle_states", "STEP_OBSERVERS"]
+__all__ = ["Zero", "check_elementwise", "clear_grads", "create_states", "is_fresh_state", "settle_states",
+           "STEP_OBSERVERS"]
 
 # called with the optimizer as each sharded step begins (what_if's ledger counts the full gradients there)
 STEP_OBSERVERS: list = []
@@ -92,8 +95,23 @@ def _fingerprint(state) -> list:
             for p, st in state.items() for k, v in st.items()]
 
 
+_FRESH: dict = {}  # id(state tensor) -> (a weak reference to it, its version when create_states made it)
+
+
+def is_fresh_state(t) -> bool:
+    """Whether ``t`` is a state :func:`create_states` made that nothing was written into since."""
+    hit = _FRESH.get(id(t))
+    return hit is not None and hit[0]() is t and _version(t) == hit[1]
+
+
 def _forget_unless_loaded(optimizer) -> None:
     inner = _torch_optimizer(optimizer)
+    for key in [k for k, (ref, _) in _FRESH.items() if ref() is None]:
+        del _FRESH[key]
+    for st in inner.state.values():
+        for v in st.values():
+            if torch.is_tensor(v):
+                _FRESH[id(v)] = (weakref.ref(v), _version(v))
     if isinstance(inner, torch.optim.Optimizer):
         inner._meshviz_made = (inner.state, _fingerprint(inner.state),
                                inner.register_step_pre_hook(lambda opt, args, kwargs: settle_states(opt)))
