@@ -559,3 +559,52 @@ def test_sequence_parallel_after_a_gathered_column_split_gives_the_dense_gradien
     for grads in run_ranks(_col_then_sequence_parallel, 2, timeout=60):
         for k, p in ref.named_parameters():
             torch.testing.assert_close(grads[k], p.grad, atol=1e-5, rtol=1e-5, msg=k)
+
+
+class _Residual(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return x + self.lin(x)
+
+
+class _EmbedNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(16, 8)
+        self.layers = torch.nn.ModuleList([_Residual(), _Residual()])
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+_IDS = torch.randint(0, 16, (4, 4), generator=torch.Generator().manual_seed(1))
+
+
+def embedding_first_stage_at_level_3():
+    import meshviz.distributed as dist
+
+    dist.init_parallel_env()
+    mesh = dist.ProcessMesh([[0, 1], [2, 3]], dim_names=["dp", "pp"])  # stage 0: ranks 0, 2; stage 1: ranks 1, 3
+    model = _EmbedNet()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    model, opt = dist.parallelize(model, opt, mesh=mesh, config={"pp_config": {"split_spec": "layers"},
+                                                               "dp_config": {"sharding_level": 3}})
+    out = model(dist.shard_tensor(_IDS, mesh.get_mesh_with_dim("pp", 0), [dist.Shard(0)]))
+    full = dist.unshard_dtensor(out)
+    return full.detach() if full.numel() else None
+
+
+def test_a_stage_that_begins_with_an_embedding_at_sharding_level_3_equals_dense():
+    """The ranks of the other stage lay the embedding's output out as its stage's ranks do (they chose another
+    layout, and the stage transfer moved the wrong blocks: outputs off by up to 8)."""
+    want = _EmbedNet()(_IDS).detach()
+    got = run_ranks(embedding_first_stage_at_level_3, 4)
+    for r in (1, 3):
+        torch.testing.assert_close(got[r], want)
