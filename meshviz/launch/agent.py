@@ -44,9 +44,17 @@ class TorchrunJob:
         """The workers that failed on their own (not ended by the agent), else every worker that failed; in the
         order they failed, by the time of each one's report (a worker whose peer failed first raises too, a moment
         later; one that crashed without a report, by its log's last write, else first)."""
-        own = [r for r, f in self.failures.items() if f.exitcode not in STOPPED]
+        own = self._own()
         when = {r: _reported_at(self.failures[r], self.log_dir) for r in own}
         return sorted(own, key=lambda r: (when[r], r)) if own else sorted(self.failures)
+
+    def _own(self) -> list[int]:
+        """The workers that failed on their own: not ended by the agent's SIGTERM; a SIGKILL beside workers the agent
+        ended with SIGTERM came from elsewhere (the OOM killer, ``kill -9``)."""
+        own = [r for r, f in self.failures.items() if f.exitcode not in STOPPED]
+        if not own and any(f.exitcode == -15 for f in self.failures.values()):
+            own = [r for r, f in self.failures.items() if f.exitcode == -9]
+        return own
 
     def outcomes(self) -> list[RankOutcome]:
         if not self.done():
@@ -54,12 +62,12 @@ class TorchrunJob:
         if self.interrupted is not None:
             why = f"interrupted: the agent got {self.interrupted} and stopped every worker"
             return [RankOutcome(r, status="stopped", error=why) for r in self.ranks]
-        out = []
+        out, own = [], set(self._own())
         for r in sorted(set(self.ranks) | set(self.failures)):
             f = self.failures.get(r)
             if f is None:
                 out.append(RankOutcome(r))
-            elif f.exitcode in STOPPED:
+            elif f.exitcode in STOPPED and r not in own:
                 out.append(RankOutcome(r, status="stopped", error="ended by the agent when another worker failed"))
             else:
                 out.append(RankOutcome(r, status="died", error=exit_text(f.exitcode)))

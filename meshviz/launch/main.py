@@ -27,7 +27,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "NCCL when there are enough GPUs, else on the CPU with gloo)")
     p.add_argument("--ips", default=None, help="comma-separated node ips (legacy); node 0's is the master")
     p.add_argument("--log_dir", default="log", help="where workerlog.N (local rank N) goes (default: log)")
-    p.add_argument("--max_restart", type=int, default=3, help="restarts of the local workers on failure")
+    p.add_argument("--max_restart", type=int, default=0, help="restarts of the local workers on failure (default "
+                   "0: Paddle restarts only in its elastic mode, which meshviz does not have)")
     p.add_argument("--job_id", default="default", help="run id shared by the nodes of one job")
     p.add_argument("--run_mode", default="collective", help="only 'collective' is supported")
     p.add_argument("--start_port", type=int, default=6070, help="master port with --ips and no --master")

@@ -56,6 +56,9 @@ SCRIPT = textwrap.dedent("""
     r = dist.get_rank()
     if "--fail" in sys.argv and r == 1:
         raise RuntimeError("rank 1 fails on purpose")
+    if "--kill" in sys.argv and r == 1:  # as the OOM killer ends a process
+        import signal
+        os.kill(os.getpid(), signal.SIGKILL)
     t = torch.ones(1) * (r + 1)
     dist.all_reduce(t)
     print(f"rank={r} world={dist.get_world_size()} local={os.environ['LOCAL_RANK']} "
@@ -92,12 +95,19 @@ def test_failing_worker_and_bad_flags(tmp_path):
     assert rc == 2 and "more processes than the 2 devices" in err
     rc, out, err = _launch(["--nnodes", "2", "s.py"], cwd=str(tmp_path))
     assert rc == 2 and "--rank" in err
+    # no restart by default (as Paddle outside its elastic mode): the first attempt's error is what is shown
     rc, out, err = _launch(["--nproc_per_node", "2", "--devices", "cpu", "--log_dir", str(tmp_path / "log"),
-                            "--max_restart", "0", "s.py", "--fail"], cwd=str(tmp_path))
+                            "s.py", "--fail"], cwd=str(tmp_path))
     assert rc == 1
     # rank 0 may fail too (its all_reduce loses rank 1) before the agent stops it: rank 1 is named first either way
     assert "the worker with global rank 1 failed" in err and "rank 1 fails on purpose" in err
     assert "rank 1 fails on purpose" in (tmp_path / "log" / "workerlog.1").read_text()
+    assert "TORCHELASTIC_RESTART_COUNT" not in err and "Connection refused" not in err
+    # a worker killed from outside is named, not the one the agent then ended
+    rc, out, err = _launch(["--nproc_per_node", "2", "--devices", "cpu", "--log_dir", str(tmp_path / "logk"),
+                            "s.py", "--kill"], cwd=str(tmp_path))
+    assert rc == 1
+    assert "the worker with global rank 1 failed" in err and "rank 1, exit code -9" in err, err[-2000:]
 
 
 LISTENING = textwrap.dedent("""
