@@ -48,9 +48,9 @@ def _price_off_mesh() -> None:
     propagation there picks the first strategy, where the members pick the cheapest (``Shard(0) * Replicate``
     comes out Replicate off the mesh and Shard(0) on it, torch 2.12 and later). A rank's dist tensors off a mesh
     must lie as the members' do (a pipeline stage's transfer sizes its buffers from them): off the mesh a
-    redistribution is priced as the member at the mesh's first coordinate prices it (its coordinate stood in for
-    the call; a rank's meshes are its own), so the same strategy wins (an embedding's, a linear's on a batch-split
-    input on a 3-D mesh, where a count of changed placements chose another)."""
+    redistribution that changes a placement costs one per mesh dim it changes, so a strategy that moves nothing
+    wins there as it does on the members. Nothing coordinate-dependent runs, so no cache of torch's keeps an
+    off-mesh rank's view."""
     from torch.distributed.tensor import _collective_utils, _utils
     from torch.distributed.tensor._ops import utils as _ops_utils
 
@@ -62,18 +62,9 @@ def _price_off_mesh() -> None:
         c = cost(current_spec, target_spec)
         if c != 0.0 or current_spec.is_replicated():
             return c
-        mesh = current_spec.mesh
-        part = getattr(mesh, "_is_current_rank_part_of_mesh", None)
+        part = getattr(current_spec.mesh, "_is_current_rank_part_of_mesh", None)
         if part is None or part():
             return c
-        if "_coordinate_on_dim" in vars(mesh):  # priced as the member at the mesh's first coordinate prices it
-            mesh._coordinate_on_dim = (0,) * mesh.ndim
-            try:
-                return cost(current_spec, target_spec)
-            except Exception:
-                pass
-            finally:
-                mesh._coordinate_on_dim = None
         return float(sum(a != b for a, b in zip(current_spec.placements, target_spec.placements)))
 
     priced._meshviz = True  # type: ignore[attr-defined]
