@@ -109,12 +109,17 @@ def recompute_tracker_dropout():
     return y.detach(), x.grad
 
 
+def _forward_mask_replayed(y, gx) -> None:
+    """``y`` = dropout(x * 1) of x = 1..16 at p 0.5, ``gx`` its gradient: both from the forward's one mask."""
+    kept = (y != 0).float()
+    assert 0 < kept.sum() < 16
+    torch.testing.assert_close(gx, kept * 2.0)  # d(dropout(x * 1))/dx = mask / (1 - 0.5), the forward's mask
+    torch.testing.assert_close(y, torch.arange(1.0, 17.0) * kept * 2.0)
+
+
 def test_recompute_replays_the_rng_trackers_dropout_mask():
     for y, gx in run_ranks(recompute_tracker_dropout, 2, timeout=120):
-        kept = (y != 0).float()
-        assert 0 < kept.sum() < 16
-        torch.testing.assert_close(gx, kept * 2.0)  # d(dropout(x * 1))/dx = mask / (1 - 0.5), the forward's mask
-        torch.testing.assert_close(y, torch.arange(1.0, 17.0) * kept * 2.0)
+        _forward_mask_replayed(y, gx)
 
 
 def pipeline_chunk_tracker_dropout():
@@ -143,9 +148,7 @@ def pipeline_chunk_tracker_dropout():
 
 def test_pipeline_recompute_interval_replays_the_rng_trackers_dropout_mask():
     for y, gx in run_ranks(pipeline_chunk_tracker_dropout, 2, timeout=120):
-        kept = (y != 0).float()
-        assert 0 < kept.sum() < 16
-        torch.testing.assert_close(gx, kept * 2.0)
+        _forward_mask_replayed(y, gx)
 
 
 class TwoInputs(nn.Module):

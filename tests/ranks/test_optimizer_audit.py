@@ -64,6 +64,17 @@ def _sgd(params):
     return torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=0.1)
 
 
+def _train_c_only_first(a, c, x, opt, clear):
+    """Three steps in which ``c`` takes part in the first only (dense or dist tensors alike)."""
+    for s in range(3):
+        h = x @ a
+        if s == 0:
+            h = h[:, :3] @ c
+        h.pow(2).mean().backward()
+        opt.step()
+        clear()
+
+
 def _unused_after_first_step(stage):
     import meshviz.distributed as dist
 
@@ -73,27 +84,15 @@ def _unused_after_first_step(stage):
     c = dist.shard_tensor(nn.Parameter(_w(3, 3, seed=4)), mesh, [dist.Replicate()])
     opt = dist.shard_optimizer(_sgd([a, c]), _stage(dist, stage, mesh))
     x = dist.shard_tensor(_w(8, 4, seed=1), mesh, [dist.Shard(0)])
-    for s in range(3):
-        h = x @ a
-        if s == 0:
-            h = h[:, :3] @ c
-        h.pow(2).mean().backward()
-        opt.step()
-        opt.clear_grad()
+    _train_c_only_first(a, c, x, opt, opt.clear_grad)
     return dist.unshard_dtensor(a).detach(), dist.unshard_dtensor(c).detach()
 
 
 @pytest.mark.parametrize("stage", STAGES)
 def test_clear_grad_keeps_zeroed_gradients_stepped_at_every_stage(stage):
     a, c = nn.Parameter(_w(4, 6)), nn.Parameter(_w(3, 3, seed=4))
-    opt, x = _sgd([a, c]), _w(8, 4, seed=1)
-    for s in range(3):
-        h = x @ a
-        if s == 0:
-            h = h[:, :3] @ c
-        h.pow(2).mean().backward()
-        opt.step()
-        opt.zero_grad(set_to_none=False)
+    opt = _sgd([a, c])
+    _train_c_only_first(a, c, _w(8, 4, seed=1), opt, lambda: opt.zero_grad(set_to_none=False))
     for got_a, got_c in run_ranks(_unused_after_first_step, 2, stage):
         torch.testing.assert_close(got_a, a.detach())
         torch.testing.assert_close(got_c, c.detach())  # momentum and weight decay move it after step 0
