@@ -43,14 +43,34 @@ class DTensorDecision:
         self.wanted, self.op, self.local_args, self.outputs, self.single = wanted, op, local_args, outputs, single
 
 
+def _stand_in(mesh):
+    """A mesh like ``mesh`` seen from its member at the first coordinate, under other axis names so that no cache
+    of torch's (keyed by mesh) mixes its entries with the real mesh's; None where torch cannot build one."""
+    got = mesh.__dict__.get("_meshviz_stand_in", False)
+    if got is not False:
+        return got
+    from torch.distributed.device_mesh import DeviceMesh
+
+    names = tuple(f"_meshviz_{n if n is not None else i}" for i, n in enumerate(mesh.mesh_dim_names or
+                                                                             (None,) * mesh.ndim))
+    try:
+        got = DeviceMesh(mesh.device_type, mesh.mesh, mesh_dim_names=names, _init_backend=False,
+                         _rank=int(mesh.mesh.flatten()[0]))
+    except Exception:
+        got = None
+    mesh.__dict__["_meshviz_stand_in"] = got
+    return got
+
+
 def _price_off_mesh() -> None:
     """torch prices every redistribution at 0 on a rank outside the mesh (it takes no part), so its sharding
     propagation there picks the first strategy, where the members pick the cheapest (``Shard(0) * Replicate``
-    comes out Replicate off the mesh and Shard(0) on it, torch 2.12 and later). A rank's dist tensors off a mesh
-    must lie as the members' do (a pipeline stage's transfer sizes its buffers from them): off the mesh a
-    redistribution that changes a placement costs one per mesh dim it changes, so a strategy that moves nothing
-    wins there as it does on the members. Nothing coordinate-dependent runs, so no cache of torch's keeps an
-    off-mesh rank's view."""
+    comes out Replicate off the mesh and Shard(0) on it; an embedding P(sum) off it and S(0) on it). A rank's dist
+    tensors off a mesh must lie as the members' do (a pipeline stage's transfer sizes its buffers from them): off
+    the mesh a redistribution is priced as the member at the mesh's first coordinate prices it, on a stand-in mesh
+    (:func:`_stand_in`), so the same strategy wins; the real mesh and torch's caches of it are left untouched."""
+    import dataclasses
+
     from torch.distributed.tensor import _collective_utils, _utils
     from torch.distributed.tensor._ops import utils as _ops_utils
 
@@ -60,11 +80,17 @@ def _price_off_mesh() -> None:
 
     def priced(current_spec, target_spec) -> float:
         c = cost(current_spec, target_spec)
-        if c != 0.0 or current_spec.is_replicated():
+        if c != 0.0 or current_spec.is_replicated() or current_spec.mesh != target_spec.mesh:
             return c
         part = getattr(current_spec.mesh, "_is_current_rank_part_of_mesh", None)
         if part is None or part():
             return c
+        mesh = _stand_in(current_spec.mesh)
+        if mesh is not None:
+            try:
+                return cost(dataclasses.replace(current_spec, mesh=mesh), dataclasses.replace(target_spec, mesh=mesh))
+            except Exception:
+                pass
         return float(sum(a != b for a, b in zip(current_spec.placements, target_spec.placements)))
 
     priced._meshviz = True  # type: ignore[attr-defined]

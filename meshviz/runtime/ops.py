@@ -229,14 +229,14 @@ def _run_local(d: Decision, func, args, kwargs, dists, moved: bool = False, firs
 
 def _empty_outputs(d: Decision, args, kwargs, mesh, ref):
     """A rank outside the mesh holds an empty block of each output (on the device the op names, as ``to_empty``'s
-    ``empty_like(p, device=...)`` does)."""
+    ``empty_like(p, device=...)`` does), laid out as the members' (the next op decides from it)."""
     device = kwargs.get("device") or ref.device
 
     def empty(spec):
         if spec is None:
             return None
         return new_dist(compat.empty_block(spec[3], device), mesh, spec[0], spec[1],
-                        contiguous_stride(spec[1]))
+                        contiguous_stride(spec[1]), tpl=spec[4])
 
     if d.inplace:
         return args[0]

@@ -369,3 +369,54 @@ def test_batch_norm_updates_running_statistics_held_in_another_layout():
             assert got[-1] == ["R"], pl  # the caller's layout is kept
             for g, w in zip(got, want):
                 torch.testing.assert_close(g, w, msg=pl)
+
+
+def embedding_on_a_sub_mesh():
+    import meshviz.distributed as dist
+
+    dist.init_parallel_env()
+    mesh = dist.ProcessMesh([0, 2], dim_names=["dp"])  # ranks 1 and 3 are outside it, as another pipeline stage's
+    g = torch.Generator().manual_seed(0)
+    w = dist.shard_tensor(torch.randn(16, 8, generator=g), mesh, [dist.Shard(0)])
+    ids = dist.shard_tensor(torch.arange(16).reshape(4, 4), mesh, [dist.Shard(0)])
+    out = F.embedding(ids, w)
+    full = dist.unshard_dtensor(out)
+    return repr(out.placements), tuple(out.shape), full if mesh.contains(dist.get_rank()) else None
+
+
+def test_ranks_outside_the_mesh_lay_an_op_out_as_its_members_do():
+    """A rank outside an op's mesh keeps only the layout, and it must be the members' (a stage transfer sizes its
+    buffers from it): torch prices every move at 0 there, so it chose another strategy for an embedding."""
+    w = torch.randn(16, 8, generator=torch.Generator().manual_seed(0))
+    want = F.embedding(torch.arange(16).reshape(4, 4), w)
+    got = run_ranks(embedding_on_a_sub_mesh, 4)
+    assert {placements for placements, _, _ in got} == {"[S(0)]"}
+    assert all(shape == (4, 4, 8) for _, shape, _ in got)
+    for r in (0, 2):
+        torch.testing.assert_close(got[r][2], want)
+
+
+def linear_on_a_sub_mesh():
+    import meshviz.distributed as dist
+
+    dist.init_parallel_env()
+    mesh = dist.ProcessMesh([[0, 1], [4, 5]], dim_names=["dp", "mp"])  # the other four ranks: another stage's
+    g = torch.Generator().manual_seed(0)
+    x = dist.shard_tensor(torch.randn(4, 4, 8, generator=g), mesh, [dist.Shard(1), dist.Replicate()])
+    w = dist.shard_tensor(torch.randn(16, 8, generator=g), mesh, [dist.Replicate(), dist.Shard(0)])
+    out = F.linear(x, w)
+    full = dist.unshard_dtensor(out)
+    return repr(out.placements), tuple(out._local_value().shape), full if mesh.contains(dist.get_rank()) else None
+
+
+def test_ranks_outside_the_mesh_lay_a_linear_on_a_split_sequence_out_as_its_members_do():
+    """``[s, b, h]`` split along b: the members keep torch's strided layout through the 2-D view (2.12 and later),
+    and the ranks outside must reach the same ``[S(1), S(2)]`` (they had ``[R, S(2)]``: a stage transfer failed)."""
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(4, 4, 8, generator=g), torch.randn(16, 8, generator=g)
+    got = run_ranks(linear_on_a_sub_mesh, 8)
+    keeps = compat.linear_keeps_split_batch_dims()  # torch 2.11 gathers the batch first, on every rank
+    assert {placements for placements, _, _ in got} == {"[S(1), S(2)]" if keeps else "[R, S(2)]"}, got
+    for r in (0, 1, 4, 5):
+        assert got[r][1] == ((4, 2, 8) if keeps else (4, 4, 8))
+        torch.testing.assert_close(got[r][2], F.linear(x, w))
