@@ -144,12 +144,15 @@ def _train(case):
         res["pl"][name] = repr(p.placements)
         res["ids"][name] = p.process_mesh.process_ids
     # the batch goes to the first stage's mesh, split along dp (Paddle's test: shard_dataloader on get_mesh(0))
-    first = mesh.get_mesh_with_dim("pp", 0) if "pp" in case["axes"] else mesh
+    # and the labels to the last stage's
+    pp = case["axes"].index("pp") if "pp" in case["axes"] else None
+    first, last = (mesh, mesh) if pp is None else (mesh.get_mesh_with_dim("pp", 0),
+                                                   mesh.get_mesh_with_dim("pp", mesh.shape[pp] - 1))
     for step, (ids, labels) in enumerate(llama_batches(STEPS)):
         if "dp" in first.dim_names:
             pl = [dist.Replicate()] * first.ndim
             pl[first.dim_names.index("dp")] = dist.Shard(0)
-            ids, labels = dist.shard_tensor(ids, first, pl), dist.shard_tensor(labels, first, pl)
+            ids, labels = dist.shard_tensor(ids, first, pl), dist.shard_tensor(labels, last, pl)
         sink = trace.MemorySink()
         if step == 0:
             trace.add_sink(sink)
@@ -436,7 +439,7 @@ def test_bad_configs_raise_before_anything_is_placed(monkeypatch):
         (ValueError, "should be an instance of PlanBase", mesh, {"mp_config": {"parallelize_plan": {"lm_head": 1}}}),
         (ValueError, "not a valid regular expression", mesh, {"mp_config": {"parallelize_plan": {"lm_head(": col}}}),
         (ValueError, "No layer matches the split_spec", pp2, {"pp_config": {"split_spec": "llama.layer"}}),
-        (ValueError, "must be divisible by the pp size, but got 2 layers", pp3,
+        (ValueError, "must not be less than the pp size, but got 2 layers", pp3,
          {"pp_config": {"split_spec": "llama.layers"}}),
         (NotImplementedError, "SplitPoint.BEGINNING is not supported", pp2,
          {"pp_config": {"split_spec": {"llama.layers.0": dist.SplitPoint.BEGINNING}}}),
@@ -559,3 +562,75 @@ def test_sequence_parallel_after_a_gathered_column_split_gives_the_dense_gradien
     for grads in run_ranks(_col_then_sequence_parallel, 2, timeout=60):
         for k, p in ref.named_parameters():
             torch.testing.assert_close(grads[k], p.grad, atol=1e-5, rtol=1e-5, msg=k)
+
+
+class _Residual(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return x + self.lin(x)
+
+
+class _EmbedNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(16, 8)
+        self.layers = torch.nn.ModuleList([_Residual(), _Residual()])
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+_IDS = torch.randint(0, 16, (4, 4), generator=torch.Generator().manual_seed(1))
+
+
+def embedding_first_stage_at_level_3():
+    import meshviz.distributed as dist
+
+    dist.init_parallel_env()
+    mesh = dist.ProcessMesh([[0, 1], [2, 3]], dim_names=["dp", "pp"])  # stage 0: ranks 0, 2; stage 1: ranks 1, 3
+    model = _EmbedNet()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    model, opt = dist.parallelize(model, opt, mesh=mesh, config={"pp_config": {"split_spec": "layers"},
+                                                               "dp_config": {"sharding_level": 3}})
+    out = model(dist.shard_tensor(_IDS, mesh.get_mesh_with_dim("pp", 0), [dist.Shard(0)]))
+    full = dist.unshard_dtensor(out)
+    return full.detach() if full.numel() else None
+
+
+def test_a_stage_that_begins_with_an_embedding_at_sharding_level_3_equals_dense():
+    """The ranks of the other stage lay the embedding's output out as its stage's ranks do (they chose another
+    layout, and the stage transfer moved the wrong blocks: outputs off by up to 8)."""
+    want = _EmbedNet()(_IDS).detach()
+    got = run_ranks(embedding_first_stage_at_level_3, 4)
+    for r in (1, 3):
+        torch.testing.assert_close(got[r], want)
+
+
+CASES_8 = [{"mesh": np.arange(8).reshape(2, 2, 2).tolist(), "axes": ["dp", "pp", "mp"], "mp": True, "pp": True,
+            "layers": 2, **extra} for extra in ({"sp": True, "level": 1}, {"level": 3})]
+
+
+@pytest.mark.timeout(600)
+def test_dp_pp_mp_with_sequence_parallel_and_at_level_3_match_one_process():
+    """dp 2 x pp 2 x mp 2: the ranks of the other stage lay out the linears of a sequence-split ``[s, b, h]`` as
+    the stage's own ranks do (a stage transfer failed: "the sender's [2, 2, 8] does not fit this rank's [2, 4, 8]")."""
+    res = run_ranks(run_cases, 8, CASES_8, timeout=580, collective_timeout=60)
+    ref_losses, ref_grads = _reference(num_layers=2)
+    for i, case in enumerate(CASES_8):
+        per_rank = [r[i] for r in res]
+        assert [r for r in range(8) if per_rank[r]["losses"][0] is not None] == [2, 3, 6, 7], case
+        for r, out in enumerate(per_rank):
+            if out["losses"][0] is not None:
+                np.testing.assert_allclose(out["losses"], ref_losses, rtol=1e-5, err_msg=f"{case} rank {r}")
+            for step in range(STEPS):
+                for name, g in out["grads"][step].items():
+                    if g.numel():
+                        torch.testing.assert_close(g, ref_grads[step][name], rtol=1e-4, atol=1e-5,
+                                                   msg=lambda m: f"{case} rank {r} step {step} {name}: {m}")

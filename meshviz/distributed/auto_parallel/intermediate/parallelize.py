@@ -43,7 +43,10 @@ def _check_config(config, who: str) -> dict:
     if not isinstance(config, dict):
         raise ValueError(f"{who}: config should be a dict with dp_config / mp_config / pp_config, got "
                          f"{type(config).__name__}")
-    unknown = set(config) - set(_CONFIG_KEYS)
+    if config.get("cp_config") is not None:
+        raise NotImplementedError(f"{who}: cp_config (context parallel: ContextParallel / PrepareContextParallel "
+                                  f"along a 'sep' mesh axis) is not supported")
+    unknown = set(config) - set(_CONFIG_KEYS) - {"cp_config"}
     if unknown:
         raise ValueError(f"{who}: unknown config keys {sorted(unknown)}; the keys are {list(_CONFIG_KEYS)}")
     return config
@@ -64,7 +67,12 @@ class _Prepared:
         if not isinstance(model, torch.nn.Module):
             raise ValueError(f"parallelize expects a torch.nn.Module, got {type(model).__name__}")
         if getattr(model, "_mv_parallelized", False):
-            raise ValueError("this model has been parallelized already")
+            again = [k for k in ("pp_config", "mp_config") if config.get(k) is not None]
+            if again:
+                raise ValueError(f"this model has been parallelized already: a second {' and '.join(again)} would "
+                                 f"add its hooks to those of the first call (Paddle then runs both). Pass the whole "
+                                 f"config in one call; a second call may carry dp_config only, to shard a new "
+                                 f"optimizer of the parallelized model")
         self.model, self.mesh = model, mesh
         pp_config, mp_config, dp_config = (config.get(k) for k in ("pp_config", "mp_config", "dp_config"))
         self.spec = self.global_spec = self.pipeline_layers = None
@@ -142,6 +150,7 @@ class _Prepared:
                         layer_param_placements.setdefault(layer, {}).update(deferred)
         shard_all_params(model, mesh, layer_param_placements)
         model._mv_parallelized = True
+        model._mv_pipelined = getattr(model, "_mv_pipelined", False) or self.spec is not None
         return model
 
 
@@ -155,7 +164,7 @@ def _parallelize(model, optimizer, config, who):
         raise ValueError(f"{who}: the optimizer already holds state (it has stepped); create it from the model's "
                          f"parameters and pass it before training")
     model = prepared.apply()
-    _state().parallelized = (model, prepared.spec is None)
+    _state().parallelized = (model, not model._mv_pipelined)
     if optimizer is not None:
         remap_optimizer(optimizer, {k: getattr(*hold[0]) for k, hold in holders.items()})
         level, dim = prepared.dp if prepared.dp is not None else (None, "dp")
@@ -193,13 +202,17 @@ def parallelize(model, optimizer=None, mesh=None, config=None):
 
     ``config`` has up to three keys:
 
-    * ``pp_config = {'split_spec': 'llama.layers' | {'llama.layers.1': SplitPoint.END}, 'global_spec': ...}``:
-      pipeline stages on the sub-meshes along ``pp``;
+    * ``pp_config = {'split_spec': ..., 'global_spec': 'llama.rotary' | [names]}``: pipeline stages on the
+      sub-meshes along ``pp``. ``split_spec`` is a prefix (``'llama.layers'``: ``llama.layers.0``, ...) or a list
+      of prefixes and layer names, whose layers are split evenly (the first stages hold one more when the pp
+      degree does not divide them), or ``{'llama.layers.1': SplitPoint.END, ...}``. A ``global_spec`` layer's
+      output is Replicate on the whole mesh, and moved onto the stage of each layer that takes it;
     * ``mp_config = {'parallelize_plan': {name regex: plan or [plans]}}``: tensor parallel along ``mp``;
     * ``dp_config = {'sharding_level': 0..3}``: data parallel along ``dp``, with ShardingStage1/2/3 optimizers.
 
-    Returns ``(model, optimizer)``: the same module with dist parameters and forward hooks, and the optimizer
-    wrapped by ``shard_optimizer``. Everything is checked on every rank before anything changes.
+    ``cp_config`` (context parallel) is not supported. Returns ``(model, optimizer)``: the same module with dist
+    parameters and forward hooks, and the optimizer wrapped by ``shard_optimizer``. Everything is checked on every
+    rank before anything changes. A second call on the same model may carry ``dp_config`` only.
     """
     if not _begin(config, mesh, "parallelize"):
         return model, optimizer

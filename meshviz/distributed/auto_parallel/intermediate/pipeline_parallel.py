@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import re
+import warnings
 from collections import OrderedDict
 from enum import Enum
 
@@ -32,8 +33,40 @@ def stage_mesh(mesh, pp_idx: int = 0):
     return mesh
 
 
+def _prefix_layers(names: list, split_spec) -> list:
+    """Paddle's matching of a str / list ``split_spec``: the layers named ``<prefix>.<n>`` or named exactly, in
+    ``named_modules`` order, less a matched name whose numbered children matched too (``layers`` when
+    ``layers.0`` ... did)."""
+    for prefix in split_spec:
+        if not isinstance(prefix, str):
+            raise ValueError(f"split_spec as a list holds layer names or prefixes (str), got {prefix!r}")
+    try:
+        patterns = [re.compile(rf"{prefix}\.\d+$") for prefix in split_spec]
+    except re.error as e:
+        raise ValueError(f"split_spec {list(split_spec)} is not a valid regular expression: {e}") from None
+    matched = [n for n in names if n in split_spec or any(p.match(n) for p in patterns)]
+    numbered = re.compile(r"^(.+)\.\d+$")
+    bases = {m.group(1) for m in map(numbered.match, matched) if m}
+    return [n for n in matched if n not in bases]
+
+
+def _split_after(n: int, pp_size: int) -> list:
+    """Paddle's ``divide_list_indices``: the index of the last layer of every stage but the last, the first
+    ``n % pp_size`` stages holding one layer more than the others."""
+    base, extra = divmod(n, pp_size)
+    out, last = [], -1
+    for i in range(pp_size - 1):
+        last += base + (1 if i < extra else 0)
+        out.append(last)
+    return out
+
+
 def resolve_split_spec(model: torch.nn.Module, mesh, config: dict):
-    """Check ``pp_config`` and return ``(split_spec_dict, global_spec, pipeline_layer_names)``; no side effects."""
+    """Check ``pp_config`` and return ``(split_spec_dict, global_spec, pipeline_layer_names)``; no side effects.
+
+    ``pipeline_layer_names`` (the layers a str / list ``split_spec`` matched) is None for a dict ``split_spec``:
+    with a ``global_spec``, every layer then moves a tensor of another mesh onto its own stage, as in Paddle.
+    """
     if not isinstance(config, dict):
         raise ValueError(f"pp_config should be a dict, got {type(config).__name__}")
     unknown = set(config) - {"split_spec", "global_spec"}
@@ -51,20 +84,20 @@ def resolve_split_spec(model: torch.nn.Module, mesh, config: dict):
     if isinstance(split_spec, str):
         split_spec = [split_spec]
     if isinstance(split_spec, (list, tuple)):
-        patterns = [rf"{prefix}\.\d+$" for prefix in split_spec]
-        matched = [n for n in names if any(re.match(p, n) for p in patterns)]
+        matched = _prefix_layers(names, split_spec)
         if not matched:
-            raise ValueError(f"No layer matches the split_spec {list(split_spec)}: it names the prefix of numbered "
-                             f"layers (such as 'llama.layers' for llama.layers.0, llama.layers.1, ...)")
-        if len(matched) % pp_size:
-            raise ValueError(f"The number of layers must be divisible by the pp size, but got {len(matched)} "
+            raise ValueError(f"No layer matches the split_spec {list(split_spec)}: it names layers, or the prefix "
+                             f"of numbered layers (such as 'llama.layers' for llama.layers.0, llama.layers.1, ...)")
+        if len(matched) < pp_size:
+            raise ValueError(f"The number of layers must not be less than the pp size, but got {len(matched)} "
                              f"layers ({matched}) and pp size {pp_size}")
-        per = len(matched) // pp_size
-        spec = OrderedDict((matched[i * per - 1], SplitPoint.END) for i in range(1, pp_size))
+        if len(matched) % pp_size:
+            base, extra = divmod(len(matched), pp_size)
+            warnings.warn(f"The number of layers ({len(matched)}) is not divisible by the pp size ({pp_size}): "
+                          f"the first {extra} stages hold {base + 1} of them, the others {base}", stacklevel=5)
+        spec = OrderedDict((matched[i], SplitPoint.END) for i in _split_after(len(matched), pp_size))
     elif isinstance(split_spec, dict):
         spec = OrderedDict(split_spec)
-        if global_spec:
-            raise NotImplementedError("global_spec should be None if split_spec is a dict")
         for name, point in spec.items():
             if name not in names:
                 raise ValueError(f"layer name:{name} not in the model, please check the split_spec")
@@ -121,7 +154,9 @@ def _to_mesh(t, mesh, label):
 
 
 def register_pipeline_hooks(model, mesh, spec, global_spec, pipeline_layers) -> None:
-    """The transfer to the next stage after each split layer; global layers' outputs on the whole mesh."""
+    """The transfer to the next stage after each split layer; with ``global_spec``, the global layers' outputs
+    Replicate on the whole mesh, and every tensor of another mesh reaching a pipeline layer (each layer for a dict
+    ``split_spec``) resharded Replicate onto its stage first."""
     by_name = dict(model.named_modules())
 
     def forward_post_hook(layer, input, output):
@@ -157,12 +192,18 @@ def register_pipeline_hooks(model, mesh, spec, global_spec, pipeline_layers) -> 
             return glob(output)
         raise TypeError("layer output can only be tensor or list/tuple of tensor")
 
-    def global_pre_hook(layer, input):
+    def global_pre_hook(layer, args, kwargs):
         here = stage_mesh(mesh, getattr(layer, "pipeline_stage_index", 0))
-        return tuple(reshard(t, here, [Replicate()] * here.ndim)
-                     if isinstance(t, DistTensor) and t.process_mesh == g_mesh else t for t in input)
+
+        def to_stage(t):
+            if isinstance(t, DistTensor) and t.process_mesh != here:
+                return reshard(t, here, [Replicate()] * here.ndim)
+            return t
+
+        return tuple(to_stage(t) for t in args), {k: to_stage(t) for k, t in kwargs.items()}
 
     for name in global_spec:
         by_name[name].register_forward_hook(global_post_hook)
-    for name in pipeline_layers or []:
-        by_name[name].register_forward_pre_hook(global_pre_hook)
+    # Paddle's rule: the layers a str / list split_spec matched, every layer for a dict one
+    for name in pipeline_layers if pipeline_layers is not None else [n for n in by_name if n]:
+        by_name[name].register_forward_pre_hook(global_pre_hook, with_kwargs=True)

@@ -243,7 +243,8 @@ class RowWiseParallel(_ShardParams):
     """Split a layer's input features over ``mp``: Paddle's ``weight`` ``Shard(0)`` (``[in, out]``), which for a
     torch ``nn.Linear`` (``[out, in]``) is ``Shard(1)``; the bias stays whole. The output is a Partial sum along
     ``mp``, all-reduced after the layer (or reduce-scattered by the enclosing sequence-parallel plan).
-    ``is_input_parallel=False``: the input is whole, and is split along its last dim first."""
+    ``is_input_parallel=False``: the input is whole, and is split along its last dim first (as Paddle's hook
+    splits dim 2, the hidden dim, of a ``[b, s, h]`` input)."""
 
     kind = "weight"
     default_params = ("weight",)
