@@ -11,7 +11,8 @@ from .devices import device
 from .dtensor import DistTensor
 from .zero import local_tensor
 
-__all__ = ["LossScaler", "agree_found_inf", "settings_of", "grad_scaler_settings", "unscale_local_blocks_"]
+__all__ = ["LossScaler", "agree_found_inf", "settings_of", "grad_scaler_settings", "unscale_local_blocks_",
+           "unscale_blocks_", "grad_params"]
 
 
 def agree_found_inf(flag: torch.Tensor, group=None) -> bool:
@@ -85,12 +86,7 @@ class LossScaler:
         return loss * self._scale if self._enable else loss
 
     def _params(self, optimizer):
-        own = getattr(optimizer, "grad_params", None)  # a sharded optimizer's inner one steps stand-ins
-        if callable(own):
-            yield from own()
-            return
-        for g in optimizer.param_groups:
-            yield from g["params"]
+        return grad_params(optimizer)
 
     @property
     def _found_inf(self) -> bool:
@@ -105,9 +101,9 @@ class LossScaler:
             return
         state = self._states.get(id(optimizer))
         if state == "unscaled":
-            raise RuntimeError("unscale_() has already been called on this optimizer since the last update()")
+            raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
         if state == "stepped":
-            raise RuntimeError("unscale_() is being called after step()")
+            raise RuntimeError("unscale_() is being called after step().")
         bad = torch.zeros(1, device=device())
         for p in self._params(optimizer):
             if p.grad is None:
@@ -123,7 +119,7 @@ class LossScaler:
         """Unscale ``optimizer``'s gradients (unless unscale_ did) and step it unless they held an inf or nan on
         any rank; once per optimizer between updates."""
         if self._states.get(id(optimizer)) == "stepped":
-            raise RuntimeError("step() has already been called since the last update()")
+            raise RuntimeError("step() has already been called since the last update().")
         if self._states.get(id(optimizer)) is None:
             self.unscale_(optimizer)
         if not self._found.get(id(optimizer), False):
@@ -211,16 +207,30 @@ def grad_scaler_settings(scaler, device_type: str) -> dict:
     )
 
 
-@torch.no_grad()
+def grad_params(optimizer) -> list:
+    """The parameters whose gradients backward filled for ``optimizer``: a sharded optimizer's own list (its inner
+    optimizer may step stand-ins), else its param_groups'."""
+    own = getattr(optimizer, "grad_params", None)
+    if callable(own):
+        return list(own())
+    return [p for g in optimizer.param_groups for p in g["params"]]
+
+
 def unscale_local_blocks_(optimizer, inv_scale, found_inf) -> dict:
-    """Unscale every gradient's local block (a torch DTensor's or a plain tensor), per device and dtype; one
-    ``found_inf`` per rank, so every rank joins the same single agreement whatever devices its blocks live on."""
+    """:func:`unscale_blocks_` over ``optimizer``'s param_groups."""
+    return unscale_blocks_([p for g in optimizer.param_groups for p in g["params"]], inv_scale, found_inf)
+
+
+@torch.no_grad()
+def unscale_blocks_(params, inv_scale, found_inf) -> dict:
+    """Unscale the local block of every gradient of ``params`` (a dist tensor's, a torch DTensor's or a plain
+    tensor), per device and dtype; one ``found_inf`` per rank, so every rank joins the same single agreement
+    whatever devices its blocks live on."""
     per = {}
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if p.grad is not None:
-                g = local_tensor(p.grad)
-                per.setdefault((g.device, g.dtype), []).append(g)
+    for p in params:
+        if p.grad is not None:
+            g = p.grad._local if isinstance(p.grad, DistTensor) else local_tensor(p.grad)
+            per.setdefault((g.device, g.dtype), []).append(g)
     for (dev, _), grads in per.items():
         fi = torch.zeros_like(found_inf, device=dev)
         compat.amp_unscale_(grads, fi, inv_scale.to(dev))

@@ -55,8 +55,8 @@ def test_one_scaler_unscales_each_optimizer_once_between_updates():
     for got_a, got_b, errors in run_ranks(_scaled_two_optimizers, 2):
         torch.testing.assert_close(got_a, want_a)
         torch.testing.assert_close(got_b, want_b)  # the second optimizer's gradients were unscaled too
-        assert errors == ["step() has already been called since the last update()",
-                          "unscale_() is being called after step()"]
+        assert errors == ["step() has already been called since the last update().",
+                          "unscale_() is being called after step()."]
 
 
 # -- Paddle's clear_grad() zeroes: a parameter unused in a step is still stepped ---------------------------------------

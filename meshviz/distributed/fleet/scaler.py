@@ -8,10 +8,9 @@ __all__ = ["distributed_scaler"]
 
 
 def distributed_scaler(scaler):
-    """The scaler for a ``fleet`` run. Pure data parallel: ``scaler`` itself (the gradients are already averaged
-    when it looks at them). With mp, pp or sharding: a scaler with the same settings whose inf/nan check is
-    all-reduced over every rank, so all ranks skip a step together (Paddle patches the scaler in place; a torch
-    ``GradScaler`` cannot see dist tensors' blocks, so this returns ``shard_scaler(scaler)``)."""
+    """The scaler for a ``fleet`` run: ``scaler`` itself, as Paddle's. Pure data parallel: left as it is (the
+    gradients are already averaged when it looks at them). With mp, pp or sharding: its inf/nan check is made to
+    be all-reduced over every rank, in place (``shard_scaler(scaler)``), so all ranks skip a step together."""
     from ..shard_scaler import shard_scaler
     from .state import current
 

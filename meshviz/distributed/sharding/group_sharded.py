@@ -73,10 +73,13 @@ def group_sharded_parallel(
     first rank; a model on the CPU moves to this rank's GPU first when the ranks compute on GPUs (as Paddle creates
     layers on the current device). ``segment_size``: parameters with fewer elements stay whole (os/os_g: owned by
     one rank, chosen greedily by size; p_g_os: replicated). 'os' averages whole gradients once per step; 'os_g' reduces
-    each gradient to its owners as soon as backward produces it and frees it; 'p_g_os' is torch FSDP2
-    (``fully_shard``) on each child module and the root. ``offload`` keeps every optimizer state (and, for p_g_os,
-    the sharded parameters) on the CPU when the ranks compute on GPUs, small parameters included: the optimizer
-    steps CPU copies of them (on CPU ranks everything already is there). ``grad_clip`` (or ``optimizer._grad_clip``): a
+    the gradients to their owners at the end of each backward and frees them; 'p_g_os' is torch FSDP2
+    (``fully_shard``) on each child module and the root. A gradient some ranks did not make (a branch one rank took;
+    at 'os' and 'os_g' also a rank that ran no backward) is averaged with zeros from them, as in a dense run; at
+    'p_g_os' every rank must still run each sharded sublayer's forward (with collective checking on, every rank
+    raises where one does not). ``offload`` keeps every optimizer state (and, for p_g_os, the sharded parameters) on
+    the CPU when the ranks compute on GPUs, small parameters included: the optimizer steps CPU copies of them (on
+    CPU ranks everything already is there). ``grad_clip`` (or ``optimizer._grad_clip``): a
     ``meshviz.nn.ClipGradByGlobalNorm`` applied to the sharded gradients with the true global norm.
     ``buffer_max_size`` bounds the fused all-reduce of 'os' (elements); ``sync_comm`` is accepted for
     compatibility (torch orders its own communication).

@@ -24,7 +24,8 @@ class FlatZero(Zero):
 
     Parameters start from the group's first rank. ``segment_size``: parameters with fewer elements stay whole
     (os/os_g: owned by one rank, chosen greedily by size; p_g_os: replicated). 'os' averages whole gradients once
-    per step; 'os_g' reduces each gradient to its owners as soon as backward produces it; 'p_g_os' is FSDP2.
+    per step; 'os_g' reduces the gradients to their owners at the end of each backward; 'p_g_os' is FSDP2. A
+    gradient some ranks did not make (a branch one rank took) counts as zeros from them, as in a dense run.
     ``offload`` (on a ``dev`` other than the CPU) keeps every optimizer state on the CPU. ``grad_clip``: a
     ``ClipGradByGlobalNorm`` applied to the sharded gradients; ``buffer_max_size`` bounds the fused all-reduce
     (elements). ``sync_buffers``: buffers broadcast from the first rank before every forward.
@@ -39,6 +40,9 @@ class FlatZero(Zero):
         self._buffer_max_size = buffer_max_size
         self._dirty = False
         self._hooks = []
+        self._queued = False  # os_g: whether this backward's end reduces the gradients it made
+        self._reduced = False  # os_g: whether a backward's end reduced them since the last step
+        self._used: dict = {}  # p_g_os: id(param) -> "used", "zeros" (none before) or "added" since the step
         broadcast_module(model, grp)
         self._slots = self._plan(names, dev, offload, segment_size)
         self._offload = offload = bool(offload) and dev.type != "cpu"  # on a CPU rank every state already is there
@@ -51,7 +55,7 @@ class FlatZero(Zero):
             if not s.param.requires_grad:  # frozen: no gradient to reduce (Paddle's skip non-trainable ones)
                 continue
             if level == "os_g":
-                hook = (lambda slot: (lambda p: self._reduce_to_owner(slot)))(s)
+                hook = self._defer
             elif level == "os" or s.piece.mode == "replicated":
                 hook = self._mark_dirty
             else:
@@ -67,7 +71,7 @@ class FlatZero(Zero):
         order = [p for g in inner.param_groups for p in g["params"]]
         pieces = plan_pieces([(names[id(p)], tuple(p.shape)) for p in order], self.level, grp.size, segment_size)
         if self.level == "p_g_os":
-            apply_fsdp(model, {pc.name: pc for pc in pieces}, grp, dev, offload)
+            apply_fsdp(model, {pc.name: pc for pc in pieces}, grp, dev, offload, self._used)
             new_params = dict(model.named_parameters())
             for g in inner.param_groups:
                 g["params"] = [new_params[names[id(p)]] for p in g["params"]]
@@ -121,8 +125,34 @@ class FlatZero(Zero):
     def _mark_dirty(self, _p=None):
         self._dirty = True
 
+    def _defer(self, _p=None):
+        """os_g backward hook: the first of a backward has its end reduce every gradient it made."""
+        if not self._queued:
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._reduce_pending)
+
+    @torch.no_grad()
+    def _reduce_pending(self):
+        """End of an os_g backward: the ranks agree on which parameters got a gradient on any of them (a branch one
+        rank took alone), a rank without one adds zeros, and each is reduced to its owners in the plan's order."""
+        self._queued, self._reduced = False, True
+        slots = [s for s in self._slots if s.param.requires_grad]
+        for s, has in zip(slots, self._agree([s.param.grad is not None for s in slots])):
+            if has:
+                if s.param.grad is None:
+                    s.param.grad = torch.zeros_like(s.param)
+                self._reduce_to_owner(s)
+
+    def _agree(self, flags: list) -> list:
+        """``flags`` OR-ed over the group (one MAX all-reduce)."""
+        if self._group.size == 1 or not flags:
+            return [bool(f) for f in flags]
+        t = torch.tensor(flags, dtype=torch.uint8, device=device())
+        self._group.all_reduce(t, op=tdist.ReduceOp.MAX)
+        return [bool(f) for f in t.tolist()]
+
     def _reduce_to_owner(self, slot: Slot):
-        """os_g backward hook: reduce this gradient so that only its owners keep their part, then free it."""
+        """Reduce this gradient so that only its owners keep their part, then free it."""
         p, g, grp = slot.param, slot.param.grad, self._group
         piece = slot.piece
         flat = g.detach().reshape(-1)
@@ -150,16 +180,29 @@ class FlatZero(Zero):
         p.grad = None
 
     def _sync_grads(self):
-        """Average whole gradients over the group (os: all of them; p_g_os: the replicated small ones)."""
-        if not self._dirty:
+        """Average whole gradients over the group (os: all of them; p_g_os: the replicated small ones), a rank
+        without one adding zeros. p_g_os: a gradient FSDP made of zeros alone (no rank's backward used the
+        parameter, which had none) is dropped, as a dense run has none."""
+        if self.level == "os_g":
+            if not self._reduced:  # no backward here since the last step: join the others' reduce, with zeros
+                self._reduce_pending()
+            self._reduced = False
             return
-        self._dirty = False
         grp = self._group
         slots = [s for s in self._slots if s.piece.mode in ("slice", "whole", "replicated")]
+        fsdp = [s for s in self._slots if s.piece.mode == "fsdp"]
+        # whether a backward ran since the last step travels with the flags: the ranks skip, or average, together
+        agreed = self._agree([self._dirty or bool(self._used)] + [s.param.grad is not None for s in slots]
+                             + [self._used.get(id(s.param)) == "used" for s in fsdp])
+        self._dirty = False
+        used, self._used = self._used, {}
+        if not agreed[0]:
+            return
+        for s, real in zip(fsdp, agreed[1 + len(slots):]):
+            if not real and used.get(id(s.param)) == "zeros":
+                s.param.grad = None
         if grp.size > 1:
-            has = torch.tensor([s.param.grad is not None for s in slots], dtype=torch.uint8, device=device())
-            grp.all_reduce(has, op=tdist.ReduceOp.MAX)
-            live = [s for s, h in zip(slots, has.tolist()) if h]
+            live = [s for s, h in zip(slots, agreed[1:]) if h]
             for s in live:
                 if s.param.grad is None:
                     s.param.grad = torch.zeros_like(s.param)
@@ -254,6 +297,7 @@ class FlatZero(Zero):
             for s in self._slots:
                 s.grad_buf = None  # os_g: the shard's gradient, zeroed above otherwise
         self._dirty = False
+        self._used.clear()
 
     # state -----------------------------------------------------------------------------------------------
     def full_state_dict(self, to_rank: int | None = 0):

@@ -2,15 +2,23 @@
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
+from ..devices import device
+from ..match import checking
 from .group import ShardingGroup
 
 __all__ = ["apply_fsdp", "unmix_foreach"]
 
 
-def apply_fsdp(model, piece_of: dict, grp: ShardingGroup, dev, offload) -> None:
-    """Shard the parameters whose piece is ``fsdp`` over ``grp``; the others are ignored by FSDP (replicated)."""
+def apply_fsdp(model, piece_of: dict, grp: ShardingGroup, dev, offload, used: dict | None = None) -> None:
+    """Shard the parameters whose piece is ``fsdp`` over ``grp``; the others are ignored by FSDP (replicated).
+
+    ``used`` (given): every unit's backward gives each of its parameters a gradient, zeros where this rank's
+    backward made none (a branch another rank took), so that the ranks reduce-scatter the same tensors; it records
+    ``id(param)`` -> "used" (a gradient of its own), "zeros" (zeros, and it had none) or "added" (zeros added).
+    """
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
@@ -21,10 +29,65 @@ def apply_fsdp(model, piece_of: dict, grp: ShardingGroup, dev, offload) -> None:
         return
     mesh = DeviceMesh.from_group(grp.pg, dev.type)
     policy = CPUOffloadPolicy() if (offload and dev.type != "cpu") else OffloadPolicy()
-    for child in _units(model):
-        if any(p not in ignored for p in child.parameters()):
-            fully_shard(child, mesh=mesh, offload_policy=policy, ignored_params=ignored)
+    units = [child for child in _units(model) if any(p not in ignored for p in child.parameters())]
+    for child in units:
+        fully_shard(child, mesh=mesh, offload_policy=policy, ignored_params=ignored)
     fully_shard(model, mesh=mesh, offload_policy=policy, ignored_params=ignored)
+    if used is not None:
+        names = {id(m): n or "the model" for n, m in model.named_modules()}
+        for i, unit in enumerate(units + [model]):
+            for group in _param_groups(unit):
+                _fill_unused(group, used)
+            unit.register_forward_pre_hook(_same_unit(i, [names[id(u)] for u in units + [model]], grp),
+                                           prepend=True)
+
+
+def _same_unit(index: int, names: list, grp: ShardingGroup):
+    """A pre-forward hook (ahead of FSDP's gather): with collective checking on, the ranks check that they gather
+    the same sublayer, and every rank raises where one runs a sharded sublayer that another skips."""
+
+    def check(module, args):
+        if grp.size == 1 or not checking():
+            return
+        out = torch.empty(grp.size, dtype=torch.int64, device=device())
+        grp.all_gather_into(out, torch.tensor([index], dtype=torch.int64, device=device()))
+        ran = out.tolist()
+        if len(set(ran)) > 1:
+            raise RuntimeError(
+                "group_sharded_parallel (p_g_os): the ranks run different sharded sublayers here ("
+                + ", ".join(f"rank {r} {names[i]!r}" for r, i in zip(grp.ranks, ran)) + "): every rank of the group "
+                "must run the forward of each sublayer whose parameters are sharded (they are gathered for it); "
+                "take the branch on every rank, or keep that sublayer whole (segment_size) or use level 'os_g'")
+
+    return check
+
+
+def _param_groups(unit) -> list:
+    state = unit._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)  # torch >= 2.12
+    if groups is None:
+        groups = [state._fsdp_param_group] if getattr(state, "_fsdp_param_group", None) is not None else []
+    return list(groups)
+
+
+def _fill_unused(group, used: dict) -> None:
+    """Before ``group``'s post-backward reduce-scatters: zeros for each parameter without a gradient (torch's
+    ``set_reduce_scatter_unused_params``, which torch 2.11 lacks, and with a record of which were made)."""
+    post_backward = group.post_backward
+
+    def fill(*args, **kwargs):
+        for fp in group.fsdp_params:
+            if not hasattr(fp, "_unsharded_param") or not fp.unsharded_param.requires_grad:
+                continue  # never gathered (no forward), or frozen
+            key = id(fp.sharded_param)
+            if fp.unsharded_param.grad is not None or getattr(fp, "unsharded_accumulated_grad", None) is not None:
+                used[key] = "used"
+            elif fp.unsharded_param.untyped_storage().size():  # gathered now: this unit ran its backward
+                fp.unsharded_param.grad = torch.zeros_like(fp.unsharded_param)
+                used.setdefault(key, "added" if fp.sharded_param.grad is not None else "zeros")
+        return post_backward(*args, **kwargs)
+
+    group.post_backward = fill
 
 
 def _units(model):

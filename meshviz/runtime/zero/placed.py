@@ -174,6 +174,7 @@ class PlacedZero(Zero):
                     self._shadow[p] = shadow
                     self._of_shadow[shadow] = p
                     self._view(p, shadow)
+                    p.register_post_accumulate_grad_hook(self._lend_grad)
                     new_params.append(shadow)
                 self._emit_ownership(p)
             group["params"] = new_params
@@ -197,6 +198,14 @@ class PlacedZero(Zero):
         part = blk.narrow(d, lo, hi - lo)
         if part.shape == old.shape and part.dtype == old.dtype and part.device == old.device:
             shadow._hold(new_dist(part, mesh, shadow._mpl, tuple(shadow.shape), shadow.stride(), device=shadow.device))
+
+    def _lend_grad(self, p) -> None:
+        """Backward hook (os, os_g): until the step reduces it, the shadow's gradient is its parameter's (the same
+        block), so that a torch ``GradScaler``, which unscales and checks the param_groups' gradients, sees what
+        backward left."""
+        shadow = self._shadow.get(p)
+        if shadow is not None and p.grad is not None:
+            shadow.grad = _like(p.grad, shadow)
 
     def _emit_ownership(self, p) -> None:
         if trace.active():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 from ....runtime.data_parallel import average_gradients
 from ...parallel import fused_allreduce_gradients, sync_params_buffers
 
@@ -27,17 +29,51 @@ def _sharding_mean(parameter_list, hcg):
     average_gradients(parameter_list, hcg.get_sharding_parallel_group())
 
 
+_HEADER = 32  # int64s per rank: count, the layout's crc, the packed length, then the packed (dtype, ndim, *shape)
+
+
+@functools.cache
+def _dtypes():
+    import torch
+
+    return sorted({d for d in vars(torch).values() if isinstance(d, torch.dtype)}, key=str)
+
+
+def _pack(slots, tensors):
+    """This rank's fixed-size header, and its packed (dtype code, ndim, *shape) of every tensor in full."""
+    import zlib
+
+    table = _dtypes()
+    packed = []
+    for t in tensors:
+        packed += [table.index(t.dtype), t.dim(), *t.shape]
+    head = [len(slots), zlib.crc32(repr(slots).encode()), len(packed)]
+    fits = len(packed) <= _HEADER - len(head)
+    return head + (packed if fits else []) + [0] * (_HEADER - len(head) - (len(packed) if fits else 0)), packed
+
+
+def _unpack(packed, n):
+    table, metas, i = _dtypes(), [], 0
+    for _ in range(n):
+        ndim = packed[i + 1]
+        metas.append((tuple(packed[i + 2:i + 2 + ndim]), table[packed[i]]))
+        i += 2 + ndim
+    return metas
+
+
 def broadcast_input_data(hcg, *inputs, **kwargs):
     """Paddle's ``broadcast_input_data`` (TensorParallel's pre-forward): every tensor among ``inputs`` and
     ``kwargs`` replaced by the model-parallel group's first rank's (its shape and dtype too), on this rank's device.
 
     Returns ``(inputs, kwargs)``; the caller's tensors are left as they are (Paddle overwrites them in place).
-    Where the ranks of the group pass tensors in different places every rank raises ValueError.
+    Where the ranks of the group pass tensors in different places every rank raises ValueError. One small
+    fixed-size all-gather carries the layouts and the first rank's shapes (a broadcast more where they do not fit
+    in it), then one broadcast per tensor, as Paddle's.
     """
     import torch
 
     from ....runtime.devices import device
-    from ...collective import all_gather_object, broadcast
+    from ...collective import all_gather, all_gather_object, broadcast
 
     group = hcg.get_model_parallel_group()
     if group is None or hcg.get_model_parallel_world_size() <= 1:
@@ -49,14 +85,25 @@ def broadcast_input_data(hcg, *inputs, **kwargs):
     def get(slot):
         return args[slot[1]] if slot[0] == "arg" else kws[slot[1]]
 
-    metas = []
-    all_gather_object(metas, [(s, tuple(get(s).shape), get(s).dtype) for s in slots], group=group)
-    if any([m[0] for m in meta] != slots for meta in metas):
-        raise ValueError(f"fleet TensorParallel: the model-parallel ranks {list(group.ranks)} pass tensors in "
-                         f"different places, {[[m[0] for m in meta] for meta in metas]}; the inputs are broadcast "
-                         f"from rank {group.ranks[0]}")
     src, dev, is_src = group.ranks[0], device(), group.rank == 0
-    for slot, shape, dtype in metas[0]:
+    header, packed = _pack(slots, [get(s) for s in slots])
+    heads: list = []
+    all_gather(heads, torch.tensor(header, dtype=torch.int64, device=dev), group=group)
+    heads = [h.tolist() for h in heads]
+    if any(h[:2] != heads[0][:2] for h in heads):  # the names, only where the layouts differ
+        names: list = []
+        all_gather_object(names, slots, group=group)
+        raise ValueError(f"fleet TensorParallel: the model-parallel ranks {list(group.ranks)} pass tensors in "
+                         f"different places, {names}; the inputs are broadcast from rank {src}")
+    size = heads[0][2]
+    if size <= _HEADER - 3:
+        packed = heads[0][3:3 + size]
+    else:
+        buf = torch.tensor(packed, dtype=torch.int64, device=dev) if is_src else torch.empty(
+            size, dtype=torch.int64, device=dev)
+        broadcast(buf, src, group=group)
+        packed = buf.tolist()
+    for slot, (shape, dtype) in zip(slots, _unpack(packed, len(slots))):
         mine = get(slot)
         if is_src:
             out = mine.to(dev)
