@@ -5,16 +5,17 @@
 # ranks), the transport tier (real gloo processes, ipyparallel engines, launch, devices, the browser) and the
 # notebooks with their ranks as threads (MESHVIZ_RANKS=threads, as on Binder; the transport tier's tests do not see
 # it), on the torch of .venv; then the Binder check (01, 06 and 13 under a 2 GiB memory limit, in a fresh
-# environment from binder/ that is built from the start, beside the tests), the newest release's notebooks, and
-# three notebooks on .venv again with ipyparallel engines as ranks (a Cluster's default). Beside it, from as soon as
-# .venv is made: every tier again on the oldest and then the newest supported torch (MESHVIZ_TORCH_MATRIX, default
-# "2.11.0 2.15.0"), each in its own venv kept between runs (scripts/torch_venv.sh), all but the torch-free tests
-# and the browser's: those check what JupyterLab draws, and the Python they run (notebooks 00, 10, 13 and the
-# widgets) runs on these releases too, under nbval and in the other tiers. The parts are split so that both lines
-# end at about the same time. One test run keeps under one core busy (it waits on ranks, kernels and the browser),
-# so two go side by side, never more (three made a 2-core machine late enough to fail timed tests); then the table
-# of torch version x tier (scripts/test_table.py). Every part runs even when an earlier one failed; the exit status
-# says whether any did. MESHVIZ_TEST_ENGINES=0 / MESHVIZ_BINDER_CHECK=0 / MESHVIZ_TORCH_MATRIX= leave those out.
+# environment from binder/ that is built from the start, beside the tests) and the newest release's notebooks.
+# Beside it, from as soon as .venv is made: every tier again on the oldest and then the newest supported torch
+# (MESHVIZ_TORCH_MATRIX, default "2.11.0 2.15.0"), each in its own venv kept between runs (scripts/torch_venv.sh),
+# all but the torch-free tests, the browser's, launch's and a Cluster's engines' (those check what JupyterLab draws
+# and meshviz's own process control, once; the Python they run runs on these releases in the other tiers), then
+# three notebooks on .venv again with ipyparallel engines as ranks (a Cluster's default). The parts are split so
+# that both lines end at about the same time. One test run keeps under one core busy (it waits on ranks, kernels
+# and the browser), so two go side by side, never more (three made a 2-core machine late enough to fail timed
+# tests); then the table of torch version x tier (scripts/test_table.py). Every part runs even when an earlier one
+# failed; the exit status says whether any did. MESHVIZ_TEST_ENGINES=0 / MESHVIZ_BINDER_CHECK=0 /
+# MESHVIZ_TORCH_MATRIX= leave those out.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh --test  # before the matrix's venvs: their editable installs write to this checkout too
@@ -41,8 +42,11 @@ matrix() {  # every tier on each release of $MATRIX in turn (in $OUT/torch-V.sum
     fi
     venv=$(cat "$OUT/venv-$v.path")
     if [ "$v" = "$LAST" ]; then notebooks=; else notebooks=notebooks; fi
+    # launch's agent and a Cluster's engines are meshviz's own process control, run once on .venv: torch enters
+    # them through gloo's start, which the gloo, rendezvous and hang tests run on every release
     if CUDA_VISIBLE_DEVICES= MESHVIZ_RANKS=threads "$venv/bin/python" -m pytest tests/unit tests/ranks \
-        tests/transport $notebooks $NBVAL -m "not browser and not torch_free" -p no:cacheprovider -q --durations=10 \
+        tests/transport --ignore=tests/transport/test_launch.py --ignore=tests/transport/test_cluster.py \
+        $notebooks $NBVAL -m "not browser and not torch_free" -p no:cacheprovider -q --durations=10 \
         --junitxml="$OUT/torch-$v.xml" "$@" > "$OUT/torch-$v.log" 2>&1; then
       echo "torch $v: $(tail -n 1 "$OUT/torch-$v.log") (done at $(at))" > "$OUT/torch-$v.summary"
     else
@@ -50,6 +54,17 @@ matrix() {  # every tier on each release of $MATRIX in turn (in $OUT/torch-V.sum
       rc=1
     fi
   done
+  if [ "${MESHVIZ_TEST_ENGINES:-1}" != "0" ]; then  # a Cluster's default ranks: one ipyparallel engine each
+    if MESHVIZ_RANKS=engines .venv/bin/python -m pytest $NBVAL -p no:cacheprovider -q notebooks/00_quickstart.ipynb \
+        notebooks/03_data_parallel.ipynb notebooks/11_debugging_hangs.ipynb \
+        --junitxml="$OUT/torch-$TORCH-engines.xml" "$@" > "$OUT/engines.log" 2>&1; then
+      echo "torch $TORCH, notebooks with engines: $(tail -n 1 "$OUT/engines.log") (done at $(at))" > "$OUT/engines.summary"
+    else
+      { echo "torch $TORCH, notebooks with engines: tests failed ($OUT/engines.log):"; tail -n 60 "$OUT/engines.log"; } \
+        > "$OUT/engines.summary"
+      rc=1
+    fi
+  fi
   return $rc
 }
 matrix "$@" &
@@ -101,21 +116,9 @@ if [ -n "$LAST" ]; then  # the last release's notebooks, in its venv (made by th
   fi
 fi
 
-if [ "${MESHVIZ_TEST_ENGINES:-1}" != "0" ]; then  # a Cluster's default ranks: one ipyparallel engine each
-  if MESHVIZ_RANKS=engines .venv/bin/python -m pytest $NBVAL -p no:cacheprovider -q notebooks/00_quickstart.ipynb \
-      notebooks/03_data_parallel.ipynb notebooks/11_debugging_hangs.ipynb \
-      --junitxml="$OUT/torch-$TORCH-engines.xml" "$@" > "$OUT/engines.log" 2>&1; then
-    echo "torch $TORCH, notebooks with engines: $(tail -n 1 "$OUT/engines.log") (done at $(at))"
-  else
-    echo "torch $TORCH, notebooks with engines: tests failed ($OUT/engines.log):"
-    tail -n 60 "$OUT/engines.log"
-    status=1
-  fi
-fi
-
 # what ran beside the above (the oldest and the newest torch): their results
 wait "$MATRIX_PID" || status=1
-for part in $(for v in $MATRIX; do echo "torch-$v"; done); do
+for part in $(for v in $MATRIX; do echo "torch-$v"; done) $([ "${MESHVIZ_TEST_ENGINES:-1}" != "0" ] && echo engines); do
   cat "$OUT/$part.summary" 2>/dev/null || { echo "$part: its run ended without a result"; status=1; }
 done
 .venv/bin/python scripts/test_table.py "$OUT"/torch-*.xml || status=1

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import datetime
-import operator
-
 import torch
 import torch.distributed as tdist
 
@@ -15,7 +12,8 @@ from ..runtime.comm import Call, CollectiveOp, Task, check_peer, local, peer_nam
 from ..runtime.devices import staged_recv, staged_send
 from ..runtime.dtensor import DistTensor
 from ..runtime.groups import Group
-from ..runtime.world import get_rank, init_parallel_env
+from ..runtime.world import get_rank
+from .group_api import destroy_process_group, get_backend, get_group, is_available, needs_init, new_group
 
 __all__ = [
     "ReduceOp", "Group", "new_group", "get_group", "get_backend", "is_available", "destroy_process_group",
@@ -98,77 +96,9 @@ def _check_not_self(what: str, peer, sync_op: bool) -> None:
         raise ValueError(f"{what}={peer} is this rank itself; a blocking send or recv needs another rank")
 
 
-# -- groups -------------------------------------------------------------------------------------
-
-def _int_ranks(given) -> list[int]:
-    try:
-        ranks = list(given)
-        if isinstance(given, (str, bytes)) or any(isinstance(r, bool) for r in ranks):
-            raise TypeError
-        return [operator.index(r) for r in ranks]  # ints, numpy ints; not floats or strings
-    except TypeError:
-        raise ValueError(f"new_group: ranks must be a list of int global ranks, got {given!r}") from None
-
-
-def new_group(ranks=None, backend=None, timeout=None) -> Group:
-    """A group over ``ranks`` (sorted, like Paddle); every rank of the world must call it, in the same order."""
-    init_parallel_env()
-    world = tdist.get_world_size()
-    ranks = list(range(world)) if ranks is None else _int_ranks(ranks)
-    if not ranks:
-        raise ValueError("new_group: ranks must not be empty")
-    dup = sorted({r for r in ranks if ranks.count(r) > 1})
-    if dup:
-        raise ValueError(f"new_group: duplicate ranks {dup} in {ranks}")
-    bad = [r for r in ranks if not 0 <= r < world]
-    if bad:
-        raise ValueError(f"new_group: ranks {bad} are outside the world 0..{world - 1}")
-    if backend not in (None, "gloo", "nccl", "bkcl", "xccl"):
-        raise ValueError(f"new_group: unknown backend {backend!r}")
-    ranks = sorted(ranks)
-    if tdist.get_backend() not in ("gloo", "nccl"):  # ranks as threads or simulated make groups of their own kind
-        backend = None
-    if backend is None and timeout is None:
-        pg = groups.group_for_ranks(ranks)
-    else:
-        be = backend if backend in ("gloo", "nccl") else None
-        to = None if timeout is None else (
-            timeout if isinstance(timeout, datetime.timedelta) else datetime.timedelta(seconds=timeout))
-        pg = tdist.new_group(ranks, timeout=to, backend=be)
-        if pg is tdist.GroupMember.NON_GROUP_MEMBER:
-            pg = None
-    return groups.register(ranks, pg)
-
-
-def get_group(id: int = 0) -> Group | None:
-    return groups.lookup(id)
-
-
-def get_backend(group=None) -> str:
-    return tdist.get_backend(groups.resolve(group).process_group).upper()
-
-
-def is_available() -> bool:
-    """Whether torch was built with distributed support (Paddle: compiled with it)."""
-    return tdist.is_available()
-
-
-def destroy_process_group(group=None) -> None:
-    """Destroy ``group``; with None (or the world group) every group and the default process group, after which
-    ``is_initialized()`` is False. Destroying a group twice raises ValueError."""
-    if group is not None and not isinstance(group, Group):
-        raise TypeError(f"destroy_process_group: group must be a Group from new_group or None, got "
-                        f"{type(group).__name__}")
-    if group is None or group.id == 0:
-        if tdist.is_initialized():
-            tdist.destroy_process_group()
-        groups.reset()
-        return
-    groups.release(group)
-
-
 # -- collectives --------------------------------------------------------------------------------
 
+@needs_init
 def all_reduce(tensor, op=ReduceOp.SUM, group=None, sync_op=True):
     """Reduce ``tensor`` over the group in place; every member ends with the result."""
     _no_partial("all_reduce", tensor)
@@ -184,6 +114,7 @@ def all_reduce(tensor, op=ReduceOp.SUM, group=None, sync_op=True):
                     reduce_op=rt.short))
 
 
+@needs_init
 def reduce(tensor, dst=0, op=ReduceOp.SUM, group=None, sync_op=True):
     """Reduce ``tensor`` onto global rank ``dst`` (in place there; others' tensors are left as they are)."""
     _no_partial("reduce", tensor)
@@ -202,6 +133,7 @@ def reduce(tensor, dst=0, op=ReduceOp.SUM, group=None, sync_op=True):
                     then=_then(finish and mine and (lambda: finish(buf)), back), reduce_op=rt.short, dst=dst))
 
 
+@needs_init
 def broadcast(tensor, src, group=None, sync_op=True):
     """Copy global rank ``src``'s ``tensor`` into every member's ``tensor``."""
     _no_partial("broadcast", tensor)
@@ -212,6 +144,7 @@ def broadcast(tensor, src, group=None, sync_op=True):
                     tensors=(t,), peers={"src": src}, sync_op=sync_op, then=back, src=src))
 
 
+@needs_init
 def all_gather(tensor_list, tensor, group=None, sync_op=True):
     """Gather every member's ``tensor`` into ``tensor_list`` (filled in when empty, as in Paddle)."""
     _no_partial("all_gather", tensor, tensor_list)
@@ -233,6 +166,7 @@ def all_gather(tensor_list, tensor, group=None, sync_op=True):
                     sync_op=sync_op))
 
 
+@needs_init
 def all_gather_object(object_list, obj, group=None):
     """Append every member's picklable ``obj`` to ``object_list``, in group order."""
     g = groups.resolve(group)
@@ -246,6 +180,7 @@ def all_gather_object(object_list, obj, group=None):
     return None
 
 
+@needs_init
 def broadcast_object_list(object_list, src=0, group=None):
     """Replace ``object_list``'s items with global rank ``src``'s."""
     if not isinstance(object_list, list):
@@ -256,6 +191,7 @@ def broadcast_object_list(object_list, src=0, group=None):
     return None
 
 
+@needs_init
 def scatter(tensor, tensor_list=None, src=0, group=None, sync_op=True):
     """Global rank ``src`` sends ``tensor_list[i]`` to the group's i-th member, received into ``tensor``."""
     _no_partial("scatter", tensor, tensor_list or [])
@@ -277,6 +213,7 @@ def scatter(tensor, tensor_list=None, src=0, group=None, sync_op=True):
                     sync_op=sync_op, then=back, src=src))
 
 
+@needs_init
 def scatter_object_list(out_object_list, in_object_list=None, src=0, group=None):
     """Global rank ``src`` sends ``in_object_list[i]`` (picklable) to the group's i-th member; every member's
     ``out_object_list`` then holds just its object, as in Paddle."""
@@ -299,6 +236,7 @@ def scatter_object_list(out_object_list, in_object_list=None, src=0, group=None)
     return None
 
 
+@needs_init
 def gather(tensor, gather_list=None, dst=0, group=None, sync_op=True):
     """Collect every member's ``tensor`` into ``gather_list`` on global rank ``dst`` (filled in when empty)."""
     _no_partial("gather", tensor, gather_list or [])
@@ -318,6 +256,7 @@ def gather(tensor, gather_list=None, dst=0, group=None, sync_op=True):
                     tensors=(t,), peers={"dst": dst}, sync_op=sync_op, dst=dst))
 
 
+@needs_init
 def reduce_scatter(tensor, tensor_list, op=ReduceOp.SUM, group=None, sync_op=True):
     """Reduce ``tensor_list`` elementwise over the group; the i-th member gets the i-th reduced tensor."""
     _no_partial("reduce_scatter", tensor, tensor_list)
@@ -338,6 +277,7 @@ def reduce_scatter(tensor, tensor_list, op=ReduceOp.SUM, group=None, sync_op=Tru
                     reduce_op=rt.short))
 
 
+@needs_init
 def alltoall(in_tensor_list, out_tensor_list, group=None, sync_op=True):
     """Member i sends ``in_tensor_list[j]`` to member j, which receives it as ``out_tensor_list[i]``."""
     _no_partial("alltoall", in_tensor_list, out_tensor_list or [])
@@ -364,6 +304,7 @@ def alltoall(in_tensor_list, out_tensor_list, group=None, sync_op=True):
                     recv_bytes=got))
 
 
+@needs_init
 def alltoall_single(in_tensor, out_tensor, in_split_sizes=None, out_split_sizes=None, group=None,
                     sync_op=True):
     """All-to-all on dim 0 of one tensor, evenly or by the given split sizes."""
@@ -394,6 +335,7 @@ def alltoall_single(in_tensor, out_tensor, in_split_sizes=None, out_split_sizes=
 
 # -- point to point -----------------------------------------------------------------------------
 
+@needs_init
 def send(tensor, dst=0, group=None, sync_op=True):
     """Send ``tensor`` to global rank ``dst`` (a CUDA tensor over gloo goes through a CPU copy)."""
     _no_partial("send", tensor)
@@ -404,6 +346,7 @@ def send(tensor, dst=0, group=None, sync_op=True):
                     tensors=(t,), peers={"dst": dst}, sync_op=sync_op, peer=dst))
 
 
+@needs_init
 def recv(tensor, src=0, group=None, sync_op=True):
     """Receive into ``tensor`` from global rank ``src`` (over gloo, a CUDA tensor through a CPU buffer)."""
     _no_partial("recv", tensor)
@@ -422,10 +365,12 @@ def recv(tensor, src=0, group=None, sync_op=True):
                     then=_then(lambda: [fin() for fin in copy_back], back)))
 
 
+@needs_init
 def isend(tensor, dst, group=None):
     return send(tensor, dst, group, sync_op=False)
 
 
+@needs_init
 def irecv(tensor, src=None, group=None):
     return recv(tensor, src, group, sync_op=False)
 
@@ -449,6 +394,7 @@ class P2POp:
         return f"P2POp({'isend' if self.is_send else 'irecv'}, peer={self.peer})"
 
 
+@needs_init
 def batch_isend_irecv(p2p_op_list):
     """Start a batch of sends/receives; returns their tasks (call ``wait()`` on each)."""
     if not p2p_op_list or not all(isinstance(p, P2POp) for p in p2p_op_list):
@@ -481,6 +427,7 @@ def batch_isend_irecv(p2p_op_list):
     return [Task([w], then=fin) for w, (_, _, fin) in zip(works, staged)]
 
 
+@needs_init
 def barrier(group=None):
     """Block until every member of ``group`` (default: the world) gets here; a non-member returns at once."""
     run(Call(CollectiveOp.BARRIER, group, lambda g: tdist.barrier(group=g.process_group), nbytes=0))

@@ -4,14 +4,16 @@ import json
 import os
 import runpy
 import sys
+import zipfile
 
 
 def main() -> None:
     script, args = sys.argv[1], sys.argv[2:]
     local = int(os.environ.get("LOCAL_RANK", "0"))
-    rank_envs = os.environ.get("MESHVIZ_LAUNCH_RANK_ENV")
-    if rank_envs:  # this worker's device, decided by the launcher before anything started
-        os.environ.update(json.loads(rank_envs)[local])
+    for name in ("MESHVIZ_LAUNCH_RANK_ENV", "MESHVIZ_LAUNCH_PADDLE_ENV"):
+        rank_envs = os.environ.get(name)
+        if rank_envs:  # this worker's device and Paddle's variables, decided by the launcher before it started
+            os.environ.update(json.loads(rank_envs)[local])
     os.environ["PADDLE_TRAINER_ID"] = os.environ.get("RANK", "0")
     os.environ["PADDLE_TRAINERS_NUM"] = os.environ.get("WORLD_SIZE", "1")
     os.environ["PADDLE_LOCAL_RANK"] = str(local)
@@ -19,9 +21,10 @@ def main() -> None:
         sys.stderr.flush()
         os.dup2(sys.stdout.fileno(), sys.stderr.fileno())
     sys.argv = [script] + args
-    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    path = os.path.abspath(script)
+    sys.path.insert(0, os.path.dirname(path))
     try:
-        runpy.run_path(script, run_name="__main__")
+        _run(path)
     except BaseException as e:
         if not (isinstance(e, SystemExit) and e.code in (0, None)):
             _report(e)
@@ -29,6 +32,25 @@ def main() -> None:
     from meshviz.runtime.world import exit_quietly
 
     exit_quietly(0, note="its script finished")
+
+
+def _run(path: str) -> None:
+    """Run the script at ``path`` as ``python script.py`` does (Paddle's launch runs it so): ``__file__`` is its
+    absolute path, ``sys.argv[0]`` as given (``runpy.run_path`` would make both the path it was given)."""
+    if not os.path.isfile(path) or zipfile.is_zipfile(path):
+        runpy.run_path(path, run_name="__main__")  # a folder or zip with a __main__.py
+        return
+    import builtins
+    import importlib.machinery
+    import types
+
+    with open(path, "rb") as fh:
+        code = compile(fh.read(), path, "exec")
+    main = types.ModuleType("__main__")
+    main.__dict__.update(__file__=path, __cached__=None, __package__=None, __spec__=None, __builtins__=builtins,
+                         __loader__=importlib.machinery.SourceFileLoader("__main__", path))
+    sys.modules["__main__"] = main
+    exec(code, main.__dict__)
 
 
 def _report(e: BaseException) -> None:

@@ -135,7 +135,6 @@ class Torchrun:
         if self.job is not None:
             raise RuntimeError("Torchrun runs one job; make another Torchrun for the next")
         job = self.job = TorchrunJob(self.ranks)
-        job.log_dir = getattr(getattr(self.config, "logs_specs", None), "root_log_dir", None)
         main = threading.current_thread() is threading.main_thread()
         handlers = {s: signal.getsignal(s) for s in _AGENT_SIGNALS} if main else {}
         try:
@@ -148,6 +147,7 @@ class Torchrun:
         except KeyboardInterrupt:  # before the agent took SIGINT over
             job.interrupted = "SIGINT"
         finally:
+            job.log_dir = getattr(getattr(self.config, "logs_specs", None), "root_log_dir", None)  # the last attempt's
             for s, handler in handlers.items():
                 signal.signal(s, handler)
             job._done.set()

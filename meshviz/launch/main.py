@@ -4,13 +4,34 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
+import shutil
 import signal
 import socket
 import sys
-import tempfile
+
+from .logs import LogCopier, WorkerLogs
 
 __all__ = ["main", "launch", "parse_args", "build_config"]
+
+
+def _bool(text: str) -> bool:
+    """Paddle's ``strtobool`` for its yes/no flags."""
+    v = str(text).strip().lower()
+    if v in ("y", "yes", "t", "true", "on", "1"):
+        return True
+    if v in ("n", "no", "f", "false", "off", "0"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected a yes/no value (true, false, 1, 0, ...), got {text!r}")
+
+
+# Paddle's flags for what meshviz does not run: given, they are refused, saying why (None: not given)
+_PS = "a parameter-server flag (Paddle's --run_mode ps)"
+_REFUSED = {"servers": _PS, "trainers": _PS, "trainer_num": _PS, "server_num": _PS, "gloo_port": _PS, "with_gloo": _PS,
+            "auto_parallel_config": "a flag of Paddle's auto-parallel tuner", "auto_tuner_json": "a flag of Paddle's "
+            "auto-tuner"}
+_LEVELS = ("DEBUG", "INFO", "WARNING", "WARN", "ERROR", "CRITICAL", "FATAL", "NOTSET")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -19,19 +40,34 @@ def parse_args(argv=None) -> argparse.Namespace:
         description="Start a distributed training script on this node, Paddle's way (on torchrun's agent).")
     p.add_argument("--nproc_per_node", type=int, default=None, help="processes on this node (default: one per "
                    "device in --devices, else one per GPU, else 1)")
-    p.add_argument("--nnodes", type=int, default=None, help="number of nodes (default 1, or len(--ips))")
+    p.add_argument("--nnodes", default=None, help="number of nodes (default 1, or len(--ips)); Paddle's elastic "
+                   "range N:M is refused")
     p.add_argument("--master", default=None, help="ip:port of the rendezvous on node 0 (needed with nnodes > 1)")
     p.add_argument("--rank", type=int, default=-1, help="this node's rank, 0..nnodes-1")
     p.add_argument("--devices", "--gpus", "--xpus", dest="devices", default=None,
                    help="comma-separated GPU ids, one process each, or 'cpu' (default: one process per GPU with "
                         "NCCL when there are enough GPUs, else on the CPU with gloo)")
     p.add_argument("--ips", default=None, help="comma-separated node ips (legacy); node 0's is the master")
+    p.add_argument("--host", default=None, help="this node's ip, to find it in --ips")
     p.add_argument("--log_dir", default="log", help="where workerlog.N (local rank N) goes (default: log)")
+    p.add_argument("--log_overwrite", type=_bool, default=False, help="write workerlog.N afresh (default False: "
+                   "each run is appended to what earlier runs left, as Paddle's)")
+    p.add_argument("--log_level", default="INFO", help="the launcher's own messages: INFO (default) prints the "
+                   "configuration, WARNING and above only warnings and errors")
     p.add_argument("--max_restart", type=int, default=0, help="restarts of the local workers on failure (default "
                    "0: Paddle restarts only in its elastic mode, which meshviz does not have)")
     p.add_argument("--job_id", default="default", help="run id shared by the nodes of one job")
     p.add_argument("--run_mode", default="collective", help="only 'collective' is supported")
     p.add_argument("--start_port", type=int, default=6070, help="master port with --ips and no --master")
+    p.add_argument("--sort_ip", type=_bool, default=False, help="accepted, as Paddle's (node ranks here come "
+                   "from --rank or --ips)")
+    p.add_argument("--enable_gpu_log", type=_bool, default=True, help="accepted, as Paddle's")
+    p.add_argument("--legacy", type=_bool, default=False, help="Paddle's legacy launcher: only false")
+    p.add_argument("--elastic_level", type=int, default=-1, help="only -1 (Paddle's elastic mode is not supported)")
+    p.add_argument("--elastic_timeout", type=int, default=30, help="accepted, as Paddle's (no elastic mode)")
+    p.add_argument("--auto_cluster_config", type=_bool, default=False, help="only false")
+    for name in _REFUSED:
+        p.add_argument(f"--{name}", default=None, help=argparse.SUPPRESS)
     p.add_argument("--hang_after", type=float, default=5.0, help="seconds a rank may wait in one collective "
                    "before node 0 prints the roll-call (which rank waits where, which never arrived); 0: never")
     p.add_argument("--check_collectives", action="store_true", help="compare op, shapes and dtypes across the "
@@ -92,6 +128,34 @@ def _rank_envs(plan, listed: bool) -> list[dict]:
     return out
 
 
+def _paddle_envs(args, plan, nnodes: int, node_rank: int, master: str) -> list[dict]:
+    """Each local worker's Paddle variables, as Paddle's launch sets them: ranks, sizes, the master, the endpoints
+    (with --ips Paddle's ``ip:start_port+i``; else the master's host and the ports after its port, names only), the
+    log folder and, on the CPU, PADDLE_DISTRI_BACKEND=gloo."""
+    from ..runtime.rendezvous import paddle_endpoints, paddle_env
+
+    n = plan.n
+    ips = [i.strip() for i in args.ips.split(",") if i.strip()] if args.ips else None
+    if ips:
+        endpoints = [e for ip in ips for e in paddle_endpoints(ip, args.start_port, n)]
+    else:
+        host, _, port = master.rpartition(":")
+        endpoints = paddle_endpoints(host, int(port), nnodes * n)
+    out = []
+    for i in range(n):
+        g = node_rank * n + i
+        env = paddle_env(g, endpoints)
+        env.update(PADDLE_GLOBAL_RANK=str(g), PADDLE_GLOBAL_SIZE=str(nnodes * n), PADDLE_LOCAL_RANK=str(i),
+                   PADDLE_RANK_IN_NODE=str(i), PADDLE_LOCAL_SIZE=str(n), PADDLE_NNODES=str(nnodes),
+                   PADDLE_MASTER=master, PADDLE_LOG_DIR=os.path.abspath(args.log_dir))
+        if not plan.on_gpu:
+            env["PADDLE_DISTRI_BACKEND"] = "gloo"
+        elif plan.gpus is None:  # the worker sees every GPU: its own is its local rank's (listed: _rank_envs)
+            env["FLAGS_selected_gpus"] = str(i)
+        out.append(env)
+    return out
+
+
 def build_config(args: argparse.Namespace):
     """(LaunchConfig, environment for the workers) from the parsed flags; ValueError on inconsistent flags.
 
@@ -101,10 +165,34 @@ def build_config(args: argparse.Namespace):
     return config, env
 
 
+def _nnodes(text) -> int:
+    """``--nnodes N``; Paddle's elastic ``N:M`` only when N == M (one number of nodes)."""
+    lo, sep, hi = str(text).partition(":")
+    try:
+        n, m = int(lo), int(hi if sep else lo)
+    except ValueError:
+        raise ValueError(f"--nnodes must be a number of nodes, got {text!r}") from None
+    if n != m:
+        raise ValueError(f"--nnodes {text}: an elastic range of nodes (Paddle's elastic mode) is not supported; "
+                         "give one number")
+    return n
+
+
 def _flags(args: argparse.Namespace):
     """(nnodes, node rank, master or None) from the flags that need no torch; ValueError on inconsistent ones."""
     if args.run_mode != "collective":
         raise ValueError(f"--run_mode {args.run_mode!r}: only 'collective' is supported")
+    for name, what in _REFUSED.items():
+        if getattr(args, name, None) is not None:
+            raise ValueError(f"--{name} is {what}, which meshviz does not have (it runs collective jobs)")
+    if args.legacy:
+        raise ValueError("--legacy: Paddle's legacy launcher is not supported; leave the flag out")
+    if args.elastic_level != -1:
+        raise ValueError(f"--elastic_level {args.elastic_level}: Paddle's elastic mode is not supported (only -1)")
+    if args.auto_cluster_config:
+        raise ValueError("--auto_cluster_config: Paddle's auto-parallel cluster search is not supported")
+    if str(args.log_level).upper() not in _LEVELS:
+        raise ValueError(f"--log_level must be one of DEBUG, INFO, WARNING, ERROR, CRITICAL, got {args.log_level!r}")
     if args.nproc_per_node is not None and args.nproc_per_node < 1:
         raise ValueError(f"--nproc_per_node must be >= 1, got {args.nproc_per_node}")
     spec = _spec(args)
@@ -112,7 +200,7 @@ def _flags(args: argparse.Namespace):
         raise ValueError(f"--nproc_per_node {args.nproc_per_node} asks for more processes than the {len(spec)} "
                          f"devices listed in --devices {args.devices}")
     ips = [i.strip() for i in args.ips.split(",") if i.strip()] if args.ips else None
-    nnodes = args.nnodes if args.nnodes is not None else (len(ips) if ips else 1)
+    nnodes = _nnodes(args.nnodes) if args.nnodes is not None else (len(ips) if ips else 1)
     if nnodes < 1:
         raise ValueError(f"--nnodes must be >= 1, got {nnodes}")
     if ips and len(ips) != nnodes:
@@ -122,9 +210,10 @@ def _flags(args: argparse.Namespace):
         if nnodes == 1:
             node_rank = 0
         elif ips:
-            mine = [i for i, ip in enumerate(ips) if ip in _local_ips()]
+            here = {args.host} if args.host else _local_ips()
+            mine = [i for i, ip in enumerate(ips) if ip in here]
             if len(mine) != 1:
-                raise ValueError(f"cannot tell which of --ips {ips} is this node; pass --rank")
+                raise ValueError(f"cannot tell which of --ips {ips} is this node; pass --rank (or --host)")
             node_rank = mine[0]
         else:
             raise ValueError("--nnodes > 1 needs --rank (this node's rank)")
@@ -165,13 +254,14 @@ def _build(args: argparse.Namespace, flags=None):
     from ..runtime import watchdog
 
     env = {"MESHVIZ_LAUNCH_MERGE_STDERR": "1", "MESHVIZ_BACKEND": plan.backend,
-           "MESHVIZ_LAUNCH_RANK_ENV": json.dumps(_rank_envs(plan, listed=isinstance(_spec(args), tuple)))}
+           "MESHVIZ_LAUNCH_RANK_ENV": json.dumps(_rank_envs(plan, listed=isinstance(_spec(args), tuple))),
+           "MESHVIZ_LAUNCH_PADDLE_ENV": json.dumps(_paddle_envs(args, plan, nnodes, node_rank, master))}
     if args.hang_after > 0:
         env[watchdog.HANG_AFTER_ENV] = str(args.hang_after)
         env[watchdog.HOST_ENV] = "parent"  # node 0's launcher prints the roll-call
     if args.check_collectives:
         env["MESHVIZ_CHECK_COLLECTIVES"] = "1"
-    logs = _WorkerLogs(args.log_dir, tee_ranks={0} if node_rank == 0 else set())
+    logs = WorkerLogs(args.log_dir, tee_ranks={0} if node_rank == 0 else set())
     config = LaunchConfig(
         min_nodes=nnodes,
         max_nodes=nnodes,
@@ -206,52 +296,13 @@ def _agent_store(config, reservation):
     return rendezvous.serve_store(reservation, None, timeout, multi_tenant=True)
 
 
-def _make_logs_specs():
-    from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs
-
-    class WorkerLogs(LogsSpecs):
-        """Paddle's layout: ``<log_dir>/workerlog.<local rank>``, stdout and stderr together; rank 0 tee'd."""
-
-        def __init__(self, log_dir, tee_ranks=frozenset()):
-            os.makedirs(log_dir, exist_ok=True)
-            super().__init__(log_dir=log_dir)
-            self._tee_ranks = set(tee_ranks)
-            self._err_dir = tempfile.mkdtemp(prefix="meshviz-launch-")
-
-        @property
-        def root_log_dir(self) -> str:
-            return str(self._root_log_dir)
-
-        def reify(self, envs):
-            dest = LogsDest()
-            for local_rank in range(len(envs)):
-                path = os.path.join(self._root_log_dir, f"workerlog.{local_rank}")
-                dest.stdouts[local_rank] = path
-                dest.stderrs[local_rank] = ""  # the worker joins stderr to stdout
-                if local_rank in self._tee_ranks:
-                    dest.tee_stdouts[local_rank] = path
-                dest.error_files[local_rank] = os.path.join(self._err_dir, f"error.{local_rank}.json")
-            return dest
-
-    return WorkerLogs
-
-
-class _LazyLogs:
-    cls = None
-
-
-def _WorkerLogs(log_dir, tee_ranks=frozenset()):
-    if _LazyLogs.cls is None:
-        _LazyLogs.cls = _make_logs_specs()
-    return _LazyLogs.cls(log_dir, tee_ranks)
-
-
 def _banner(args, config, plan=None) -> str:
     placed = None if plan is None else f"{', '.join(plan.devices)} ({plan.backend})"
     rows = [("nnodes", config.min_nodes), ("nproc_per_node", config.nproc_per_node), ("node rank",
             config.rdzv_configs["rank"]), ("master", config.rdzv_endpoint), ("devices", args.devices),
             ("workers on", placed),
-            ("log_dir", args.log_dir), ("max_restart", config.max_restarts), ("job_id", config.run_id),
+            ("log_dir", args.log_dir), ("log_overwrite", args.log_overwrite), ("max_restart", config.max_restarts),
+            ("job_id", config.run_id),
             ("training_script", args.training_script), ("training_script_args", args.training_script_args)]
     lines = ["-----------  Configuration Arguments -----------"]
     lines += [f"{k}: {v}" for k, v in rows]
@@ -276,34 +327,42 @@ def launch(argv=None) -> int:
         store = _agent_store(config, reservation)  # served until the agent is done
     except OSError as e:
         print(f"meshviz.launch: error: cannot serve the rendezvous on {config.rdzv_endpoint}: {e}", file=sys.stderr)
+        shutil.rmtree(config.logs_specs.raw_dir, ignore_errors=True)
         return 2
-    print(_banner(args, config, plan), flush=True)
-    if plan.notice:
+    level = logging.getLevelName(args.log_level.upper())
+    if level <= logging.INFO:
+        print(_banner(args, config, plan), flush=True)
+    if plan.notice and level <= logging.WARNING:
         print(f"meshviz.launch: {plan.notice}", file=sys.stderr, flush=True)
     os.environ.update(env)
+    logs = LogCopier(config.logs_specs.raw_dir, args.log_dir, plan.n, args.log_overwrite).start()
     host = _rollcall_host(args, config)
     runner = Torchrun(config, entrypoint=sys.executable)
     hung, over = _stop_when_hung(host, runner) if host is not None else ([], None)
     try:
-        job = runner.start().submit(
-            ["-u", "-m", "meshviz.launch._worker", args.training_script, *args.training_script_args])
+        try:
+            job = runner.start().submit(
+                ["-u", "-m", "meshviz.launch._worker", args.training_script, *args.training_script_args])
+        finally:
+            logs.stop()
         if hung:
             return _report_hang(args, hung[0])
         if job.interrupted is not None:
             print(f"meshviz.launch: {job.interrupted}: the workers were stopped", file=sys.stderr, flush=True)
             return 128 + signal.Signals[job.interrupted].value
         if job.exception is not None:
-            return _report_failure(args, job, host)
+            return _report_failure(args, job, host, logs)
     finally:
         if over is not None:
             over.set()
         if host is not None:
             host.stop()
+        logs.remove_raw()
         del store
     return 0
 
 
-def _report_failure(args, job, host) -> int:
+def _report_failure(args, job, host, logs) -> int:
     """Say which workers failed (the agent stopped the others), the roll-call's diagnosis and their logs' tails."""
     failed = job.failed()
     rc = host.blame() if host is not None else None
@@ -317,8 +376,7 @@ def _report_failure(args, job, host) -> int:
         f = job.failures[rank]
         path = os.path.join(args.log_dir, f"workerlog.{f.local_rank}")
         if os.path.exists(path):
-            with open(path, errors="replace") as fh:
-                tail = fh.read().splitlines()[-15:]
+            tail = logs.this_run(f.local_rank).splitlines()[-15:]  # this run's: the log keeps earlier runs' too
             print(f"---- tail of {path} (rank {rank}, exit code {f.exitcode}) ----", file=sys.stderr)
             print("\n".join(tail), file=sys.stderr)
     return 1

@@ -16,6 +16,7 @@ from . import outcomes as _outcomes
 from .options import check_spawn_options
 from .outcomes import exit_text, read_report
 from .returns import Returns, put_return
+from .spawn_context import SpawnContext
 
 __all__ = ["spawn", "SpawnContext", "RankProcesses", "DEFAULT_START_METHOD"]
 
@@ -285,6 +286,8 @@ def _spawn_entry(index, port, func, args, world, env, rank_envs=None, returns=No
     if rank_envs:
         os.environ.update(rank_envs[index])  # this rank's device, before anything starts CUDA here
     os.environ.update(rendezvous.rank_env(index, world, rendezvous.LOOPBACK, port, hosted=True))
+    # Paddle's variables, as its spawn sets them: the first endpoint is the master (the store)
+    os.environ.update(rendezvous.paddle_env(index, rendezvous.paddle_endpoints(rendezvous.LOOPBACK, port, world)))
     import torch
 
     from ..runtime.world import exit_quietly
@@ -310,136 +313,23 @@ def _importable(func) -> bool:
     return True
 
 
-class SpawnContext:
-    """The processes' one job (a :class:`~meshviz.ranks.runner.Job`), and what ``spawn`` returns: ``join()`` waits
-    and raises :class:`RankError` when a rank fails; ``processes`` are the children; after ``spawn``,
-    ``return_queues[r].get()`` is what rank ``r``'s function returned, as in Paddle."""
-
-    def __init__(self, procs: RankProcesses, read_reports, stop_on_failure: bool = True):
-        self._procs = procs
-        self.processes = procs.processes
-        self.ranks = list(range(procs.n))
-        self._read = read_reports
-        self._stop_on_failure = stop_on_failure
-        self._error: RankError | None = None
-        self._results: tuple[dict, dict | None] | None = None
-        self._deadline_s: float | None = None  # the wait that ran out, when one did
-        self._deadline_rc = None  # the roll-call taken when the ranks still running at it were ended
-        self._closed = False
-        self.return_queues: list = []
-        self.returns: Returns | None = None  # spawn's: closed with the job, the values read first
-
-    def done(self) -> bool:
-        return all(p.exitcode is not None for p in self.processes)
-
-    def pending(self) -> list[int]:
-        return [r for r, p in enumerate(self.processes) if p.exitcode is None]
-
-    def wait(self, timeout: float | None = None) -> bool:
-        """Wait for every rank (at most ``timeout`` seconds; with ``stop_on_failure`` the others are ended once
-        one fails); True once all have ended, well or not."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        procs = self._procs
-        try:
-            while not self._closed and not procs.done():
-                left = None if deadline is None else max(0.0, deadline - time.monotonic())
-                if procs.host is not None:  # look at the roll-call a few times a second
-                    left = 0.25 if left is None else min(left, 0.25)
-                procs.wait(left)
-                rc = None if procs.host is None else procs.host.unending()
-                if self._stop_on_failure and rc is not None:
-                    # a mismatch, or ranks missing that returned: they would wait until the timeout
-                    procs.terminate("hang")
-                    self._error = procs.rank_error({}, rollcall=rc)
-                    break
-                if self._stop_on_failure and procs.failed():
-                    rc = procs.blame()  # before the others are ended: they still answer the roll-call
-                    procs.terminate()
-                    self._error = procs.rank_error(self.results()[0], rollcall=rc)
-                    break
-                if deadline is not None and time.monotonic() >= deadline and not procs.done():
-                    self._deadline_s = timeout
-                    return False
-        except BaseException:
-            procs.terminate()
-            self._close()
-            raise
-        self._close()
-        return True
-
-    def _close(self) -> None:
-        if not self._closed:
-            _remove(self._procs.error_files)
-            if self.returns is not None:
-                self.returns.close()
-            self._procs.close()
-            self._closed = True
-
-    def results(self) -> tuple[dict, dict | None]:
-        """(reports, values) as the ranks left them: rank -> (summary, traceback, when) for the ranks that raised,
-        rank -> the value each returned (None when the function returns nothing to this process)."""
-        if self._results is None:
-            results = self._read()
-            if not self.done():
-                return results
-            self._results = results
-        return self._results
-
-    def end_running(self) -> None:
-        """End the ranks still running after a wait ran out (their outcome: ``"running"``), the roll-call taken
-        first: the error then names a rank that never entered the collective the others wait in."""
-        if not self.done():
-            self._deadline_rc = self._procs.blame()
-        self._procs.terminate("running")
-
-    def outcomes(self) -> list[RankOutcome]:
-        if self._error is not None:
-            return list(self._error.outcomes)
-        reports, values = self.results()
-        return self._procs.outcomes(reports, values, self._deadline_s)
-
-    def error(self) -> RankError | None:
-        """The RankError once a rank failed: it raised, died, or returned no result (None while running)."""
-        if self._error is None and self.done():
-            reports, values = self.results()
-            bad = reports or (len(values) < len(self.ranks) if values is not None else self._procs.failed())
-            bad = bad or bool(self._procs.ended)  # ended by stop() or a deadline: no result
-            if bad:
-                self._error = self._procs.rank_error(reports, values, self._deadline_s, self._deadline_rc)
-        return self._error
-
-    def join(self, timeout: float | None = None) -> bool:
-        """Wait for every rank (at most ``timeout`` seconds); True once all exited cleanly."""
-        if not self.wait(timeout):
-            return False
-        err = self.error()
-        if err is not None:
-            raise err
-        return True
-
-
-def _remove(paths) -> None:
-    for p in paths:
-        try:
-            os.unlink(p)
-        except OSError:
-            pass
-
-
 def spawn(func, args=(), nprocs: int = -1, join: bool = True, daemon: bool = False, **options):
     """Run ``func(*args)`` in ``nprocs`` new processes, ranks 0..nprocs-1, with the process-group variables set.
 
     ``nprocs=-1`` uses one process per GPU, or 2 on a CPU-only machine. If one rank raises or dies, the others are
     stopped and a :class:`RankError` names that rank (and any rank that never reached the rendezvous) with its
-    traceback. ``options``: ``backend``, ``devices`` (``"auto"``, ``"cpu"``, ``"cuda"`` or GPU ids; Paddle's
-    ``gpus="0,1"`` too), ``timeout`` (seconds), ``trace`` (a JSONL path, ``{rank}`` filled in), ``threads``
-    (torch threads per rank, default 1), ``start_method`` (default ``"forkserver"``: ranks forked from a server
-    that imported torch once; ``"fork"`` for a function a new process cannot import by name), ``hang_after``
-    (seconds a rank may wait in one collective before the roll-call is printed to stderr, default 5; None: no
-    watchdog), ``check_collectives`` (compare op, shapes and dtypes before each collective on gloo, default off);
-    Paddle's ``print_config`` is accepted and ignored (its deprecated options warned about), ``ips`` may name this
-    machine; any other name raises ValueError, as in Paddle. Returns the joined :class:`SpawnContext`, as Paddle
-    (``join=False``: at once). When a collective times out, the error names the ranks that never entered it;
+    traceback. ``options``: ``backend`` (``"gloo"``, ``"nccl"``; ``"auto"`` or None: meshviz picks, as Paddle's
+    default), ``devices`` (``"auto"``, ``"cpu"``, ``"cuda"`` or GPU ids; Paddle's ``gpus="0,1"`` too),
+    ``timeout`` (seconds), ``trace`` (a JSONL path, ``{rank}`` filled in), ``threads`` (torch threads per rank,
+    default 1), ``start_method`` (default ``"forkserver"``: ranks forked from a server that imported torch once;
+    ``"fork"`` for a function a new process cannot import by name), ``hang_after`` (seconds a rank may wait in one
+    collective before the roll-call is printed to stderr, default 5; None: no watchdog), ``check_collectives``
+    (compare op, shapes and dtypes before each collective on gloo, default off); Paddle's ``print_config`` is
+    accepted and ignored (its deprecated options warned about), ``ips`` may name this machine; any other name
+    raises ValueError, as in Paddle. Each rank gets torch's variables and Paddle's spawn's (PADDLE_TRAINER_ID,
+    PADDLE_TRAINERS_NUM, PADDLE_TRAINER_ENDPOINTS, PADDLE_CURRENT_ENDPOINT, PADDLE_DISTRI_BACKEND, and a GPU rank
+    FLAGS_selected_gpus). Returns the joined :class:`SpawnContext`, as Paddle (``join=False``: at once). When a
+    collective times out, the error names the ranks that never entered it;
     where every rank missing from it has returned (or died), it says so at the roll-call, without waiting.
 
     Ranks and GPUs are counted before any process starts (:func:`meshviz.core.devices.plan_devices`): one GPU per
@@ -458,15 +348,16 @@ def spawn(func, args=(), nprocs: int = -1, join: bool = True, daemon: bool = Fal
     if isinstance(nprocs, bool) or not isinstance(nprocs, int) or (nprocs < 1 and nprocs != -1):
         raise ValueError(f"spawn: nprocs must be a positive int or -1, got {nprocs!r}")
     check_spawn_options(options)
+    backend = options.get("backend") or None
+    backend = None if backend == "auto" else backend  # Paddle's default: NCCL on GPUs, else gloo
     plan = plan_devices(None if nprocs == -1 else nprocs, options.get("devices", options.get("gpus")),
-                        visible_gpu_count(), options.get("backend") or None, default_cpu=2, who="spawn",
-                        names={"n": "nprocs"})
+                        visible_gpu_count(), backend, default_cpu=2, who="spawn", names={"n": "nprocs"})
     nprocs = plan.n
     if plan.notice:
         warnings.warn(plan.notice, DeviceNotice, stacklevel=2)
-    env = {}
-    if options.get("backend"):
-        env["MESHVIZ_BACKEND"] = options["backend"]
+    env = {"PADDLE_DISTRI_BACKEND": plan.backend}
+    if backend:
+        env["MESHVIZ_BACKEND"] = backend
     if options.get("timeout") is not None:
         env["MESHVIZ_TIMEOUT"] = str(options["timeout"])
     if options.get("trace"):
@@ -482,7 +373,7 @@ def spawn(func, args=(), nprocs: int = -1, join: bool = True, daemon: bool = Fal
     if method is None:
         method = DEFAULT_START_METHOD if _importable(func) else "fork"
     timeout = float(env.get("MESHVIZ_TIMEOUT", os.environ.get("MESHVIZ_TIMEOUT", DEFAULT_TIMEOUT_S)))
-    rank_envs = [rank_env(plan, r) for r in range(nprocs)]
+    rank_envs = [_with_selected_gpu(rank_env(plan, r), plan, r) for r in range(nprocs)]
     procs = RankProcesses(nprocs, timeout, method, daemon, hang_after=hang_after).start()
     returns = Returns()
     ctx = procs.submit(partial(_spawn_entry, port=procs.port, func=func, args=tuple(args), world=nprocs, env=env,
@@ -492,3 +383,10 @@ def spawn(func, args=(), nprocs: int = -1, join: bool = True, daemon: bool = Fal
         return ctx
     ctx.join()
     return ctx
+
+
+def _with_selected_gpu(env: dict, plan, rank: int) -> dict:
+    """A GPU rank's id in FLAGS_selected_gpus too, as Paddle's spawn sets it (a CPU rank gets none, as in Paddle)."""
+    if plan.on_gpu:
+        env["FLAGS_selected_gpus"] = str(rank if plan.gpus is None else plan.gpus[rank])
+    return env

@@ -9,7 +9,8 @@ import torch.distributed as tdist
 
 from .. import compat, rank_context
 from ..core.mesh import ProcessMesh
-from .world import get_world_size, init_parallel_env
+from .group_type import Group
+from .world import get_world_size, global_group, set_up
 
 __all__ = ["rank", "Group", "resolve", "world_group", "register", "lookup", "release", "group_for_ranks", "line_group",
            "mesh_groups", "axis_group", "device_mesh", "has_device_mesh", "check_mesh_in_world", "reset", "clear_cache"]
@@ -18,50 +19,6 @@ __all__ = ["rank", "Group", "resolve", "world_group", "register", "lookup", "rel
 def rank() -> int:
     """This process's rank in the default group; 0 before there is one."""
     return tdist.get_rank() if tdist.is_initialized() else 0
-
-
-class Group:
-    """A communication group: ``ranks`` (global), ``rank`` (this process's index in them, -1 if absent).
-
-    ``new_group`` sorts ``ranks`` as Paddle does; a mesh line keeps the mesh's order.
-    """
-
-    def __init__(self, rank: int, id: int, ranks, pg=None, name: str | None = None, missing=()):
-        self.rank = rank
-        self.id = id
-        self.ranks = list(ranks)
-        self.key = tuple(self.ranks)  # the roll-call's name for the group: its ranks in group order
-        self.nranks = len(self.ranks)
-        self.process_group = pg
-        self.name = name or f"_default_pg{id}"
-        self._backend: str | None = None
-        self.missing = tuple(missing)  # ranks the world lacks: the group exists, communicating on it fails
-
-    @property
-    def world_size(self) -> int:
-        """The group's size; -1 on a rank that is not a member (as Paddle's ``Group.world_size``)."""
-        return self.nranks if self.rank >= 0 else -1
-
-    @property
-    def backend(self) -> str:
-        if self._backend is None:  # asked by every collective (comm.run's device check): once per group
-            self._backend = tdist.get_backend(self.process_group) if self.process_group is not None else "undefined"
-        return self._backend
-
-    def is_member(self) -> bool:
-        return self.rank >= 0
-
-    def get_group_rank(self, rank: int) -> int:
-        """Index of global ``rank`` in this group, -1 when it is not a member."""
-        return self.ranks.index(rank) if rank in self.ranks else -1
-
-    def get_global_rank(self, group_rank: int) -> int:
-        if not 0 <= group_rank < self.nranks:
-            raise ValueError(f"group rank {group_rank} outside 0..{self.nranks - 1} of {self}")
-        return self.ranks[group_rank]
-
-    def __repr__(self) -> str:
-        return f"Group(id={self.id}, ranks={self.ranks}, rank={self.rank})"
 
 
 # -- the registry, one per rank: everything below is cleared by reset() -----------------------------------------
@@ -93,12 +50,9 @@ clear_cache = reset
 
 
 def world_group() -> Group:
-    """Group 0: the whole world, in rank order."""
-    init_parallel_env()
-    g = _state().paddle.get(0)
-    if g is None or g.process_group is not tdist.group.WORLD or g.nranks != tdist.get_world_size():
-        g = Group(tdist.get_rank(), 0, range(tdist.get_world_size()), tdist.group.WORLD, name="_default_pg0")
-        _state().paddle[0] = g
+    """Group 0: the whole world, in rank order (the one ``init_parallel_env`` returns)."""
+    set_up()
+    g = _state().paddle[0] = global_group()
     return g
 
 
@@ -136,7 +90,7 @@ def release(group: Group) -> None:
 
 def group_for_ranks(ranks) -> "tdist.ProcessGroup | None":
     """A process group over ``ranks`` in the given order (every rank of the world must call this)."""
-    init_parallel_env()
+    set_up()
     ranks = tuple(int(r) for r in ranks)
     if ranks not in _state().by_ranks:
         if len(ranks) == get_world_size() and ranks == tuple(range(len(ranks))):

@@ -15,6 +15,8 @@ __all__ = [
     "connect_store",
     "process_group_store",
     "rank_env",
+    "paddle_endpoints",
+    "paddle_env",
     "is_loopback",
     "loopback_ifname",
     "mark_arrived",
@@ -199,6 +201,24 @@ def rank_env(rank: int, world: int, master_addr: str, master_port: int, local_ra
     if hosted:
         env[HOSTED] = "True"
     return env
+
+
+def paddle_endpoints(host: str, port: int, n: int) -> list[str]:
+    """Paddle's names for ``n`` ranks, ``host:port`` for the first (the master, as in Paddle's ``spawn``) and the
+    next ports for the others: names only (meshviz's ranks meet at the master's store, not at their endpoints)."""
+    port = int(port)
+    ports = [port + i if port + n - 1 <= 65535 else (port - 1024 + i) % (65536 - 1024) + 1024 for i in range(n)]
+    return [f"{host}:{p}" for p in ports]
+
+
+def paddle_env(rank: int, endpoints: list[str]) -> dict[str, str]:
+    """The variables Paddle's ``spawn`` gives rank ``rank`` of the ranks at ``endpoints`` (its launch, more)."""
+    return {
+        "PADDLE_TRAINER_ID": str(rank),
+        "PADDLE_TRAINERS_NUM": str(len(endpoints)),
+        "PADDLE_TRAINER_ENDPOINTS": ",".join(endpoints),
+        "PADDLE_CURRENT_ENDPOINT": endpoints[rank],
+    }
 
 
 def is_loopback(addr: str) -> bool:

@@ -20,6 +20,7 @@ from ..rank_context import getenv as _getenv
 from ..trace.state import trace_state
 from . import rendezvous, rollcall, watchdog
 from .devices import device, initial_device
+from .group_type import Group
 
 __all__ = [
     "init_parallel_env",
@@ -36,6 +37,7 @@ __all__ = [
 @dataclass
 class WorldState:
     set_up_for: Any = None  # the default group init_parallel_env last set this rank up for (rank getter, trace)
+    group: Any = None  # the global Group on it
 
 
 WORLD = rank_context.slot("world", WorldState)
@@ -63,13 +65,74 @@ def _env_int(*names, default=None):
     return default
 
 
-def init_parallel_env(backend: str | None = None, timeout: float | None = None):
-    """Initialise the default process group from torchrun's variables (RANK, WORLD_SIZE, MASTER_ADDR, ...).
+def _paddle_env_as_torch() -> None:
+    """Paddle's variables as torchrun's where torchrun's are not set (``paddle.distributed.launch`` and ``spawn`` set
+    Paddle's, and so does a cluster scheduler for ``init_parallel_env``): RANK from PADDLE_TRAINER_ID, WORLD_SIZE
+    from PADDLE_TRAINERS_NUM, LOCAL_RANK and LOCAL_WORLD_SIZE from PADDLE_LOCAL_RANK / PADDLE_LOCAL_SIZE (else the
+    endpoints on this endpoint's host); the master is MASTER_ADDR:MASTER_PORT when both are set, else PADDLE_MASTER,
+    else the first of PADDLE_TRAINER_ENDPOINTS, as Paddle's ``init_parallel_env`` reads them."""
+    env = os.environ
+    endpoints = [e.strip() for e in env.get("PADDLE_TRAINER_ENDPOINTS", "").split(",") if e.strip()]
+    if not (env.get("MASTER_ADDR") and env.get("MASTER_PORT")):
+        name = "PADDLE_MASTER" if env.get("PADDLE_MASTER") else "PADDLE_TRAINER_ENDPOINTS"
+        master = env.get("PADDLE_MASTER") or (endpoints[0] if endpoints else "")
+        if master:
+            host, _, port = master.rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"init_parallel_env: {name} must hold ip:port, got {master!r}")
+            env["MASTER_ADDR"], env["MASTER_PORT"] = host, port
+    for torch_name, paddle_names in (("RANK", ("PADDLE_TRAINER_ID",)), ("WORLD_SIZE", ("PADDLE_TRAINERS_NUM",)),
+                                     ("LOCAL_RANK", ("PADDLE_LOCAL_RANK", "PADDLE_RANK_IN_NODE")),
+                                     ("LOCAL_WORLD_SIZE", ("PADDLE_LOCAL_SIZE",))):
+        given = next((env[n] for n in paddle_names if env.get(n)), None)
+        if not env.get(torch_name) and given is not None:
+            env[torch_name] = given
+    here = env.get("PADDLE_CURRENT_ENDPOINT", "")
+    if here in endpoints:  # the endpoints on this host: this rank's place among them
+        host = here.rpartition(":")[0]
+        local = [e for e in endpoints if e.rpartition(":")[0] == host]
+        env.setdefault("LOCAL_RANK", str(local.index(here)))
+        env.setdefault("LOCAL_WORLD_SIZE", str(len(local)))
+
+
+def _paddle_backend() -> str | None:
+    """PADDLE_DISTRI_BACKEND (Paddle's spawn and launch set it), when meshviz's launchers left MESHVIZ_BACKEND
+    unset: "gloo" or "nccl"; "auto" or unset: None (meshviz decides)."""
+    if os.environ.get("MESHVIZ_BACKEND"):
+        return None
+    be = os.environ.get("PADDLE_DISTRI_BACKEND", "auto").strip().lower()
+    if be in ("", "auto"):
+        return None
+    if be not in ("gloo", "nccl"):
+        raise ValueError(f"init_parallel_env: PADDLE_DISTRI_BACKEND={be!r}: meshviz runs 'gloo' (CPU) and 'nccl' "
+                         "(GPU); leave it unset or 'auto' to have meshviz pick")
+    return be
+
+
+def init_parallel_env(backend: str | None = None, timeout: float | None = None) -> Group:
+    """Initialise the default process group from torchrun's variables (RANK, WORLD_SIZE, MASTER_ADDR, ...) or
+    Paddle's (PADDLE_TRAINER_ID, PADDLE_TRAINERS_NUM, PADDLE_TRAINER_ENDPOINTS: the first is the master); returns
+    the global :class:`~meshviz.runtime.groups.Group` (id 0), the same one every call, as Paddle's.
 
     NCCL when this rank has a GPU of its own, else gloo on the CPU (see ``meshviz.core.devices``: ranks and GPUs
     are counted before anything starts). Idempotent. Without any variables it starts a 1-rank group.
     ``MESHVIZ_TRACE=path/{rank}.jsonl`` records this rank's events to a file.
     """
+    set_up(backend, timeout)
+    return global_group()
+
+
+def global_group() -> Group:
+    """The global group (id 0, every rank in rank order, on the default process group): one object per world."""
+    st = _state()
+    g, pg, n = st.group, tdist.group.WORLD, tdist.get_world_size()
+    if g is None or g.process_group is not pg or g.nranks != n:
+        g = st.group = Group(tdist.get_rank(), 0, range(n), pg, name="_default_pg")
+    return g
+
+
+def set_up(backend: str | None = None, timeout: float | None = None) -> None:
+    """What :func:`init_parallel_env` does before it returns the global group (meshviz's own callers need none)."""
     # -- ranks as threads: the rank's context knows how it joins (its thread world) -----------------------------
     join = _rank_context().init
     if join is not None and not tdist.is_initialized():
@@ -80,18 +143,22 @@ def init_parallel_env(backend: str | None = None, timeout: float | None = None):
     st = _state()
     initialized = tdist.is_initialized()
     if initialized and st.set_up_for is not None and st.set_up_for is tdist.group.WORLD:
-        return st.set_up_for  # every shard_tensor / reshard asks: once set up, nothing to do
+        return  # every shard_tensor / reshard asks: once set up, nothing to do
     if not initialized:
+        _paddle_env_as_torch()
         rank = _env_int("RANK", "PADDLE_TRAINER_ID", default=0)
         world = _env_int("WORLD_SIZE", "PADDLE_TRAINERS_NUM", default=1)
         os.environ.setdefault("MASTER_ADDR", rendezvous.LOOPBACK)
         reservation = None
         if "MASTER_PORT" not in os.environ:
             if world != 1:
-                raise RuntimeError("init_parallel_env: WORLD_SIZE > 1 but MASTER_PORT is not set")
+                raise RuntimeError(
+                    f"init_parallel_env: {world} ranks but no master: set MASTER_ADDR and MASTER_PORT (or Paddle's "
+                    "PADDLE_TRAINER_ENDPOINTS, whose first is the master), or start the ranks with dist.spawn or "
+                    "python -m meshviz.launch")
             reservation = rendezvous.reserve_port()  # held until this rank's store serves on it
             os.environ["MASTER_PORT"] = str(reservation.port)
-        backend, dev = initial_device(backend)  # what spawn / launch decided, or the same decision made here
+        backend, dev = initial_device(backend or _paddle_backend())  # what spawn / launch decided, or the same here
         kwargs = {}
         if dev.type == "cuda":
             torch.cuda.set_device(dev)
@@ -125,7 +192,6 @@ def init_parallel_env(backend: str | None = None, timeout: float | None = None):
         trace.add_sink(trace.JSONLSink(path))
         atexit.register(trace.flush, trace_state())  # the last deferred events reach the file
     st.set_up_for = tdist.group.WORLD
-    return st.set_up_for
 
 
 def is_initialized() -> bool:
@@ -156,7 +222,8 @@ def get_world_size(group=None) -> int:
 
 
 class ParallelEnv:
-    """Paddle's ``ParallelEnv``: rank, world size, device id of this process."""
+    """Paddle's ``ParallelEnv``: this process's rank, world size, device and endpoints (Paddle's variables, which
+    ``spawn`` and ``launch`` set)."""
 
     @property
     def rank(self) -> int:
@@ -168,12 +235,38 @@ class ParallelEnv:
 
     @property
     def local_rank(self) -> int:
-        return _env_int("LOCAL_RANK", default=0)
+        """This process's rank on its machine (Paddle's is the global rank under another name: the same on one)."""
+        return _env_int("LOCAL_RANK", "PADDLE_LOCAL_RANK", default=0)
 
     @property
     def device_id(self) -> int:
+        """The index of this rank's GPU; -1 on the CPU (Paddle's CPU build has none: it raises AttributeError)."""
         dev = device() if tdist.is_initialized() else initial_device()[1]
         return -1 if dev.type != "cuda" else dev.index
+
+    @property
+    def device_type(self) -> str:
+        """The custom device type, as Paddle's: "" (CPUs and CUDA GPUs are not custom devices)."""
+        return ""
+
+    @property
+    def current_endpoint(self) -> str:
+        """This rank's ``ip:port`` (PADDLE_CURRENT_ENDPOINT), "" when not set."""
+        return _getenv("PADDLE_CURRENT_ENDPOINT") or ""
+
+    @property
+    def trainer_endpoints(self) -> list[str]:
+        """Every rank's ``ip:port`` (PADDLE_TRAINER_ENDPOINTS), ``[""]`` when not set, as Paddle's."""
+        return (_getenv("PADDLE_TRAINER_ENDPOINTS") or "").split(",")
+
+    @property
+    def nrings(self) -> int:
+        return int(_getenv("FLAGS_nccl_nrings") or 1)
+
+    @property
+    def pg_timeout(self) -> int:
+        """The collective timeout in milliseconds (meshviz's: ``MESHVIZ_TIMEOUT``)."""
+        return int(default_timeout().total_seconds() * 1000)
 
     dev_id = device_id
     nranks = world_size

@@ -1,0 +1,100 @@
+"""Paddle's group API (new_group, get_group, get_backend, ...) and its rule: init_parallel_env comes first."""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import operator
+
+import torch.distributed as tdist
+
+from ..runtime import groups
+from ..runtime.groups import Group
+
+__all__ = ["needs_init", "new_group", "get_group", "get_backend", "is_available", "destroy_process_group"]
+
+
+def needs_init(fn):
+    """``fn`` raises RuntimeError, before it communicates, when no default process group exists yet (Paddle's
+    collectives and ``new_group`` raise then too: they need ``init_parallel_env`` first)."""
+
+    @functools.wraps(fn)
+    def checked(*args, **kwargs):
+        if not tdist.is_initialized():
+            raise RuntimeError(f"{fn.__name__}: the default process group is not initialized; call "
+                               "dist.init_parallel_env() first (or fleet.init(is_collective=True))")
+        return fn(*args, **kwargs)
+
+    return checked
+
+
+def _int_ranks(given) -> list[int]:
+    try:
+        ranks = list(given)
+        if isinstance(given, (str, bytes)) or any(isinstance(r, bool) for r in ranks):
+            raise TypeError
+        return [operator.index(r) for r in ranks]  # ints, numpy ints; not floats or strings
+    except TypeError:
+        raise ValueError(f"new_group: ranks must be a list of int global ranks, got {given!r}") from None
+
+
+@needs_init
+def new_group(ranks=None, backend=None, timeout=None) -> Group:
+    """A group over ``ranks`` (sorted, like Paddle); every rank of the world must call it, in the same order."""
+    world = tdist.get_world_size()
+    ranks = list(range(world)) if ranks is None else _int_ranks(ranks)
+    if not ranks:
+        raise ValueError("new_group: ranks must not be empty")
+    dup = sorted({r for r in ranks if ranks.count(r) > 1})
+    if dup:
+        raise ValueError(f"new_group: duplicate ranks {dup} in {ranks}")
+    bad = [r for r in ranks if not 0 <= r < world]
+    if bad:
+        raise ValueError(f"new_group: ranks {bad} are outside the world 0..{world - 1}")
+    if backend not in (None, "gloo", "nccl", "bkcl", "xccl"):
+        raise ValueError(f"new_group: unknown backend {backend!r}")
+    ranks = sorted(ranks)
+    if tdist.get_backend() not in ("gloo", "nccl"):  # ranks as threads or simulated make groups of their own kind
+        backend = None
+    if backend is None and timeout is None:
+        pg = groups.group_for_ranks(ranks)
+    else:
+        be = backend if backend in ("gloo", "nccl") else None
+        to = None if timeout is None else (
+            timeout if isinstance(timeout, datetime.timedelta) else datetime.timedelta(seconds=timeout))
+        pg = tdist.new_group(ranks, timeout=to, backend=be)
+        if pg is tdist.GroupMember.NON_GROUP_MEMBER:
+            pg = None
+    return groups.register(ranks, pg)
+
+
+def get_group(id: int = 0) -> Group | None:
+    """The group ``new_group`` made with this id; 0: the global group (None before ``init_parallel_env``, as
+    Paddle)."""
+    if id == 0 and not tdist.is_initialized():
+        return None
+    return groups.lookup(id)
+
+
+@needs_init
+def get_backend(group=None) -> str:
+    return tdist.get_backend(groups.resolve(group).process_group).upper()
+
+
+def is_available() -> bool:
+    """Whether torch was built with distributed support (Paddle: compiled with it)."""
+    return tdist.is_available()
+
+
+def destroy_process_group(group=None) -> None:
+    """Destroy ``group``; with None (or the world group) every group and the default process group, after which
+    ``is_initialized()`` is False. Destroying a group twice raises ValueError."""
+    if group is not None and not isinstance(group, Group):
+        raise TypeError(f"destroy_process_group: group must be a Group from new_group or None, got "
+                        f"{type(group).__name__}")
+    if group is None or group.id == 0:
+        if tdist.is_initialized():
+            tdist.destroy_process_group()
+        groups.reset()
+        return
+    groups.release(group)
