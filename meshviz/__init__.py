@@ -21,6 +21,7 @@ _LAZY = {
     "WhatIfView": ".widgets",
     "what_if": ".whatif",
     "WhatIf": ".whatif",
+    "LazyGuard": ".lazy",
 }
 
 

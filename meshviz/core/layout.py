@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -64,9 +65,27 @@ def pad_placements(placements, mesh: ProcessMesh) -> list:
 _NORMALIZED: dict = {}  # (tensor ndim, mesh ndim, placements) -> what normalize_placements made of them
 
 
+_MAX_NUMEL = 2**62  # the byte model counts elements in int64, up to twice a tensor's (a ring all-reduce)
+
+
+def _check_numel(shape: Sequence[int]) -> None:
+    """ValueError for a shape of 2**62 elements or more, or with a dim that long (the planner's and the byte model's
+    counts are 64-bit integers; no machine holds such a tensor)."""
+    dims = [int(s) for s in shape]
+    if min(dims, default=0) < 0:
+        return  # a negative size: the caller's own check names it
+    numel = math.prod(dims)
+    if numel >= _MAX_NUMEL or max(dims, default=0) >= _MAX_NUMEL:
+        raise ValueError(f"a tensor of shape {dims} ({numel:.3g} elements) is too large: meshviz counts elements and "
+                         f"bytes in 64-bit integers and takes shapes of fewer than 2**62 ({_MAX_NUMEL:.2g}) elements, "
+                         f"every dim included")
+
+
 def normalize_placements(shape: Sequence[int], mesh: ProcessMesh, placements) -> tuple[Placement, ...]:
     """Validate ``placements`` against ``shape`` and ``mesh``: short lists are padded with Replicate, negative Shard
-    dims become positive, and co-shard orders are rewritten so one nesting has one spelling (``with_nesting``)."""
+    dims become positive, and co-shard orders are rewritten so one nesting has one spelling (``with_nesting``).
+    A shape of 2**62 elements or more raises ``ValueError`` (counts are 64-bit)."""
+    _check_numel(shape)
     key: tuple | None
     try:
         key = (len(shape), mesh.ndim, tuple(placements))

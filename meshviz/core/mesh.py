@@ -53,6 +53,98 @@ def current_rank() -> int | None:
     return int(env) if env is not None else None
 
 
+_INT64 = 2**63
+
+
+def _at(where: str, index) -> str:
+    return where + "".join(f"[{i}]" for i in index)
+
+
+def _short(v) -> str:
+    text = repr(v)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _listed(value, where: str):
+    """``value`` as a list (a range, a generator, a torch tensor ...); ValueError for a single value."""
+    if isinstance(value, (list, tuple)):
+        return value
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+        raise ValueError(f"ProcessMesh: {where} must be a list of process ids, got {_short(value)}")
+    return list(value)
+
+
+def _scalar(value, where: str) -> ValueError:
+    if isinstance(value, np.generic):
+        value = value.item()
+    hint = ""
+    if isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_)):
+        hint = f"; a mesh of one rank is ProcessMesh([{int(value)}])"
+    return ValueError(f"ProcessMesh: {where} must be a list of process ids (nested, one level per mesh axis), got "
+                      f"the single value {_short(value)}{hint}")
+
+
+def _ids_array(value, where: str) -> np.ndarray:
+    """``value`` (nested lists of ints, or an int numpy array) as an int64 array; ValueError naming the first entry
+    that is no process id (a float, a bool, ...), the first row whose length differs, or a single number."""
+    if isinstance(value, np.ndarray) and value.dtype != object:
+        if value.ndim == 0:
+            raise _scalar(value.item(), where)
+        if value.size == 0:
+            return value.astype(np.int64)
+        if value.dtype.kind not in "iu":
+            first = value.ravel()[0].item() if value.size else None
+            raise ValueError(f"process ids must be ints, got a {value.dtype} array ({_short(first)} at "
+                             f"{_at(where, [0] * value.ndim)})")
+        if value.dtype.kind == "u" and value.size and int(value.max()) >= _INT64:
+            raise ValueError(f"process id {int(value.max())} in {where} is too large")
+        return value.astype(np.int64)
+    if isinstance(value, np.ndarray):
+        value = value.tolist()
+    elif not isinstance(value, (list, tuple)):
+        if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+            raise _scalar(value, where)
+        return _ids_array(np.asarray(value), where)  # another array (a torch tensor, a range)
+    try:
+        arr = np.asarray(value)
+    except (ValueError, OverflowError):  # ragged, or an int past int64: the walk below names it
+        arr = None
+    if arr is not None and arr.dtype.kind in "iu" and arr.ndim > 0 and arr.size:
+        if not {bool, np.bool_} & set(map(type, np.asarray(value, dtype=object).ravel())):  # True is an int too
+            return _ids_array(arr, where)
+    flat: list = []
+    shape = _nested(value, where, (), flat)
+    return np.asarray(flat, dtype=np.int64).reshape(shape)
+
+
+def _extent(shape: tuple) -> str:
+    if not shape:
+        return "is one id"
+    if len(shape) == 1:
+        return f"has {shape[0]} entr{'y' if shape[0] == 1 else 'ies'}"
+    return f"has shape {list(shape)}"
+
+
+def _nested(rows, where: str, at: tuple, flat: list) -> tuple:
+    """The shape of ``rows`` (nested lists), its ints appended to ``flat`` in order."""
+    if isinstance(rows, np.ndarray):
+        rows = rows.tolist()
+    if isinstance(rows, (list, tuple)):
+        shapes = [_nested(r, where, at + (i,), flat) for i, r in enumerate(rows)]
+        for i, s in enumerate(shapes):
+            if s != shapes[0]:
+                said = [f"{_at(where, at + (j,))} = {_short(rows[j])} {_extent(shapes[j])}" for j in (0, i)]
+                raise ValueError(f"ProcessMesh rows must all have the same length (a rectangular array of ids): "
+                                 f"{said[0]}, but {said[1]}")
+        return (len(rows),) + (shapes[0] if shapes else ())
+    if isinstance(rows, (bool, np.bool_)) or not isinstance(rows, (int, np.integer)):
+        raise ValueError(f"process ids must be ints, got {_short(rows)} ({type(rows).__name__}) at {_at(where, at)}")
+    if not -_INT64 <= int(rows) < _INT64:
+        raise ValueError(f"process id {int(rows)} at {_at(where, at)} is too large")
+    flat.append(int(rows))
+    return ()
+
+
 class ProcessMesh:
     """An N-D array of distinct, non-negative process ids; axis i is named ``dim_names[i]``.
 
@@ -70,24 +162,23 @@ class ProcessMesh:
         if mesh is None:
             if shape is None or process_ids is None:
                 raise ValueError("ProcessMesh needs `mesh`, or both `shape` and `process_ids`")
-            arr = np.asarray(process_ids).reshape(shape)
+            if not isinstance(process_ids, np.ndarray):
+                process_ids = _listed(process_ids, "process_ids")
+            flat = _ids_array(process_ids, "process_ids").ravel()
+            try:
+                arr = flat.reshape(shape)
+            except (TypeError, ValueError):
+                raise ValueError(f"ProcessMesh: {flat.size} process_ids do not fill the shape {shape!r}") from None
+            if arr.ndim == 0:
+                raise ValueError(f"ProcessMesh needs a shape of at least one axis, got {shape!r}")
         elif isinstance(mesh, ProcessMesh):
             arr = mesh._ids
             dim_names = dim_names if dim_names is not None else mesh._dim_names
         else:
-            try:
-                arr = np.asarray(mesh)
-            except ValueError as e:
-                raise ValueError(f"ProcessMesh rows must all have the same length: {mesh!r}") from e
-        if arr.dtype == object or arr.size == 0:
-            raise ValueError(f"ProcessMesh needs a non-empty, rectangular array of ints, got {mesh!r}")
-        if arr.ndim == 0:
-            arr = arr.reshape(1)
-        if not np.issubdtype(arr.dtype, np.integer):
-            if np.issubdtype(arr.dtype, np.floating) and np.all(arr == np.round(arr)):
-                arr = arr.astype(np.int64)
-            else:
-                raise ValueError(f"process ids must be integers, got {arr.dtype}")
+            arr = _ids_array(mesh, "mesh")
+        if arr.size == 0:
+            given = mesh if mesh is not None else process_ids
+            raise ValueError(f"ProcessMesh needs a non-empty, rectangular array of ints, got {_short(given)}")
         arr = np.ascontiguousarray(arr, dtype=np.int64)
         flat = arr.ravel()
         if (flat < 0).any():

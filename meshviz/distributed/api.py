@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Sequence
 
 import numpy as np
@@ -10,7 +11,7 @@ import torch.distributed as tdist
 import torch.utils._pytree as pytree
 
 from .. import compat, trace
-from ..core.layout import local_block, normalize_placements, pad_placements
+from ..core.layout import local_block, local_shape, normalize_placements, pad_placements, shard_axes
 from ..core.mesh import ProcessMesh
 from ..core.placements import Replicate, Shard
 from ..runtime import groups, ops  # noqa: F401  (ops: every op on a dist tensor goes through it)
@@ -19,7 +20,9 @@ from ..runtime.autograd import place as place_dense
 from ..runtime.autograd import reshard as reshard_fn
 from ..runtime.devices import device
 from ..runtime.dtensor import DistTensor, make_dist
+from ..runtime.match import checking
 from ..runtime.world import init_parallel_env
+from ..trace.status import name_ranks
 
 __all__ = [
     "shard_tensor",
@@ -134,7 +137,14 @@ def _global_shape(local: torch.Tensor, mesh: ProcessMesh, placements) -> list[in
 
 
 def dtensor_from_local(local_tensor, mesh: ProcessMesh, placements, shape=None):
-    """A dist tensor whose block on this rank is ``local_tensor`` (global shape: local x mesh, unless ``shape``)."""
+    """A dist tensor whose block on this rank is ``local_tensor`` (global shape: local x mesh, unless ``shape``).
+
+    Every rank calls it. Where ``shape`` is given (or collectives are checked, ``MESHVIZ_CHECK_COLLECTIVES=1``), one
+    small all-gather of the block shapes checks that every rank of the mesh holds the block the global shape gives it
+    and that the ranks agree on that shape; where not, every rank raises the same ValueError naming the ranks and
+    their blocks (uneven blocks need ``shape``: each rank's block times the mesh differs between them). Without
+    ``shape`` the check is left out of the hot path (a LocalLayer's outputs, a split dataset's batches).
+    """
     if isinstance(local_tensor, DistTensor):
         raise ValueError("dtensor_from_local takes this rank's block as a dense tensor, got a dist tensor; use "
                          "dist.reshard to change its layout, or dist.dtensor_to_local(t) for its block")
@@ -142,21 +152,100 @@ def dtensor_from_local(local_tensor, mesh: ProcessMesh, placements, shape=None):
     if not isinstance(mesh, ProcessMesh):
         raise ValueError(f"expected a ProcessMesh, got {mesh!r}")
     placements = pad_placements(placements, mesh)
+    given = shape is not None
     if shape is None:
         shape = _global_shape(local, mesh, placements)
     elif not all(isinstance(d, (int, np.integer)) and not isinstance(d, bool) and d >= 0 for d in shape):
         raise ValueError(f"dtensor_from_local: shape must be the global shape, non-negative ints, got {shape!r}")
+    shape = [int(d) for d in shape]
     pl = _check(mesh, placements, tuple(shape))
-    if not mesh.contains(_rank()):
+    member = mesh.contains(_rank())
+    _check_blocks(list(local.shape) if member else None, mesh, pl, shape, given)
+    if not member:
         local = compat.empty_block(local.dtype, local.device)
-    else:
-        want = [b - a for a, b in local_block(shape, mesh, pl, mesh.coordinate(_rank()))]
-        if list(local.shape) != want:
-            raise ValueError(f"local tensor of shape {list(local.shape)} on rank {_rank()} does not match the "
-                             f"block {want} that {pl} on {mesh} gives a global shape {list(shape)}")
     out = from_local(local, mesh, pl, shape)
     _emit_placed(out, "dtensor_from_local")
     return out
+
+
+def _shape_code(shape) -> int:
+    return zlib.crc32(repr([int(d) for d in shape]).encode())
+
+
+def _exchange(row: list[int]) -> list[list[int]]:
+    """Every rank's ``row`` (of one length on all), by one all-gather over the world (under the world's timeout)."""
+    n = tdist.get_world_size()
+    mine = torch.tensor(row, dtype=torch.int64, device=device())
+    out = torch.empty(n * len(row), dtype=torch.int64, device=mine.device)
+    compat.all_gather_single(out, mine)
+    return out.view(n, len(row)).tolist()
+
+
+def _check_blocks(mine: list[int] | None, mesh: ProcessMesh, pl, shape: list[int], given: bool) -> None:
+    """ValueError on every rank unless every rank of ``mesh`` holds the block (``mine``: this rank's; None off the
+    mesh) that ``pl`` gives it of one global ``shape`` they all agree on. Block shapes travel only when that fails."""
+    me = _rank()
+    fits = mine is None or mine == list(local_shape(shape, mesh, pl, mesh.coordinate(me)))
+    if not (given or checking()) or tdist.get_world_size() == 1 or tdist.get_backend() == "simulated":
+        # no peer asked: this rank's own block
+        if not fits:
+            raise ValueError(_misfits(mesh, pl, shape, {me: mine}))
+        return
+    head = [int(mine is not None), int(fits), int(given), len(mine or ()), len(shape), _shape_code(shape)]
+    rows = _exchange(head)
+    members = [r for r, h in enumerate(rows) if h[0]]
+    if all(rows[r][1] for r in members) and len({tuple(rows[r][4:]) for r in members}) <= 1:
+        return
+    k = max(max(h[3], h[4]) for h in rows)
+    pad = lambda dims: list(dims) + [-1] * (k - len(dims))
+    full = _exchange(pad(mine or ()) + pad(shape))
+    blocks = {r: full[r][: rows[r][3]] for r in members}
+    shapes = {r: full[r][k: k + rows[r][4]] for r in members}
+    if len({tuple(v) for v in shapes.values()}) > 1:
+        raise ValueError(_disagree(mesh, pl, blocks, shapes, {r: bool(rows[r][2]) for r in members}))
+    raise ValueError(_misfits(mesh, pl, shapes[members[0]], {r: blocks[r] for r in members if not rows[r][1]}))
+
+
+def _misfits(mesh: ProcessMesh, pl, shape, held: dict) -> str:
+    parts = [f"rank {r} holds {b} (its block: {list(local_shape(shape, mesh, pl, mesh.coordinate(r)))})"
+             for r, b in sorted(held.items())]
+    return (f"dtensor_from_local: the local tensor does not match the block that {list(pl)} on {mesh} gives each "
+            f"rank of a global shape {list(shape)}: " + "; ".join(parts))
+
+
+def _disagree(mesh: ProcessMesh, pl, blocks: dict, shapes: dict, given: dict) -> str:
+    kinds: dict = {}
+    for r in sorted(shapes):
+        kinds.setdefault((tuple(shapes[r]), given[r], tuple(blocks[r])), []).append(r)
+    parts = []
+    for (s, g, b), rs in kinds.items():
+        whose = "its" if len(rs) == 1 else "their"
+        parts.append(f"{name_ranks(rs)}: shape={list(s)} ({whose} block {list(b)})" if g else
+                     f"{name_ranks(rs)}: {list(s)} ({whose} block {list(b)} times the mesh)")
+    text = "dtensor_from_local: the ranks of the mesh give different global shapes: " + "; ".join(parts)
+    fit = _fitting_shape(mesh, pl, blocks)
+    if fit is not None:
+        return text + f". The blocks are those of a global shape {fit}: pass shape={fit} on every rank"
+    return text + ". Pass the one global shape (shape=[...]) on every rank, each with its block of it"
+
+
+def _fitting_shape(mesh: ProcessMesh, pl, blocks: dict) -> list[int] | None:
+    """The global shape whose blocks are ``blocks`` (rank -> block shape), if there is one."""
+    if len({len(b) for b in blocks.values()}) != 1:
+        return None
+    ndim = len(next(iter(blocks.values())))
+    if any(isinstance(p, Shard) and p.dim >= ndim for p in pl):
+        return None
+    shape = []
+    for d in range(ndim):
+        axes = shard_axes(pl, d)
+        chunks: dict = {}
+        for r, b in blocks.items():
+            coord = mesh.coordinate(r)
+            chunks.setdefault(tuple(coord[a] for a in axes), b[d])
+        shape.append(sum(chunks.values()))
+    ok = all(list(local_shape(shape, mesh, pl, mesh.coordinate(r))) == list(b) for r, b in blocks.items())
+    return shape if ok else None
 
 
 def dtensor_to_local(dist_tensor, mesh=None, placements=None) -> torch.Tensor:

@@ -125,14 +125,8 @@ def mesh_block(mesh, cell_rgb=None, *, hatched=(), devices=None, groups_axis=Non
     labels: dict = {}
     if total <= MAX_CELL_TEXT:
         for _, _, ids2 in panels:
-            for r in ids2.ravel():
-                r = int(r)
-                lines = [str(r)]
-                if devices and r in devices:
-                    lines.append(str(devices[r]))
-                if text_extra and r in text_extra:
-                    lines.append(str(text_extra[r]))
-                labels[r] = "\n".join(lines)
+            for r in map(int, ids2.ravel()):
+                labels[r] = "\n".join([str(r)] + [str(d[r]) for d in (devices, text_extra) if d and r in d])
     one_line = all("\n" not in s for s in labels.values())
     fs = (9.0 if total <= 16 else 8.0) if one_line else MIN_FONT
     one_d = ids.ndim == 1
@@ -153,6 +147,8 @@ def mesh_block(mesh, cell_rgb=None, *, hatched=(), devices=None, groups_axis=Non
         rows, cols = -(-cols // per), per
         panels = [(t, idx, _wrap(ids2, per, -1)) for t, idx, ids2 in panels]
         panel_rgb = [_wrap(rgb, per, 1.0) for rgb in panel_rgb]
+    n = len(panels)
+    facets = n > 1 and not per
     if labels:
         cw = max(text_size(s, fs)[0] for s in labels.values()) + 0.1
         ch = max(text_size(s, fs)[1] for s in labels.values()) + 0.08
@@ -164,44 +160,51 @@ def mesh_block(mesh, cell_rgb=None, *, hatched=(), devices=None, groups_axis=Non
     elif not labels:  # a row of ranks may use the width; a grid stays about 3 inches
         cell = min(0.3, room / cols) if one_d else min(0.2, 3.2 / max(rows, cols))
     cell = min(cell, room / cols)
+    xlabels = [f"{names[-1]} ({ids.shape[-1]})" + (f", {per} a row" if per else "")] + ([names[-1]] if facets else [])
+    fgap, ncols = (0.1 if facets else 0.0), 1
+    if facets:  # facets to a row: one per index of the second axis of a 4-D mesh (its rows are the first), else all
+        pref = int(ids.shape[-3]) if ids.ndim >= 4 and n % ids.shape[-3] == 0 else n
+        ncols, cell, fs, labels = _facet_columns(n, pref, cols, cell, fs, labels, room, fgap)
     gw, gh = cols * cell, rows * cell
-    xlabel = f"{names[-1]} ({ids.shape[-1]})" + (f", {per} a row" if per else "")
+    xlabel = _fit_label(xlabels, LABEL, max(gw, (room - (ncols - 1) * fgap) / ncols))
     ylabel = "" if one_d or per else _fit_label([f"{names[-2]} ({ids.shape[-2]})", names[-2]], LABEL, max(gh, 0.9))
     over = max(0.0, (text_width(ylabel, LABEL) - gh) / 2) if ylabel else 0.0
-    facet_w = max(left + gw + 0.06, left + text_width(xlabel, LABEL) + 0.06)
-    titles = [elide(t, TITLE, facet_w) for t, _, _ in panels]
-    facet_h = top + over + gh + max(bottom, over + 0.02)
-    gap = 0.2
-    n = len(panels)
-    ncols = max(1, min(n, int((max_w + gap) // (facet_w + gap))))
+    col_w = max(gw, text_width(xlabel, LABEL))  # a facet's column: its grid, or its axis label when that is wider
+    if not facets:  # one panel, or facets each with their own axes (a wrapped row of ranks), side by side
+        col_w += left + 0.06
+        fgap = 0.2
+        ncols = max(1, min(n, int((max_w + fgap) // (col_w + fgap))))
+    titles = [elide(t, TITLE, col_w + (fgap * 0.8 if facets else 0.0)) for t, _, _ in panels]
     nrows = math.ceil(n / ncols)
-    grid_w = ncols * facet_w + (ncols - 1) * gap
-    grid_h = nrows * facet_h + (nrows - 1) * 0.1
+    row_h = top + over + gh
+    vgap = 0.06 if facets else 0.1 + max(bottom, over + 0.02)
+    grid_w = (left + 0.06 if facets else 0.0) + ncols * col_w + (ncols - 1) * fgap
+    grid_h = nrows * row_h + (nrows - 1) * vgap + max(bottom, over + 0.02)
     more = n_all - len(panels)
-    width = grid_w
-    if title:
-        width = max(width, min(text_width(title, TITLE), max(grid_w, 2.2), max_w))
-    parts = []
-    if title:
-        parts.append(text_block(title, TITLE, width=width))
+    width = max(grid_w, min(text_width(title, TITLE), max(grid_w, 2.2), max_w)) if title else grid_w
+    parts = [text_block(title, TITLE, width=width)] if title else []
     tx = np.asarray(index_ticks(cols, gw, TICK, True))
     ty = index_ticks(rows, gh, TICK, False) if per or not one_d else []
     hatched = set(int(r) for r in hatched)
+    line = _group_line(labels, fs, cell) if groups_axis is not None else (0.3, 0.3, 2.5)
 
     def paint_grid(sheet, x0, y0):
         for k, (_, _, ids2) in enumerate(panels):
-            fx = x0 + (k % ncols) * (facet_w + gap)
-            fy = y0 + (k // ncols) * (facet_h + 0.1)
-            panel = Panel(sheet, fx + left, fy + top + over, gw, gh, (-0.5, cols - 0.5), (-0.5, rows - 0.5))
+            c = k % ncols  # facets share their axes: index labels left of the first column, under each column's last
+            px = x0 + left + c * (col_w + fgap) + ((col_w - gw) / 2 if facets else 0.0)
+            show_x, show_y = (k + ncols >= n, c == 0) if facets else (True, True)
+            py = y0 + (k // ncols) * (row_h + vgap) + top + over
+            panel = Panel(sheet, px, py, gw, gh, (-0.5, cols - 0.5), (-0.5, rows - 0.5))
             panel.image(panel_rgb[k])
             if rows * cols <= 16384:  # cell borders as one collection: cheap for big meshes
                 segs = [((j - 0.5, -0.5), (j - 0.5, rows - 0.5)) for j in range(1, cols)]
                 segs += [((-0.5, i - 0.5), (cols - 0.5, i - 0.5)) for i in range(1, rows)]
                 panel.add(LineCollection(segs, colors="white", linewidths=1.5 if cell >= 0.2 else 0.5))
             panel.frame(edgecolor="black", linewidth=0.8)
-            _index_labels(panel, tx, ty, xlabel, ylabel, ystep=per or 1)
+            _index_labels(panel, tx if show_x else tx[:0], ty if show_y else [], xlabel if show_x else "",
+                          ylabel if show_y else "", ystep=per or 1)
             if titles[k]:
-                sheet.text(fx + left + gw / 2, fy + top + over - 0.03, titles[k], TITLE, ha="center", va="bottom")
+                sheet.text(px + gw / 2, py - 0.03, titles[k], TITLE, ha="center", va="bottom")
             for (i, j), r in np.ndenumerate(ids2):
                 s = labels.get(int(r))
                 if s is not None:
@@ -210,10 +213,10 @@ def mesh_block(mesh, cell_rgb=None, *, hatched=(), devices=None, groups_axis=Non
                     panel.add(Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, hatch="xx", linewidth=0,
                                         edgecolor=(0.2, 0.2, 0.2, 0.5)))
             if groups_axis is not None and not per:
-                _draw_groups(panel, ids.ndim, groups_axis, rows, cols)
+                _draw_groups(panel, ids.ndim, groups_axis, rows, cols, line=line)
             elif groups_axis is not None and groups_axis == ids.ndim - 1:  # one line, through each wrapped row
-                _draw_groups(panel, 1, 0, rows - 1, cols)
-                _draw_groups(panel, 1, 0, 1, length - per * (rows - 1), at=rows - 1)
+                _draw_groups(panel, 1, 0, rows - 1, cols, line=line)
+                _draw_groups(panel, 1, 0, 1, length - per * (rows - 1), at=rows - 1, line=line)
 
     parts.append(Block(grid_w, grid_h, paint_grid, mid=None))
     notes = []
@@ -234,6 +237,22 @@ def mesh_block(mesh, cell_rgb=None, *, hatched=(), devices=None, groups_axis=Non
     return out
 
 
+def _facet_columns(n: int, pref: int, cols: int, cell: float, fs: float, labels: dict, room: float, gap: float):
+    """(columns, cell, font size, labels) for ``n`` facets of ``cols`` cells sharing their axes in ``room`` inches:
+    the most columns up to ``pref`` whose cells still hold their labels (smaller cells first, then the smallest
+    font); without labels, the most columns at ``cell``. The labels go only when one column cannot hold them."""
+    tight = {f: max(max(w + 0.03, h + 0.02) for w, h in (text_size(s, f) for s in labels.values()))
+             for f in dict.fromkeys((fs, MIN_FONT))} if labels else {}  # narrowest cells that hold the labels
+    for c in range(min(n, pref), 0, -1):
+        fit = min(cell, (room - (c - 1) * gap) / (c * cols))
+        if not labels and (fit >= cell or c == 1):
+            return c, fit, fs, labels
+        for f, need in tight.items():
+            if fit >= need:
+                return c, fit, f, labels
+    return 1, min(cell, room / cols), fs, {}
+
+
 def _wrap(a, per: int, fill):
     """A one-row panel (1, n, ...) as rows of ``per`` cells, the last row padded with ``fill``."""
     n = a.shape[1]
@@ -243,19 +262,29 @@ def _wrap(a, per: int, fill):
     return out.reshape((nrows, per) + a.shape[2:])
 
 
-def _draw_groups(panel, ndim, axis, rows, cols, at: int = 0):
+def _group_line(labels: dict, fs: float, cell: float) -> tuple[float, float, float]:
+    """(x offset, y offset, width in points) of the group lines in cells of ``cell`` inches: beside the ids (cell
+    units from the centre: 0.3, further out for wide ids, at most on the cell's border), thinner in small cells."""
+    lw = 2.5 if cell >= 0.28 else 1.5
+    if not labels:
+        return 0.3, 0.3, lw
+    w, h = map(max, zip(*(text_size(s, fs) for s in labels.values())))
+    clear = 0.01 + lw / 144  # a pixel, and half the line
+    return (min(0.5, max(0.3, (w / 2 + clear) / cell)), min(0.5, max(0.3, (h / 2 + clear) / cell)), lw)
+
+
+def _draw_groups(panel, ndim, axis, rows, cols, at: int = 0, line=(0.3, 0.3, 2.5)):
     """Lines through the cells that talk: one per line of the mesh along ``axis`` (within this panel), in the
-    ``rows`` rows from row ``at``."""
-    kw = dict(color="black", alpha=0.55, linewidth=2.5, marker="o", markersize=3, solid_capstyle="round")
-    off = 0.3  # beside the ids, not over them
-    if ndim == 1 or axis == ndim - 1:
-        if cols > 1:
-            for i in range(at, at + rows):
-                panel.add(Line2D([0, cols - 1], [i + off, i + off], **kw))
-    elif axis == ndim - 2:
-        if rows > 1:
-            for j in range(cols):
-                panel.add(Line2D([j + off, j + off], [0, rows - 1], **kw))
+    ``rows`` rows from row ``at``; ``line``: where beside the ids they run, and how wide (:func:`_group_line`)."""
+    offx, offy, lw = line
+    kw = dict(color="black", alpha=0.55, linewidth=lw, marker="o", markersize=3 if lw > 2 else 2.5,
+              solid_capstyle="round")
+    if (ndim == 1 or axis == ndim - 1) and cols > 1:
+        for i in range(at, at + rows):
+            panel.add(Line2D([0, cols - 1], [i + offy, i + offy], **kw))
+    elif ndim > 1 and axis == ndim - 2 and rows > 1:
+        for j in range(cols):
+            panel.add(Line2D([j + offx, j + offx], [0, rows - 1], **kw))
 
 
 def _samples(n: int, maxs: int):

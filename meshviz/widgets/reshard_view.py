@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import io
+
 import numpy as np
 
 from ..core import ProcessMesh, parse_placement
 from ..core.placements import placements_str
 from ..core.planner import Plan, apply_step, initial_locals, plan_reshard
-from .base import View, fig_png, plan_ops, target_mesh
+from .base import View, plan_ops, target_mesh
 from .draw import MAX_W, ids_text
 from .mesh_view import as_mesh
-from .sheet import Block, spacer, text_block, text_width, vstack
+from .sheet import DPI, Block, spacer, text_block, text_width, vstack
 from .style import HEAD, LABEL, TITLE, fmt_bytes
 from .tensor_view import TensorState, tensor_state, tensor_state_block
 
@@ -29,6 +31,43 @@ _VERB = {
     "zero_fill": "fill: coordinate 0 keeps the value, the others hold the {reduce} identity",
     "send_recv": "send/recv between meshes",
 }
+
+
+_EXACT = 192  # colours a picture keeps exactly; the rest of its palette of 256 goes to the edges of its text
+_FASTOCTREE = 2  # Image.Quantize.FASTOCTREE (the name is Pillow 9.1's)
+
+
+def _png(fig) -> bytes:
+    """``fig`` as a PNG of 256 colours, about a third of the full-colour file: its 192 commonest colours exactly
+    (cells, blocks, lines, most of the text), each other pixel (the edges of text) the nearest of the palette.
+    Full colour when more than 192 colours each cover 0.1% of it (so many blocks keep every colour exact)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from PIL import Image
+
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    size = canvas.get_width_height()
+    im = Image.frombuffer("RGBA", size, canvas.buffer_rgba(), "raw", "RGBA", 0, 1).convert("RGB")
+    rgb = np.asarray(im, dtype=np.int64)
+    colours, where, counts = np.unique((rgb[..., 0] << 16) | (rgb[..., 1] << 8) | rgb[..., 2], return_inverse=True,
+                                       return_counts=True)
+    order = np.argsort(-counts, kind="stable")
+    out = io.BytesIO()
+    if len(colours) > 256 and counts[order[_EXACT]] * 1000 >= counts.sum():
+        im.save(out, "PNG")
+        return out.getvalue()
+    unpacked = np.stack([colours >> 16, (colours >> 8) & 255, colours & 255], 1)
+    palette = unpacked[order[:_EXACT]] if len(colours) > 256 else unpacked
+    if len(colours) > 256:  # the text's edges: the octree's colours for them, each pixel its nearest in the palette
+        rest = np.asarray((im.quantize(256 - _EXACT, method=_FASTOCTREE).getpalette() or [])[: 3 * (256 - _EXACT)])
+        palette = np.concatenate([palette, rest.reshape(-1, 3)])
+    u, q = unpacked.astype(np.float32), palette.astype(np.float32)  # squared distances, exact ones 0
+    nearest = np.argmin((q * q).sum(1)[None, :] - 2 * u @ q.T, axis=1)  # (|u|^2 is the same along a row)
+    index = nearest[where.reshape(-1)].astype(np.uint8).reshape(size[1], size[0])
+    picture = Image.frombytes("P", size, index.tobytes())
+    picture.putpalette(palette.astype(np.uint8).ravel().tolist())
+    picture.save(out, "PNG")
+    return out.getvalue()
 
 
 def _line(g) -> str:
@@ -305,8 +344,11 @@ class ReshardView(View):
 
     def frame_png(self, f: int) -> bytes:
         if f not in self._cache:
-            self._cache[f] = fig_png(self.frame_figure(f))
+            self._cache[f] = _png(self.frame_figure(f))
         return self._cache[f]
+
+    def png(self, dpi: int = DPI) -> bytes:
+        return _png(self.figure()) if dpi == DPI else super().png(dpi)
 
     # -- widget -----------------------------------------------------------------------------------
     def _widget_png(self) -> bytes:

@@ -88,7 +88,7 @@ def one_rank_other_block():
     old = set_checking(True)
     try:
         mesh = dist.ProcessMesh([0, 1, 2], dim_names=["x"])
-        t = dist.dtensor_from_local(torch.ones(3 if r == 1 else 2), mesh, [dist.Shard(0)])
+        t = dist.shard_tensor(torch.ones(9 if r == 1 else 6), mesh, [dist.Shard(0)])
         with pytest.raises(CollectiveMismatch) as info:
             dist.unshard_dtensor(t)
         # nothing moved: the world goes on
