@@ -356,7 +356,10 @@ def _materialize(t: torch.Tensor, value: torch.Tensor) -> None:
             if not dist or not k.startswith("_") or k in ("_is_param", "_mv_name", "_mv_id_")}
     kept.pop("_mv_lazy", None)
     new.__dict__.update(kept, initialize=_initialized_already)
+    hooks = t._post_accumulate_grad_hooks  # held by the tensor object, not its __dict__: the swap takes them
     torch.utils.swap_tensors(t, new)
+    if hooks is not None:
+        t._post_accumulate_grad_hooks = hooks
 
 
 class _Unready:

@@ -226,6 +226,64 @@ def test_shard_layer_of_a_lazy_model_gives_each_rank_its_block_of_the_eager_valu
         torch.testing.assert_close(after[1], w1_after)
 
 
+def lazy_shard_tensor():
+    """shard_tensor of a lazy parameter kept apart from its module: initialize() gives it its block too."""
+    import meshviz.distributed as dist
+    from meshviz import LazyGuard
+
+    mesh = dist.ProcessMesh([0, 1], dim_names=["x"])
+    torch.manual_seed(0)
+    with LazyGuard():
+        model = MlpModel()
+    w = dist.shard_tensor(model.w0, mesh, [dist.Shard(0)])
+    w.initialize()
+    return dist.dtensor_to_local(w).detach().clone()
+
+
+def test_shard_tensor_of_a_lazy_parameter_gets_its_block_of_the_eager_value():
+    w0 = _eager().w0.detach()
+    for r, block in enumerate(run_ranks(lazy_shard_tensor, 2)):
+        assert torch.equal(block, w0.chunk(2, 0)[r])
+
+
+def lazy_stage1():
+    """shard_optimizer with ShardingStage1 made before initialize() (its shadow of each parameter moves off the meta
+    device at the first step): two AdamW steps as on the eager model."""
+    import meshviz.distributed as dist
+    from meshviz import LazyGuard
+
+    mesh = dist.ProcessMesh([0, 1], dim_names=["dp"])
+    torch.manual_seed(0)
+    with LazyGuard():
+        model = MlpModel()
+    for name in ("w0", "w1"):
+        setattr(model, name, dist.shard_tensor(getattr(model, name), mesh, [dist.Replicate()]))
+    opt = dist.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=0.01), dist.ShardingStage1("dp", mesh))
+    seen = []
+    model.w0.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad is not None))
+    for p in model.parameters():
+        p.initialize()
+    x = dist.shard_tensor(_x(), mesh, [dist.Replicate()])
+    for _ in range(2):
+        model(x).pow(2).mean().backward()
+        opt.step()
+        opt.clear_grad()
+    return [dist.unshard_dtensor(p).detach().clone() for p in model.parameters()], seen
+
+
+def test_a_stage_1_optimizer_made_before_initialize_steps_the_eager_values():
+    eager = _eager()
+    opt = torch.optim.AdamW(eager.parameters(), lr=0.01)
+    for _ in range(2):
+        eager(_x()).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    for got, seen in run_ranks(lazy_stage1, 2):
+        assert seen == [True, True]  # a hook registered before initialize() stays
+        for g, want in zip(got, eager.parameters()):
+            torch.testing.assert_close(g, want.detach())
+
+
 class TwoLinears(torch.nn.Module):
     def __init__(self):
         super().__init__()

@@ -196,8 +196,17 @@ class PlacedZero(Zero):
                 and old.storage_offset() == blk.storage_offset() + lo * blk.stride(d) and old.stride() == blk.stride()):
             return
         part = blk.narrow(d, lo, hi - lo)
-        if part.shape == old.shape and part.dtype == old.dtype and part.device == old.device:
+        if part.shape != old.shape or part.dtype != old.dtype:
+            return
+        if part.device == old.device:
             shadow._hold(new_dist(part, mesh, shadow._mpl, tuple(shadow.shape), shadow.stride(), device=shadow.device))
+        elif old.device.type == "meta" and not self._inner_opt.state.get(shadow):
+            # a LazyGuard parameter initialize()d since the setup: the shadow (the same object) moves to its device
+            new = torch.nn.Parameter(new_dist(part, mesh, shadow._mpl, tuple(shadow.shape), shadow.stride()),
+                                     requires_grad=shadow.requires_grad)
+            new.__dict__.update({k: v for k, v in shadow.__dict__.items() if not k.startswith("_")})
+            new.grad = _like(shadow.grad, new)  # the swap takes the gradient too
+            torch.utils.swap_tensors(shadow, new)
 
     def _lend_grad(self, p) -> None:
         """Backward hook (os, os_g): until the step reduces it, the shadow's gradient is its parameter's (the same
