@@ -110,10 +110,9 @@ def shard_tensor(data, mesh: ProcessMesh, placements: Sequence, dtype=None, plac
                             requires_grad=requires_grad and not is_param)
         if is_param:
             out = torch.nn.Parameter(out, requires_grad=requires_grad)
-            if "_mv_lazy" in data.__dict__:  # a LazyGuard parameter: its block comes with initialize()
-                from ..lazy import follow
-
-                follow(data, out)
+            lazy = data.__dict__.get("_mv_lazy")
+            if lazy is not None:  # a LazyGuard parameter: its block comes with initialize()
+                lazy.carry(data, out)
         out.name = name or getattr(data, "name", None)
         _emit_placed(out, "shard_tensor")
         return out
