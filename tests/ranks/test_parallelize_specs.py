@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from meshviz.testing import run_ranks
+from tests.ranks.test_pipeline_audit import Gate  # H is 4 in both
 
 H, SEED, LR = 4, 1234, 0.01
 
@@ -19,17 +20,6 @@ class Block(nn.Module):
         y = torch.tanh(self.lin(x))
         y = y if skip is None else y + skip
         return y if g is None else y * g
-
-
-class Gate(nn.Module):
-    """A per-row factor every block takes (as a keyword): with global_spec its output lives on the whole mesh."""
-
-    def __init__(self):
-        super().__init__()
-        self.lin = nn.Linear(H, 1)
-
-    def forward(self, x):
-        return torch.sigmoid(self.lin(x))
 
 
 class Net(nn.Module):

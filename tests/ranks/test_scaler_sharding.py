@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshviz.testing import run_ranks
+from tests.ranks.test_fleet_audit import TwoInputs
 
 
 def _fleet(**hybrid):
@@ -19,18 +20,6 @@ def _fleet(**hybrid):
 
 
 # -- fleet's mp input broadcast: no object exchange per forward ------------------------------------------------------
-class _TwoInputs(nn.Module):
-    def __init__(self):
-        from meshviz.distributed.fleet import meta_parallel as mpu
-
-        super().__init__()
-        torch.manual_seed(0)
-        self.col = mpu.ColumnParallelLinear(4, 6, has_bias=True, gather_output=True)
-
-    def forward(self, x, shift=None):
-        return self.col(x) + shift
-
-
 def _inputs(rank):
     g = torch.Generator().manual_seed(10 + rank)
     return torch.randn(3 + rank, 4, generator=g), torch.randn(6, generator=g)
@@ -41,7 +30,7 @@ def _forward_collectives():
     from meshviz import trace
 
     fleet = _fleet(dp_degree=1, mp_degree=2)
-    model = fleet.distributed_model(_TwoInputs())
+    model = fleet.distributed_model(TwoInputs())
     x, shift = _inputs(dist.get_rank())
     with trace.record() as mem:
         ys = [model(x, shift=shift).detach() for _ in range(3)]
