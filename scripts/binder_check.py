@@ -408,10 +408,17 @@ def run_notebook(server: Server, name: str, cell_timeout: float) -> dict:
     kid = session["kernel"]["id"]
     kc = BlockingKernelClient(connection_file=os.path.join(server.runtime, f"kernel-{kid}.json"))
     kc.load_connection_file()
-    kc.start_channels()
+    # no heartbeat: a kernel still starting on a loaded machine misses its 1 s and reads as dead; a kernel that
+    # does die shows as no reply within the timeouts below
+    kc.start_channels(hb=False)
     result = {"notebook": name, "cells": 0, "errors": [], "differ": [], "dead": False}
     try:
-        kc.wait_for_ready(timeout=120)
+        try:
+            kc.wait_for_ready(timeout=180)
+        except RuntimeError as e:
+            result["dead"] = True
+            result["errors"].append(f"the kernel did not answer: {e}")
+            nb["cells"] = []
         for i, cell in enumerate(nb["cells"]):
             if cell["cell_type"] != "code":
                 continue

@@ -45,7 +45,7 @@ matrix() {  # every tier on each release of $MATRIX in turn (in $OUT/torch-V.sum
     # launch's agent and a Cluster's engines are meshviz's own process control, run once on .venv: torch enters
     # them through gloo's start, which the gloo, rendezvous and hang tests run on every release
     if CUDA_VISIBLE_DEVICES= MESHVIZ_RANKS=threads "$venv/bin/python" -m pytest tests/unit tests/ranks \
-        tests/transport --ignore=tests/transport/test_launch.py --ignore=tests/transport/test_cluster.py \
+        tests/transport --ignore-glob='*/transport/test_launch*.py' --ignore=tests/transport/test_cluster.py \
         $notebooks $NBVAL -m "not browser and not torch_free" -p no:cacheprovider -q --durations=10 \
         --junitxml="$OUT/torch-$v.xml" "$@" > "$OUT/torch-$v.log" 2>&1; then
       echo "torch $v: $(tail -n 1 "$OUT/torch-$v.log") (done at $(at))" > "$OUT/torch-$v.summary"
