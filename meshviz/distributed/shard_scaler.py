@@ -9,7 +9,7 @@ import torch
 from ..runtime.devices import device
 from ..runtime.scaler import LossScaler, agree_found_inf, grad_params, settings_of, unscale_blocks_
 
-__all__ = ["shard_scaler"]
+__all__ = ["shard_scaler", "unscale_for_step"]
 
 
 class _ShardScaler(LossScaler):
@@ -96,3 +96,32 @@ def shard_scaler(scaler=None):
             scaler.__class__ = _shard_class(cls)
         return scaler
     return _ShardScaler(**settings_of(scaler))
+
+
+@torch.no_grad()
+def unscale_for_step(optimizer, grad_scaler) -> bool:
+    """What a torch ``GradScaler`` leaves to an optimizer with ``_step_supports_amp_scaling``, which it hands itself
+    to (``optimizer.step(grad_scaler=...)``, on every rank, instead of unscaling and checking the param_groups'
+    gradients alone): every gradient backward made for ``optimizer`` unscaled (what ``unscale_()`` left scaled),
+    the inf/nan check agreed over every rank and recorded as the scaler's, so that its ``update()`` backs off on
+    every rank alike. Returns whether the step is skipped (inf/nan on some rank)."""
+    from torch.amp.grad_scaler import OptState
+
+    state = grad_scaler._per_optimizer_states[id(optimizer)]
+    found = torch.zeros((), dtype=torch.float32, device=grad_scaler._scale.device)
+    todo = grad_params(optimizer)
+    if state["stage"] is OptState.UNSCALED:  # unscale_() ran: torch's own unscaled the param_groups' gradients only
+        for v in state["found_inf_per_device"].values():
+            found += v.to(found.device)
+        if type(grad_scaler)._unscale_grads_ is torch.amp.GradScaler._unscale_grads_:
+            stepped = {id(p) for g in optimizer.param_groups for p in g["params"]}
+            todo = [p for p in todo if id(p) not in stepped]
+        else:  # a scaler that unscales its own way (shard_scaler's) unscaled every gradient
+            todo = []
+    if todo:
+        unscale_blocks_(todo, grad_scaler._scale.double().reciprocal().float(), found)
+    flag = found.to(device())  # on the device the rank's backend reduces (a "cpu" scaler of a GPU rank too)
+    agree_found_inf(flag)
+    found.copy_(flag)
+    state["found_inf_per_device"] = {found.device: found}
+    return bool(found.item())

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 from ...runtime.data_parallel import average_gradients
 from ...runtime.zero import OwnerZero, ShardingGroup, Zero
 from .topology import ParallelMode
@@ -17,6 +19,11 @@ class HybridParallelOptimizer(Zero):
     (``DygraphShardingOptimizer``, the ZeRO engine's :class:`~meshviz.runtime.zero.OwnerZero`): each parameter's
     gradient is averaged into its one owner in the sharding group, which alone keeps its optimizer state and
     steps it, then broadcasts it; ``owner`` maps a parameter to its owner's index in the sharding group.
+
+    With sharding, a torch ``GradScaler`` (one not passed through ``fleet.distributed_scaler`` too) gives the
+    values of one process: it hands itself to ``step`` on every rank (``_step_supports_amp_scaling``), where every
+    gradient is unscaled, not only those of the parameters this rank steps, and the inf/nan check agrees over every
+    rank, so all skip a step together and the scaler's ``update`` backs off on all alike.
     """
 
     def __init__(self, optimizer, hcg, strategy):
@@ -27,6 +34,10 @@ class HybridParallelOptimizer(Zero):
         if hcg is not None and hcg.get_sharding_parallel_world_size() > 1:
             self._sharding = OwnerZero(optimizer, ShardingGroup(hcg.get_sharding_parallel_group()))
             self.level = self._sharding.level
+            self._step_supports_amp_scaling = True  # torch's GradScaler then passes itself to step, on every rank
+            # torch warns that the scaler will stop passing itself; until it does, that is what makes its check agree
+            warnings.filterwarnings("ignore", message="GradScaler is going to stop passing itself",
+                                    category=FutureWarning)
 
     @property
     def owner(self) -> dict | None:
@@ -40,6 +51,15 @@ class HybridParallelOptimizer(Zero):
 
     def grad_params(self) -> list:
         return self._params()
+
+    def step(self, closure=None, grad_scaler=None):
+        """Paddle's step (see the class); ``grad_scaler``: the torch ``GradScaler`` whose ``step`` called this one,
+        which leaves the unscaling and the inf/nan check to it."""
+        from ..shard_scaler import unscale_for_step
+
+        if grad_scaler is not None and unscale_for_step(self, grad_scaler):
+            return None
+        return super().step(closure)
 
     def _sync_grads(self):
         hcg = self._hcg

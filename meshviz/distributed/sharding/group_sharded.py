@@ -73,7 +73,8 @@ def group_sharded_parallel(
     first rank; a model on the CPU moves to this rank's GPU first when the ranks compute on GPUs (as Paddle creates
     layers on the current device). ``segment_size``: parameters with fewer elements stay whole (os/os_g: owned by
     one rank, chosen greedily by size; p_g_os: replicated). 'os' averages whole gradients once per step; 'os_g' reduces
-    the gradients to their owners at the end of each backward and frees them; 'p_g_os' is torch FSDP2
+    each gradient to its owners during backward and frees it, in one order on every rank (the model's parameters
+    in reverse; one this rank's backward does not reach goes as zeros at its turn); 'p_g_os' is torch FSDP2
     (``fully_shard``) on each child module and the root. A gradient some ranks did not make (a branch one rank took;
     at 'os' and 'os_g' also a rank that ran no backward) is averaged with zeros from them, as in a dense run; at
     'p_g_os' every rank must still run each sharded sublayer's forward (with collective checking on, every rank

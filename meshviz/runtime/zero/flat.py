@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as tdist
 import torch.nn as nn
+from torch.autograd.graph import get_gradient_edge
 
 from ... import trace
 from ...core.sharding import SHARDED, plan_pieces
@@ -19,13 +20,23 @@ from .state import full_optimizer_state, load_full_optimizer_state
 __all__ = ["FlatZero"]
 
 
+def _reached(p) -> bool:
+    """Whether the backward under way runs ``p``'s gradient accumulator (as DDP's find_unused_parameters asks; True
+    where torch cannot say)."""
+    try:
+        return bool(torch._C._will_engine_execute_node(get_gradient_edge(p).node))
+    except (AttributeError, AssertionError, RuntimeError):
+        return True
+
+
 class FlatZero(Zero):
     """Shard ``inner``'s parameters (those of ``model``, ``names``: id -> name) over ``grp`` at ``level``.
 
     Parameters start from the group's first rank. ``segment_size``: parameters with fewer elements stay whole
     (os/os_g: owned by one rank, chosen greedily by size; p_g_os: replicated). 'os' averages whole gradients once
-    per step; 'os_g' reduces the gradients to their owners at the end of each backward; 'p_g_os' is FSDP2. A
-    gradient some ranks did not make (a branch one rank took) counts as zeros from them, as in a dense run.
+    per step; 'os_g' reduces each gradient to its owners during backward, in an order every rank shares (the
+    model's parameters in reverse), and frees it; 'p_g_os' is FSDP2. A gradient some ranks did not make (a branch
+    one rank took) counts as zeros from them, as in a dense run.
     ``offload`` (on a ``dev`` other than the CPU) keeps every optimizer state on the CPU. ``grad_clip``: a
     ``ClipGradByGlobalNorm`` applied to the sharded gradients; ``buffer_max_size`` bounds the fused all-reduce
     (elements). ``sync_buffers``: buffers broadcast from the first rank before every forward.
@@ -40,11 +51,16 @@ class FlatZero(Zero):
         self._buffer_max_size = buffer_max_size
         self._dirty = False
         self._hooks = []
-        self._queued = False  # os_g: whether this backward's end reduces the gradients it made
-        self._reduced = False  # os_g: whether a backward's end reduced them since the last step
+        self._queued = False  # os_g: whether a backward is under way (its end is queued)
+        self._reduced = False  # os_g: whether a backward's end reduced the gradients since the last step
+        self._order: list = []  # os_g: this backward's slots, in the order every rank reduces them
+        self._ready: set = set()  # os_g: id of each parameter whose gradient this backward made
+        self._parts: list = []  # os_g: (slot, made here, this rank's part) of each slot this backward reduced
         self._used: dict = {}  # p_g_os: id(param) -> "used", "zeros" (none before) or "added" since the step
         broadcast_module(model, grp)
         self._slots = self._plan(names, dev, offload, segment_size)
+        at = {id(p): i for i, p in enumerate(model.parameters())}
+        self._reverse = sorted(self._slots, key=lambda s: -at[id(s.param)])  # os_g: the order of its reductions
         self._offload = offload = bool(offload) and dev.type != "cpu"  # on a CPU rank every state already is there
         inner.state.clear()
         if level in ("os", "os_g"):
@@ -55,7 +71,7 @@ class FlatZero(Zero):
             if not s.param.requires_grad:  # frozen: no gradient to reduce (Paddle's skip non-trainable ones)
                 continue
             if level == "os_g":
-                hook = self._defer
+                hook = self._grad_ready
             elif level == "os" or s.piece.mode == "replicated":
                 hook = self._mark_dirty
             else:
@@ -125,23 +141,50 @@ class FlatZero(Zero):
     def _mark_dirty(self, _p=None):
         self._dirty = True
 
-    def _defer(self, _p=None):
-        """os_g backward hook: the first of a backward has its end reduce every gradient it made."""
+    def _grad_ready(self, p):
+        """os_g backward hook: ``p``'s gradient is made; each gradient whose turn has come is reduced to its owners
+        now (the first of a backward queues its end)."""
         if not self._queued:
-            self._queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._reduce_pending)
+            self._begin(in_backward=True)
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        self._ready.add(id(p))
+        order = self._order
+        while len(self._parts) < len(order) and id(order[len(self._parts)].param) in self._ready:
+            self._reduce_next()
+
+    def _begin(self, in_backward: bool) -> None:
+        self._queued = True
+        self._order = [s for s in self._reverse if s.param.requires_grad]
+        self._ready, self._parts = set(), []
+        if in_backward:  # a parameter this backward's graph does not reach gets no gradient: none is waited for
+            self._ready = {id(s.param) for s in self._order if not _reached(s.param)}
 
     @torch.no_grad()
-    def _reduce_pending(self):
-        """End of an os_g backward: the ranks agree on which parameters got a gradient on any of them (a branch one
-        rank took alone), a rank without one adds zeros, and each is reduced to its owners in the plan's order."""
-        self._queued, self._reduced = False, True
-        slots = [s for s in self._slots if s.param.requires_grad]
-        for s, has in zip(slots, self._agree([s.param.grad is not None for s in slots])):
-            if has:
-                if s.param.grad is None:
-                    s.param.grad = torch.zeros_like(s.param)
-                self._reduce_to_owner(s)
+    def _reduce_next(self) -> None:
+        s = self._order[len(self._parts)]
+        made = s.param.grad is not None
+        self._parts.append((s, made, self._reduce_to_owner(s)))
+
+    @torch.no_grad()
+    def _end_backward(self):
+        """End of an os_g backward (or a step with none since the last): the parameters no gradient came for here
+        are reduced as zeros, in the same order, so every rank runs the same collectives; then the ranks agree on
+        which any of them made a gradient for (one MAX all-reduce), and those alone reach the shards (a parameter
+        no rank's backward reached is not stepped, as in a dense run)."""
+        if not self._queued:
+            self._begin(in_backward=False)
+        while len(self._parts) < len(self._order):
+            self._reduce_next()
+        parts = self._parts
+        self._queued, self._reduced, self._order, self._ready, self._parts = False, True, [], set(), []
+        for (s, _, mine), made in zip(parts, self._agree([m for _, m, _ in parts])):
+            if not made or mine is None:
+                continue
+            if s.grad_buf is None:
+                s.grad_buf = mine
+            else:
+                s.grad_buf.add_(mine)
+            s.shard.grad = s.grad_buf
 
     def _agree(self, flags: list) -> list:
         """``flags`` OR-ed over the group (one MAX all-reduce)."""
@@ -152,41 +195,40 @@ class FlatZero(Zero):
         return [bool(f) for f in t.tolist()]
 
     def _reduce_to_owner(self, slot: Slot):
-        """Reduce this gradient so that only its owners keep their part, then free it."""
+        """Reduce this gradient (zeros where this rank has none) so that only its owners keep their part, averaged,
+        then free it; returns this rank's part (None where it owns none)."""
         p, g, grp = slot.param, slot.param.grad, self._group
         piece = slot.piece
-        flat = g.detach().reshape(-1)
         if piece.mode == "slice":
             c = piece.ranges[0][1] - piece.ranges[0][0]
-            if c * grp.size != flat.numel():
-                flat = torch.cat([flat, flat.new_zeros(c * grp.size - flat.numel())])
+            if g is None:
+                flat = p.new_zeros(c * grp.size)
+            else:
+                flat = g.detach().reshape(-1)
+                if c * grp.size != flat.numel():
+                    flat = torch.cat([flat, flat.new_zeros(c * grp.size - flat.numel())])
             out = flat.new_empty(c)
             grp.reduce_scatter_into(out, flat.contiguous())
             mine = out[: slot.hi - slot.lo]
         else:
             owner = piece.owners()[0]
-            flat = flat.clone() if owner == grp.rank else flat
+            flat = p.new_zeros(p.numel()) if g is None else g.detach().reshape(-1)
+            flat = flat.clone() if owner == grp.rank and g is not None else flat
             grp.reduce(flat, owner)
             mine = flat if owner == grp.rank else None
-        if mine is not None:
-            mine = mine.div_(grp.size)
-            if self._offload and mine.device.type != "cpu":
-                mine = mine.to("cpu")
-            if slot.grad_buf is None:
-                slot.grad_buf = mine
-            else:
-                slot.grad_buf.add_(mine)
-            slot.shard.grad = slot.grad_buf
         p.grad = None
+        if mine is None:
+            return None
+        mine = mine.div_(grp.size)
+        return mine.to("cpu") if self._offload and mine.device.type != "cpu" else mine
 
     def _sync_grads(self):
         """Average whole gradients over the group (os: all of them; p_g_os: the replicated small ones), a rank
         without one adding zeros. p_g_os: a gradient FSDP made of zeros alone (no rank's backward used the
         parameter, which had none) is dropped, as a dense run has none."""
         if self.level == "os_g":
-            if not self._reduced:  # no backward here since the last step: join the others' reduce, with zeros
-                self._reduce_pending()
-            self._reduced = False
+            if not self._reduced:  # no backward here since the last step: join the others' reductions, with zeros
+                self._end_backward()
             return
         grp = self._group
         slots = [s for s in self._slots if s.piece.mode in ("slice", "whole", "replicated")]
@@ -257,6 +299,7 @@ class FlatZero(Zero):
             s.shard.detach().copy_(flat[s.lo : s.hi] if sliced else flat)
 
     def _gather(self):
+        self._reduced = False  # the next step reduces what backward makes from here on
         if self.level in ("os", "os_g"):
             self._gather_params()
         elif self._offload:
@@ -298,6 +341,8 @@ class FlatZero(Zero):
                 s.grad_buf = None  # os_g: the shard's gradient, zeroed above otherwise
         self._dirty = False
         self._used.clear()
+        self._reduced = self._queued = False  # os_g (a backward that raised left its end queued on no one)
+        self._order, self._ready, self._parts = [], set(), []
 
     # state -----------------------------------------------------------------------------------------------
     def full_state_dict(self, to_rank: int | None = 0):
