@@ -5,7 +5,7 @@ from ..ranks.processes import spawn
 from ..runtime import modules as _modules  # noqa: F401  (module hooks while tracing: who issued a collective)
 from ..runtime.devices import device, strict_devices
 from ..runtime.dtensor import DistTensor
-from ..runtime.world import ParallelEnv, get_rank, get_world_size, init_parallel_env, is_initialized
+from ..runtime.world import ParallelEnv, get_rank, get_world_size, is_initialized
 from . import process_mesh as _process_mesh  # noqa: F401  (installs ProcessMesh.get_group)
 from .api import (
     dtensor_from_fn,
@@ -81,7 +81,7 @@ __all__ += [
 from . import fleet
 from .checkpoint import load_state_dict, save_state_dict
 from .fleet.topology import ParallelMode
-from .parallel import DataParallel, fused_allreduce_gradients
+from .parallel import DataParallel, fused_allreduce_gradients, init_parallel_env
 
 __all__ += ["fleet", "DataParallel", "fused_allreduce_gradients", "save_state_dict", "load_state_dict",
             "ParallelMode"]

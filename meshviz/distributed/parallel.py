@@ -1,4 +1,4 @@
-"""Paddle's DataParallel, sync_params_buffers and fused_allreduce_gradients over the data-parallel engine."""
+"""Paddle's init_parallel_env, DataParallel, sync_params_buffers and fused_allreduce_gradients."""
 
 from __future__ import annotations
 
@@ -11,9 +11,19 @@ from torch import nn
 from ..runtime import groups
 from ..runtime.data_parallel import DataParallelEngine, average_gradients, broadcast_params_buffers
 from ..runtime.devices import place_module
-from ..runtime.world import init_parallel_env
+from ..runtime.groups import Group
+from ..runtime.world import init_parallel_env as _join_world
 
-__all__ = ["DataParallel", "fused_allreduce_gradients", "sync_params_buffers"]
+__all__ = ["init_parallel_env", "DataParallel", "fused_allreduce_gradients", "sync_params_buffers"]
+
+
+def init_parallel_env(backend: str | None = None, timeout: float | None = None) -> Group | None:
+    """Paddle's ``init_parallel_env``: start the default process group, or join it, from torchrun's variables or
+    Paddle's (see :func:`meshviz.runtime.world.init_parallel_env`; ``backend`` and ``timeout`` in seconds are
+    meshviz's). Returns the global :class:`Group` (id 0), the same every call; in a 1-process world None, as
+    Paddle's, whose ``init_parallel_env`` does nothing there (meshviz's collectives still run there)."""
+    g = _join_world(backend, timeout)
+    return g if g.nranks > 1 else None
 
 
 class DataParallel(nn.Module):
@@ -39,7 +49,7 @@ class DataParallel(nn.Module):
         for name, v in (("comm_buffer_size", comm_buffer_size), ("last_comm_buffer_size", last_comm_buffer_size)):
             if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
                 raise ValueError(f"DataParallel: {name} must be a positive number of MB, got {v!r}")
-        init_parallel_env()
+        _join_world()
         g = groups.resolve(group)
         if not g.is_member():
             raise ValueError(f"DataParallel: this rank ({tdist.get_rank()}) is not in the group {g.ranks}")
@@ -152,5 +162,5 @@ def fused_allreduce_gradients(parameter_list, hcg=None):
             next(type(p).__name__ for p in params if not isinstance(p, torch.Tensor))
         raise TypeError(f"fused_allreduce_gradients: parameter_list is a list of parameters (such as "
                         f"list(model.parameters())), got {what}")
-    init_parallel_env()
+    _join_world()
     average_gradients(params, None if hcg is None else hcg.get_data_parallel_group())

@@ -56,6 +56,17 @@ class TorchrunJob:
             own = [r for r, f in self.failures.items() if f.exitcode == -9]
         return own
 
+    def exit_code(self) -> int:
+        """The launcher's exit code, as Paddle's launch's: the exit code of the first worker, in local-rank order,
+        that failed (a signal's as ``sys.exit`` gives it: 247 for SIGKILL); 0 when none failed. The workers the
+        agent ended once one had failed are passed over: Paddle's launch ends them too, and exits with 241 when it
+        happened to end one before the worker that failed, which depends on timing."""
+        own = self._own() or list(self.failures)
+        if not own:
+            return 0
+        code = self.failures[min(own)].exitcode % 256
+        return code or 1
+
     def outcomes(self) -> list[RankOutcome]:
         if not self.done():
             return [RankOutcome(r, status="running", error="the agent still runs it") for r in self.ranks]

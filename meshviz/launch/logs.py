@@ -41,6 +41,8 @@ def _make_logs_specs():
                 if local_rank in self._tee_ranks:
                     dest.tee_stdouts[local_rank] = path
                 dest.error_files[local_rank] = os.path.join(root, f"error.{local_rank}.json")
+                # where the worker writes what its script raised (torch's own LogsSpecs sets it there too)
+                envs[local_rank]["TORCHELASTIC_ERROR_FILE"] = dest.error_files[local_rank]
             return dest
 
     return _WorkerLogs

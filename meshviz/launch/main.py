@@ -11,19 +11,11 @@ import signal
 import socket
 import sys
 
+from .envs import TRAINER_ID, apply_env, overrides, with_sources
+from .envs import strtobool as _bool
 from .logs import LogCopier, WorkerLogs
 
 __all__ = ["main", "launch", "parse_args", "build_config"]
-
-
-def _bool(text: str) -> bool:
-    """Paddle's ``strtobool`` for its yes/no flags."""
-    v = str(text).strip().lower()
-    if v in ("y", "yes", "t", "true", "on", "1"):
-        return True
-    if v in ("n", "no", "f", "false", "off", "0"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected a yes/no value (true, false, 1, 0, ...), got {text!r}")
 
 
 # Paddle's flags for what meshviz does not run: given, they are refused, saying why (None: not given)
@@ -34,10 +26,18 @@ _REFUSED = {"servers": _PS, "trainers": _PS, "trainer_num": _PS, "server_num": _
 _LEVELS = ("DEBUG", "INFO", "WARNING", "WARN", "ERROR", "CRITICAL", "FATAL", "NOTSET")
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def parse_args(argv=None, environ=None) -> argparse.Namespace:
+    """The flags in ``argv``, then Paddle's launch variables in ``environ`` (default ``os.environ``) over them, as
+    Paddle's launch reads them (PADDLE_NNODES, PADDLE_MASTER, ...: see :mod:`meshviz.launch.envs`); ValueError,
+    naming the variable, for one whose value is of the wrong kind."""
     p = argparse.ArgumentParser(
         prog="python -m meshviz.launch",
-        description="Start a distributed training script on this node, Paddle's way (on torchrun's agent).")
+        description="Start a distributed training script on this node, Paddle's way (on torchrun's agent).",
+        epilog="Paddle's launch variables override these flags, as in Paddle: PADDLE_NNODES, PADDLE_MASTER, "
+               "PADDLE_RANK (else PADDLE_TRAINER_ID), PADDLE_NPROC_PER_NODE, PADDLE_DEVICES, PADDLE_IPS, "
+               "PADDLE_START_PORT, PADDLE_LOG_DIR, PADDLE_LOG_LEVEL, PADDLE_LOG_OVERWRITE, PADDLE_JOB_ID, "
+               "PADDLE_RUN_MODE, PADDLE_MAX_RESTART, PADDLE_SORT_IP, PADDLE_ELASTIC_LEVEL, PADDLE_ELASTIC_TIMEOUT, "
+               "PADDLE_AUTO_CLUSTER, POD_IP (--host); its parameter-server and auto-tuner ones are refused.")
     p.add_argument("--nproc_per_node", type=int, default=None, help="processes on this node (default: one per "
                    "device in --devices, else one per GPU, else 1)")
     p.add_argument("--nnodes", default=None, help="number of nodes (default 1, or len(--ips)); Paddle's elastic "
@@ -74,7 +74,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "ranks before each collective on gloo (gloo ends a process on a size mismatch)")
     p.add_argument("training_script", help="the script to run")
     p.add_argument("training_script_args", nargs=argparse.REMAINDER)
-    return p.parse_args(argv)
+    return apply_env(p.parse_args(argv), environ)
 
 
 def _local_ips() -> set[str]:
@@ -206,6 +206,8 @@ def _flags(args: argparse.Namespace):
     if ips and len(ips) != nnodes:
         raise ValueError(f"--ips lists {len(ips)} nodes but --nnodes is {nnodes}")
     node_rank = args.rank
+    if nnodes == 1 and getattr(args, "from_env", {}).get("rank", ("",))[0] == TRAINER_ID:
+        node_rank = 0  # a worker's variable (a launch started from a worker sees it): one node is rank 0, as Paddle's
     if node_rank < 0:
         if nnodes == 1:
             node_rank = 0
@@ -224,6 +226,8 @@ def _flags(args: argparse.Namespace):
         if not ips:
             raise ValueError("--nnodes > 1 needs --master ip:port (or --ips)")
         master = f"{ips[0]}:{args.start_port}"
+    if master is not None and master.startswith("etcd://"):
+        raise ValueError(f"--master {master}: Paddle's elastic mode (an etcd master) is not supported; give ip:port")
     if master is not None:
         host, _, port = master.rpartition(":")
         if not host or not port.isdigit():
@@ -314,14 +318,16 @@ def launch(argv=None) -> int:
     """Parse ``argv``, start the local workers, wait; returns the exit code (0 when every worker succeeded)."""
     from .agent import Torchrun
 
-    args = parse_args(argv)
+    args = None
     try:
+        args = parse_args(argv)
+        _print_overrides(args)
         flags = _flags(args)  # before torch is imported: a bad flag or a missing script is refused at once
         if not os.path.isfile(args.training_script):
             raise ValueError(f"no such script {args.training_script!r}")
         config, env, reservation, plan = _build(args, flags)
     except ValueError as e:
-        print(f"meshviz.launch: error: {e}", file=sys.stderr)
+        print(f"meshviz.launch: error: {with_sources(str(e), args) if args is not None else e}", file=sys.stderr)
         return 2
     try:
         store = _agent_store(config, reservation)  # served until the agent is done
@@ -362,8 +368,17 @@ def launch(argv=None) -> int:
     return 0
 
 
+def _print_overrides(args) -> None:
+    """Which of Paddle's variables set a flag (unless --log_level hides warnings), as Paddle's launch says."""
+    level = logging.getLevelName(str(args.log_level).upper())
+    if not isinstance(level, int) or level <= logging.WARNING:
+        for line in overrides(args):
+            print(f"meshviz.launch: {line}", file=sys.stderr, flush=True)
+
+
 def _report_failure(args, job, host, logs) -> int:
-    """Say which workers failed (the agent stopped the others), the roll-call's diagnosis and their logs' tails."""
+    """Say which workers failed (the agent stopped the others), the roll-call's diagnosis and their logs' tails;
+    returns the exit code of the job (see :meth:`~meshviz.launch.agent.TorchrunJob.exit_code`)."""
     failed = job.failed()
     rc = host.blame() if host is not None else None
     if rc is not None and rc.blame():
@@ -379,7 +394,7 @@ def _report_failure(args, job, host, logs) -> int:
             tail = logs.this_run(f.local_rank).splitlines()[-15:]  # this run's: the log keeps earlier runs' too
             print(f"---- tail of {path} (rank {rank}, exit code {f.exitcode}) ----", file=sys.stderr)
             print("\n".join(tail), file=sys.stderr)
-    return 1
+    return job.exit_code() or 1
 
 
 def _stop_when_hung(host, runner):
