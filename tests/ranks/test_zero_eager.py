@@ -233,3 +233,52 @@ def test_os_g_with_a_branch_one_rank_takes_matches_one_process_on_gloo_processes
     for got, _ in run_ranks(_os_g_bare, 2, True, timeout=240, ranks="processes"):
         for k, v in want.items():
             torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-6, msg=k)
+
+
+# -- os_g with gradients a nested backward makes (a reentrant checkpoint) and a weight used twice ---------------------
+class _Checkpointed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.c = nn.Linear(6, 8), nn.Linear(8, 8), nn.Linear(8, 3)
+
+    def forward(self, x, reentrant):
+        from torch.utils.checkpoint import checkpoint
+
+        h = torch.tanh(self.a(x))
+        # b's gradients come from the checkpoint's own backward, run inside this one: its graph does not reach them
+        h = checkpoint(lambda t: torch.tanh(self.b(t)), h, use_reentrant=reentrant)
+        return self.c(h) + (x @ self.a.weight.t()).sum(-1, keepdim=True)
+
+
+def _ck_batch(step, rank):
+    g = torch.Generator().manual_seed(100 * step + rank)
+    return torch.randn(4, 6, generator=g).requires_grad_(), torch.randn(4, 3, generator=g)
+
+
+def _ck_run(reentrant, sharded):
+    model = _Checkpointed()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
+    ranks = [0, 1]  # one process: both ranks' rows
+    if sharded:
+        import meshviz.distributed as dist
+        from meshviz.distributed.sharding import group_sharded_parallel
+
+        dist.init_parallel_env()
+        ranks = [dist.get_rank()]
+        model, opt, _ = group_sharded_parallel(model, opt, "os_g", segment_size=1)
+    for step in range(3):
+        xs, ys = zip(*(_ck_batch(step, r) for r in ranks))
+        F.mse_loss(model(torch.cat(xs), reentrant), torch.cat(ys)).backward()
+        opt.step()
+        opt.zero_grad()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non_reentrant"])
+def test_os_g_with_a_checkpoint_and_a_weight_used_twice_matches_one_process(reentrant):
+    want = _ck_run(reentrant, False)
+    for got in run_ranks(_ck_run, 2, reentrant, True, timeout=100):
+        for k, v in want.items():
+            torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-6, msg=k)

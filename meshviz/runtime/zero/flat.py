@@ -56,6 +56,8 @@ class FlatZero(Zero):
         self._order: list = []  # os_g: this backward's slots, in the order every rank reduces them
         self._ready: set = set()  # os_g: id of each parameter whose gradient this backward made
         self._parts: list = []  # os_g: (slot, made here, this rank's part) of each slot this backward reduced
+        self._pos: dict = {}  # os_g: id of each parameter -> its place in this backward's order
+        self._late: set = set()  # os_g: id of each parameter whose gradient came after its turn in this backward
         self._used: dict = {}  # p_g_os: id(param) -> "used", "zeros" (none before) or "added" since the step
         broadcast_module(model, grp)
         self._slots = self._plan(names, dev, offload, segment_size)
@@ -147,6 +149,11 @@ class FlatZero(Zero):
         if not self._queued:
             self._begin(in_backward=True)
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        if self._pos.get(id(p), len(self._order)) < len(self._parts):
+            # its turn has passed: a nested backward (a reentrant checkpoint's) made it after this one's graph was
+            # read as not reaching it, or made it a second time; it is reduced at the end, with the ranks' agreement
+            self._late.add(id(p))
+            return
         self._ready.add(id(p))
         order = self._order
         while len(self._parts) < len(order) and id(order[len(self._parts)].param) in self._ready:
@@ -155,7 +162,8 @@ class FlatZero(Zero):
     def _begin(self, in_backward: bool) -> None:
         self._queued = True
         self._order = [s for s in self._reverse if s.param.requires_grad]
-        self._ready, self._parts = set(), []
+        self._pos = {id(s.param): i for i, s in enumerate(self._order)}
+        self._ready, self._parts, self._late = set(), [], set()
         if in_backward:  # a parameter this backward's graph does not reach gets no gradient: none is waited for
             self._ready = {id(s.param) for s in self._order if not _reached(s.param)}
 
@@ -175,9 +183,14 @@ class FlatZero(Zero):
             self._begin(in_backward=False)
         while len(self._parts) < len(self._order):
             self._reduce_next()
-        parts = self._parts
+        parts, late = self._parts, self._late
         self._queued, self._reduced, self._order, self._ready, self._parts = False, True, [], set(), []
-        for (s, _, mine), made in zip(parts, self._agree([m for _, m, _ in parts])):
+        self._late = set()
+        n = len(parts)
+        flags = self._agree([m for _, m, _ in parts] + [id(s.param) in late for s, _, _ in parts])
+        # a gradient that came after its turn on some rank (see _grad_ready): reduced again, zeros where none came
+        parts = parts + [(s, True, self._reduce_to_owner(s)) for (s, _, _), f in zip(parts, flags[n:]) if f]
+        for (s, _, mine), made in zip(parts, flags[:n] + [True] * (len(parts) - n)):
             if not made or mine is None:
                 continue
             if s.grad_buf is None:
@@ -342,7 +355,7 @@ class FlatZero(Zero):
         self._dirty = False
         self._used.clear()
         self._reduced = self._queued = False  # os_g (a backward that raised left its end queued on no one)
-        self._order, self._ready, self._parts = [], set(), []
+        self._order, self._ready, self._parts, self._late = [], set(), [], set()
 
     # state -----------------------------------------------------------------------------------------------
     def full_state_dict(self, to_rank: int | None = 0):
