@@ -25,9 +25,11 @@ class LazyGuard:
 
     Each outermost module built inside is recorded with its constructor's arguments and the RNG state it starts
     from; ``initialize()`` builds it again, eagerly, once, leaving the global RNG as it was, and takes its
-    tensors' values (a later model starts where the earlier one's eager build leaves the RNG, unless the RNG was
-    set to another state between them). A parameter that ``shard_tensor``, ``shard_layer`` or ``parallelize``
-    made dist before ``initialize()`` gets its rank's block of those values, as its placements say.
+    tensors' values (a later model, in this guard or a later one, starts where the earlier one's eager build leaves
+    the RNG, unless the RNG drew or was seeded between them, even to the same seed). A parameter that
+    ``shard_tensor``, ``shard_layer`` or ``parallelize`` made dist before ``initialize()`` gets its rank's block of
+    those values, as its placements say. A tensor created in the guard outside a module's constructor is on the
+    meta device too (in Paddle it holds values), so a model made from one has no eager values to take.
 
     Where Paddle differs: its ``initialize()`` draws from the global RNG when called (so only build order under
     the build's seed gives the eager values), and a dist parameter's block is drawn on its own, from a stream
@@ -93,7 +95,32 @@ def _install() -> None:
         torch.nn.Module.__new__ = staticmethod(__new__)  # type: ignore[method-assign,assignment]
         mod.register_module_parameter_registration_hook(lambda m, n, t: _registered(m, n, t, "parameter"))
         mod.register_module_buffer_registration_hook(lambda m, n, t: _registered(m, n, t, "buffer"))
+        for name in ("manual_seed", "seed"):
+            seeding = _seeding(getattr(torch.random, name))
+            setattr(torch.random, name, seeding)
+            setattr(torch, name, seeding)
         _installed = True
+
+
+def _seeding(fn):
+    """``torch.manual_seed`` (or ``torch.seed``) that also counts, per thread, the seedings outside a lazy build:
+    a model built after one starts from the seed, not where the model before it leaves the RNG, even if the state
+    is the same. (A state set with ``set_rng_state`` is not counted: one saved after a lazy build stands for where
+    the eager build leaves the RNG, and the model after it follows.)"""
+    def seeding(*args, **kwargs):
+        guard = None if getattr(_tls, "paused", 0) else _active()
+        root = guard.roots[-1] if guard is not None and guard.roots else None
+        if root is None or root.module is None or not _within(root, sys._getframe(1), False):
+            _tls.epoch = _epoch() + 1
+        return fn(*args, **kwargs)
+
+    seeding.__wrapped__ = fn  # type: ignore[attr-defined]
+    seeding.__name__, seeding.__qualname__, seeding.__doc__ = fn.__name__, fn.__qualname__, fn.__doc__
+    return seeding
+
+
+def _epoch() -> int:
+    return getattr(_tls, "epoch", 0)
 
 
 def _within(root: _Root, frame, new_call: bool) -> bool:
@@ -171,7 +198,11 @@ class _Guard:
             if _within(last, caller, True):
                 return  # a part of the module being built
             last.finish()
-        self.roots.append(_Root(self, obj, cls, args, kwargs, caller, last))
+        else:  # the last model of an earlier guard: one built in this guard may follow it as eagerly
+            last = getattr(_tls, "last", lambda: None)()
+        root = _Root(self, obj, cls, args, kwargs, caller, last)
+        self.roots.append(root)
+        _tls.last = weakref.ref(root)
 
     def close(self, ok: bool) -> None:
         if ok and self.roots:
@@ -182,9 +213,13 @@ class _Guard:
         """Once: the global RNG, if still where the guard left it, goes where the eager builds leave it."""
         if self.moved or self.left is None or not self.roots:
             return
+        tail = self.roots[-1]
+        while tail.next is not None:  # models of later guards that follow this one's
+            tail = tail.next
+            tail.guard.moved = True
         self.moved = True
         if _same(_rng_get(self.device), self.left):
-            _rng_set(self.device, self.roots[-1].end_state())
+            _rng_set(self.device, tail.end_state())
 
 
 class _Root:
@@ -197,7 +232,12 @@ class _Root:
         self.dtype = torch.get_default_dtype()
         self.start = _rng_get(guard.device)
         self.prev = prev
-        self.chained = prev is not None and _same(prev.start, self.start)  # nothing set the RNG between
+        self.epoch = _epoch()
+        # nothing seeded or drew from the RNG between (a seed set again to the same state breaks the chain too)
+        self.chained = prev is not None and prev.epoch == self.epoch and _same(prev.start, self.start)
+        self.next: _Root | None = None  # the model of a later guard that follows this one
+        if self.chained and prev is not None and prev.guard is not guard:
+            prev.next = self
         self.regs: list = []  # (module, name, kind, tensor) registered while it was built
         self.slots: list = []  # (module weakref, name, kind, path) holding its lazy tensors
         self.waiting: dict = {}  # path -> how many parameters still wait for that value
@@ -219,7 +259,11 @@ class _Root:
         checks: dict = {}
         for m, name, kind, t in self.regs:
             table = m._parameters if kind == "parameter" else m._buffers
-            if table.get(name) is not t or id(m) not in where or not _is_meta(t):
+            if table.get(name) is not t or id(m) not in where:
+                continue
+            if not _is_meta(t):  # made from values the build was given: it holds its eager values already
+                if kind == "parameter" and "initialize" not in t.__dict__:
+                    t.initialize = _held  # type: ignore[attr-defined]
                 continue
             path = f"{where[id(m)]}.{name}" if where[id(m)] else name
             if "_mv_lazy" not in t.__dict__:
@@ -326,9 +370,17 @@ def _initialize(t: torch.Tensor) -> None:
     tensor), in this same tensor object."""
     lazy = t.__dict__["_mv_lazy"]
     value = lazy.root.value(lazy.path, lazy.kind, lazy.counted)
+    if value.device.type == "meta":
+        raise RuntimeError(f"initialize(): {lazy.root.what} built again gives no values for {lazy.path!r}: it is "
+                           f"made from a tensor created inside the LazyGuard (on the meta device); create that tensor "
+                           f"before the guard")
     lazy.counted = False
     if "_mv_lazy" in t.__dict__:  # (a buffer is filled by its model's first initialize())
         _materialize(t, value)
+
+
+def _held() -> None:
+    """``initialize()`` of a parameter built in the guard from values it was given: nothing to do."""
 
 
 def _initialized_already() -> None:
