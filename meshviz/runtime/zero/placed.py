@@ -174,7 +174,8 @@ class PlacedZero(Zero):
                     self._shadow[p] = shadow
                     self._of_shadow[shadow] = p
                     self._view(p, shadow)
-                    p.register_post_accumulate_grad_hook(self._lend_grad)
+                    if p.requires_grad:  # a frozen one gets no gradient to lend (torch refuses the hook)
+                        p.register_post_accumulate_grad_hook(self._lend_grad)
                     new_params.append(shadow)
                 self._emit_ownership(p)
             group["params"] = new_params

@@ -8,13 +8,15 @@ import torch
 
 from ....core.mesh import ProcessMesh
 from ....runtime import groups
+from ....runtime.dtensor import DistTensor
 from ....runtime.world import init_parallel_env
-from ....runtime.zero import Zero, gather_per_unit
+from ....runtime.zero import Zero, check_elementwise, gather_per_unit
 from ..interface import _state, get_mesh, set_mesh
 from .parallel_base import param_holders, remap_optimizer, shard_all_params
 from .pipeline_parallel import (
     assign_stages,
     register_pipeline_hooks,
+    register_stage_transfers,
     resolve_split_spec,
     stage_indices,
     stage_mesh,
@@ -79,7 +81,7 @@ class _Prepared:
         if pp_config is not None:
             self.spec, self.global_spec, self.pipeline_layers = resolve_split_spec(model, mesh, pp_config)
         self.stages = self._stages()
-        self.plan = None
+        self.plan, self.split_ids = None, set()  # ids of the parameters a plan splits
         if mp_config is not None:
             if not isinstance(mp_config, dict):
                 raise ValueError(f"mp_config should be a dict, got {type(mp_config).__name__}")
@@ -115,7 +117,8 @@ class _Prepared:
                 used.add(key)
                 for p in plans:
                     if isinstance(p, _ShardParams):
-                        p.param_placements(layer, smesh, params, name)
+                        placed = p.param_placements(layer, smesh, params, name)
+                        self.split_ids.update(id(getattr(layer, pname)) for pname in placed)
                     entries.append((p, params))
             out[name] = (layer, entries)
         missing = [k for k in self.plan if k not in used]
@@ -148,6 +151,8 @@ class _Prepared:
                     deferred = p.apply(layer, smesh, params)
                     if deferred:
                         layer_param_placements.setdefault(layer, {}).update(deferred)
+        if self.spec is not None:
+            register_stage_transfers(model, mesh, self.spec)
         shard_all_params(model, mesh, layer_param_placements)
         model._mv_parallelized = True
         model._mv_pipelined = getattr(model, "_mv_pipelined", False) or self.spec is not None
@@ -163,6 +168,8 @@ def _parallelize(model, optimizer, config, who):
     if optimizer is not None and optimizer.state:
         raise ValueError(f"{who}: the optimizer already holds state (it has stepped); create it from the model's "
                          f"parameters and pass it before training")
+    if optimizer is not None and _steps_parts(prepared, optimizer):
+        check_elementwise(optimizer, who)  # shard_optimizer's check, made before the model changes
     model = prepared.apply()
     _state().parallelized = (model, not model._mv_pipelined)
     if optimizer is not None:
@@ -171,6 +178,16 @@ def _parallelize(model, optimizer, config, who):
         optimizer = shard_optimizer_with(optimizer, level, dim, mesh)
         _gather_per_layer(optimizer)
     return model, optimizer
+
+
+def _steps_parts(prepared, optimizer) -> bool:
+    """Whether each rank will step only a part of some parameter of ``optimizer``: a sharding level, a plan that
+    splits one, or one split already."""
+    if prepared.dp is not None and prepared.dp[0] is not None:
+        return True
+    return any(id(p) in prepared.split_ids or (isinstance(p, DistTensor) and any(not q.is_replicated()
+                                                                                 for q in p.placements))
+               for group in optimizer.param_groups for p in group["params"])
 
 
 def _gather_per_layer(optimizer) -> None:
@@ -236,8 +253,6 @@ def parallelize_optimizer(optimizer, mesh=None, config=None):
         raise ValueError("Please parallelize the model before parallelize optimizer.")
     if not isinstance(optimizer, torch.optim.Optimizer) or isinstance(optimizer, Zero):
         raise ValueError(f"parallelize_optimizer expects a torch.optim.Optimizer, got {type(optimizer).__name__}")
-    from ....runtime.dtensor import DistTensor
-
     for group in optimizer.param_groups:
         for p in group["params"]:
             if not isinstance(p, DistTensor):

@@ -16,6 +16,7 @@ from ...api import reshard, shard_tensor
 
 __all__ = [
     "SplitPoint", "resolve_split_spec", "stage_mesh", "stage_indices", "assign_stages", "register_pipeline_hooks",
+    "register_stage_transfers",
 ]
 
 
@@ -153,10 +154,10 @@ def _to_mesh(t, mesh, label):
     raise ValueError(f"output should be a dict of tensors or list of tensors or tensor, but {type(t)}")
 
 
-def register_pipeline_hooks(model, mesh, spec, global_spec, pipeline_layers) -> None:
-    """The transfer to the next stage after each split layer; with ``global_spec``, the global layers' outputs
-    Replicate on the whole mesh, and every tensor of another mesh reaching a pipeline layer (each layer for a dict
-    ``split_spec``) resharded Replicate onto its stage first."""
+def register_stage_transfers(model, mesh, spec) -> None:
+    """The transfer to the next stage after each split layer. Registered after the plans' hooks, so that a split
+    layer's own output hook (a gathered column output, a sequence-parallel split or gather) works on its stage's
+    mesh and the transfer is the last thing the layer does."""
     by_name = dict(model.named_modules())
 
     def forward_post_hook(layer, input, output):
@@ -172,9 +173,16 @@ def register_pipeline_hooks(model, mesh, spec, global_spec, pipeline_layers) -> 
         return _to_mesh(output, nxt, label)
 
     for name in spec:
-        layer = by_name[name]
-        layer.split_point = spec[name]
-        layer.register_forward_hook(forward_post_hook)
+        by_name[name].register_forward_hook(forward_post_hook)
+
+
+def register_pipeline_hooks(model, mesh, spec, global_spec, pipeline_layers) -> None:
+    """Mark the split layers; with ``global_spec``, the global layers' outputs Replicate on the whole mesh, and
+    every tensor of another mesh reaching a pipeline layer (each layer for a dict ``split_spec``) resharded
+    Replicate onto its stage first."""
+    by_name = dict(model.named_modules())
+    for name in spec:
+        by_name[name].split_point = spec[name]
     if not global_spec:
         return
     g_mesh = mesh.get_mesh_with_dim("pp")

@@ -106,11 +106,12 @@ def c_split(x, process_mesh, need_transpose, label=None):
     return _put_first(x, _move(target, process_mesh, placements, label))
 
 
-def c_concat(x, process_mesh, need_transpose, label=None):
-    """Gather the ``mp`` axis of a tensor back to Replicate (then transpose ``[s, b, h]`` -> ``[b, s, h]``)."""
-    mp = _axis(process_mesh, "mp", "sequence parallel")
-    target = _first(x, "sequence parallel")
-    if target.dim() != 3:
+def c_concat(x, process_mesh, need_transpose, label=None, who="sequence parallel"):
+    """Gather the ``mp`` axis of a tensor back to Replicate (then transpose ``[s, b, h]`` -> ``[b, s, h]``).
+    ``who`` is not sequence parallel (a gathered column output): a tensor of any rank, never transposed."""
+    mp = _axis(process_mesh, "mp", who)
+    target = _first(x, who)
+    if who == "sequence parallel" and target.dim() != 3:
         raise ValueError(f"sequence parallel expects a 3-D [s, b, h] tensor, got shape {list(target.shape)}")
     target = _as_dist(target, process_mesh)
     placements = list(target.placements) if target.process_mesh == process_mesh else \
@@ -210,7 +211,7 @@ class ColWiseParallel(_ShardParams):
     """Split a layer's output features over ``mp``: Paddle's ``weight`` ``Shard(1)`` (``[in, out]``) and ``bias``
     ``Shard(0)``. A torch ``nn.Linear`` stores ``[out, in]``, so there the weight is ``Shard(0)``; an
     ``nn.Embedding`` weight (``[num, dim]`` in both) is ``Shard(1)``. ``gather_output=True`` all-gathers the output
-    back to Replicate along ``mp``."""
+    back to Replicate along ``mp``, whatever its rank (Paddle's hook asserts a 3-D output)."""
 
     kind = "weight and bias"
     default_params = ("weight", "bias")
@@ -228,7 +229,7 @@ class ColWiseParallel(_ShardParams):
 
     def gather_output_hook(self, process_mesh):
         def gather_hook(layer, input, output):
-            return c_concat(output, process_mesh, False, _label(layer, "output"))
+            return c_concat(output, process_mesh, False, _label(layer, "output"), "ColWiseParallel")
 
         return gather_hook
 
