@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshviz.testing import run_ranks
+from tests.ranks.test_fleet_audit import _init
 
 # -- fleet sharding (HybridParallelOptimizer over OwnerZero) with a torch GradScaler not made distributed ------------
 STEPS, INF_STEP = 4, 1
@@ -47,11 +48,7 @@ def _dense_scaled(world):
 
 
 def _fleet_scaled(hybrid, unscale_first):
-    from meshviz.distributed import fleet
-
-    s = fleet.DistributedStrategy()
-    s.hybrid_configs = hybrid
-    fleet.init(is_collective=True, strategy=s)
+    fleet = _init(**hybrid)
     hcg = fleet.get_hybrid_communicate_group()
     model = _model()
     opt = fleet.distributed_optimizer(torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1))

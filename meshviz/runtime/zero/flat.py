@@ -184,14 +184,15 @@ class FlatZero(Zero):
         while len(self._parts) < len(self._order):
             self._reduce_next()
         parts, late = self._parts, self._late
-        self._queued, self._reduced, self._order, self._ready, self._parts = False, True, [], set(), []
-        self._late = set()
-        n = len(parts)
+        self._clear_pass()
+        self._reduced = True
         flags = self._agree([m for _, m, _ in parts] + [id(s.param) in late for s, _, _ in parts])
+        made, again = flags[: len(parts)], flags[len(parts) :]
+        kept = [(s, mine) for (s, _, mine), m in zip(parts, made) if m]
         # a gradient that came after its turn on some rank (see _grad_ready): reduced again, zeros where none came
-        parts = parts + [(s, True, self._reduce_to_owner(s)) for (s, _, _), f in zip(parts, flags[n:]) if f]
-        for (s, _, mine), made in zip(parts, flags[:n] + [True] * (len(parts) - n)):
-            if not made or mine is None:
+        kept += [(s, self._reduce_to_owner(s)) for (s, _, _), a in zip(parts, again) if a]
+        for s, mine in kept:
+            if mine is None:
                 continue
             if s.grad_buf is None:
                 s.grad_buf = mine
@@ -354,7 +355,12 @@ class FlatZero(Zero):
                 s.grad_buf = None  # os_g: the shard's gradient, zeroed above otherwise
         self._dirty = False
         self._used.clear()
-        self._reduced = self._queued = False  # os_g (a backward that raised left its end queued on no one)
+        self._reduced = False
+        self._clear_pass()  # os_g (a backward that raised left its end queued on no one)
+
+    def _clear_pass(self) -> None:
+        """os_g: no backward's reductions under way."""
+        self._queued = False
         self._order, self._ready, self._parts, self._late = [], set(), [], set()
 
     # state -----------------------------------------------------------------------------------------------
