@@ -385,3 +385,112 @@ def test_clip_grad_by_global_norm_single_process():
         torch.testing.assert_close(p.grad, g / 2)
     with pytest.raises(ValueError):
         ClipGradByGlobalNorm(0)
+
+
+
+def _no_gradient(level, how, segment_size):
+    import contextlib
+    import warnings
+
+    import meshviz.distributed as dist
+    from meshviz.distributed.sharding import group_sharded_parallel
+
+    dist.init_parallel_env()
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    model, opt, _ = group_sharded_parallel(model, opt, level, segment_size=segment_size)
+    before = full_params(model)
+    x, y = batch(0, dist.get_rank())
+    record = warnings.catch_warnings(record=True) if dist.get_rank() == 0 else contextlib.nullcontext([])
+    with record as seen:  # one rank records: catch_warnings swaps process-wide state, and thread ranks share it
+        warnings.simplefilter("always")
+        if how == "no_grad":
+            with torch.no_grad():
+                model(x)
+        else:
+            loss = F.mse_loss(model(x), y)
+            if how == "inputs":
+                loss.backward(inputs=list(model.parameters()))
+            elif how == "plain":
+                loss.backward()
+        opt.step()
+        dist.barrier()  # the other ranks have warned by now: rank 0 stops recording after
+    return before, full_params(model), [str(w.message) for w in seen if "group_sharded_parallel" in str(w.message)]
+
+
+NOTHING = "step() after a forward with gradients on, but no parameter on any rank has a gradient, so nothing changes"
+SHARDED_NOT = "backward ran, but it reached none of the sharded parameters on any rank, so they do not change"
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("level,how,segment_size,said,changed", [
+    ("p_g_os", "inputs", 40, SHARDED_NOT, {"0.bias", "2.weight", "2.bias"}),  # 0.weight (60) sharded, others whole
+    ("p_g_os", "inputs", 1, NOTHING, set()),
+    ("p_g_os", "none", 40, NOTHING, set()),
+    ("os", "none", 40, NOTHING, set()),
+    ("p_g_os", "no_grad", 40, None, set()),
+    ("p_g_os", "plain", 40, None, {"0.weight", "0.bias", "2.weight", "2.bias"}),
+])
+def test_a_step_whose_backward_reached_no_sharded_parameter_says_so(level, how, segment_size, said, changed):
+    res = run_ranks(_no_gradient, 2, level, how, segment_size, timeout=80)
+    for before, after, _ in res:
+        assert {k for k in before if not torch.equal(after[k], before[k])} == changed
+    messages = res[0][2]
+    if said is None:
+        assert messages == []
+        return
+    assert messages and messages[0].startswith(f"group_sharded_parallel ({level}): {said}")
+    assert ("backward(inputs=...)" in messages[0]) == (level == "p_g_os")
+
+
+class _TwoWeights(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.linspace(-1, 1, 24).reshape(6, 4))
+        self.w2 = nn.Parameter(torch.linspace(1, -1, 24).reshape(6, 4))
+
+    def forward(self, x, use2):
+        return x @ self.w1 + (x @ self.w2 if use2 else 0)
+
+
+class _Uses(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blk = _TwoWeights()
+
+    def forward(self, x, use2):
+        return self.blk(x, use2)
+
+
+USES2 = (True, False, False, True)
+
+
+def _unused_after_the_first_step(level):
+    import meshviz.distributed as dist
+    from meshviz.distributed.sharding import group_sharded_parallel
+
+    dist.init_parallel_env()
+    model = _Uses()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+    model, opt, _ = group_sharded_parallel(model, opt, level, segment_size=1)
+    for s, use2 in enumerate(USES2):
+        x, y = batch(s, dist.get_rank())
+        F.mse_loss(model(x, use2), y[:, :1].expand(-1, 4)).backward()
+        opt.step()
+        opt.zero_grad()  # torch's: gradients dropped, so an unused weight has none, and AdamW leaves it
+    return full_params(model)
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("level", LEVELS)
+def test_a_weight_no_rank_uses_after_the_first_step_is_left_as_in_one_process(level):
+    model = _Uses()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+    for s, use2 in enumerate(USES2):
+        xs, ys = zip(*(batch(s, r) for r in range(2)))
+        F.mse_loss(model(torch.cat(xs), use2), torch.cat(ys)[:, :1].expand(-1, 4)).backward()
+        opt.step()
+        opt.zero_grad()
+    for got in run_ranks(_unused_after_the_first_step, 2, level, timeout=80):
+        for k, v in model.state_dict().items():
+            torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-6)

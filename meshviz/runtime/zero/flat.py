@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.distributed as tdist
 import torch.nn as nn
@@ -50,6 +52,7 @@ class FlatZero(Zero):
         self._grad_clip = grad_clip
         self._buffer_max_size = buffer_max_size
         self._dirty = False
+        self._forwarded = False  # os, p_g_os: whether a forward with gradients on ran since the last step
         self._hooks = []
         self._queued = False  # os_g: whether a backward is under way (its end is queued)
         self._reduced = False  # os_g: whether a backward's end reduced the gradients since the last step
@@ -79,6 +82,8 @@ class FlatZero(Zero):
             else:
                 continue
             self._hooks.append(s.param.register_post_accumulate_grad_hook(hook))
+        if level in ("os", "p_g_os"):
+            model.register_forward_pre_hook(self._mark_forward)
         if sync_buffers:
             model.register_forward_pre_hook(lambda m, args: broadcast_module(m, grp, "buffers"))
         self._emit_ownership()
@@ -142,6 +147,9 @@ class FlatZero(Zero):
     # gradients -------------------------------------------------------------------------------------------
     def _mark_dirty(self, _p=None):
         self._dirty = True
+
+    def _mark_forward(self, _module, _args):
+        self._forwarded = self._forwarded or torch.is_grad_enabled()
 
     def _grad_ready(self, p):
         """os_g backward hook: ``p``'s gradient is made; each gradient whose turn has come is reduced to its owners
@@ -251,10 +259,17 @@ class FlatZero(Zero):
         agreed = self._agree([self._dirty or bool(self._used)] + [s.param.grad is not None for s in slots]
                              + [self._used.get(id(s.param)) == "used" for s in fsdp])
         self._dirty = False
-        used, self._used = self._used, {}
+        used = dict(self._used)
+        self._used.clear()  # in place: FSDP's post-backward hooks hold this dict
+        forwarded, self._forwarded = self._forwarded, False
         if not agreed[0]:
+            if forwarded:
+                warnings.warn(self._no_gradient_message(False), UserWarning, stacklevel=3)
             return
-        for s, real in zip(fsdp, agreed[1 + len(slots):]):
+        reached = agreed[1 + len(slots):]
+        if fsdp and not any(reached) and any(used.get(id(s.param)) for s in fsdp):
+            warnings.warn(self._no_gradient_message(True), UserWarning, stacklevel=3)
+        for s, real in zip(fsdp, reached):
             if not real and used.get(id(s.param)) == "zeros":
                 s.param.grad = None
         if grp.size > 1:
@@ -271,6 +286,17 @@ class FlatZero(Zero):
                 continue
             g = s.param.grad.detach().reshape(-1)[s.lo : s.hi]
             s.shard.grad = g.to("cpu") if s.shard.device != g.device else g
+
+    def _no_gradient_message(self, units_ran: bool) -> str:
+        inputs = ("a backward(inputs=...) naming the model's parameters reaches only those kept whole (under "
+                  "segment_size): the forward used gathered copies of the sharded ones; call backward() without inputs")
+        if units_ran:
+            return (f"group_sharded_parallel (p_g_os): backward ran, but it reached none of the sharded parameters "
+                    f"on any rank, so they do not change in this step; {inputs}")
+        why = (f"was backward() called? {inputs[0].upper()}{inputs[1:]}" if self.level == "p_g_os"
+               else "was backward() called?")
+        return (f"group_sharded_parallel ({self.level}): step() after a forward with gradients on, but no parameter "
+                f"on any rank has a gradient, so nothing changes; {why}")
 
     def _clip(self):
         clip = self._grad_clip or getattr(self._inner_opt, "_grad_clip", None)
