@@ -494,3 +494,60 @@ def test_a_weight_no_rank_uses_after_the_first_step_is_left_as_in_one_process(le
     for got in run_ranks(_unused_after_the_first_step, 2, level, timeout=80):
         for k, v in model.state_dict().items():
             torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-6)
+
+
+class _Tied(nn.Module):
+    """An embedding tied to the output layer (two sublayers share a weight), or a root weight a sublayer shares."""
+
+    def __init__(self, tie):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(10, 8)
+        self.mid = nn.Sequential(nn.Linear(8, 8), nn.Tanh())
+        self.out = nn.Linear(8, 10, bias=False)
+        if tie == "units":
+            self.out.weight = self.emb.weight
+        else:
+            self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 64).reshape(8, 8))
+            self.mid[0].weight = self.scale
+
+    def forward(self, ids):
+        h = self.mid(self.emb(ids))
+        return self.out(h @ self.scale if hasattr(self, "scale") else h)
+
+
+def _ids(step, rank):
+    g = torch.Generator().manual_seed(100 * step + rank)
+    return torch.randint(0, 10, (4,), generator=g), torch.randint(0, 10, (4,), generator=g)
+
+
+def _tied_train(level, tie):
+    import meshviz.distributed as dist
+    from meshviz.distributed.sharding import group_sharded_parallel
+
+    dist.init_parallel_env()
+    model = _Tied(tie)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+    model, opt, _ = group_sharded_parallel(model, opt, level, segment_size=1)
+    for s in range(3):
+        x, y = _ids(s, dist.get_rank())
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.clear_grad()
+    return full_params(model)
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("level,tie", [(lv, "units") for lv in LEVELS] + [("p_g_os", "root")])
+def test_tied_weights_train_as_in_one_process(level, tie):
+    model = _Tied(tie)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+    for s in range(3):
+        xs, ys = zip(*(_ids(s, r) for r in range(2)))
+        F.cross_entropy(model(torch.cat(xs)), torch.cat(ys)).backward()
+        opt.step()
+        opt.zero_grad()
+    for got in run_ranks(_tied_train, 2, level, tie, timeout=80):
+        assert got.keys() == model.state_dict().keys()
+        for k, v in model.state_dict().items():
+            torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-6)

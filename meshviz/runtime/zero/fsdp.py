@@ -30,16 +30,53 @@ def apply_fsdp(model, piece_of: dict, grp: ShardingGroup, dev, offload, used: di
     mesh = DeviceMesh.from_group(grp.pg, dev.type)
     policy = CPUOffloadPolicy() if (offload and dev.type != "cpu") else OffloadPolicy()
     units = [child for child in _units(model) if any(p not in ignored for p in child.parameters())]
-    for child in units:
-        fully_shard(child, mesh=mesh, offload_policy=policy, ignored_params=ignored)
+    tied = _tied(model, units, ignored)
+    for together in tied:
+        fully_shard(together if len(together) > 1 else together[0], mesh=mesh, offload_policy=policy,
+                    ignored_params=ignored)
+    units = [u for together in tied for u in together]
     fully_shard(model, mesh=mesh, offload_policy=policy, ignored_params=ignored)
     if used is not None:
         names = {id(m): n or "the model" for n, m in model.named_modules()}
+        seen: set = set()
         for i, unit in enumerate(units + [model]):
             for group in _param_groups(unit):
-                _fill_unused(group, used)
+                if id(group) not in seen:  # units sharded together share one group
+                    seen.add(id(group))
+                    _fill_unused(group, used)
             unit.register_forward_pre_hook(_same_unit(i, [names[id(u)] for u in units + [model]], grp),
                                            prepend=True)
+
+
+def _tied(model, units: list, ignored) -> list:
+    """``units`` in groups sharded together: units that share a sharded parameter (tied weights, such as an
+    embedding and the output layer) go in one group (FSDP2 manages a parameter in one group only), and units that
+    share one with a module outside every unit are left to the root's group."""
+    unit_of = {}
+    for i, unit in enumerate(units):
+        for m in unit.modules():
+            unit_of[id(m)] = i
+    parent = list(range(len(units) + 1))  # the last one: the root
+
+    def find(i):
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    first: dict = {}
+    for m in model.modules():
+        at = unit_of.get(id(m), len(units))
+        for p in m._parameters.values():
+            if p is None or p in ignored:
+                continue
+            a, b = sorted((find(first.setdefault(id(p), at)), find(at)))
+            parent[a] = b  # the root, where it is one of them, stays the root
+    groups: dict = {}
+    for i, unit in enumerate(units):
+        if find(i) != find(len(units)):
+            groups.setdefault(find(i), []).append(unit)
+    return list(groups.values())
 
 
 def _same_unit(index: int, names: list, grp: ShardingGroup):
