@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import itertools
 import math
 
 from ...core.mesh import ProcessMesh
@@ -76,6 +77,17 @@ class CommunicateTopology:
         """Every group along ``axis_name``: the ranks that differ only in that coordinate."""
         return [list(line) for line in self.mesh.axis_groups(axis_name)]
 
+    def get_fused_ranks(self, fused_axis):
+        """The groups of ranks that differ only along the ``fused_axis`` names, each ordered by those axes'
+        coordinates (the first name outermost), the groups sorted (Paddle's ``create_fuse_group`` order)."""
+        others = [n for n in self._parallel_names if n not in fused_axis]
+        out = []
+        for fixed in itertools.product(*(range(self.get_dim(n)) for n in others)):
+            base = dict(zip(others, fixed))
+            out.append([self.get_rank(**base, **dict(zip(fused_axis, c)))
+                        for c in itertools.product(*(range(self.get_dim(n)) for n in fused_axis))])
+        return sorted(out)
+
     def get_rank_from_stage(self, global_rank, **kwargs):
         return self.get_rank(**self.get_coord(global_rank)._replace(**kwargs)._asdict())
 
@@ -113,6 +125,11 @@ class HybridCommunicateGroup:
         if self._sep_degree > 1:
             self._sep_group, self._sep_comm_group = self._set_comm_group("sep")
         self._check_group, self._check_comm_group = self._set_check_group("data")
+        if self._sharding_degree > 1:
+            self.sharding_check_group, self.sharding_check_comm_group = self._set_check_group("sharding")
+        if self._sep_degree > 1:
+            self._dp_sep_group, self._dp_sep_comm_group = self._set_fused_group(["data", "sep"])
+            self._pp_mp_group, self._pp_mp_comm_group = self._set_fused_group(["pipe", "model"])
         self.is_first_stage = self.stage_id == 0
         self.is_last_stage = self.stage_id == self._pp_degree - 1
         if self._pp_degree > 1:
@@ -128,6 +145,14 @@ class HybridCommunicateGroup:
         if axis_name not in self._topo.get_hybrid_group_names():
             return None, None
         for line in self._topo.get_comm_list(axis_name):
+            g = new_group(line)
+            if self.global_rank in line:
+                mine, comm = line, g
+        return mine, comm
+
+    def _set_fused_group(self, axis_names):
+        mine = comm = None
+        for line in self._topo.get_fused_ranks(axis_names):
             g = new_group(line)
             if self.global_rank in line:
                 mine, comm = line, g
@@ -202,9 +227,13 @@ class HybridCommunicateGroup:
         return self._topo.get_rank_from_stage(self.global_rank, pipe=stage_id, **kwargs)
 
     def _get_p2p_next_rank(self):
+        if not hasattr(self, "next_rank"):
+            raise AssertionError("next_rank has not been inited (pp_degree is 1: no pipeline neighbours)")
         return self.next_rank
 
     def _get_p2p_prev_rank(self):
+        if not hasattr(self, "prev_rank"):
+            raise AssertionError("prev_rank has not been inited (pp_degree is 1: no pipeline neighbours)")
         return self.prev_rank
 
     # sharding parallel
@@ -227,10 +256,32 @@ class HybridCommunicateGroup:
     def get_sep_parallel_world_size(self):
         return self._sep_degree
 
+    def _check_sep_exist(self):
+        if self._sep_degree <= 1:
+            raise AssertionError("sep not exist (sep_degree is 1)")
+
     def get_sep_parallel_group(self):
+        self._check_sep_exist()
         return self._sep_comm_group
 
+    def get_sep_parallel_group_src_rank(self):
+        self._check_sep_exist()
+        return self._sep_comm_group.ranks[0]
+
+    def get_dp_sep_parallel_group(self):
+        self._check_sep_exist()
+        return self._dp_sep_comm_group
+
+    def get_pp_mp_parallel_group(self):
+        self._check_sep_exist()
+        return self._pp_mp_comm_group
+
     def get_check_parallel_group(self, sharding=False):
+        """The ranks with this rank's data-parallel index (``sharding=True``: its sharding index; sharding > 1)."""
+        if sharding:
+            if self._sharding_degree <= 1:
+                raise AttributeError("no sharding check group: sharding_degree is 1")
+            return self.sharding_check_comm_group
         return self._check_comm_group
 
     def __repr__(self) -> str:

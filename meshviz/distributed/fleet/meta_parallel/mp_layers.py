@@ -11,6 +11,7 @@ from torch import nn
 from .mp_ops import (
     c_concat,
     c_identity,
+    c_lookup_table,
     c_split,
     group_index,
     mp_allreduce,
@@ -42,9 +43,11 @@ def _check_divisible(what, n_items, n):
         raise ValueError(f"{what} ({n_items}) must be divisible by the model-parallel size {n}")
 
 
-def _mark(p: nn.Parameter, axis: int):
-    p.is_distributed = True
-    p.split_axis = axis
+def _mark(p: nn.Parameter, axis: int, is_mp: bool):
+    """Paddle's marks: ``is_distributed`` (and ``split_axis``) only when the model-parallel group has 2+ ranks."""
+    p.is_distributed = is_mp
+    if is_mp:
+        p.split_axis = axis
     return p
 
 
@@ -56,6 +59,7 @@ class ColumnParallelLinear(nn.Module):
     like ``nn.Linear(in, out)``'s full weight from the shared generator, and sliced: with the same seed on every
     rank the shards assemble into exactly that layer. ``gather_output=False`` leaves y split on its last dim.
     No bias unless ``has_bias`` is true (Paddle's default ``None`` means none; RowParallelLinear's is True).
+    With a model-parallel group of one rank (``is_mp`` false) it is a plain linear layer: no collectives.
     """
 
     def __init__(self, in_features, out_features, weight_attr=None, has_bias=None, gather_output=True,
@@ -63,6 +67,7 @@ class ColumnParallelLinear(nn.Module):
         super().__init__()
         self.model_parallel_group = mp_group_of(mp_group)
         self.rank, self.world_size = group_index(self.model_parallel_group)
+        self.is_mp = self.world_size > 1
         _check_divisible("ColumnParallelLinear out_features", out_features, self.world_size)
         self.in_features, self.out_features = in_features, out_features
         self.output_size_per_partition = out_features // self.world_size
@@ -70,10 +75,12 @@ class ColumnParallelLinear(nn.Module):
         self.name = name
         w, b = _full_linear_init(in_features, out_features, weight_attr, has_bias)
         rows = slice(self.rank * self.output_size_per_partition, (self.rank + 1) * self.output_size_per_partition)
-        self.weight = _mark(nn.Parameter(w[rows].clone()), 0)
-        self.bias = _mark(nn.Parameter(b[rows].clone()), 0) if b is not None else None
+        self.weight = _mark(nn.Parameter(w[rows].clone()), 0, self.is_mp)
+        self.bias = _mark(nn.Parameter(b[rows].clone()), 0, self.is_mp) if b is not None else None
 
     def forward(self, x):
+        if not self.is_mp:
+            return F.linear(x, self.weight, self.bias)
         x = c_identity(x, self.model_parallel_group)
         y = F.linear(x, self.weight, self.bias)
         return c_concat(y, self.model_parallel_group) if self.gather_output else y
@@ -96,6 +103,7 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         self.model_parallel_group = mp_group_of(mp_group)
         self.rank, self.world_size = group_index(self.model_parallel_group)
+        self.is_mp = self.world_size > 1
         _check_divisible("RowParallelLinear in_features", in_features, self.world_size)
         self.in_features, self.out_features = in_features, out_features
         self.input_size_per_partition = in_features // self.world_size
@@ -103,10 +111,12 @@ class RowParallelLinear(nn.Module):
         self.name = name
         w, b = _full_linear_init(in_features, out_features, weight_attr, has_bias)
         cols = slice(self.rank * self.input_size_per_partition, (self.rank + 1) * self.input_size_per_partition)
-        self.weight = _mark(nn.Parameter(w[:, cols].clone()), 1)
+        self.weight = _mark(nn.Parameter(w[:, cols].clone()), 1, self.is_mp)
         self.bias = nn.Parameter(b.clone()) if has_bias else None
 
     def forward(self, x):
+        if not self.is_mp:
+            return F.linear(x, self.weight, self.bias)
         if not self.input_is_parallel:
             x = c_split(x, self.model_parallel_group)
         y = mp_allreduce(F.linear(x, self.weight), self.model_parallel_group)
@@ -121,15 +131,19 @@ class VocabParallelEmbedding(nn.Module):
     """Embedding whose rows (the vocabulary) are split over the model-parallel group.
 
     This rank holds rows ``r*V/n ... (r+1)*V/n`` of the [V, D] table, drawn like ``nn.Embedding(V, D)``'s.
-    Ids outside this rank's range look up zeros; an all-reduce sums the shards' lookups.
+    Ids outside this rank's range look up zeros; an all-reduce sums the shards' lookups. An id outside
+    ``[0, num_embeddings)`` raises IndexError on every rank before the all-reduce (Paddle's GPU ``c_embedding``
+    check; torch's ``nn.Embedding`` raises too).
     """
 
     def __init__(self, num_embeddings, embedding_dim, weight_attr=None, mp_group=None, name=None):
         super().__init__()
         self.model_parallel_group = mp_group_of(mp_group)
         self.rank, self.world_size = group_index(self.model_parallel_group)
+        self.is_mp = self.world_size > 1
         _check_divisible("VocabParallelEmbedding num_embeddings", num_embeddings, self.world_size)
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.origin_num_embeddings = num_embeddings
         self.per_part = num_embeddings // self.world_size
         self.vocab_start_index = self.rank * self.per_part
         self.vocab_end_index = self.vocab_start_index + self.per_part
@@ -137,14 +151,16 @@ class VocabParallelEmbedding(nn.Module):
         w = torch.empty(num_embeddings, embedding_dim)
         if callable(weight_attr):
             weight_attr(w)
-        else:
+        elif weight_attr is None:
             nn.init.normal_(w)
-        self.weight = _mark(nn.Parameter(w[self.vocab_start_index:self.vocab_end_index].clone()), 0)
+        else:
+            raise TypeError("weight_attr must be None or an init function taking the full weight tensor")
+        self.weight = _mark(nn.Parameter(w[self.vocab_start_index:self.vocab_end_index].clone()), 0, self.is_mp)
 
     def forward(self, x):
-        outside = (x < self.vocab_start_index) | (x >= self.vocab_end_index)
-        local = (x - self.vocab_start_index).masked_fill(outside, 0)
-        out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        if not self.is_mp:
+            return F.embedding(x, self.weight)
+        out = c_lookup_table(self.weight, x, self.vocab_start_index, self.num_embeddings)
         return mp_allreduce(out, self.model_parallel_group)
 
     def extra_repr(self):
