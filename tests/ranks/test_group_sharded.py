@@ -551,3 +551,47 @@ def test_tied_weights_train_as_in_one_process(level, tie):
         assert got.keys() == model.state_dict().keys()
         for k, v in model.state_dict().items():
             torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-6)
+
+
+def _fsdp_traffic(check):
+    import meshviz.distributed as dist
+    from meshviz import trace
+    from meshviz.distributed.sharding import group_sharded_parallel
+    from meshviz.runtime.match import set_checking
+
+    dist.init_parallel_env()
+    set_checking(check)
+    sink = trace.add_sink(trace.MemorySink())
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+    model, opt, _ = group_sharded_parallel(model, opt, "p_g_os", segment_size=1)
+    for s in range(2):
+        x, y = batch(s, dist.get_rank())
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.clear_grad()
+    got: dict = {}
+    for e in sink.of_kind("collective"):
+        if (e.name or "").startswith("p_g_os"):
+            key = (e.name, e.op)
+            got[key] = got.get(key, 0) + e.bytes
+    return full_params(model), got
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("check", [False, True])
+def test_p_g_os_gathers_and_reduce_scatters_are_traced_with_the_bytes_each_rank_receives(check):
+    ref, _, _ = reference(2, steps=2, clip=1e9)
+    # FSDP2 shards each parameter on dim 0, padded to a multiple of 2 ranks: Linear(6, 10) holds weight [5, 6] and
+    # bias [5] per rank (35 floats), Linear(10, 3) weight [2, 10] and bias [2] (22). Per step a rank receives the
+    # other rank's shard twice (gathered for the forward and again for the backward) and its own part of the
+    # reduce-scatter once: 2 steps
+    shard = {"0": 35 * 4, "2": 22 * 4}
+    want = {}
+    for unit, b in shard.items():
+        want[(f"p_g_os {unit}", "all_gather")] = 2 * 2 * b
+        want[(f"p_g_os {unit}", "reduce_scatter")] = 2 * b
+    for params, got in run_ranks(_fsdp_traffic, 2, check, timeout=80):
+        assert got == want
+        for k, v in ref.items():
+            torch.testing.assert_close(params[k], v, rtol=1e-5, atol=1e-6)

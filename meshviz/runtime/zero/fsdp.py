@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import torch
+import torch.distributed as tdist
 from torch import nn
 
+from ... import compat, trace
+from ...compat.fsdp import comm_bases
+from ..comm import Call, CollectiveOp, run
 from ..devices import device
 from ..match import checking
 from .group import ShardingGroup
@@ -36,8 +40,13 @@ def apply_fsdp(model, piece_of: dict, grp: ShardingGroup, dev, offload, used: di
                     ignored_params=ignored)
     units = [u for together in tied for u in together]
     fully_shard(model, mesh=mesh, offload_policy=policy, ignored_params=ignored)
+    names = {id(m): n or "the model" for n, m in model.named_modules()}
+    if trace.active() or checking():
+        # FSDP2's own gathers and reduce-scatters then go through the comm layer: traced, in the roll-call, and
+        # matched; untraced, torch issues them (a Python call each costs a small step a few percent)
+        for together in tied + [[model]]:
+            _through_comm_layer(together[0], grp, "+".join(names[id(u)] for u in together))
     if used is not None:
-        names = {id(m): n or "the model" for n, m in model.named_modules()}
         seen: set = set()
         for i, unit in enumerate(units + [model]):
             for group in _param_groups(unit):
@@ -77,6 +86,39 @@ def _tied(model, units: list, ignored) -> list:
         if find(i) != find(len(units)):
             groups.setdefault(find(i), []).append(unit)
     return list(groups.values())
+
+
+def _through_comm_layer(unit, grp: ShardingGroup, name: str) -> None:
+    """``unit``'s all-gathers and reduce-scatters issued through :func:`~meshviz.runtime.comm.run` (torch's
+    ``set_custom_all_gather`` / ``set_custom_reduce_scatter``), named ``name``."""
+    AllGather, ReduceScatter = comm_bases()
+
+    def empty(self, size, *, dtype, device):
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    class Gather(AllGather):
+        allocate = empty
+
+        def __call__(self, output_tensor, input_tensor, group, async_op=False):
+            works: list = []
+            run(Call(CollectiveOp.ALL_GATHER, grp.group, lambda g: works.append(compat.all_gather_single(
+                output_tensor, input_tensor, group=group, async_op=True)) or works[0],
+                tensors=(input_tensor,), sync_op=not async_op, name=f"p_g_os {name}"))
+            return works[0] if async_op else None
+
+    class Scatter(ReduceScatter):
+        allocate = empty
+
+        def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+            works: list = []
+            run(Call(CollectiveOp.REDUCE_SCATTER, grp.group, lambda g: works.append(compat.reduce_scatter_single(
+                output_tensor, input_tensor, op=op, group=group, async_op=True)) or works[0],
+                tensors=(input_tensor,), sync_op=not async_op, name=f"p_g_os {name}",
+                reduce_op="avg" if op == tdist.ReduceOp.AVG else "sum"))
+            return works[0] if async_op else None
+
+    unit.set_custom_all_gather(Gather())
+    unit.set_custom_reduce_scatter(Scatter())
 
 
 def _same_unit(index: int, names: list, grp: ShardingGroup):
