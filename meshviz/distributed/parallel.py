@@ -35,6 +35,9 @@ class DataParallel(nn.Module):
     Built on ``torch.nn.parallel.DistributedDataParallel``: buckets of ``comm_buffer_size`` MB, the first bucket
     (the parameters defined first, whose gradients are ready last) of ``last_comm_buffer_size`` MB.
     ``state_dict()`` keys are those of ``layers`` (no wrapper prefix); other attributes pass through to it.
+    As in Paddle, a parameter marked ``no_sync`` (``p.no_sync = True``) is neither broadcast nor averaged, a
+    non-persistent buffer is not broadcast, and the parameters averaged are those that require a gradient at each
+    forward (one frozen after the wrap keeps no gradient; freeze the same ones on every rank).
     ``strategy`` (Paddle 1.x's ``ParallelStrategy``, environment only) is checked and not used: the group decides.
     """
 
@@ -63,7 +66,11 @@ class DataParallel(nn.Module):
         engine = DataParallelEngine(layers, g, comm_buffer_size, last_comm_buffer_size, find_unused_parameters)
         # kept out of the module tree: keys stay free of a prefix
         object.__setattr__(self, "_engine", engine)
-        object.__setattr__(self, "_ddp", engine.ddp)
+
+    @property
+    def _ddp(self):
+        """The torch DDP the gradients are averaged by now (None with nothing to train)."""
+        return self._engine.ddp
 
     # -- running ---------------------------------------------------------------------------------
     def forward(self, *inputs, **kwargs):
@@ -72,6 +79,18 @@ class DataParallel(nn.Module):
     def no_sync(self):
         """Inside: gradients accumulate locally. The next backward outside averages the accumulated sum."""
         return self._engine.no_sync()
+
+    def scale_loss(self, loss):
+        """Paddle's deprecated ``scale_loss``, kept by Paddle as a method that returns ``loss`` as it is."""
+        warnings.warn("DataParallel.scale_loss is deprecated since Paddle 2.0 and does nothing",
+                      DeprecationWarning, stacklevel=2)
+        return loss
+
+    def apply_collective_grads(self):
+        """Paddle's deprecated ``apply_collective_grads``, kept by Paddle as a method that does nothing (the
+        gradients are averaged in the backward)."""
+        warnings.warn("DataParallel.apply_collective_grads is deprecated since Paddle 2.0 and does nothing",
+                      DeprecationWarning, stacklevel=2)
 
     def train(self, mode: bool = True):
         super().train(mode)
@@ -139,19 +158,26 @@ def _strip_prefix(sd):
     return sd
 
 
-def sync_params_buffers(model: nn.Module, group=None, src_rank=None, is_model_parallel=False):
-    """Broadcast ``model``'s parameters and buffers from ``src_rank`` (default: the group's first rank).
+def sync_params_buffers(model: nn.Module, comm_group=None, src_rank=None, is_model_parallel=False, fuse_params=True,
+                        is_moe_sharding_parallel=False):
+    """Paddle's ``sync_params_buffers``: broadcast ``model``'s parameters and persistent buffers from global rank
+    ``src_rank`` (default: the group's first rank; Paddle's is 0) over ``comm_group`` (None: the world).
 
-    With ``is_model_parallel`` the parameters marked ``is_distributed`` (model-parallel shards) are skipped.
+    With ``is_model_parallel`` the parameters marked ``is_distributed`` (model-parallel shards) are skipped; so are
+    those marked ``no_sync``, but with ``is_moe_sharding_parallel`` the ones also marked ``expert``. Tensors are
+    always packed one flat buffer per dtype (``fuse_params`` changes how Paddle sends them, not what arrives).
     """
-    broadcast_params_buffers(model, groups.resolve(group), src_rank, skip_distributed=is_model_parallel)
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"sync_params_buffers: model must be an nn.Module, got {type(model).__name__}")
+    broadcast_params_buffers(model, groups.resolve(comm_group), src_rank, skip_distributed=is_model_parallel,
+                             expert_too=is_moe_sharding_parallel)
 
 
 def fused_allreduce_gradients(parameter_list, hcg=None):
     """Average the gradients of ``parameter_list`` over the data-parallel group of ``hcg`` (None: the world).
 
     Gradients are packed into buffers of up to 128 MB per dtype, each all-reduced once, then divided by the
-    group size, as Paddle does. Parameters without a gradient are skipped.
+    group size, as Paddle does. Parameters that do not require a gradient are skipped (Paddle's ``trainable``).
     """
     try:
         params = None if isinstance(parameter_list, (str, bytes, torch.Tensor)) else list(parameter_list)
@@ -163,4 +189,4 @@ def fused_allreduce_gradients(parameter_list, hcg=None):
         raise TypeError(f"fused_allreduce_gradients: parameter_list is a list of parameters (such as "
                         f"list(model.parameters())), got {what}")
     _join_world()
-    average_gradients(params, None if hcg is None else hcg.get_data_parallel_group())
+    average_gradients([p for p in params if p.requires_grad], None if hcg is None else hcg.get_data_parallel_group())

@@ -21,60 +21,161 @@ class DataParallelEngine:
     """``module`` trained data-parallel over the member group ``g``: gradients averaged in backward.
 
     Built on torch DDP: buckets of ``bucket_mb`` MB, the first one (the parameters defined first, whose gradients
-    are ready last) of ``first_bucket_mb`` MB; DDP's constructor broadcasts parameters and buffers from the
-    group's first rank. A module with nothing to train gets no DDP (``ddp`` is None): its replicas are made equal.
+    are ready last) of ``first_bucket_mb`` MB; DDP's constructor broadcasts parameters and persistent buffers from
+    the group's first rank. As in Paddle, a parameter marked ``no_sync`` is neither broadcast nor averaged, nor is a
+    non-persistent buffer broadcast. The parameters to average are those that require a gradient at each forward:
+    where that set changed since the last one (a layer frozen or unfrozen after the wrap, on every rank alike), the
+    reducer is built again over the new set, without a broadcast. With nothing to train there is no DDP (``ddp`` is
+    None): the replicas are made equal at the wrap.
     """
 
     def __init__(self, module: nn.Module, g: Group, bucket_mb, first_bucket_mb, find_unused_parameters=False):
         self.module = module
         self.group = g
         self.key = tuple(g.ranks)
+        self.bucket_mb, self.first_bucket_mb = bucket_mb, first_bucket_mb
+        self.find_unused_parameters = find_unused_parameters
+        self.sync = True  # False inside no_sync()
         self.ddp = None
-        if not any(p.requires_grad for p in module.parameters()):
+        self.trained = _trained(module)
+        if not self.trained:
             broadcast_params_buffers(module, g)
             return
-        made = []
-        nbytes = sum(t.numel() * t.element_size() for t in module.state_dict().values())
+        nbytes = sum(t.numel() * t.element_size() for t in _synced(module))
+        made: list = []
+        run(Call(CollectiveOp.BROADCAST, g, lambda g: made.append(self._build(True)), nbytes=nbytes,
+                 name="DataParallel.sync_params", src=g.ranks[0]))
+        self._install(made[0])
+
+    def _build(self, init_sync: bool):
+        module = self.module
+        ignore = [n for n, t, is_param in _named_tensors(module) if not _is_synced(module, n, t, is_param)]
+        before = module.__dict__.get("_ddp_params_and_buffers_to_ignore", _ABSENT)
+        if ignore or before is not _ABSENT:
+            module._ddp_params_and_buffers_to_ignore = list(dict.fromkeys(
+                ignore + ([] if before is _ABSENT else list(before))))
         devs = {p.device for p in module.parameters()}
         gpu = next(iter(devs)) if len(devs) == 1 and next(iter(devs)).type == "cuda" else None
-        run(Call(CollectiveOp.BROADCAST, g, lambda g: made.append(DDP(
-            module,
-            device_ids=None if gpu is None else [gpu.index],  # on a GPU, DDP moves the inputs there too
-            process_group=g.process_group,
-            bucket_cap_mb=bucket_mb,
-            bucket_cap_mb_list=[first_bucket_mb, bucket_mb],
-            find_unused_parameters=find_unused_parameters,
-        )), nbytes=nbytes, name="DataParallel.sync_params", src=g.ranks[0]))
-        self.ddp = made[0]
+        try:
+            return DDP(
+                module,
+                device_ids=None if gpu is None else [gpu.index],  # on a GPU, DDP moves the inputs there too
+                process_group=self.group.process_group,
+                bucket_cap_mb=self.bucket_mb,
+                bucket_cap_mb_list=[self.first_bucket_mb, self.bucket_mb],
+                find_unused_parameters=self.find_unused_parameters,
+                init_sync=init_sync,
+            )
+        finally:
+            if before is _ABSENT:
+                module.__dict__.pop("_ddp_params_and_buffers_to_ignore", None)
+            else:
+                module._ddp_params_and_buffers_to_ignore = before
+
+    def _install(self, ddp) -> None:
+        self.ddp = ddp
+        ddp.training = self.module.training
         # Paddle syncs buffers at the wrap only: each rank's BatchNorm statistics then follow its own batches
         # (set after the constructor, whose sync still includes the buffers, on every torch this supports)
-        self.ddp.broadcast_buffers = False
+        ddp.broadcast_buffers = False
         if trace.active():
             # a Python hook per bucket costs 5-10% of a small step on gloo (bench/README): only when traced
-            self.ddp.register_comm_hook(g, _allreduce_hook)
+            ddp.register_comm_hook(self.group, _allreduce_hook)
+
+    def _refresh(self) -> None:
+        """Build the reducer again where the parameters that require a gradient are no longer those it has."""
+        now = _trained(self.module)
+        if now == self.trained:
+            return
+        if self.ddp is not None:
+            self.ddp.reducer._remove_autograd_hooks()
+        self.trained, self.ddp = now, None
+        if now:
+            self._install(self._build(False))
 
     def forward(self, *inputs, **kwargs):
+        self._refresh()
         if self.ddp is None:
             return self.module(*inputs, **kwargs)
+        self.ddp.require_backward_grad_sync = self.sync
         out = self.ddp(*inputs, **kwargs)
-        if self.ddp.require_backward_grad_sync and torch.is_grad_enabled():
+        if self.sync and torch.is_grad_enabled():
             # DDP's bucket all-reduces bypass the comm layer (its C++ hook): a rank blocked in the backward that
             # follows is shown as inside them on this group
             rollcall.current().begin_region("all_reduce", self.key, "DataParallel gradients")
+            if not self.find_unused_parameters:
+                _check_after_backward(self.ddp, out)
         return out
 
     @contextlib.contextmanager
     def no_sync(self):
         """Inside: gradients accumulate locally. The next backward outside averages the accumulated sum."""
-        if self.ddp is None:
+        before, self.sync = self.sync, False
+        try:
             yield
-            return
-        with self.ddp.no_sync():
-            yield
+        finally:
+            self.sync = before
 
     def train(self, mode: bool) -> None:
         if self.ddp is not None:
             self.ddp.training = mode
+
+
+_ABSENT = object()
+
+
+def _check_after_backward(ddp, out) -> None:
+    """Raise at the end of a backward through ``out`` that left a bucket unreduced (a parameter that requires a
+    gradient not used in the loss, or used only inside ``no_sync``), not at the next forward as DDP does: by then
+    the optimizer has stepped on gradients that were never averaged."""
+    from torch.autograd import Variable
+
+    def check():
+        try:
+            ddp.reducer._check_reducer_finalized()
+        except RuntimeError as e:
+            raise RuntimeError(
+                "DataParallel: the backward ended with gradients not averaged: a parameter that requires a "
+                "gradient took no part in the loss on this rank (or only inside no_sync()). Pass "
+                f"find_unused_parameters=True to DataParallel, or freeze the parameter. torch DDP: {e}") from None
+
+    def hook(grad):
+        # queued from a callback, it runs after DDP's own finalize, which is queued during the backward
+        Variable._execution_engine.queue_callback(lambda: Variable._execution_engine.queue_callback(check))
+
+    stack = [out]
+    while stack:
+        o = stack.pop()
+        if isinstance(o, torch.Tensor):
+            if o.requires_grad and o.grad_fn is not None:  # a hook on a leaf (a parameter) would outlive the step
+                o.register_hook(hook)
+        elif isinstance(o, (list, tuple)):
+            stack.extend(o)
+        elif isinstance(o, dict):
+            stack.extend(o.values())
+
+
+def _named_tensors(module: nn.Module) -> list:
+    """``(name, tensor, is_parameter)`` of every parameter and buffer of ``module``."""
+    return [(n, t, True) for n, t in module.named_parameters()] + [(n, t, False) for n, t in module.named_buffers()]
+
+
+def _is_synced(module: nn.Module, name: str, t, is_param: bool, expert_too: bool = False) -> bool:
+    """Whether Paddle's ``sync_params_buffers`` broadcasts ``t`` (``name`` in ``module``): not a parameter marked
+    ``no_sync`` (an expert one too with ``expert_too``), nor a buffer registered non-persistent."""
+    if is_param:
+        return not getattr(t, "no_sync", False) or (expert_too and getattr(t, "expert", False))
+    owner, _, leaf = name.rpartition(".")
+    return leaf not in module.get_submodule(owner)._non_persistent_buffers_set
+
+
+def _synced(module: nn.Module, expert_too: bool = False) -> list:
+    return [t for n, t, is_param in _named_tensors(module) if _is_synced(module, n, t, is_param, expert_too)]
+
+
+def _trained(module: nn.Module) -> tuple:
+    """The ids of the parameters DDP averages: those that require a gradient, but for ones marked ``no_sync``."""
+    return tuple(id(p) for p in module.parameters() if p.requires_grad and not getattr(p, "no_sync", False))
 
 
 def _allreduce_hook(group, bucket):
@@ -89,14 +190,17 @@ def _allreduce_hook(group, bucket):
     return works[0].get_future().then(lambda f: f.value()[0])
 
 
-def broadcast_params_buffers(model: nn.Module, g: Group, src: int | None = None, skip_distributed=False) -> None:
-    """Broadcast ``model``'s parameters and buffers from global rank ``src`` (default: the group's first rank),
-    one flat buffer per dtype. ``skip_distributed``: leave the tensors marked ``is_distributed`` alone."""
+def broadcast_params_buffers(model: nn.Module, g: Group, src: int | None = None, skip_distributed=False,
+                             expert_too=False) -> None:
+    """Broadcast ``model``'s parameters and persistent buffers from global rank ``src`` (default: the group's first
+    rank), one flat buffer per dtype, as Paddle's ``sync_params_buffers``: a parameter marked ``no_sync`` is left
+    alone (but with ``expert_too`` one also marked ``expert``). ``skip_distributed``: leave the tensors marked
+    ``is_distributed`` alone."""
     if not g.is_member():
         return
     src = g.ranks[0] if src is None else src
     # ``is True``: a torch tensor's own ``is_distributed`` is a method, truthy on every tensor not marked
-    tensors = [t for t in list(model.parameters()) + list(model.buffers())
+    tensors = [t for t in _synced(model, expert_too)
                if not (skip_distributed and getattr(t, "is_distributed", False) is True)]
     for dtype in sorted({t.dtype for t in tensors}, key=str):
         ts = [t for t in tensors if t.dtype == dtype]

@@ -11,17 +11,17 @@ __all__ = ["fused_allreduce_gradients", "broadcast_dp_parameters", "broadcast_mp
            "broadcast_sharding_parameters", "sync_params_buffers", "broadcast_input_data"]
 
 
-def broadcast_dp_parameters(model, hcg):
-    sync_params_buffers(model, hcg.get_data_parallel_group())
+def broadcast_dp_parameters(model, hcg, fuse_params=True):
+    sync_params_buffers(model, hcg.get_data_parallel_group(), fuse_params=fuse_params)
 
 
-def broadcast_mp_parameters(model, hcg):
+def broadcast_mp_parameters(model, hcg, fuse_params=True):
     """Make the parameters that are not model-parallel shards equal over the model-parallel group."""
-    sync_params_buffers(model, hcg.get_model_parallel_group(), is_model_parallel=True)
+    sync_params_buffers(model, hcg.get_model_parallel_group(), is_model_parallel=True, fuse_params=fuse_params)
 
 
-def broadcast_sharding_parameters(model, hcg):
-    sync_params_buffers(model, hcg.get_sharding_parallel_group())
+def broadcast_sharding_parameters(model, hcg, fuse_params=True):
+    sync_params_buffers(model, hcg.get_sharding_parallel_group(), fuse_params=fuse_params)
 
 
 def _sharding_mean(parameter_list, hcg):
