@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
-
 import torch
 import torch.distributed as tdist
 import torch.nn as nn
@@ -14,8 +12,8 @@ from ...core.sharding import STAGES
 from ...runtime.data_parallel import average_gradients
 from ...runtime.zero import create_states
 from ..api import is_dist_tensor
-from ..collective import all_reduce, broadcast
-from .program import Program, meta_from_spec, shape_str, skeleton
+from ..collective import all_gather_object, all_reduce, broadcast
+from .program import Program, count_inputs, local_of, meta_from_spec, shape_str, skeleton, split_feeds, split_input_spec
 from .recorder import DispatchRecorder, graph_from_records
 from .strategy import Strategy
 
@@ -41,7 +39,8 @@ class DistModel:
     ``strategy.return_numpy`` (Paddle's default) values come back as numpy arrays, else as torch tensors. On
     more than one rank with plain (not dist) parameters the ranks train as data parallel: parameters start from
     rank 0, each rank feeds its own part of the batch, gradients are averaged, and the loss returned is the mean
-    over the ranks (the loss of the whole batch).
+    over the ranks (the loss of the whole batch). A loss per sample (not a scalar) trains on the gradient of its
+    sum over the whole batch and comes back as every sample's loss (data parallel ranks' in rank order), as Paddle's.
     """
 
     def __init__(self, layer, loader=None, loss=None, optimizer=None, strategy=None, input_spec=None):
@@ -70,8 +69,8 @@ class DistModel:
         if sh.enable and optimizer is not None and sh.stage not in (1, 2, 3):
             raise ValueError(f"to_static: sharding.stage must be 1, 2 or 3, got {sh.stage}")
         if sh.enable and optimizer is not None and any(_is_dist(p) for p in layer.parameters()):
-            raise ValueError("to_static: sharding with dist-tensor parameters is not supported; "
-                             "shard the optimizer over plain parameters")
+            raise ValueError(f"to_static: strategy.sharding with dist-tensor parameters is not supported; pass dist."
+                             f"shard_optimizer(optimizer, dist.ShardingStage{sh.stage}(axis, mesh)) as the optimizer")
         world = _world()
         if sh.enable and optimizer is not None and not (sh.degree == 8 and world < 8) and int(sh.degree) != world:
             # before the parameters are broadcast below
@@ -83,13 +82,13 @@ class DistModel:
         self._optimizer = optimizer
         self._strategy = strategy
         self._loader = loader
-        self._input_spec = input_spec
+        self._input_spec, self._label_spec = split_input_spec(input_spec)
         self._k, self._avg = k, bool(gm.avg)
         self._micro = 0
         self._scaler = None
         self._programs = {}
         self._examples = {}
-        self._n_inputs = _count_inputs(layer, input_spec)
+        self._n_inputs = count_inputs(layer, self._input_spec)
         self._names = {}
         self._sharded = False
         self._dp = False
@@ -100,7 +99,8 @@ class DistModel:
             place_module(layer, "DistModel")  # a CPU model on a GPU rank moves to the GPU, as in Paddle
             plain = [p for p in layer.parameters() if not _is_dist(p)]
             with torch.no_grad():
-                for p in plain:  # data parallel starts from rank 0's parameters
+                # data parallel starts from rank 0's parameters and buffers
+                for p in plain + [b for b in layer.buffers() if plain and not _is_dist(b)]:
                     broadcast(p.data, src=0)
             self._dp = bool(plain)
         self._device_type = next((p.device.type for p in layer.parameters()), "cpu")
@@ -169,24 +169,17 @@ class DistModel:
             raise ValueError("Please set optimizer and loss function before training.")
         if self._mode == "eval" and self._loss is None:
             raise ValueError("Please set loss function before evaluation.")
-        feeds = []
         for item in args:
-            if isinstance(item, (list, tuple)):
-                feeds += list(item)
-            elif isinstance(item, torch.Tensor):
-                feeds.append(item)
-            else:
+            if not isinstance(item, (list, tuple, torch.Tensor)):
                 raise TypeError(f"The inputs of DistModel should be list or tensor, but got {type(item)}")
         n = self._n_inputs
-        if self._mode == "predict":
-            if n is not None and len(feeds) != n:
-                raise ValueError(f"predict takes the model's {n} input(s), got {len(feeds)} tensors")
-            inputs, labels = feeds, []
-        else:
-            n = n if n is not None else max(len(feeds) - 1, 1)
-            if len(feeds) <= n:
-                raise ValueError(f"{self._mode} takes {n} input(s) and then the label(s), got {len(feeds)} tensors")
-            inputs, labels = feeds[:n], feeds[n:]
+        inputs, labels = split_feeds(list(args), n, self._mode != "predict")
+        if self._mode == "predict" and n is not None and len(inputs) != n:
+            raise ValueError(f"predict takes the model's {n} input(s), got {len(inputs)} tensors")
+        if self._mode != "predict" and not (inputs and labels):
+            got = len(inputs) + len(labels)
+            what = "the model's" if n is None else n
+            raise ValueError(f"{self._mode} takes {what} input(s) and then the label(s), got {got} tensors")
         self._examples.setdefault(self._mode, (inputs, labels))
         record = self._mode not in self._programs
         rec = DispatchRecorder() if record else None
@@ -213,8 +206,13 @@ class DistModel:
     def _step(self, inputs, labels):
         if self._mode == "predict":
             with torch.no_grad(), self._autocast():
-                outs = self._forward(*inputs)
-            outs = outs if isinstance(outs, (tuple, list)) else [outs]
+                got = self._forward(*inputs)
+            outs = got if isinstance(got, (tuple, list)) else [got]
+            bad = [type(o).__name__ for o in outs if not isinstance(o, torch.Tensor)]
+            if bad:  # the same on every rank: every rank runs the same forward
+                held = f" holding {', '.join(bad)}" if outs is got else ""
+                raise TypeError(f"predict: the model must return a tensor or a list/tuple of tensors (each "
+                                f"returned as out<i>), got {type(got).__name__}{held}")
             return {f"out{i}": self._out(o) for i, o in enumerate(outs)}
         if self._mode == "eval":
             with torch.no_grad(), self._autocast():
@@ -222,7 +220,11 @@ class DistModel:
             return self._out(self._global_loss(loss))
         with self._autocast():
             loss = self._loss(self._forward(*inputs), *labels)
-        scaled = loss / self._k if (self._k > 1 and self._avg) else loss
+        scaled = loss
+        if loss.dim():  # a loss per sample: the gradient of its sum over the whole batch, as in Paddle
+            # the ranks' gradients are averaged: a local sum times the ranks is their sum
+            scaled = loss.sum() * (_world() if self._split(loss) else 1)
+        scaled = scaled / self._k if (self._k > 1 and self._avg) else scaled
         if self._scaler is not None:
             scaled = self._scaler.scale(scaled)
         scaled.backward()
@@ -241,10 +243,18 @@ class DistModel:
             self._optimizer.zero_grad()
         return self._out(self._global_loss(loss.detach()))
 
+    def _split(self, loss) -> bool:
+        """Whether ``loss`` is this rank's part of the batch's: each rank fed its own data (a plain loss)."""
+        return not _is_dist(loss) and (self._dp or self._sharded) and _world() > 1 and self._strategy.split_data
+
     def _global_loss(self, loss):
         if _is_dist(loss):
             return loss.full_tensor()
-        if (self._dp or self._sharded) and _world() > 1 and self._strategy.split_data:
+        if self._split(loss):
+            if loss.dim():  # a loss per sample: every rank's samples, in rank order (the ranks' batches may differ)
+                parts: list = []
+                all_gather_object(parts, loss.detach().cpu())
+                return torch.cat(parts).to(loss.device)
             loss = loss.detach().float().clone()
             all_reduce(loss)
             return loss / _world()
@@ -298,7 +308,8 @@ class DistModel:
             loss = loss_fn(out, *labels)
             if mode == "eval":
                 return loss
-            grads = torch.autograd.grad(loss, [p for p in params.values() if p.requires_grad])
+            trained = [p for p in params.values() if p.requires_grad]
+            grads = torch.autograd.grad(loss.sum() if loss.dim() else loss, trained)
             return loss, grads
 
         from torch.fx.experimental.proxy_tensor import make_fx
@@ -320,6 +331,8 @@ class DistModel:
         spec = self._input_spec
         if spec is not None:
             inputs = [meta_from_spec(s) for s in spec]
+            if self._label_spec is not None:
+                return inputs, [meta_from_spec(s) for s in self._label_spec] if mode != "predict" else []
             ex = self._examples.get(mode) or next(iter(self._examples.values()), ([], []))
             labels = [torch.empty(t.shape, dtype=t.dtype, device="meta") for t in ex[1]]
             return inputs, labels
@@ -327,9 +340,9 @@ class DistModel:
             inputs, labels = self._examples.get(mode) or next(iter(self._examples.values()))
         elif self._loader is not None:
             batch = next(iter(self._loader))
-            batch = list(batch) if isinstance(batch, (list, tuple)) else [batch]
-            n = self._n_inputs or max(len(batch) - 1, 1)
-            inputs, labels = batch[:n], batch[n:]
+            batch = list(batch.values()) if isinstance(batch, dict) else batch
+            inputs, labels = split_feeds(list(batch) if isinstance(batch, (list, tuple)) else [batch], self._n_inputs,
+                                         True)  # a loader's batch holds the labels: predict leaves them out below
         else:
             raise ValueError("serial program: pass input_spec or a loader to to_static, or run one step first")
         has_dist = any(_is_dist(p) for p in self._layer.parameters())  # then every rank feeds the whole batch
@@ -350,7 +363,7 @@ class DistModel:
         for n, p in self._layer.named_parameters():
             where = "sliced from the full tensor (no communication)" if _is_dist(p) else (
                 "broadcast from rank 0" if self._dp else "initialised locally")
-            local = _local_of(p)
+            local = local_of(p)
             placements = getattr(p, "placements", None)
             header.append(f"{n}: global {list(p.shape)} local {list(local.shape)}"
                           f"{' ' + str(placements) if placements is not None else ''}; {where}")
@@ -461,34 +474,14 @@ def _check_piece(key, value, piece) -> None:
     raise ValueError(f"set_state_dict: {key} has shape {list(piece.shape)}, got {list(shape)}")
 
 
-def _local_of(p):
-    if hasattr(p, "_local_value"):
-        return p._local_value()
-    if hasattr(p, "to_local"):
-        return p.to_local()
-    return p
-
-
-def _count_inputs(layer, input_spec):
-    if input_spec is not None:
-        return len(input_spec)
-    try:
-        sig = inspect.signature(layer.forward)
-    except (TypeError, ValueError):
-        return None
-    n = 0
-    for prm in sig.parameters.values():
-        if prm.kind in (prm.VAR_POSITIONAL, prm.VAR_KEYWORD):
-            return None
-        if prm.kind in (prm.POSITIONAL_ONLY, prm.POSITIONAL_OR_KEYWORD) and prm.default is prm.empty:
-            n += 1
-    return n or None
-
-
-def to_static(layer, loader=None, loss=None, optimizer=None, strategy=None, input_spec=None) -> DistModel:
+def to_static(layer, loader=None, loss=None, optimizer=None, strategy=None, input_spec=None):
     """Turn ``layer`` (its parameters may be dist tensors) with ``loss`` and ``optimizer`` into a DistModel.
 
     Mode by default: loss and optimizer -> "train"; loss only -> "eval"; neither -> "predict".
-    ``loader`` and ``input_spec`` (tensors, or ``(shape, dtype)`` pairs) describe the inputs for the programs.
+    ``loader`` and ``input_spec`` describe the inputs for the programs: Paddle's ``[[input specs], [label specs]]``
+    or a list of the inputs' specs, each a tensor, an InputSpec-like object (``shape``, ``dtype``) or a
+    ``(shape, dtype)`` pair. With ``strategy.full_graph`` False, Paddle's SOT mode, the layer itself comes back.
     """
+    if isinstance(strategy, Strategy) and not strategy.full_graph:
+        return layer
     return DistModel(layer, loader, loss, optimizer, strategy, input_spec)

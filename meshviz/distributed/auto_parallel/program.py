@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import copy
+import inspect
 
 import torch
 import torch.nn as nn
 
-__all__ = ["Program", "shape_str", "meta_from_spec", "skeleton"]
+__all__ = ["Program", "shape_str", "meta_from_spec", "split_input_spec", "count_inputs", "split_feeds", "local_of",
+           "skeleton"]
 
 
 def shape_str(t) -> str:
@@ -31,6 +33,78 @@ def meta_from_spec(s):
         dtype = getattr(torch, dtype)
     shape = [1 if (d is None or d == -1) else int(d) for d in shape]
     return torch.empty(shape, dtype=dtype, device="meta")
+
+
+def _is_spec(s) -> bool:
+    """One input's spec: a tensor, an object with ``shape``, or a ``(shape, dtype)`` pair."""
+    if isinstance(s, torch.Tensor) or hasattr(s, "shape"):
+        return True
+    return (isinstance(s, (tuple, list)) and len(s) == 2 and isinstance(s[0], (tuple, list))
+            and isinstance(s[1], (str, torch.dtype)))
+
+
+def split_input_spec(input_spec):
+    """``(inputs, labels)`` of an ``input_spec``: Paddle's ``[[input specs], [label specs]]``, or a flat list of the
+    inputs' specs (labels None)."""
+    if input_spec is None:
+        return None, None
+    if not isinstance(input_spec, (tuple, list)):
+        raise ValueError(f"to_static: input_spec must be a list, got {type(input_spec).__name__}")
+    if (len(input_spec) == 2 and not any(_is_spec(s) for s in input_spec)
+            and all(isinstance(s, (tuple, list)) and all(_is_spec(x) for x in s) for s in input_spec)):
+        return list(input_spec[0]), list(input_spec[1])
+    bad = [s for s in input_spec if not _is_spec(s)]
+    if bad:
+        raise ValueError(f"to_static: input_spec must be [[input specs], [label specs]] or a list of input specs "
+                         f"(tensors, InputSpec-like objects or (shape, dtype) pairs), got {bad[0]!r}")
+    return list(input_spec), None
+
+
+def count_inputs(layer, inputs_spec):
+    """How many of the tensors fed to a step are the layer's inputs: the specs given, else the forward's
+    positional parameters when it has no optional ones (None: ``split_feeds`` splits as Paddle does)."""
+    if inputs_spec is not None:
+        return len(inputs_spec)
+    try:
+        sig = inspect.signature(layer.forward)
+    except (TypeError, ValueError):
+        return None
+    n = 0
+    for prm in sig.parameters.values():
+        if prm.kind in (prm.VAR_POSITIONAL, prm.VAR_KEYWORD):
+            return None
+        if prm.kind in (prm.POSITIONAL_ONLY, prm.POSITIONAL_OR_KEYWORD):
+            if prm.default is not prm.empty:
+                return None
+            n += 1
+    return n or None
+
+
+def split_feeds(items: list, n, with_labels: bool):
+    """``(inputs, labels)`` of a step's arguments or a loader's batch, lists of tensors: the first ``n`` tensors
+    are inputs, the rest labels; with ``n`` None, the last item is the label (a list or tuple of them: several),
+    as Paddle splits a loader's batch. One list alone is the items."""
+    if len(items) == 1 and isinstance(items[0], (list, tuple)):
+        items = list(items[0])
+
+    def flat(xs):
+        return [t for x in xs for t in (x if isinstance(x, (list, tuple)) else [x])]
+
+    if not with_labels:
+        return flat(items), []
+    if n is None:
+        return (flat(items[:-1]), flat(items[-1:])) if len(items) > 1 else (flat(items), [])
+    feeds = flat(items)
+    return feeds[:n], feeds[n:]
+
+
+def local_of(p):
+    """This rank's block of a dist tensor; a plain tensor itself."""
+    if hasattr(p, "_local_value"):
+        return p._local_value()
+    if hasattr(p, "to_local"):
+        return p.to_local()
+    return p
 
 
 def skeleton(layer):

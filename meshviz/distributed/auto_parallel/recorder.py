@@ -33,11 +33,19 @@ class DispatchRecorder(compat.TorchDispatchMode):
         super().__init__()
         self.records = []
         self._tokens = WeakIdKeyDictionary()  # by identity: a tensor's == compares values
+        # parameters by id, held (the model holds them anyway): a weak reference would keep an optimizer from
+        # swapping one for a dist parameter in place (torch.utils.swap_tensors refuses a weakly referenced tensor)
+        self._params: dict = {}
         self._count = itertools.count()
 
     def _ref(self, x):
         if not isinstance(x, torch.Tensor):
             return x
+        if isinstance(x, torch.nn.Parameter):
+            held = self._params.get(id(x))
+            if held is None:
+                held = self._params[id(x)] = (next(self._count), x)
+            return _Ref(held[0], x)
         token = self._tokens.get(x)
         if token is None:
             token = self._tokens[x] = next(self._count)

@@ -111,9 +111,11 @@ class Strategy:
     """Parallel and optimisation settings for ``dist.to_static``, sections and defaults as in Paddle 3.
 
     Taking effect in meshviz: ``sharding`` (enable, stage 1/2/3 -> 'os'/'os_g'/'p_g_os', degree = the
-    world size), ``gradient_merge`` (enable, k_steps, avg), ``amp`` (enable, dtype, level, the loss-scaling
-    options for float16), ``fused_passes.enable`` (compiles the layer with ``torch.compile``), ``split_data``,
-    ``return_numpy``. ``pipeline.enable`` is refused by ``to_static``. The other options are kept and shown.
+    world size), ``gradient_merge`` (enable, k_steps, avg), ``amp`` (enable, dtype, level: 'O1' and 'O2' both run
+    forward and loss under torch autocast, without Paddle's O2 cast of the parameters; the loss-scaling options for
+    float16), ``fused_passes.enable`` (compiles the layer with ``torch.compile``), ``split_data``,
+    ``return_numpy``, ``full_graph`` (read-only, from the dict; False: ``to_static`` returns the layer).
+    ``pipeline.enable`` is refused by ``to_static``. The other options are kept and shown.
     ``Strategy({"sharding": {"enable": True, "stage": 2}})`` sets options from a dict; an option or section
     name that Paddle does not have raises ``UnknownOption`` (a ValueError).
     """
@@ -123,10 +125,17 @@ class Strategy:
             raise ValueError(f"Strategy: expected a dictionary, got {type(config).__name__}")
         config = copy.deepcopy(config or {})
         object.__setattr__(self, "_base", copy.deepcopy(BASE_DEFAULTS))
+        object.__setattr__(self, "_full_graph", config.pop("full_graph", True))
         for name in SECTIONS:
             object.__setattr__(self, "_" + name, Section(name, config.pop(name, None)))
         for k, v in config.items():
             setattr(self, k, v)
+
+    @property
+    def full_graph(self) -> bool:
+        """Read-only, from the config (default True); False: ``to_static`` returns the layer itself, as Paddle's
+        (which then runs it through ``paddle.jit.to_static(layer, full_graph=False)``)."""
+        return object.__getattribute__(self, "_full_graph")
 
     def __getattr__(self, key):
         if key.startswith("_") and key[1:] in SECTIONS:
@@ -140,6 +149,8 @@ class Strategy:
                             f"options: {', '.join(base)}")
 
     def __setattr__(self, key, value):
+        if key == "full_graph":
+            raise AttributeError("property 'full_graph' of 'Strategy' object has no setter")
         if key in SECTIONS:
             if isinstance(value, Section) and value._name == key:
                 object.__setattr__(self, "_" + key, copy.deepcopy(value))
@@ -152,6 +163,7 @@ class Strategy:
 
     def to_dict(self) -> dict:
         out = copy.deepcopy(self._base)
+        out["full_graph"] = self.full_graph
         for name in SECTIONS:
             out[name] = getattr(self, name).to_dict()
         return out
@@ -159,4 +171,5 @@ class Strategy:
     def __repr__(self) -> str:
         parts = [repr(getattr(self, n)) for n in SECTIONS if getattr(self, n).to_dict() != SECTIONS[n]]
         parts += [f"{k}={v!r}" for k, v in self._base.items() if v != BASE_DEFAULTS[k]]
+        parts += ["full_graph=False"] if not self.full_graph else []
         return f"Strategy({', '.join(parts)})"
