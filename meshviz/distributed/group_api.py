@@ -10,6 +10,7 @@ import torch.distributed as tdist
 
 from ..runtime import groups
 from ..runtime.groups import Group
+from ..runtime.world import is_initialized
 
 __all__ = ["needs_init", "new_group", "get_group", "get_backend", "is_available", "destroy_process_group"]
 
@@ -69,16 +70,24 @@ def new_group(ranks=None, backend=None, timeout=None) -> Group:
 
 
 def get_group(id: int = 0) -> Group | None:
-    """The group ``new_group`` made with this id; 0: the global group (None before ``init_parallel_env``, as
-    Paddle)."""
-    if id == 0 and not tdist.is_initialized():
+    """The group ``new_group`` made with this id (10, 11, ... as Paddle's); 0: the global group (None before
+    ``init_parallel_env`` and in a 1-process world, as Paddle's)."""
+    if id == 0 and not is_initialized():
         return None
     return groups.lookup(id)
 
 
 @needs_init
 def get_backend(group=None) -> str:
-    return tdist.get_backend(groups.resolve(group).process_group).upper()
+    """The group's backend ("GLOO", "NCCL"); RuntimeError, as Paddle's, on a rank not in ``group``, and for the
+    global group in a 1-process world (which has none)."""
+    if group is None and not is_initialized():
+        raise RuntimeError("get_backend: the global group is not initialized (a 1-process world has none, as in "
+                           "Paddle); pass a group")
+    g = groups.resolve(group)
+    if not g.is_member():
+        raise RuntimeError(f"get_backend: Invalid group specified (rank {tdist.get_rank()} is not in {g})")
+    return tdist.get_backend(g.process_group).upper()
 
 
 def is_available() -> bool:

@@ -11,7 +11,7 @@ import signal
 import socket
 import sys
 
-from .envs import TRAINER_ID, apply_env, overrides, with_sources
+from .envs import apply_env, overrides, with_sources
 from .envs import strtobool as _bool
 from .logs import LogCopier, WorkerLogs
 
@@ -43,7 +43,8 @@ def parse_args(argv=None, environ=None) -> argparse.Namespace:
     p.add_argument("--nnodes", default=None, help="number of nodes (default 1, or len(--ips)); Paddle's elastic "
                    "range N:M is refused")
     p.add_argument("--master", default=None, help="ip:port of the rendezvous on node 0 (needed with nnodes > 1)")
-    p.add_argument("--rank", type=int, default=-1, help="this node's rank, 0..nnodes-1")
+    p.add_argument("--rank", type=int, default=-1, help="this node's rank, 0..nnodes-1 (ignored on one node, "
+                   "as Paddle's)")
     p.add_argument("--devices", "--gpus", "--xpus", dest="devices", default=None,
                    help="comma-separated GPU ids, one process each, or 'cpu' (default: one process per GPU with "
                         "NCCL when there are enough GPUs, else on the CPU with gloo)")
@@ -206,12 +207,10 @@ def _flags(args: argparse.Namespace):
     if ips and len(ips) != nnodes:
         raise ValueError(f"--ips lists {len(ips)} nodes but --nnodes is {nnodes}")
     node_rank = args.rank
-    if nnodes == 1 and getattr(args, "from_env", {}).get("rank", ("",))[0] == TRAINER_ID:
-        node_rank = 0  # a worker's variable (a launch started from a worker sees it): one node is rank 0, as Paddle's
+    if nnodes == 1:
+        node_rank = 0  # one node is node 0 whatever --rank, PADDLE_RANK or PADDLE_TRAINER_ID say: Paddle ignores them
     if node_rank < 0:
-        if nnodes == 1:
-            node_rank = 0
-        elif ips:
+        if ips:
             here = {args.host} if args.host else _local_ips()
             mine = [i for i, ip in enumerate(ips) if ip in here]
             if len(mine) != 1:
@@ -355,7 +354,7 @@ def launch(argv=None) -> int:
             return _report_hang(args, hung[0])
         if job.interrupted is not None:
             print(f"meshviz.launch: {job.interrupted}: the workers were stopped", file=sys.stderr, flush=True)
-            return 128 + signal.Signals[job.interrupted].value
+            return signal.Signals[job.interrupted].value  # the signal's number, as Paddle's launch exits (2, 15)
         if job.exception is not None:
             return _report_failure(args, job, host, logs)
     finally:

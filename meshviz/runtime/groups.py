@@ -23,10 +23,13 @@ def rank() -> int:
 
 # -- the registry, one per rank: everything below is cleared by reset() -----------------------------------------
 
+FIRST_ID = 10  # the first id new_group gives, as Paddle's (its ring ids start after nrings' 9)
+
+
 @dataclass
 class GroupsState:
     paddle: dict = field(default_factory=dict)  # id -> the Group new_group made (0: the world)
-    ids: itertools.count = field(default_factory=lambda: itertools.count(1))
+    ids: itertools.count = field(default_factory=lambda: itertools.count(FIRST_ID))
     by_ranks: dict = field(default_factory=dict)  # ranks in group order -> ProcessGroup | None (not a member)
     lines: dict = field(default_factory=dict)  # ranks in group order -> an unregistered Group over them (id -1)
     by_pg: dict = field(default_factory=dict)  # id(ProcessGroup) -> (ProcessGroup, Group) for torch groups given

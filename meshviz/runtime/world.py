@@ -195,7 +195,9 @@ def set_up(backend: str | None = None, timeout: float | None = None) -> None:
 
 
 def is_initialized() -> bool:
-    return tdist.is_initialized()
+    """Whether the global group exists: False before ``init_parallel_env`` and, as Paddle's, in a 1-process world,
+    where ``init_parallel_env`` makes none (meshviz's collectives still run there)."""
+    return tdist.is_initialized() and tdist.get_world_size() > 1
 
 
 def get_rank(group=None) -> int:

@@ -147,7 +147,7 @@ def collectives():
 
 @pytest.mark.timeout(60)
 def test_collectives_check_their_arguments_before_communicating():
-    assert run_ranks(collectives, 2, timeout=50) == [([3.0, 3.0], 1)] * 2
+    assert run_ranks(collectives, 2, timeout=50) == [([3.0, 3.0], 10)] * 2  # Paddle's first id
 
 
 # -- shard_layer and shard_optimizer ------------------------------------------------------------------------------

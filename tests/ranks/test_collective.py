@@ -390,7 +390,7 @@ def test_comm_layer_mean_resolver_and_reset():
             assert out["resolve_pg"] == [0, 2]
         assert "got str" in out["resolve_bad"]
         assert out["reset"] == ((True, True, True, True), True, None, True)
-        assert out["after_reset"] == (1, 4.0 if r in (0, 2) else float(r + 1))
+        assert out["after_reset"] == (10, 4.0 if r in (0, 2) else float(r + 1))
 
 
 _AUTOGRAD_COLLECTIVES = """

@@ -212,7 +212,7 @@ def test_ctrl_c_stops_every_worker_and_says_so(tmp_path):
     t = time.monotonic()
     p.send_signal(signal.SIGINT)
     out, err = p.communicate(timeout=30)
-    assert p.returncode == 128 + signal.SIGINT, err  # was 1, with torch's SignalException traceback
+    assert p.returncode == signal.SIGINT, err  # as Paddle's launch (2); was 1, with torch's SignalException traceback
     assert "meshviz.launch: SIGINT: the workers were stopped" in err and "Traceback" not in err.split("Received")[0]
     assert time.monotonic() - t < 10  # the workers were stopped, not waited for (they sleep 60 s)
 
