@@ -40,12 +40,50 @@ __all__ = [
 # -- shard_layer --------------------------------------------------------------------------------------------
 
 
-def _replicate_rest(layer: torch.nn.Module, mesh: ProcessMesh) -> None:
+def _holders(layer: torch.nn.Module) -> dict:
+    """id(parameter) -> (the parameter, every ``(sublayer, name, qualified name)`` that holds it)."""
+    out: dict = {}
     for mod_name, mod in layer.named_modules():
-        for pname, p in list(mod.named_parameters(recurse=False)):
+        for pname, p in mod._parameters.items():
+            if p is not None:
+                out.setdefault(id(p), (p, []))[1].append((mod, pname, f"{mod_name}.{pname}" if mod_name else pname))
+    return out
+
+
+def _keep_ties(held: dict) -> None:
+    """A parameter two sublayers held before ``shard_fn`` ran (an embedding tied to the output layer) stays one
+    parameter: the dist parameter ``shard_fn`` put in one holder goes to the holders it left alone (Paddle 3.3.1
+    makes each holder a parameter of its own, each stepped on its own gradient)."""
+    for p, where in held.values():
+        if len(where) < 2:
+            continue
+        now = [m._parameters.get(n) for m, n, _ in where]
+        made = {id(q): q for q in now if isinstance(q, DistTensor) and q is not p}
+        if not made:
+            continue
+        first = next(iter(made.values()))
+        if any(q.process_mesh != first.process_mesh or list(q.placements) != list(first.placements)
+               for q in made.values()):
+            raise ValueError(f"shard_layer: {[q for _, _, q in where]} are one parameter (tied weights), and "
+                             f"shard_fn placed it in more than one way: "
+                             f"{sorted({repr(list(q.placements)) for q in made.values()})}; place it once (a tied "
+                             f"parameter is one tensor)")
+        for (m, n, _), q in zip(where, now):
+            if q is p or id(q) in made:
+                m._parameters[n] = first
+
+
+def _replicate_rest(layer: torch.nn.Module, mesh: ProcessMesh) -> None:
+    done: dict = {}  # id(dense parameter) -> its dist parameter: a tied one stays one
+    for mod_name, mod in layer.named_modules():
+        for pname, p in list(mod._parameters.items()):
+            if p is None:
+                continue
             if not isinstance(p, DistTensor):
-                new = shard_tensor(p, mesh, [Replicate()] * mesh.ndim,
-                                   name=f"{mod_name}.{pname}" if mod_name else pname)
+                new = done.get(id(p))
+                if new is None:
+                    new = done[id(p)] = shard_tensor(p, mesh, [Replicate()] * mesh.ndim,
+                                                     name=f"{mod_name}.{pname}" if mod_name else pname)
                 setattr(mod, pname, new)
             elif p.name is None:
                 p.name = f"{mod_name}.{pname}" if mod_name else pname
@@ -73,8 +111,10 @@ def shard_layer(layer: torch.nn.Module, process_mesh: ProcessMesh, shard_fn=None
     kept = [(m, dict(m._parameters), dict(m._buffers)) for m in layer.modules()]
     try:
         if shard_fn is not None:
+            held = _holders(layer)
             for name, sub in list(layer.named_modules()):
                 shard_fn(name, sub, process_mesh)
+            _keep_ties(held)
         _replicate_rest(layer, process_mesh)
     except BaseException:
         for m, params, buffers in kept:

@@ -142,6 +142,7 @@ class PlacedZero(Zero):
         self._shadow: dict = {}  # param -> sharded leaf the inner optimizer updates (os, os_g)
         self._of_shadow: dict = {}  # that leaf -> the user's param
         self._full: dict = {}  # p_g_os: param -> the placements it had before it was sharded (its forward's)
+        self._unhooked: dict = {}  # id -> a parameter frozen at the setup: its hook waits until it is unfrozen
         if level is not None:
             self._setup_sharding()
 
@@ -176,6 +177,8 @@ class PlacedZero(Zero):
                     self._view(p, shadow)
                     if p.requires_grad:  # a frozen one gets no gradient to lend (torch refuses the hook)
                         p.register_post_accumulate_grad_hook(self._lend_grad)
+                    else:
+                        self._unhooked[id(p)] = p
                     new_params.append(shadow)
                 self._emit_ownership(p)
             group["params"] = new_params
@@ -217,6 +220,21 @@ class PlacedZero(Zero):
         if shadow is not None and p.grad is not None:
             shadow.grad = _like(p.grad, shadow)
 
+    def _hook_unfrozen(self) -> None:
+        """Lend the gradients of parameters frozen at the setup and unfrozen since (their hook is made now: the
+        gradient a backward left already is lent here, before a scaler reads the param_groups)."""
+        for key, p in list(self._unhooked.items()):
+            if p.requires_grad:
+                del self._unhooked[key]
+                p.register_post_accumulate_grad_hook(self._lend_grad)
+                self._lend_grad(p)
+
+    @property
+    def param_groups(self):
+        if self._unhooked:
+            self._hook_unfrozen()
+        return self._inner_opt.param_groups
+
     def _emit_ownership(self, p) -> None:
         if trace.active():
             level, mesh = self.level, p.process_mesh
@@ -254,6 +272,9 @@ class PlacedZero(Zero):
         # stepped on zeros, as torch steps a zeroed gradient; None after zero_grad(): not stepped)
         live = [(p, shadow) for p, shadow in self._shadow.items() if p.grad is not None]
         if self.level == "os":  # the full gradient kept, then this rank's part
+            for p, shadow in self._shadow.items():
+                if p.grad is None:  # dropped by the model's zero_grad(), or never made: not stepped, as torch's
+                    shadow.grad = None
             full = [(p, p.grad) for p, _ in live if p.grad.placements == p.placements]
             moving = [(p, p.grad) for p, _ in live if p.grad.placements != p.placements]
             reduced = run_reshards([g for _, g in moving], [p.placements for p, _ in moving], own=True)
