@@ -348,6 +348,8 @@ def tp_stages(stage):
         opt.step()
         held = {id(q): q for q in [p0, p1, bias] + [q for g in opt.param_groups for q in g["params"]]}
         blocks = [q.grad._local_value() for q in held.values() if q.grad is not None]
+        # a block two tensors share counts once (stage 2: the parameter keeps the part its shadow steps)
+        blocks = list({(b.untyped_storage()._cdata, b.storage_offset(), b.numel()): b for b in blocks}.values())
         # the storage the gradients keep alive against their own bytes (a view of a bucket keeps all of it)
         kept = (sum({b.untyped_storage()._cdata: b.untyped_storage().nbytes() for b in blocks}.values()),
                 sum(b.numel() * b.element_size() for b in blocks))

@@ -10,10 +10,6 @@ from torch import nn
 from meshviz.testing import run_ranks
 
 STAGES = (None, 1, 2, 3)
-# stage 2 frees each parameter's gradient once reduce-scattered: a gradient no zero_grad() dropped and one the
-# model's zero_grad() dropped look alike to the next step, which treats both as dropped by the optimizer's
-STAGE2_FREES = pytest.mark.xfail(strict=True, reason="stage 2 frees the parameter's gradient at the step")
-STAGES_BUT_2 = (None, 1, pytest.param(2, marks=STAGE2_FREES), 3)
 V, H = 10, 6
 
 
@@ -168,7 +164,7 @@ def _accumulated_run(stage, every, clip):
     return dist.unshard_dtensor(a).detach(), dist.unshard_dtensor(b).detach()
 
 
-@pytest.mark.parametrize("stage", STAGES_BUT_2)
+@pytest.mark.parametrize("stage", STAGES)
 @pytest.mark.parametrize("every,clip", [(2, False), (4, False), (4, True)])
 def test_gradients_not_cleared_accumulate_into_the_next_step(stage, every, clip):
     """No clear_grad between steps: the next backward adds to the gradient, as in one process (and as Paddle 3.3.1's
@@ -265,7 +261,7 @@ def _model_zero_grad_run(stage):
     return tuple(dist.unshard_dtensor(p).detach() for p in (model.a, model.b, model.c))
 
 
-@pytest.mark.parametrize("stage", STAGES_BUT_2)
+@pytest.mark.parametrize("stage", STAGES)
 def test_a_gradient_the_model_dropped_is_not_stepped(stage):
     """torch's ``model.zero_grad()`` drops the gradients the optimizer does not hold at stages 1 and 2 (it steps
     sharded stand-ins): a parameter unused in the next step (``c``) is not stepped, as in one process. Stage 1 had

@@ -143,6 +143,7 @@ class PlacedZero(Zero):
         self._of_shadow: dict = {}  # that leaf -> the user's param
         self._full: dict = {}  # p_g_os: param -> the placements it had before it was sharded (its forward's)
         self._unhooked: dict = {}  # id -> a parameter frozen at the setup: its hook waits until it is unfrozen
+        self._zeroed: set = set()  # os_g: id of each parameter whose part zero_grad(set_to_none=False) zeroed
         if level is not None:
             self._setup_sharding()
 
@@ -271,10 +272,11 @@ class PlacedZero(Zero):
         # a parameter with no new gradient keeps its shard's (zeroed by zero_grad(set_to_none=False), so it is
         # stepped on zeros, as torch steps a zeroed gradient; None after zero_grad(): not stepped)
         live = [(p, shadow) for p, shadow in self._shadow.items() if p.grad is not None]
+        for p, shadow in self._shadow.items():
+            if p.grad is None and id(p) not in self._zeroed:  # dropped by the model's zero_grad(), or never made:
+                shadow.grad = None  # not stepped, as torch's
+        self._zeroed.clear()
         if self.level == "os":  # the full gradient kept, then this rank's part
-            for p, shadow in self._shadow.items():
-                if p.grad is None:  # dropped by the model's zero_grad(), or never made: not stepped, as torch's
-                    shadow.grad = None
             full = [(p, p.grad) for p, _ in live if p.grad.placements == p.placements]
             moving = [(p, p.grad) for p, _ in live if p.grad.placements != p.placements]
             reduced = run_reshards([g for _, g in moving], [p.placements for p, _ in moving], own=True)
@@ -285,8 +287,8 @@ class PlacedZero(Zero):
         moved = run_reshards([p.grad for p, _ in live], [s.placements for _, s in live], own=self.level != "os")
         for (p, shadow), g in zip(live, moved):
             shadow.grad = _like(g, shadow)
-            if self.level != "os":
-                p.grad = None
+            if self.level != "os":  # the parameter keeps its part alone, as Paddle's stage 2 (the next backward adds)
+                p.grad = _like(g, p)
 
     def _inner_step(self, closure):
         for p, shadow in self._shadow.items():
@@ -320,5 +322,13 @@ class PlacedZero(Zero):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._inner_opt.zero_grad(set_to_none=set_to_none)
+        if self.level == "os_g" and not set_to_none:
+            # the parameter's part is dropped, its shadow's zeroed: the next backward's gradient is reduce-scattered
+            # once at the step (accumulated into a part, each gradient would be reduce-scattered in the backward)
+            for p, shadow in self._shadow.items():
+                if p.grad is not None or shadow.grad is not None:
+                    p.grad = None
+                    self._zeroed.add(id(p))
+            return
         clear_grads(self._shadow, set_to_none)  # os keeps the parameters' whole gradients
 
