@@ -120,6 +120,8 @@ _FAKE = compat.fake_tensor_type()
 _DEVICE = torch.ops.prim.device.default
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _FAKE_OR_TENSOR = frozenset({_FAKE, torch.Tensor})
+_EMPTY = frozenset({aten.empty.memory_format, aten.empty_strided.default, aten.empty_like.default,
+                    aten.new_empty.default, aten.new_empty_strided.default})
 _OPS = compat.FakeOps()  # shared by every simulated rank: a key holds no rank's tensors
 
 
@@ -208,7 +210,9 @@ class SimulatedTensors(compat.fake_tensor_mode_type()):  # type: ignore[misc]
         if any(isinstance(t, _FAKE) or not _small_index(t) for t in tensors):
             return NotImplemented
         if not tensors:  # a factory: real only when it makes a small index tensor (asked of the meta device first)
-            if "device" not in kwargs or kwargs["device"] is None or torch.device(kwargs["device"]).type != "cpu":
+            # no device: the default one (C++ code such as DDP's bucket rebuild makes its index tensors so)
+            dev = kwargs.get("device") or torch.get_default_device()
+            if torch.device(dev).type != "cpu":
                 return NotImplemented
             try:
                 with compat.no_dispatch_modes():
@@ -218,7 +222,10 @@ class SimulatedTensors(compat.fake_tensor_mode_type()):  # type: ignore[misc]
             if not isinstance(probe, torch.Tensor) or not _small_index(probe):
                 return NotImplemented
         with compat.no_dispatch_modes():
-            return func(*args, **kwargs)
+            out = func(*args, **kwargs)
+            if func in _EMPTY:  # what memory held before: zeros, as a value read off a fake tensor is
+                out.zero_()
+            return out
 
     def _largest(self, func, args, kwargs):
         x = args[0]

@@ -135,6 +135,8 @@ class SimulatedWorld:
             sim_backend.register()
             install_hooks()
             compat.install_fake_ddp()
+            sim_backend.install_object_collectives()
+            _install_numpy()
             self._routed = not isinstance(__import__("sys").stdout, patches._Router)
             patches.route_streams()
             self.started = True
@@ -169,6 +171,8 @@ class SimulatedWorld:
         if self.started:
             if remove_hooks():
                 compat.uninstall_fake_ddp()
+                sim_backend.uninstall_object_collectives()
+                _uninstall_numpy()
             patches.uninstall()
             if self._routed:
                 patches.unroute_streams()
@@ -232,6 +236,36 @@ def _plain(value):
     if isinstance(value, torch.Tensor):
         return None
     return value
+
+
+_numpy: list = []  # (torch.Tensor's own numpy or None, the one called) while _install_numpy has replaced it
+
+
+def _install_numpy() -> None:
+    """``.numpy()`` of a tensor without storage: zeros of its shape (as ``item()`` reads 0), raising as for real where
+    numpy has no such dtype; unchanged for every other tensor."""
+    if _numpy:
+        return
+    fake = compat.fake_tensor_type()
+    real = torch.Tensor.numpy
+
+    def numpy(self, *args, **kwargs):
+        if isinstance(self, fake):
+            with compat.no_dispatch_modes():
+                return real(torch.zeros(tuple(self.shape), dtype=self.dtype), *args, **kwargs)
+        return real(self, *args, **kwargs)
+
+    _numpy.append((vars(torch.Tensor).get("numpy"), real))
+    torch.Tensor.numpy = numpy  # type: ignore[method-assign]
+
+
+def _uninstall_numpy() -> None:
+    if _numpy:
+        own, _ = _numpy.pop()
+        if own is None:
+            del torch.Tensor.numpy  # the base class's again, as before
+        else:
+            torch.Tensor.numpy = own  # type: ignore[method-assign]
 
 
 def _leave() -> None:

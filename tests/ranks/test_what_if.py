@@ -86,7 +86,7 @@ class MLP(torch.nn.Module):
         return self.fc2(torch.relu(self.fc1(x)))
 
 
-def mlp_sharded(stage):
+def mlp_sharded(stage, steps=1):
     """An MLP under shard_layer (replicated) and shard_optimizer with ShardingStage{stage} along dp."""
     import meshviz.distributed as dist
     from meshviz import trace
@@ -100,8 +100,8 @@ def mlp_sharded(stage):
         opt = dist.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=0.01), stages[stage]("dp", mesh))
         meter = Meter(model, opt)
         meter.sample(grads=False, state=False)
-        x = dist.shard_tensor(torch.randn(2 * n, 16), mesh, [dist.Shard(0)])
-        _step(model, opt, meter, [(x, None)])
+        xs = [dist.shard_tensor(torch.randn(2 * n, 16), mesh, [dist.Shard(0)]) for _ in range(steps)]
+        _step(model, opt, meter, [(x, None) for x in xs])
     return meter.result(rec.events)
 
 
@@ -194,6 +194,13 @@ def test_sharded_mlp_equals_real_run(stage, n):
     est, real = _compare(mlp_sharded, n, stage)
     assert est.simulated == [0]  # every rank of the dp line is alike
     assert all(real[r]["comm_bytes"] > 0 for r in range(n))
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_sharded_mlp_over_two_steps_equals_real_run(stage):
+    """The second step finds the states the first made (a simulated rank's are fake tensors) and steps blocks."""
+    _compare(mlp_sharded, 2, stage, 2)
 
 
 @pytest.mark.timeout(600)

@@ -85,7 +85,8 @@ def step_on_blocks(optimizer):
                     was = old.get(k)
                     if was is not None and (was._local if type(was) is DistTensor else was) is v:
                         kept[k] = was
-                    elif type(v) is torch.Tensor and v.dim() > 0 and v.shape == blk.shape:
+                    elif isinstance(v, torch.Tensor) and type(v) is not DistTensor and v.dim() > 0 \
+                            and v.shape == blk.shape:  # a plain or fake (simulated rank) block's state
                         kept[k] = new_dist(v, p._pmesh, p._mpl, p.shape, contiguous_stride(p.shape))
                     else:
                         kept[k] = v
