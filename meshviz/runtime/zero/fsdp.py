@@ -43,7 +43,7 @@ def apply_fsdp(model, piece_of: dict, grp: ShardingGroup, dev, offload, used: di
     names = {id(m): n or "the model" for n, m in model.named_modules()}
     if trace.active() or checking():
         # FSDP2's own gathers and reduce-scatters then go through the comm layer: traced, in the roll-call, and
-        # matched; untraced, torch issues them (a Python call each costs a small step a few percent)
+        # matched; untraced, torch issues them itself, as DataParallel's buckets go through it only when traced
         for together in tied + [[model]]:
             _through_comm_layer(together[0], grp, "+".join(names[id(u)] for u in together))
     if used is not None:
