@@ -238,7 +238,7 @@ def _plain(value):
     return value
 
 
-_numpy: list = []  # (torch.Tensor's own numpy or None, the one called) while _install_numpy has replaced it
+_numpy: list = []  # torch.Tensor's own numpy (None: the base class's) while _install_numpy has replaced it
 
 
 def _install_numpy() -> None:
@@ -255,13 +255,13 @@ def _install_numpy() -> None:
                 return real(torch.zeros(tuple(self.shape), dtype=self.dtype), *args, **kwargs)
         return real(self, *args, **kwargs)
 
-    _numpy.append((vars(torch.Tensor).get("numpy"), real))
+    _numpy.append(vars(torch.Tensor).get("numpy"))
     torch.Tensor.numpy = numpy  # type: ignore[method-assign]
 
 
 def _uninstall_numpy() -> None:
     if _numpy:
-        own, _ = _numpy.pop()
+        own = _numpy.pop()
         if own is None:
             del torch.Tensor.numpy  # the base class's again, as before
         else:

@@ -294,20 +294,25 @@ class TwoLinears(torch.nn.Module):
         return self.fc2(torch.relu(self.fc1(x)))
 
 
+def made_lazily(make, lazy: bool):
+    """``make()`` under a LazyGuard (``lazy``: its parameters wait for ``initialize()``), or eagerly."""
+    from meshviz import LazyGuard
+
+    if not lazy:
+        return make()
+    with LazyGuard():
+        return make()
+
+
 def lazy_parallelize(lazy):
     """TwoLinears on mp 2, fc1 ColWise and fc2 RowWise, the optimizer passed to parallelize; built lazily and
     initialize()d after parallelize, or built eagerly."""
     import meshviz.distributed as dist
-    from meshviz import LazyGuard
 
     mesh = dist.ProcessMesh([0, 1], dim_names=["mp"])
     dist.auto_parallel.set_mesh(mesh)
     torch.manual_seed(0)
-    if lazy:
-        with LazyGuard():
-            model = TwoLinears()
-    else:
-        model = TwoLinears()
+    model = made_lazily(TwoLinears, lazy)
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     plan = {"fc1": dist.ColWiseParallel(), "fc2": dist.RowWiseParallel()}
     model, opt = dist.parallelize(model, opt, config={"mp_config": {"parallelize_plan": plan}})
@@ -350,18 +355,13 @@ def lazy_llama_pp(lazy):
     """The tiny Llama on pp 2 x mp 2 (Paddle's plan), built lazily and initialize()d after parallelize, or built
     eagerly: every rank's blocks (empty off its stage) and the logits."""
     import meshviz.distributed as dist
-    from meshviz import LazyGuard
     from tests.models import LlamaForCausalLM
     from tests.ranks.test_parallelize import _plan
 
     mesh = dist.ProcessMesh([[0, 1], [2, 3]], dim_names=["pp", "mp"])
     dist.auto_parallel.set_mesh(mesh)
     torch.manual_seed(0)
-    if lazy:
-        with LazyGuard():
-            model = LlamaForCausalLM(num_layers=2)
-    else:
-        model = LlamaForCausalLM(num_layers=2)
+    model = made_lazily(lambda: LlamaForCausalLM(num_layers=2), lazy)
     config = {"mp_config": {"parallelize_plan": _plan(False)}, "pp_config": {"split_spec": "llama.layers"}}
     model, _ = dist.parallelize(model, None, config=config)
     if lazy:

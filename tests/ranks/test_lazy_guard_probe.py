@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from meshviz.testing import run_ranks
+from tests.ranks.test_lazy_guard import made_lazily
 
 
 class FromValues(torch.nn.Module):
@@ -100,15 +101,10 @@ def sharded_tied(lazy):
     """Tied on 2 ranks, the embedding split by rows by shard_layer (buffers replicated), AdamW made before
     initialize(): every rank's blocks after two steps."""
     import meshviz.distributed as dist
-    from meshviz import LazyGuard
 
     mesh = dist.ProcessMesh([0, 1], dim_names=["x"])
     torch.manual_seed(0)
-    if lazy:
-        with LazyGuard():
-            model = Tied()
-    else:
-        model = Tied()
+    model = made_lazily(Tied, lazy)
 
     def shard_fn(name, layer, mesh):
         if name == "emb":

@@ -176,18 +176,22 @@ def test_gradients_not_cleared_accumulate_into_the_next_step(stage, every, clip)
 
 
 # -- a parameter frozen when the optimizer was sharded, unfrozen later, under a loss scaler ---------------------------
-def _unfrozen_dense():
-    w, v, x = nn.Parameter(_w(4, 3)), nn.Parameter(_w(3, 2, seed=1)), _w(4, 4, seed=2)
-    v.requires_grad_(False)
-    opt = torch.optim.SGD([w, v], lr=0.1)
-    scaler = torch.amp.GradScaler("cpu", init_scale=8.0)
+def _train_unfrozen_at_step_2(w, v, x, opt, scaler, clear):
+    """Four scaled steps of ``(x @ w @ v)^2``; ``v`` (frozen before) takes part from step 2 on."""
     for i in range(4):
         if i == 2:
             v.requires_grad_(True)
         scaler.scale((x @ w @ v).pow(2).mean()).backward()
         scaler.step(opt)
         scaler.update()
-        opt.zero_grad()
+        clear()
+
+
+def _unfrozen_dense():
+    w, v, x = nn.Parameter(_w(4, 3)), nn.Parameter(_w(3, 2, seed=1)), _w(4, 4, seed=2)
+    v.requires_grad_(False)
+    opt = torch.optim.SGD([w, v], lr=0.1)
+    _train_unfrozen_at_step_2(w, v, x, opt, torch.amp.GradScaler("cpu", init_scale=8.0), opt.zero_grad)
     return w.detach(), v.detach()
 
 
@@ -203,13 +207,7 @@ def _unfrozen_run(stage, shard_scaler):
     scaler = torch.amp.GradScaler("cpu", init_scale=8.0)
     scaler = dist.shard_scaler(scaler) if shard_scaler else scaler
     x = dist.shard_tensor(_w(4, 4, seed=2), mesh, [dist.Shard(0)])
-    for i in range(4):
-        if i == 2:
-            v.requires_grad_(True)
-        scaler.scale((x @ w @ v).pow(2).mean()).backward()
-        scaler.step(opt)
-        scaler.update()
-        opt.clear_grad(set_to_zero=False)
+    _train_unfrozen_at_step_2(w, v, x, opt, scaler, lambda: opt.clear_grad(set_to_zero=False))
     return dist.unshard_dtensor(w).detach(), dist.unshard_dtensor(v).detach()
 
 

@@ -8,24 +8,7 @@ import torch.nn.functional as F
 
 from meshviz.distributed.auto_parallel import DistModel, Strategy, to_static
 from meshviz.testing import run_ranks
-
-IMAGE, CLASSES, B = 16, 8, 4
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.linear_0 = nn.Linear(IMAGE, IMAGE)
-        self.linear_1 = nn.Linear(IMAGE, CLASSES)
-
-    def forward(self, x):
-        return self.linear_1(F.relu(self.linear_0(x)))
-
-
-def data(step, rank=0, b=B):
-    g = torch.Generator().manual_seed(100 * step + rank)
-    return torch.rand(b, IMAGE, generator=g), torch.rand(b, CLASSES, generator=g)
+from tests.ranks.test_to_static import CLASSES, IMAGE, B, Net, data
 
 
 def whole(step, world):

@@ -177,9 +177,9 @@ def llama_pipeline():
     return meter.result(rec.events)
 
 
-def _compare(fn, n, *args):
-    real = run_ranks(fn, n, *args, ranks="threads", timeout=240)
-    est = meshviz.what_if(fn, n, *args, timeout=240)
+def _compare(fn, n, *args, share=True, timeout=240):
+    real = run_ranks(fn, n, *args, ranks="threads", timeout=timeout)
+    est = meshviz.what_if(fn, n, *args, timeout=timeout, share=share)
     for r in range(n):
         got = {k: est.per_rank[r][k] for k in HELD}
         assert got == real[r], (r, est.like[r], got, real[r])

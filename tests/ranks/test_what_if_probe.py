@@ -11,7 +11,9 @@ from torch.distributed.tensor import DTensor
 import meshviz
 from meshviz.errors import RankError
 from meshviz.testing import run_ranks
-from tests.ranks.test_what_if import HELD, MLP, Meter, _step
+from tests.ranks.test_fleet import D, H, MPNet, V
+from tests.ranks.test_what_if import MLP, Meter, _step
+from tests.ranks.test_what_if import _compare as compare
 
 
 class LocalMeter(Meter):
@@ -37,13 +39,7 @@ class SteppedAdamW(torch.optim.AdamW):
 
 
 def _compare(fn, n, *args, share=True):
-    real = run_ranks(fn, n, *args, ranks="threads", timeout=120)
-    est = meshviz.what_if(fn, n, *args, timeout=120, share=share)
-    for r in range(n):
-        got = {k: est.per_rank[r][k] for k in HELD}
-        assert got == real[r], (r, est.like[r], got, real[r])
-    assert all(real[r]["params"] > 0 and real[r]["optimizer"] > 0 for r in range(n))
-    return est, real
+    return compare(fn, n, *args, share=share, timeout=120)
 
 
 # -- DataParallel: a second step rebuilds DDP's buckets (an index tensor made from C++ without a device) -----------
@@ -83,24 +79,6 @@ def test_data_parallel_over_steps_with_no_sync_equals_real_run(n, micro):
 
 
 # -- fleet: the model-parallel group's inputs come from its first rank into buffers the others make empty ----------
-V, D, H = 16, 8, 12
-
-
-class MPNet(nn.Module):
-    def __init__(self):
-        from meshviz.distributed.fleet import meta_parallel as mpu
-
-        super().__init__()
-        self.emb = mpu.VocabParallelEmbedding(V, D)
-        self.up = mpu.ColumnParallelLinear(D, H, has_bias=True, gather_output=False)
-        self.down = mpu.RowParallelLinear(H, D, input_is_parallel=True)
-        self.head = mpu.ColumnParallelLinear(D, V, has_bias=True, gather_output=False)
-        self.ce = mpu.ParallelCrossEntropy()
-
-    def forward(self, ids, labels):
-        return self.ce(self.head(self.down(torch.relu(self.up(self.emb(ids))))), labels).mean()
-
-
 def fleet_hybrid(hybrid):
     from meshviz import trace
     from meshviz.distributed import fleet
