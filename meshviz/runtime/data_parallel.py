@@ -37,6 +37,8 @@ class DataParallelEngine:
         self.find_unused_parameters = find_unused_parameters
         self.sync = True  # False inside no_sync()
         self.ddp = None
+        self.params = list(module.parameters())  # the set DDP was given: a changed flag is read from these alone
+        self.flags = [p.requires_grad for p in self.params]
         self.trained = _trained(module)
         if not self.trained:
             broadcast_params_buffers(module, g)
@@ -84,6 +86,10 @@ class DataParallelEngine:
 
     def _refresh(self) -> None:
         """Build the reducer again where the parameters that require a gradient are no longer those it has."""
+        flags = [p.requires_grad for p in self.params]
+        if flags == self.flags:
+            return
+        self.flags = flags
         now = _trained(self.module)
         if now == self.trained:
             return
