@@ -12,15 +12,16 @@ import torch.distributed as tdist
 from .. import compat, rank_context, trace
 from ..core.layout import chunk, local_block
 from ..core.partial import partial_fill
-from ..core.placements import ReduceType
+from ..core.placements import ReduceType, Shard
 from ..core.planner import Plan, Step
 from ..trace.state import trace_state
 from . import groups
 from .comm import Call, CollectiveOp, all_to_all_flat, divide_, peer_names, reduction, run
 from .devices import staged_recv, staged_send
+from .dtensor import to_torch_placements
 from .reshard_events import UNKNOWN, issued_now, plan_event, step_event, traced_plan
 
-__all__ = ["run_plan", "run_step", "run_plans", "BUCKET_BYTES"]
+__all__ = ["run_plan", "run_step", "run_plans", "check_runnable", "BUCKET_BYTES"]
 
 @dataclass
 class ReshardState:
@@ -78,6 +79,29 @@ def _line(step: Step, rank: int) -> _Line:
     return line
 
 
+def _reduce_type(step: Step, dtype: torch.dtype) -> ReduceType | None:
+    """The reduction a step runs on a block of ``dtype``: the mean of bools is true where any summand is, their sum
+    in bool (as Paddle's), not a division a bool cannot hold."""
+    if step.reduce is ReduceType.kRedAvg and dtype is torch.bool:
+        return ReduceType.kRedSum
+    return step.reduce
+
+
+def check_runnable(plan: Plan, dtype: torch.dtype) -> None:
+    """ValueError, on every rank before any step communicates, for a plan no rank can finish: one that reduces a
+    complex tensor by max or min (complex numbers have no order) or ends in a co-shard order a dist tensor cannot
+    hold."""
+    if dtype.is_complex:
+        bad = [s.reduce for s in plan.steps if s.reduce in (ReduceType.kRedMax, ReduceType.kRedMin)
+               and s.op in ("all_reduce", "reduce_scatter")]
+        if bad:
+            raise ValueError(f"reshard {list(plan.src_placements)} -> {list(plan.dst_placements)} reduces a {dtype} "
+                             f"tensor by {bad[0].short}: complex numbers have no order, so Partial({bad[0].short}) of "
+                             f"one cannot be reduced; use Partial(sum), Partial(avg) or a real dtype")
+    if any(isinstance(p, Shard) and p.co_shard_order for p in plan.dst_placements):
+        to_torch_placements(plan.dst_placements)  # raises for an order torch DTensor cannot hold
+
+
 def _all_gather(step: Step, local: torch.Tensor, group, sizes: list) -> torch.Tensor:
     d = step.dim
     k = len(sizes)
@@ -127,7 +151,7 @@ _CHUNK_BYTES = 4 << 20
 def _all_reduce(step: Step, local: torch.Tensor, group, fresh: bool = False) -> torch.Tensor:
     """``fresh``: ``local`` is the caller's to overwrite (a bucket, a block no one else holds): it is reduced in
     place."""
-    op, finish = reduction(step.reduce, group)
+    op, finish = reduction(_reduce_type(step, local.dtype), group)
     src = local.contiguous()
     if group.backend == "simulated":  # nothing moves: the overlap chunks buy is nil, their ops are not
         out = src if fresh else src.clone()
@@ -162,11 +186,12 @@ def _all_reduce(step: Step, local: torch.Tensor, group, fresh: bool = False) -> 
 
 def _reduce_scatter(step: Step, local: torch.Tensor, group, k: int, my_index) -> torch.Tensor:
     d = step.dim
+    rt = _reduce_type(step, local.dtype)
     sizes = [chunk(local.shape[d], k, j) for j in range(k)]
     lens = [b - a for a, b in sizes]
-    if step.reduce in (ReduceType.kRedSum, ReduceType.kRedAvg) and len(set(lens)) == 1:
+    if rt in (ReduceType.kRedSum, ReduceType.kRedAvg) and len(set(lens)) == 1:
         # even chunks: one reduce-scatter along dim 0 (another dim moved there first), not an all-to-all of k pieces
-        op, finish = reduction(step.reduce, group)
+        op, finish = reduction(rt, group)
         src = local.movedim(d, 0).contiguous() if d else local.contiguous()
         out = src.new_empty((lens[0],) + tuple(src.shape[1:]))
         run(Call(CollectiveOp.REDUCE_SCATTER, group,
@@ -181,16 +206,16 @@ def _reduce_scatter(step: Step, local: torch.Tensor, group, k: int, my_index) ->
     recv = [torch.empty_like(pieces[my_index]) for _ in range(k)]
     _all_to_all(recv, pieces, group)
     stack = torch.stack(recv)
-    if step.reduce in (ReduceType.kRedSum, ReduceType.kRedAvg):
-        red = stack.sum(0)
-    elif step.reduce == ReduceType.kRedMax:
+    if rt in (ReduceType.kRedSum, ReduceType.kRedAvg):
+        red = stack.sum(0, dtype=stack.dtype)  # as the collectives reduce: in the tensor's dtype (int32 stays int32)
+    elif rt == ReduceType.kRedMax:
         red = stack.amax(0)
-    elif step.reduce == ReduceType.kRedMin:
+    elif rt == ReduceType.kRedMin:
         red = stack.amin(0)
     else:
-        red = stack.prod(0)
+        red = stack.prod(0, dtype=stack.dtype)
     out = red.movedim(0, d).contiguous()
-    if step.reduce == ReduceType.kRedAvg:
+    if rt == ReduceType.kRedAvg:
         divide_(out, k)
     return out
 
@@ -314,6 +339,7 @@ def run_plan(plan: Plan, local, rank: int, *, dtype=None, device=None, name=None
     replaced), so no step copies it to keep it; after the first step the block is the plan's anyway."""
     dtype = dtype if dtype is not None else local.dtype
     device = device if device is not None else local.device
+    check_runnable(plan, dtype)
     ctx = rank_context.current()
     st = trace_state(ctx)
     if not st.sinks:
@@ -363,6 +389,9 @@ def run_plans(plans, locals_, rank: int, names, tensor_ids, dtypes, devices, int
     result may be written into (where an all-gather bucket's result fits it, it is, and that block is returned)."""
     out: list = [None] * len(plans)
     groups_: dict = {}
+    for plan, local, dtype in zip(plans, locals_, dtypes):
+        if dtype is not None or local is not None:
+            check_runnable(plan, dtype if dtype is not None else local.dtype)
     for i, (plan, local) in enumerate(zip(plans, locals_)):
         sig = _fusable(plan, rank) if local is not None else None
         if sig is not None and ((dtypes[i] is not None and dtypes[i] != local.dtype)
@@ -442,7 +471,7 @@ def _run_bucket(sig, bucket, plans, locals_, out, rank, names, tensor_ids, into)
         moved = [locals_[i].movedim(plans[i].steps[0].dim, 0) for i in bucket]
         src = torch.cat([m.reshape(k, -1) for m in moved], dim=1).reshape(-1)
         mine = src.new_empty(src.numel() // k)
-        red, finish = reduction(step.reduce, group)
+        red, finish = reduction(_reduce_type(step, src.dtype), group)
         run(Call(CollectiveOp.REDUCE_SCATTER, group,
                  lambda g: compat.reduce_scatter_single(mine, src, op=red, group=g.process_group),
                  tensors=(src,), traced=False))
