@@ -163,7 +163,7 @@ def dtensor_from_local(local_tensor, mesh: ProcessMesh, placements, shape=None):
     shape = [int(d) for d in shape]
     pl = _check(mesh, placements, tuple(shape))
     member = mesh.contains(_rank())
-    _check_blocks(list(local.shape) if member else None, mesh, pl, shape, given)
+    _check_blocks(list(local.shape) if member else None, mesh, pl, shape, given, local.dtype)
     if not member:
         local = compat.empty_block(local.dtype, local.device)
     out = from_local(local, mesh, pl, shape)
@@ -184,9 +184,15 @@ def _exchange(row: list[int]) -> list[list[int]]:
     return out.view(n, len(row)).tolist()
 
 
-def _check_blocks(mine: list[int] | None, mesh: ProcessMesh, pl, shape: list[int], given: bool) -> None:
+def _dtype_code(dtype: torch.dtype) -> int:
+    return zlib.crc32(str(dtype).encode())
+
+
+def _check_blocks(mine: list[int] | None, mesh: ProcessMesh, pl, shape: list[int], given: bool,
+                  dtype: torch.dtype = torch.float32) -> None:
     """ValueError on every rank unless every rank of ``mesh`` holds the block (``mine``: this rank's; None off the
-    mesh) that ``pl`` gives it of one global ``shape`` they all agree on. Block shapes travel only when that fails."""
+    mesh) that ``pl`` gives it of one global ``shape`` they all agree on, in one ``dtype``. Block shapes travel only
+    when that fails."""
     me = _rank()
     fits = mine is None or mine == list(local_shape(shape, mesh, pl, mesh.coordinate(me)))
     if not (given or checking()) or tdist.get_world_size() == 1 or tdist.get_backend() == "simulated":
@@ -194,9 +200,20 @@ def _check_blocks(mine: list[int] | None, mesh: ProcessMesh, pl, shape: list[int
         if not fits:
             raise ValueError(_misfits(mesh, pl, shape, {me: mine}))
         return
-    head = [int(mine is not None), int(fits), int(given), len(mine or ()), len(shape), _shape_code(shape)]
+    head = [int(mine is not None), int(fits), int(given), len(mine or ()), len(shape), _shape_code(shape),
+            _dtype_code(dtype)]
     rows = _exchange(head)
     members = [r for r, h in enumerate(rows) if h[0]]
+    if len({rows[r][6] for r in members}) > 1:
+        names = {_dtype_code(d): str(d).removeprefix("torch.") for d in vars(torch).values()
+                 if isinstance(d, torch.dtype)}
+        by: dict = {}
+        for r in members:
+            by.setdefault(names.get(rows[r][6], "another dtype"), []).append(r)
+        raise ValueError("dtensor_from_local: the ranks of the mesh give blocks of different dtypes: "
+                         + "; ".join(f"{name_ranks(rs)}: {d}" for d, rs in by.items())
+                         + ". Pass every rank's block in one dtype")
+    rows = [h[:6] for h in rows]
     if all(rows[r][1] for r in members) and len({tuple(rows[r][4:]) for r in members}) <= 1:
         return
     k = max(max(h[3], h[4]) for h in rows)

@@ -130,3 +130,23 @@ def even_blocks():
 def test_even_blocks_need_no_shape():
     res = run_ranks(even_blocks, 4, timeout=50)
     assert res == [([8, 3], [0.0, 0.0, 1.0, 1.0, 2.0, 2.0, 3.0, 3.0])] * 4
+
+
+def blocks_of_two_dtypes():
+    """shape=[4, 2] on [0, 1, 2]: ranks 0 and 2 pass float32 blocks, rank 1 float64 (on gloo the later reshard's
+    collective then aborts the processes; on thread ranks the ranks' values mixed)."""
+    import meshviz.distributed as dist
+
+    dist.init_parallel_env()
+    r = dist.get_rank()
+    mesh = dist.ProcessMesh([0, 1, 2], dim_names=["x"])
+    local = torch.ones(2 if r < 2 else 0, 2, dtype=torch.float64 if r == 1 else torch.float32)
+    msg = _raised(lambda: dist.dtensor_from_local(local, mesh, [dist.Shard(0)], shape=[4, 2]))
+    return msg, _world_goes_on()
+
+
+@pytest.mark.timeout(60)
+def test_blocks_of_different_dtypes_raise_on_every_rank():
+    msg = ("dtensor_from_local: the ranks of the mesh give blocks of different dtypes: ranks 0, 2: float32; "
+           "rank 1: float64. Pass every rank's block in one dtype")
+    assert run_ranks(blocks_of_two_dtypes, 3, timeout=50) == [(msg, 3.0)] * 3
