@@ -46,9 +46,8 @@ def _check_like(what: str, tensors, t: torch.Tensor) -> None:
     for i, x in enumerate(tensors):
         x = local(x)
         if x.shape != t.shape or x.dtype != t.dtype:
-            raise ValueError(f"{what}[{i}] is {str(x.dtype).replace('torch.', '')}{list(x.shape)}, but the tensor "
-                             f"is {str(t.dtype).replace('torch.', '')}{list(t.shape)}; give tensors of its shape and "
-                             f"dtype")
+            raise ValueError(f"{what}[{i}] is {_dtype_name(x)}{list(x.shape)}, but the tensor is {_dtype_name(t)}"
+                             f"{list(t.shape)}; give tensors of its shape and dtype")
 
 
 def _no_partial(what: str, *tensors) -> None:
@@ -76,6 +75,19 @@ def _dense(t: torch.Tensor):
         return t, None
     buf = t.contiguous()
     return buf, lambda: t.detach().copy_(buf)
+
+
+def _pieces(what: str, whole, t: torch.Tensor, n: int) -> list:
+    """Paddle's tensor form of a list argument: ``whole`` holds ``n`` tensors like ``t`` one after another."""
+    whole = local(whole)
+    if whole.dtype != t.dtype or whole.numel() != t.numel() * n:
+        raise ValueError(f"{what}: the tensor is {_dtype_name(whole)}{list(whole.shape)}, but a group of {n} with "
+                         f"{_dtype_name(t)}{list(t.shape)} pieces needs {n} times its elements of its dtype")
+    return list(whole.contiguous().view(n, *t.shape).unbind(0))
+
+
+def _dtype_name(t: torch.Tensor) -> str:
+    return str(t.dtype).replace("torch.", "")
 
 
 def _then(*steps):
@@ -146,12 +158,15 @@ def broadcast(tensor, src, group=None, sync_op=True):
 
 @needs_init
 def all_gather(tensor_list, tensor, group=None, sync_op=True):
-    """Gather every member's ``tensor`` into ``tensor_list`` (filled in when empty, as in Paddle)."""
+    """Gather every member's ``tensor`` into ``tensor_list`` (filled in when empty, as in Paddle), or into one tensor
+    holding them one after another (Paddle's tensor form: ``tensor_list`` a tensor of ``nranks`` times the elements)."""
     _no_partial("all_gather", tensor, tensor_list)
     t = local(tensor)
     g = groups.resolve(group)
+    if isinstance(tensor_list, torch.Tensor):
+        return _all_gather_into(local(tensor_list), t, g, sync_op)
     if not isinstance(tensor_list, list):
-        raise TypeError("all_gather: tensor_list must be a list")
+        raise TypeError(f"all_gather: tensor_list must be a list or a tensor, got {type(tensor_list).__name__}")
     if tensor_list and len(tensor_list) != g.nranks:
         raise ValueError(f"all_gather: tensor_list has {len(tensor_list)} tensors for a group of {g.nranks}")
     _check_like("all_gather: tensor_list", tensor_list, t)
@@ -159,11 +174,22 @@ def all_gather(tensor_list, tensor, group=None, sync_op=True):
     def start(g):
         if not tensor_list:
             tensor_list.extend(torch.empty_like(t) for _ in g.ranks)
-        return tdist.all_gather([local(o) for o in tensor_list], t.contiguous(), group=g.process_group,
-                                async_op=True)
+        outs = [local(o) for o in tensor_list]
+        # an output that is the input itself (or shares its memory) must not change it before it is sent
+        src = t.clone() if any(_shares_memory(o, t) for o in outs) else t.contiguous()
+        return tdist.all_gather(outs, src, group=g.process_group, async_op=True)
 
     return run(Call(CollectiveOp.ALL_GATHER, g, start, tensors=(t,), nbytes=tensor_bytes(t) * g.nranks,
                     sync_op=sync_op))
+
+
+def _all_gather_into(out: torch.Tensor, t: torch.Tensor, g: Group, sync_op: bool):
+    buf, back = _dense(out)
+    outs = _pieces("all_gather", buf, t, g.nranks)  # views of the output, written in place
+    src = t.clone() if _shares_memory(buf, t) else t.contiguous()
+    return run(Call(CollectiveOp.ALL_GATHER, g, lambda g: tdist.all_gather(outs, src, group=g.process_group,
+                                                                           async_op=True),
+                    tensors=(t,), nbytes=tensor_bytes(t) * g.nranks, sync_op=sync_op, then=back))
 
 
 @needs_init
@@ -193,16 +219,20 @@ def broadcast_object_list(object_list, src=0, group=None):
 
 @needs_init
 def scatter(tensor, tensor_list=None, src=0, group=None, sync_op=True):
-    """Global rank ``src`` sends ``tensor_list[i]`` to the group's i-th member, received into ``tensor``."""
-    _no_partial("scatter", tensor, tensor_list or [])
+    """Global rank ``src`` sends ``tensor_list[i]`` to the group's i-th member, received into ``tensor`` (a tensor for
+    ``tensor_list``, Paddle's tensor form, holds the pieces one after another)."""
+    _no_partial("scatter", tensor, [] if tensor_list is None else tensor_list)
     t = local(tensor)
     g = groups.resolve(group)
     mine = tdist.get_rank() == src
     lst = None
     if mine and g.is_member():
+        if isinstance(tensor_list, torch.Tensor):
+            tensor_list = _pieces("scatter", tensor_list, t, g.nranks)
         if tensor_list is None or len(tensor_list) != g.nranks:
             n = None if tensor_list is None else len(tensor_list)
             raise ValueError(f"scatter: src rank needs a tensor_list of {g.nranks} tensors, got {n}")
+        _check_like("scatter: tensor_list", tensor_list, t)
         lst = [local(x).contiguous() for x in tensor_list]
         # Paddle's own example passes the output tensor in the list: a piece must not change while it is sent
         lst = [x.clone() if _shares_memory(x, t) else x for x in lst]
@@ -250,6 +280,7 @@ def gather(tensor, gather_list=None, dst=0, group=None, sync_op=True):
             gather_list.extend(torch.empty_like(t) for _ in g.ranks)
         if len(gather_list) != g.nranks:
             raise ValueError(f"gather: gather_list has {len(gather_list)} tensors for a group of {g.nranks}")
+        _check_like("gather: gather_list", gather_list, t)
         lst = [local(x) for x in gather_list]
     return run(Call(CollectiveOp.GATHER, g,
                     lambda g: tdist.gather(t.contiguous(), lst, dst=dst, group=g.process_group, async_op=True),
@@ -258,17 +289,21 @@ def gather(tensor, gather_list=None, dst=0, group=None, sync_op=True):
 
 @needs_init
 def reduce_scatter(tensor, tensor_list, op=ReduceOp.SUM, group=None, sync_op=True):
-    """Reduce ``tensor_list`` elementwise over the group; the i-th member gets the i-th reduced tensor."""
+    """Reduce ``tensor_list`` elementwise over the group; the i-th member gets the i-th reduced tensor. A tensor
+    for ``tensor_list`` (Paddle's tensor form) holds the ``nranks`` pieces one after another."""
     _no_partial("reduce_scatter", tensor, tensor_list)
     rt = _check_op(op)
     t = local(tensor)
     _check_avg("reduce_scatter", rt, t)
     g = groups.resolve(group)
+    if isinstance(tensor_list, torch.Tensor):
+        tensor_list = _pieces("reduce_scatter", tensor_list, t, g.nranks)
     if tensor_list is None or len(tensor_list) != g.nranks:
         n = None if tensor_list is None else len(tensor_list)
         raise ValueError(f"reduce_scatter: tensor_list needs {g.nranks} tensors, got {n}")
     _check_like("reduce_scatter: tensor_list", tensor_list, t)
     ins = [local(x).contiguous() for x in tensor_list]
+    ins = [x.clone() if _shares_memory(x, t) else x for x in ins]  # the output inside the input: read it first
     top, finish = reduction(rt, g)
     buf, back = _dense(t)
     return run(Call(CollectiveOp.REDUCE_SCATTER, g,
@@ -278,18 +313,28 @@ def reduce_scatter(tensor, tensor_list, op=ReduceOp.SUM, group=None, sync_op=Tru
 
 
 @needs_init
-def alltoall(in_tensor_list, out_tensor_list, group=None, sync_op=True):
-    """Member i sends ``in_tensor_list[j]`` to member j, which receives it as ``out_tensor_list[i]``."""
-    _no_partial("alltoall", in_tensor_list, out_tensor_list or [])
+def alltoall(out_tensor_list, in_tensor_list, group=None, sync_op=True):
+    """Member i sends ``in_tensor_list[j]`` to member j, which receives it as ``out_tensor_list[i]`` (the output
+    first, as in Paddle 3; an empty ``out_tensor_list`` is filled in). Two tensors: :func:`alltoall_single`."""
+    if isinstance(out_tensor_list, torch.Tensor) and isinstance(in_tensor_list, torch.Tensor):
+        return alltoall_single(out_tensor_list, in_tensor_list, group=group, sync_op=sync_op)
+    if not isinstance(out_tensor_list, list) or isinstance(in_tensor_list, torch.Tensor):
+        raise TypeError(f"alltoall: give two lists (out_tensor_list first, as in Paddle 3) or two tensors, got "
+                        f"{type(out_tensor_list).__name__} and {type(in_tensor_list).__name__}")
+    _no_partial("alltoall", in_tensor_list or [], out_tensor_list)
     g = groups.resolve(group)
-    if in_tensor_list is None or len(in_tensor_list) != g.nranks:
-        n = None if in_tensor_list is None else len(in_tensor_list)
-        raise ValueError(f"alltoall: in_tensor_list needs {g.nranks} tensors, got {n}")
-    if not isinstance(out_tensor_list, list):
-        raise TypeError("alltoall: out_tensor_list must be a list")
+    if not isinstance(in_tensor_list, (list, tuple)) or len(in_tensor_list) != g.nranks:
+        n = len(in_tensor_list) if isinstance(in_tensor_list, (list, tuple)) else type(in_tensor_list).__name__
+        raise ValueError(f"alltoall: in_tensor_list (the second argument) needs {g.nranks} tensors, got {n}; "
+                         f"the output comes first, as in Paddle 3: dist.alltoall(out_tensor_list, in_tensor_list)")
     if out_tensor_list and len(out_tensor_list) != g.nranks:
         raise ValueError(f"alltoall: out_tensor_list has {len(out_tensor_list)} tensors, need {g.nranks}")
     ins = [local(x) for x in in_tensor_list]
+    for what, lst in (("in_tensor_list", ins), ("out_tensor_list", [local(o) for o in out_tensor_list])):
+        for i, x in enumerate(lst):  # one packed buffer carries them: another dtype would be converted
+            if x.dtype != ins[0].dtype:
+                raise ValueError(f"alltoall: {what}[{i}] is {_dtype_name(x)}, in_tensor_list[0] {_dtype_name(ins[0])}; "
+                                 f"every tensor sent and received must have one dtype")
     done = []
 
     def start(g):
@@ -305,13 +350,18 @@ def alltoall(in_tensor_list, out_tensor_list, group=None, sync_op=True):
 
 
 @needs_init
-def alltoall_single(in_tensor, out_tensor, in_split_sizes=None, out_split_sizes=None, group=None,
+def alltoall_single(out_tensor, in_tensor, in_split_sizes=None, out_split_sizes=None, group=None,
                     sync_op=True):
-    """All-to-all on dim 0 of one tensor, evenly or by the given split sizes."""
+    """All-to-all on dim 0 of one tensor, evenly or by the given split sizes (the output first, as in Paddle 3)."""
     _no_partial("alltoall_single", in_tensor, out_tensor)
     g = groups.resolve(group)
     t_in, t_out = local(in_tensor), local(out_tensor)
+    if t_in.dtype != t_out.dtype:
+        raise ValueError(f"alltoall_single: out_tensor is {_dtype_name(t_out)}, in_tensor {_dtype_name(t_in)}; give "
+                         f"both one dtype")
     for name, sizes, t in (("in_split_sizes", in_split_sizes, t_in), ("out_split_sizes", out_split_sizes, t_out)):
+        if t.dim() == 0:
+            raise ValueError("alltoall_single: a 0-d tensor has no dim 0 to split; give tensors of at least 1 dim")
         if sizes is not None:
             sizes = list(sizes)
             if len(sizes) != g.nranks or any(s < 0 for s in sizes) or sum(sizes) != t.shape[0]:
@@ -321,6 +371,7 @@ def alltoall_single(in_tensor, out_tensor, in_split_sizes=None, out_split_sizes=
             raise ValueError(f"alltoall_single: dim 0 ({t.shape[0]}) is not divisible by the group size "
                              f"{g.nranks}; pass {name}")
     buf, back = _dense(t_out)
+    src = t_in.clone() if _shares_memory(buf, t_in) else t_in.contiguous()  # in place: read before overwritten
     rows = t_out.shape[0]  # what this rank receives: the rows the others send it (their pieces may differ)
     if out_split_sizes is None:
         own = rows // g.nranks
@@ -328,7 +379,7 @@ def alltoall_single(in_tensor, out_tensor, in_split_sizes=None, out_split_sizes=
         own = list(out_split_sizes)[g.rank] if g.rank >= 0 else 0
     got = (rows - own) * (tensor_bytes(t_out) // rows if rows else 0)
     return run(Call(CollectiveOp.ALLTOALL_SINGLE, g, lambda g: tdist.all_to_all_single(
-        buf, t_in.contiguous(), None if out_split_sizes is None else list(out_split_sizes),
+        buf, src, None if out_split_sizes is None else list(out_split_sizes),
         None if in_split_sizes is None else list(in_split_sizes), group=g.process_group, async_op=True),
         tensors=(t_in,), sync_op=sync_op, then=back, recv_bytes=got))
 

@@ -69,16 +69,16 @@ def _collectives():
         out[f"reduce_scatter_{name}"] = t
 
     outs = []
-    dist.alltoall([torch.full((2,), 100.0 * r + j) for j in range(W)], outs)
+    dist.alltoall(outs, [torch.full((2,), 100.0 * r + j) for j in range(W)])
     out["alltoall"] = outs
 
     t_out = torch.zeros(W)
-    dist.alltoall_single(torch.arange(W, dtype=torch.float32) + 100 * r, t_out)
+    dist.alltoall_single(t_out, torch.arange(W, dtype=torch.float32) + 100 * r)
     out["alltoall_single"] = t_out
     # uneven: rank r sends j+1 rows to rank j, so rank r receives r+1 rows from everyone
     ins = torch.cat([torch.full((j + 1,), 10.0 * r + j) for j in range(W)])
     t_out = torch.zeros(W * (r + 1))
-    dist.alltoall_single(ins, t_out, [j + 1 for j in range(W)], [r + 1] * W)
+    dist.alltoall_single(t_out, ins, [j + 1 for j in range(W)], [r + 1] * W)
     out["alltoall_single_uneven"] = t_out
 
     # point to point: a ring with send/recv, then batch_isend_irecv the other way

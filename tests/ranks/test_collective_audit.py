@@ -126,7 +126,7 @@ def _run_case(case: Case, dist, r: int) -> dict:
                                 sync_op=case.sync)
         elif case.op == "alltoall":
             lst = [] if case.i % 2 else [torch.zeros(case.shape, dtype=case.dtype) for _ in range(k)]
-            task = dist.alltoall([_value(case, r, 1 + j) for j in range(k)], lst, group=g, sync_op=case.sync)
+            task = dist.alltoall(lst, [_value(case, r, 1 + j) for j in range(k)], group=g, sync_op=case.sync)
             got["list"] = lst
         elif case.op == "alltoall_single":
             ins = (torch.cat([_row_values(case, r, d) for d in ranks]) if member
@@ -135,7 +135,7 @@ def _run_case(case: Case, dist, r: int) -> dict:
             x, base = _target(torch.zeros((rows,) + case.shape, dtype=case.dtype), case.strided)
             sizes = (None, None) if case.splits is None or not member else (
                 [_rows(case, r, d) for d in ranks], [_rows(case, s, r) for s in ranks])
-            task = dist.alltoall_single(ins, x, sizes[0], sizes[1], group=g, sync_op=case.sync)
+            task = dist.alltoall_single(x, ins, sizes[0], sizes[1], group=g, sync_op=case.sync)
         elif case.op in ("send_recv", "batch_p2p"):
             task = None
             if member:
@@ -314,7 +314,7 @@ def _contracts():
     tasks = [dist.all_reduce(t, group=g), dist.broadcast(t, src=2, group=g), dist.reduce(t, dst=0, group=g),
              dist.all_gather(lst, t, group=g), dist.gather(t, [] if r == 0 else None, dst=0, group=g),
              dist.scatter(t, two if r == 0 else None, src=0, group=g), dist.reduce_scatter(t, two, group=g),
-             dist.alltoall(two, lst, group=g), dist.alltoall_single(t.clone(), t, group=g)]
+             dist.alltoall(lst, two, group=g), dist.alltoall_single(t, t.clone(), group=g)]
     out["outside"] = (t.clone(), len(lst), all(isinstance(k, Task) and k.is_completed() for k in tasks))
     objs = ["kept"]
     dist.all_gather_object(objs, r, group=g)
