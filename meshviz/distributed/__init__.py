@@ -41,7 +41,7 @@ __all__ = [
 ]
 
 # --- training API (collectives, DataParallel, fleet, checkpoint) -----------------------------------
-from . import collective  # noqa: F401  (dist.collective, as in Paddle)
+from . import collective, stream  # noqa: F401  (dist.collective, dist.stream, as in Paddle)
 from .collective import (
     Group,
     P2POp,

@@ -245,3 +245,46 @@ def test_scatter_and_reduce_scatter_take_one_input_tensor_as_paddles_tensor_form
         torch.testing.assert_close(out["avg"], flat[2 * r:2 * r + 2] / W)
         torch.testing.assert_close(out["inplace"], flat[2 * r:2 * r + 2])
         assert "needs 4 times its elements" in out["bad"], out["bad"]
+
+
+# -- dist.stream ---------------------------------------------------------------------------------------------------
+
+def _stream():
+    import meshviz.distributed as dist
+
+    dist.init_parallel_env()
+    r = dist.get_rank()
+    out = {}
+    t = _mine(r)
+    dist.stream.all_reduce(t, use_calc_stream=True)
+    out["all_reduce"] = t
+    into = torch.zeros(W * 2)
+    dist.stream.all_gather(into, _mine(r))
+    out["all_gather"] = into
+    # stream's alltoall_single: the output's split sizes before the input's (rank r receives r + 1 rows from each)
+    uneven = torch.zeros(W * (r + 1))
+    dist.stream.alltoall_single(uneven, torch.cat([torch.full((j + 1,), 10.0 * r + j) for j in range(W)]),
+                                [r + 1] * W, [j + 1 for j in range(W)])
+    out["alltoall_single"] = uneven
+    b = _mine(r)
+    dist.stream.broadcast(b, src=2).wait()
+    out["broadcast"] = b
+    try:
+        dist.stream.all_reduce(_mine(r), sync_op=False, use_calc_stream=True)
+    except RuntimeError as e:
+        out["calc_stream"] = str(e)
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_dist_stream_runs_paddles_stream_collectives_and_refuses_an_async_call_on_the_calc_stream():
+    """``paddle.distributed.stream``: the collectives with ``use_calc_stream``; its ``alltoall_single`` takes the
+    output's split sizes first; ``use_calc_stream`` with ``sync_op=False`` raises (Paddle's rule) on every rank."""
+    res = run_ranks(_stream, W, timeout=50)
+    for r, out in enumerate(res):
+        torch.testing.assert_close(out["all_reduce"], sum(_mine(i) for i in range(W)))
+        torch.testing.assert_close(out["all_gather"], torch.cat([_mine(i) for i in range(W)]))
+        torch.testing.assert_close(out["alltoall_single"],
+                                   torch.cat([torch.full((r + 1,), 10.0 * i + r) for i in range(W)]))
+        torch.testing.assert_close(out["broadcast"], _mine(2))
+        assert "use_calc_stream can only be true in sync op behavior" in out["calc_stream"]
