@@ -175,7 +175,7 @@ def _reduce(tensors: list, rop):
         if acc.is_floating_point() or acc.is_complex():
             acc.div_(len(tensors))
         else:
-            acc.floor_divide_(len(tensors))
+            acc.div_(len(tensors), rounding_mode="trunc")
     return acc
 
 

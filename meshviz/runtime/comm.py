@@ -64,15 +64,15 @@ def _native_avg(pg) -> bool:
 
 
 def divide_(t: torch.Tensor, n: int) -> torch.Tensor:
-    """``t /= n`` in place, keeping the dtype: integer tensors floor-divide."""
+    """``t /= n`` in place, keeping the dtype: integers round toward zero, as Paddle's divide and NCCL's AVG do."""
     if t.is_floating_point() or t.is_complex():
         return t.div_(n)
-    return t.floor_divide_(n)
+    return t.div_(n, rounding_mode="trunc")
 
 
 def reduction(rt, group: Group):
     """(torch's op, finish) for reducing with ``rt`` over ``group``: ``finish(t)`` completes a result in place,
-    or is None. Backends without AVG (gloo) run SUM, then divide by the group size (floor for integers)."""
+    or is None. Backends without AVG (gloo) run SUM, then divide by the group size (toward zero for integers)."""
     rt = ReduceType(rt)
     if rt is ReduceType.kRedAvg and not _native_avg(group.process_group):
         n = group.nranks
@@ -395,7 +395,7 @@ def all_reduce_mean_(tensors, group=None, *, bucket_bytes: int = FUSE_BYTES, nam
     """Replace every tensor by its mean over ``group``, in place.
 
     Per dtype, tensors are packed into flat buffers of about ``bucket_bytes`` (a buffer closes once it reaches the
-    budget), each buffer all-reduced once (SUM), then divided by the group size (floor for integers) and copied
+    budget), each buffer all-reduced once (SUM), then divided by the group size (toward zero for integers) and copied
     back. Every rank must pass tensors of the same shapes in the same order. A non-member returns at once.
     """
     g = group if type(group) is Group else resolve(group)

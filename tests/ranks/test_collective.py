@@ -142,7 +142,7 @@ def test_collectives_match_definitions():
         torch.testing.assert_close(out["all_reduce_AVG"], stack.mean(0))
         torch.testing.assert_close(out["all_reduce_async"][0], stack.sum(0))
         assert out["all_reduce_async"][1] is True
-        # ints: sum (1+4+7+10=22, 28) floor-divided by 4
+        # ints: sum (1+4+7+10=22, 28) divided by 4, toward zero
         assert out["all_reduce_avg_int"].tolist() == [5, 7]
         for got in (out["all_gather"], out["all_gather_given"]):
             assert len(got) == W

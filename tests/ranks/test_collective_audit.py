@@ -175,7 +175,7 @@ def _sweep():
 
 def _reduce(case: Case, xs: list) -> torch.Tensor:
     """The dense truth of reducing ``xs`` with ``case.reduce`` (integer sums and products wrap in the dtype, an
-    integer mean floors, booleans reduce as any / all)."""
+    integer mean rounds toward zero, booleans reduce as any / all)."""
     dt = case.dtype
     if dt is torch.bool:
         s = torch.stack(xs)
@@ -190,7 +190,7 @@ def _reduce(case: Case, xs: list) -> torch.Tensor:
     elif case.reduce == "MIN":
         v = s.min(0).values
     else:
-        v = s.sum(0) / len(xs) if dt.is_floating_point else torch.div(s.sum(0), len(xs), rounding_mode="floor")
+        v = s.sum(0) / len(xs) if dt.is_floating_point else torch.div(s.sum(0), len(xs), rounding_mode="trunc")
     return v.to(dt)
 
 

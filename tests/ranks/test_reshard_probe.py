@@ -116,3 +116,38 @@ def test_a_reshard_no_rank_can_finish_raises_on_every_rank_before_any_step():
         assert "complex numbers have no order" in to_rep
         assert "co-shards of tensor dim 0" in order
         assert kinds1 == kinds2 == kinds3 == []
+
+
+_SUMMANDS = [[-5, 6, -6, 7, -1, 2], [0, 0, 0, 0, 0, 0], [0, 0, 0, 0, 0, 0], [0, 0, 0, 0, 0, 0]]
+
+
+def _int_means():
+    import torch
+
+    import meshviz.distributed as dist
+
+    dist.init_parallel_env()
+    me = dist.get_rank()
+    mesh = dist.ProcessMesh([0, 1, 2, 3], dim_names=["x"])
+    mine = torch.tensor(_SUMMANDS[me], dtype=torch.int32)
+    out = {}
+    for target in (dist.Replicate(), dist.Shard(0)):
+        t = dist.dtensor_from_local(mine, mesh, [dist.Partial(dist.ReduceType.kRedAvg)], shape=[6])
+        out[repr(target)] = dist.reshard(t, mesh, [target])._local_value()
+    t = mine.clone()
+    dist.all_reduce(t, op=dist.ReduceOp.AVG)
+    out["all_reduce"] = t
+    return out
+
+
+def test_an_integer_mean_rounds_toward_zero_as_paddles():
+    """Paddle 3.3.1 (4 ranks) reshards an int32 Partial(avg) with sums [-5, 6, -6, 7, -1, 2] to [-1, 1, -1, 1, 0, 0]:
+    its divide rounds toward zero, as NCCL's integer AVG does. The ranks floored: [-2, 1, -2, 1, -1, 0]."""
+    import torch
+
+    want = torch.tensor([-1, 1, -1, 1, 0, 0], dtype=torch.int32)
+    rows = [(0, 2), (2, 4), (4, 6), (6, 6)]
+    for r, out in enumerate(run_ranks(_int_means, 4, timeout=100)):
+        torch.testing.assert_close(out["R"], want, rtol=0, atol=0)
+        torch.testing.assert_close(out["all_reduce"], want, rtol=0, atol=0)
+        torch.testing.assert_close(out["S(0)"], want[rows[r][0]:rows[r][1]], rtol=0, atol=0)
