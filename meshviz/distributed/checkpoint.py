@@ -179,7 +179,7 @@ def _resolve(what: str, path, unique_id, saving: bool):
 def _version(what: str, path, unique_id, process_group, saving: bool, problem=None, prints=None) -> str:
     """The directory of checkpoint ``unique_id`` (None: the newest, as Paddle; a first save makes 0), agreed by
     every rank of the group in one exchange: a rank's error (``problem``: one in its arguments), ranks naming
-    different ids, or plain tensors that differ across ranks (``prints``, see :func:`_prints`) raise on all."""
+    different ids, or plain tensors or values that differ across ranks (``prints``: :func:`_prints`) raise on all."""
     uid, err = _resolve(what, path, unique_id, saving)
     got = [(uid, problem or err, prints or {})]
     if tdist.is_initialized():
@@ -193,6 +193,10 @@ def _version(what: str, path, unique_id, process_group, saving: bool, problem=No
     if len({u for u, _, _ in got}) > 1:
         raise ValueError(f"{what}: the ranks name different unique ids {[u for u, _, _ in got]}")
     _check_plain(what, [p for _, _, p in got])
+    return _directory(path, uid)
+
+
+def _directory(path, uid: int) -> str:
     return str(path) if uid == 0 else os.path.join(str(path), str(uid))
 
 
@@ -214,26 +218,57 @@ def _checksum(t: torch.Tensor):
     return total
 
 
+def _splits(obj) -> bool:
+    """Whether DCP stores the list or tuple ``obj`` element by element (as :func:`_walk` hands it over): a tuple when
+    it holds tensors (it became a list), a list when an element is a tensor, a dict or such a list."""
+    if isinstance(obj, tuple):
+        return _holds_tensor(obj)
+    return isinstance(obj, list) and any(isinstance(v, dict) or _holds_tensor(v) or _splits(v) for v in obj)
+
+
 def _leaves(obj, key: str = ""):
     """(key, value) of every leaf of ``obj``, keyed as DCP names them (dotted, list positions as numbers; a list
-    without tensors is one value)."""
+    of plain values is one value)."""
     if isinstance(obj, dict):
         for k, v in obj.items():
             yield from _leaves(v, f"{key}.{k}" if key else str(k))
-    elif isinstance(obj, (list, tuple)) and _holds_tensor(obj):
+    elif _splits(obj):
         for k, v in enumerate(obj):
             yield from _leaves(v, f"{key}.{k}")
     else:
         yield key, obj
 
 
-def _missing_fresh_states(state_dict, where: str) -> list:
-    """The keys the checkpoint at ``where`` lacks, when each holds an optimizer state that ``state_dict()`` made
-    before training and nothing was loaded into (a parameter without a gradient when the checkpoint was saved has
-    no state there); [] otherwise, and then a missing key raises as DCP's."""
+def _saved_meta(path, unique_id):
+    """Key -> DCP's metadata of each entry of the checkpoint ``unique_id`` at ``path``, as this rank finds it (None
+    where there is none or it cannot be read: the ranks' agreement or DCP's load then says why)."""
+    uid, err = _resolve("load_state_dict", path, unique_id, saving=False)
+    if err is not None:
+        return None
     try:
-        saved = dcp.FileSystemReader(where).read_metadata().state_dict_metadata
+        return dict(dcp.FileSystemReader(_directory(path, uid)).read_metadata().state_dict_metadata)
     except Exception:
+        return None
+
+
+def _kind_problem(state_dict, meta):
+    """A tensor in ``state_dict`` where the checkpoint holds a plain value (DCP would hand the value back in its
+    place, or fail once other tensors are loaded): the error to raise on every rank before anything is read."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    bad = [k for k, v in _leaves(state_dict) if (isinstance(v, torch.Tensor) or _dtensor_of(v) is not None)
+           and isinstance(meta.get(k), BytesStorageMetadata)]
+    if not bad:
+        return None
+    return ValueError(f"load_state_dict: the checkpoint holds plain values, not tensors, under {_named(bad)}, "
+                      f"where the state_dict holds tensors")
+
+
+def _missing_fresh_states(state_dict, saved) -> list:
+    """The keys the checkpoint lacks (``saved``: the keys it holds), when each holds an optimizer state that
+    ``state_dict()`` made before training and nothing was loaded into (a parameter without a gradient when the
+    checkpoint was saved has no state there); [] otherwise, and then a missing key raises as DCP's."""
+    if saved is None:
         return []
     missing = [(k, v) for k, v in _leaves(state_dict) if torch.is_tensor(v) and k not in saved]
     if missing and all(is_fresh_state(v) for _, v in missing):
@@ -241,8 +276,29 @@ def _missing_fresh_states(state_dict, where: str) -> list:
     return []
 
 
+def _named(keys) -> str:
+    keys = sorted(keys)
+    return ", ".join(keys[:4]) + (f" and {len(keys) - 4} more" if len(keys) > 4 else "")
+
+
+def _canon(value):
+    """Text that two ranks share exactly when their plain ``value`` is the same; None for a type whose text may
+    differ for equal values (a set's order, an object's address): such a value is not compared."""
+    if value is None or isinstance(value, (bool, int, float, complex, str, bytes)):
+        return f"{type(value).__name__}:{value!r}"
+    if isinstance(value, (list, tuple, dict)):
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        parts = [(_canon(k) if isinstance(value, dict) else "", _canon(v)) for k, v in items]
+        if any(a is None or b is None for a, b in parts):
+            return None
+        parts = sorted(parts) if isinstance(value, dict) else parts
+        return f"{type(value).__name__}[{','.join(f'{a}={b}' for a, b in parts)}]"
+    return None
+
+
 def _prints(state_dict) -> dict:
-    """Key (dotted, as DCP names it) -> (shape, dtype, checksum) of each plain (not dist) tensor in ``state_dict``."""
+    """Key (dotted, as DCP names it) -> (shape, dtype, checksum) of each plain (not dist) tensor in ``state_dict``,
+    and (None, type, checksum) of each plain value of Python's own types."""
     found: dict = {}
     for key, obj in _leaves(state_dict):
         if isinstance(obj, torch.Tensor) and _dtensor_of(obj) is None:
@@ -250,6 +306,8 @@ def _prints(state_dict) -> dict:
                 found[key] = [tuple(obj.shape), str(obj.dtype), _checksum(obj)]
             except Exception:  # a tensor whose bytes cannot be read (a fake one): its shape is still compared
                 found[key] = [tuple(obj.shape), str(obj.dtype), None]
+        elif not isinstance(obj, torch.Tensor) and (text := _canon(obj)) is not None:
+            found[key] = [None, type(obj).__name__, zlib.crc32(text.encode())]
     pending = [v for v in found.values() if isinstance(v[2], torch.Tensor)]
     if pending:
         for v, s in zip(pending, torch.stack([v[2].to(pending[0][2].device) for v in pending]).tolist()):
@@ -258,8 +316,8 @@ def _prints(state_dict) -> dict:
 
 
 def _check_plain(what: str, prints: list) -> None:
-    """Refuse plain tensors whose shape or value differs across ranks under one key: a checkpoint keeps one copy of
-    a plain tensor (a replicated value), so the others' values would be lost, or fail to load."""
+    """Refuse plain tensors or values that differ across ranks under one key: a checkpoint keeps one copy of each
+    (a replicated value), so the others' values would be lost, or fail to load."""
     seen: dict = {}
     for rank, p in enumerate(prints):
         for k, v in p.items():
@@ -271,17 +329,20 @@ def _check_plain(what: str, prints: list) -> None:
     def why(k):
         shapes = {r: v[0] for r, v in seen[k].items()}
         if len(set(shapes.values())) > 1:
-            return f"{k!r} (shapes {', '.join(f'{list(s)} on rank {r}' for r, s in shapes.items())})"
-        return f"{k!r} ({'dtypes' if len({v[1] for v in seen[k].values()}) > 1 else 'values'} differ)"
+            shown = ", ".join(f"{'a plain value' if s is None else list(s)} on rank {r}" for r, s in shapes.items())
+            return f"{k!r} (shapes {shown})"
+        kinds = "types" if None in shapes.values() else "dtypes"
+        return f"{k!r} ({kinds if len({v[1] for v in seen[k].values()}) > 1 else 'values'} differ)"
 
     more = f" and {len(bad) - 4} more" if len(bad) > 4 else ""
     raise ValueError(
-        f"{what}: plain (not distributed) tensors differ across ranks under {', '.join(map(why, bad[:4]))}{more}; "
-        f"a checkpoint keeps one copy of a plain tensor, so the other ranks' values would be lost. Make them equal "
-        f"first where one copy is meant (dist.broadcast(t, src=0); a DataParallel model's BatchNorm buffers, which "
-        f"follow each rank's batches: dist.parallel.sync_params_buffers(model)), save per-rank values with "
-        f"torch.save on each rank, or make them dist tensors (dist.shard_tensor, dist.dtensor_from_local), whose "
-        f"blocks are saved per rank; group_sharded_parallel's optimizer states are dist tensors at level 'p_g_os' only")
+        f"{what}: plain (not distributed) tensors or values differ across ranks under "
+        f"{', '.join(map(why, bad[:4]))}{more}; a checkpoint keeps one copy of each, so the other ranks' values "
+        f"would be lost. Make them equal first where one copy is meant (dist.broadcast(t, src=0); a DataParallel "
+        f"model's BatchNorm buffers, which follow each rank's batches: dist.parallel.sync_params_buffers(model)), "
+        f"put per-rank values under keys of their own (f'rng.{{rank}}'), save them with torch.save on each rank, "
+        f"or make them dist tensors (dist.shard_tensor, dist.dtensor_from_local), whose blocks are saved per rank; "
+        f"group_sharded_parallel's optimizer states are dist tensors at level 'p_g_os' only")
 
 
 def _plain_error(e, what: str, path) -> Exception:
@@ -308,6 +369,18 @@ def _dcp(what: str, path, fn, *args, **kwargs) -> None:
             fn(*args, **kwargs)
         except dcp.CheckpointException as e:
             raise _plain_error(e, what, path) from e
+
+
+def _state_dict_problem(what: str, state_dict):
+    """What is wrong with ``state_dict`` itself, found on this rank alone (raised on every rank by the exchange)."""
+    if not isinstance(state_dict, dict):
+        return TypeError(f"{what}: state_dict must be a dict, got {type(state_dict).__name__}")
+    lazy = [k for k, v in _leaves(state_dict) if isinstance(v, torch.Tensor) and v.is_meta]
+    if lazy:  # Paddle's load skips them without a word
+        return ValueError(f"{what}: {_named(lazy)} hold no values (on the meta device: built under LazyGuard and "
+                          f"not initialized yet); call initialize() on them first "
+                          f"(for p in model.parameters(): p.initialize())")
+    return None
 
 
 _COMM_METHODS = ("send_recv", "broadcast", "multi_group_broadcast", "grouped_send_recv", "parallel_broadcast")
@@ -347,14 +420,15 @@ def save_state_dict(state_dict: dict, path: str, process_group=None, coordinator
     visible to every rank (a shared file system across machines). ``unique_id`` names the version, as in Paddle:
     None overwrites the newest one (0 when there is none); 0 lives in ``path``, k in ``path/k``. The save is
     synchronous also with ``async_save``; ``coordinator_rank`` is accepted for Paddle's signature. Lists and tuples
-    holding tensors are saved element by element. A plain tensor must be the same on every rank (one copy is
-    kept): one that differs raises ``ValueError`` on every rank before anything is written, as does
-    ``safetensors`` or ``save_replicas`` (``NotImplementedError``).
+    holding tensors are saved element by element. A plain tensor or value (an int, a string, a list of them) must
+    be the same on every rank (one copy is kept): one that differs raises ``ValueError`` on every rank before
+    anything is written, as does a tensor of a model built under ``LazyGuard`` and not initialized, a
+    ``state_dict`` that is no dict on some rank (``TypeError``), or ``safetensors`` or ``save_replicas``
+    (``NotImplementedError``). A Partial dist tensor is saved reduced (Paddle saves one rank's summand).
     """
-    if not isinstance(state_dict, dict):
-        raise TypeError(f"save_state_dict: state_dict must be a dict, got {type(state_dict).__name__}")
-    where = _version("save_state_dict", path, unique_id, process_group, saving=True,
-                     problem=_save_problem(safetensors, save_replicas), prints=_prints(state_dict))
+    problem = _state_dict_problem("save_state_dict", state_dict) or _save_problem(safetensors, save_replicas)
+    where = _version("save_state_dict", path, unique_id, process_group, saving=True, problem=problem,
+                     prints=_prints(state_dict) if isinstance(state_dict, dict) else None)
     sd = _walk(_walk(state_dict, _settle_partial), _to_dcp)
     with trace.span("mark", op="save_state_dict", name=str(path), bytes=_nbytes(sd)):
         _dcp("save_state_dict", path, dcp.save, sd, checkpoint_id=where, process_group=_group(process_group),
@@ -369,21 +443,30 @@ def load_state_dict(state_dict: dict, path: str, process_group=None, coordinator
     The values in ``state_dict`` say where the data goes: a dist tensor gets its own block whatever mesh and
     placements it was saved with (a Partial one the value where ``shard_tensor`` would put it); a plain tensor
     gets the whole value; a tuple is replaced by one of its type holding the loaded values. ``unique_id``: the
-    version (None: the newest). A key the checkpoint lacks, or a shape other than the saved one, raises on every
-    rank before anything is read. ``offload`` changes nothing here: each block is read into the tensor that holds
-    it; nor do ``mw_name_compatibility``, ``worker_groups`` and ``comm_method`` (each rank reads its blocks from
-    the files). ``safetensors`` and ``aoa_config`` raise ``NotImplementedError`` on every rank.
+    version (None: the newest). A key the checkpoint lacks, a shape other than the saved one, a tensor where it
+    holds a plain value, or a tensor not initialized (``LazyGuard``) raises on every rank before anything is read;
+    keys it holds that ``state_dict`` lacks are named in a warning, as Paddle's "Unexpected keys" (e.g. a torch
+    optimizer's states: it has none to load into before its first step). ``offload`` changes nothing here: each
+    block is read into the tensor that holds it; nor do ``mw_name_compatibility``, ``worker_groups`` and
+    ``comm_method`` (each rank reads its blocks from the files). ``safetensors`` and ``aoa_config`` raise
+    ``NotImplementedError`` on every rank.
     """
-    if not isinstance(state_dict, dict):
-        raise TypeError(f"load_state_dict: state_dict must be a dict, got {type(state_dict).__name__}")
-    where = _version("load_state_dict", path, unique_id, process_group, saving=False,
-                     problem=_load_problem(aoa_config, safetensors, worker_groups, comm_method))
-    fresh = _missing_fresh_states(state_dict, where)
+    meta = _saved_meta(path, unique_id) if isinstance(state_dict, dict) else None
+    problem = (_state_dict_problem("load_state_dict", state_dict)
+               or _load_problem(aoa_config, safetensors, worker_groups, comm_method)
+               or (_kind_problem(state_dict, meta) if meta is not None else None))
+    where = _version("load_state_dict", path, unique_id, process_group, saving=False, problem=problem)
+    saved = set(meta) if meta is not None else None
+    fresh = _missing_fresh_states(state_dict, saved)
     if fresh:
-        warnings.warn(f"load_state_dict: the checkpoint has no {', '.join(fresh[:4])}"
-                      f"{f' and {len(fresh) - 4} more' if len(fresh) > 4 else ''}: optimizer states made before "
+        warnings.warn(f"load_state_dict: the checkpoint has no {_named(fresh)}: optimizer states made before "
                       f"training for parameters that had no gradient when it was saved; they are left as made "
                       f"(as before any step)", stacklevel=2)
+    unread = saved - {k for k, _ in _leaves(state_dict)} if saved is not None else ()
+    if unread:  # as Paddle's "Unexpected keys": e.g. a torch optimizer's states, which it makes at its first step
+        warnings.warn(f"load_state_dict: the checkpoint at {where!r} holds keys the state_dict has no place for, "
+                      f"left unread: {_named(unread)} (an optimizer that has not stepped yet has no states in its "
+                      f"state_dict() to load them into)", stacklevel=2)
     sd = _walk(state_dict, _load_target)
     with trace.span("mark", op="load_state_dict", name=str(path), bytes=_nbytes(sd)):
         _dcp("load_state_dict", path, dcp.load, sd, checkpoint_id=where, process_group=_group(process_group),
