@@ -595,3 +595,41 @@ def test_p_g_os_gathers_and_reduce_scatters_are_traced_with_the_bytes_each_rank_
         assert got == want
         for k, v in ref.items():
             torch.testing.assert_close(params[k], v, rtol=1e-5, atol=1e-6)
+
+
+def _resumed_p_g_os(first, path):
+    """p_g_os trained 2 steps and saved with dist.save_state_dict; a fresh run loads model and optimizer (before its
+    first step) and trains 2 more."""
+    import meshviz.distributed as dist
+    from meshviz.distributed.sharding import group_sharded_parallel
+
+    dist.init_parallel_env()
+    r = dist.get_rank()
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+    model, opt, _ = group_sharded_parallel(model, opt, "p_g_os", segment_size=1)
+    if not first:
+        sd = {"model": model.state_dict(), "opt": opt.state_dict()}
+        dist.load_state_dict(sd, path)
+        opt.load_state_dict(sd["opt"])
+    for s in (0, 1) if first else (2, 3):
+        x, y = batch(s, r)
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.clear_grad()
+    if first:
+        dist.save_state_dict({"model": model.state_dict(), "opt": opt.state_dict()}, path)
+    return full_params(model)
+
+
+@pytest.mark.timeout(120)
+def test_p_g_os_resumed_from_a_checkpoint_in_a_fresh_run_trains_as_one_process(tmp_path):
+    """A fresh GroupShardedOptimizer had no Adam states before its first step, so loading a checkpoint into its
+    state_dict() left them out (with a warning naming them) and the resumed run restarted Adam from zero."""
+    path = str(tmp_path / "ck")
+    run_ranks(_resumed_p_g_os, 2, True, path, timeout=100)
+    got = run_ranks(_resumed_p_g_os, 2, False, path, timeout=100)
+    want, _, _ = reference(2, clip=1e9)  # no clipping
+    for r in range(2):
+        for k, v in want.items():
+            torch.testing.assert_close(got[r][k], v, rtol=1e-5, atol=1e-6, msg=(r, k))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ...runtime.zero import FlatZero
+from ...runtime.zero import FlatZero, create_states
 
 __all__ = ["GroupShardedOptimizer"]
 
@@ -39,7 +39,10 @@ class GroupShardedOptimizer(FlatZero):
         raise RuntimeError("optimizer.minimize() not support now, please use optimizer.step()")  # Paddle's words
 
     def state_dict(self):
-        """This rank's shard of the optimizer state (torch format over its shard parameters)."""
+        """This rank's shard of the optimizer state (torch format over its shard parameters); before training the
+        states are made first (zeros, as ``shard_optimizer``'s), so that ``dist.load_state_dict`` has tensors to
+        load a checkpoint into (collective then)."""
+        create_states(self, self.grad_params())
         return self._inner_opt.state_dict()
 
     def load_state_dict(self, state):
