@@ -71,12 +71,13 @@ from .collective import (
     send,
     wait,
 )
+from .object_p2p import recv_object_list, send_object_list
 
 __all__ += [
     "barrier", "Group", "P2POp", "ReduceOp", "all_gather", "all_gather_object", "all_reduce", "alltoall",
     "alltoall_single", "batch_isend_irecv", "broadcast", "broadcast_object_list", "gather", "get_backend",
     "get_group", "irecv", "isend", "new_group", "recv", "reduce", "reduce_scatter", "scatter", "send", "wait",
-    "scatter_object_list", "is_available",
+    "scatter_object_list", "is_available", "send_object_list", "recv_object_list",
 ]
 from . import fleet
 from .checkpoint import load_state_dict, save_state_dict

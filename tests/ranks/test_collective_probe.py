@@ -288,3 +288,41 @@ def test_dist_stream_runs_paddles_stream_collectives_and_refuses_an_async_call_o
                                    torch.cat([torch.full((r + 1,), 10.0 * i + r) for i in range(W)]))
         torch.testing.assert_close(out["broadcast"], _mine(2))
         assert "use_calc_stream can only be true in sync op behavior" in out["calc_stream"]
+
+
+# -- send_object_list / recv_object_list -----------------------------------------------------------------------------
+
+def _objects():
+    import meshviz.distributed as dist
+
+    dist.init_parallel_env()
+    r = dist.get_rank()
+    data = ["hello", {"key": 100}, [1, 2, 3]]
+    got = [None] * 3
+    if r == 0:
+        dist.send_object_list(data, dst=2)
+    elif r == 2:
+        dist.recv_object_list(got, src=0)
+    g = dist.new_group([2, 1])  # sorted, as Paddle's: rank 1 is the group's 0, rank 2 its 1
+    back = [None, None]
+    if r == 2:
+        dist.send_object_list([("from", r), torch.arange(3)], group=g, dst_in_group=0)
+    elif r == 1:
+        dist.recv_object_list(back, group=g, src_in_group=1)
+    try:
+        dist.send_object_list(data, dst=1, dst_in_group=0)
+    except ValueError as e:
+        both = str(e)
+    return got, back, both
+
+
+@pytest.mark.timeout(60)
+def test_send_and_recv_object_list_move_picklable_objects_as_paddles():
+    """Paddle 3.3.1's example: rank 0 sends ``["hello", {"key": 100}, [1, 2, 3]]``, the receiver's list of three
+    ``None`` gets them; ``dst_in_group`` / ``src_in_group`` count in the group's order; naming both raises."""
+    res = run_ranks(_objects, 3, timeout=50)
+    assert res[2][0] == ["hello", {"key": 100}, [1, 2, 3]]
+    assert res[0][0] == res[1][0] == [None] * 3
+    assert res[1][1][0] == ("from", 2)
+    torch.testing.assert_close(res[1][1][1], torch.arange(3))
+    assert all("give dst or dst_in_group, not both" in out[2] for out in res)
