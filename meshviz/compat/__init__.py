@@ -23,9 +23,7 @@ __all__ = [
     "disabled_torch_function_impl", "make_wrapper_subclass", "TorchDispatchMode", "tree_map", "tree_flatten",
     "tree_unflatten",
     "flatten_dense_tensors", "unflatten_dense_tensors", "fake_tensor_type", "amp_unscale_",
-    "autograd_sequence_nr",
-    "running_node",
-    "in_backward",
+    "autograd_sequence_nr", "running_node", "in_backward",
     # simulated ranks: tensors without storage
     "fake_tensor_mode_type", "fake_data_errors", "fresh_fake_outputs", "wrap_meta", "may_keep_values",
     "known_values", "clear_dtensor_caches", "empty_block", "FakeOps", "install_fake_ddp", "uninstall_fake_ddp",
@@ -259,6 +257,7 @@ def in_backward() -> bool:
 
 # -- simulated ranks: tensors without storage (meshviz/compat/simulated.py) ---------------------------------
 
+from .pipeline_meta import check as _check_stage_meta  # noqa: E402
 from .simulated import (  # noqa: E402
     FakeOps,
     clear_dtensor_caches,
@@ -467,6 +466,7 @@ def _stage_methods():
 
     for m in PIPELINE_STAGE_METHODS + pipeline_setup_calls() + tuple(filter(None, [pipeline_neighbor_init_ops()])):
         getattr(PipelineStage, m)
+    _check_stage_meta()
 
 
 def _action_fields():

@@ -32,18 +32,25 @@ class LayerDesc:
 
 
 class SharedLayerDesc(LayerDesc):
-    """A layer whose ``shared_weight_attr`` parameter is one weight on every stage that uses ``key``.
+    """A layer whose ``shared_weight_attr`` parameters (a name or a list of names) are one weight on every stage
+    that uses ``key``.
 
-    The first occurrence's stage rank broadcasts the weight at build time; after each backward the weight's
-    gradients are summed over the sharing stages (e.g. tied input embedding and output projection).
-    ``forward_func(layer, x)`` replaces ``layer(x)`` at that position when given.
+    The first occurrence's stage rank broadcasts them at build time; after each backward their gradients are summed
+    over the sharing stages (e.g. tied input embedding and output projection). As in Paddle, the first stage's
+    copies are marked ``is_firstly_shared = True`` and the others' False (Paddle's global-norm clip counts only the
+    first). The layer's other parameters are each stage's own. ``forward_func(layer, x)`` replaces ``layer(x)`` at
+    that position when given.
     """
 
     def __init__(self, key, layer_func, forward_func=None, shared_weight_attr="weight", *inputs, **kwargs):
         super().__init__(layer_func, *inputs, **kwargs)
+        attrs = [shared_weight_attr] if isinstance(shared_weight_attr, str) else shared_weight_attr
+        if not isinstance(attrs, (list, tuple)) or not attrs or not all(isinstance(a, str) for a in attrs):
+            raise TypeError(f"SharedLayerDesc {key!r}: shared_weight_attr must be a name or a list of names, got "
+                            f"{shared_weight_attr!r}")
         self.layer_name = key
         self.forward_func = forward_func
-        self.shared_weight_attr = shared_weight_attr
+        self.shared_weight_attr = list(attrs)  # Paddle keeps a list too
 
     def __repr__(self) -> str:
         return f"SharedLayerDesc(key={self.layer_name!r}, {self.layer_func.__name__})"
@@ -200,7 +207,7 @@ class PipelineLayer(nn.Module):
         # virtual stage index (global) of every chunk this rank holds, in chunk order
         self._virtual_stages = [stage_id + c * pp for c in range(v)]
         self.shared_layers = nn.ModuleDict()
-        self.shared_weight_attrs: dict[str, str] = {}
+        self.shared_weight_attrs: dict[str, list[str]] = {}
         self._chunks: list[_Chunk] = []
         for vs in self._virtual_stages:
             funcs = self._build(self.segment_parts[vs], self.segment_parts[vs + 1])
@@ -221,6 +228,12 @@ class PipelineLayer(nn.Module):
                         torch.manual_seed(BASE_SEED + i)
                         self.shared_layers[d.layer_name] = d.build_layer()
                     self.shared_weight_attrs[d.layer_name] = d.shared_weight_attr
+                    for name in d.shared_weight_attr:
+                        p = getattr(self.shared_layers[d.layer_name], name, None)
+                        if not isinstance(p, nn.Parameter):
+                            raise ValueError(f"SharedLayerDesc {d.layer_name!r}: {d.layer_func.__name__} has no "
+                                             f"parameter {name!r} (shared_weight_attr)")
+                        p.is_firstly_shared = True  # type: ignore[attr-defined]
                 layer = self.shared_layers[d.layer_name]
                 funcs.append(layer if d.forward_func is None else partial(d.forward_func, layer))
             elif isinstance(d, LayerDesc):
@@ -276,10 +289,15 @@ class PipelineLayer(nn.Module):
 
     @torch.no_grad()
     def _synchronize_shared_weights(self) -> None:
+        from ...runtime.world import get_rank
         from ..collective import broadcast
 
+        me = get_rank()
         for _key, comm in self._shared_comm.items():
-            broadcast(getattr(comm["layer"], comm["weight_attr"]).data, src=min(comm["ranks"]), group=comm["group"])
+            for name in comm["weight_attr"]:
+                p = getattr(comm["layer"], name)
+                broadcast(p.data, src=min(comm["ranks"]), group=comm["group"])
+                p.is_firstly_shared = me == min(comm["ranks"])
 
     @torch.no_grad()
     def allreduce_shared_weight_gradients(self) -> None:
@@ -287,10 +305,11 @@ class PipelineLayer(nn.Module):
         from ..collective import all_reduce
 
         for _key, comm in self._shared_comm.items():
-            p = getattr(comm["layer"], comm["weight_attr"])
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            all_reduce(p.grad, group=comm["group"])
+            for name in comm["weight_attr"]:
+                p = getattr(comm["layer"], name)
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                all_reduce(p.grad, group=comm["group"])
 
     # -- Paddle accessors ----------------------------------------------------------------------------
     def get_num_virtual_stages(self) -> int:

@@ -285,7 +285,17 @@ class PipelineEngine:
             task.wait()
             return out
         last = [s for s in stages if s.is_last]
-        return list(last[0].output_chunks) if last else []
+        if not last:
+            return []
+        # a last stage that passes on what it received returns its receive buffer, which the next step refills
+        bufs = [b for infos in last[0].args_recv_info.values() for info in infos
+                if isinstance(b := getattr(info, "buffer", None), torch.Tensor)]
+
+        def own(t):
+            held = isinstance(t, torch.Tensor) and any(t is b or t._base is b for b in bufs)
+            return t.clone() if held else t
+
+        return [tuple(own(t) for t in o) if isinstance(o, tuple) else own(o) for o in last[0].output_chunks]
 
     def __repr__(self) -> str:
         return (f"PipelineEngine({self.schedule_mode}, stage {self.stage_id}/{self.num_stages}, "

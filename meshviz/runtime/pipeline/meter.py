@@ -69,6 +69,13 @@ class MicroLoss:
 
     def __call__(self, output, index):
         k = int(index.reshape(-1)[0])
-        loss = self.loss_fn(output, self.labels[k]) / self.n
+        loss = self.loss_fn(output, self.labels[k])
+        if not isinstance(loss, torch.Tensor):
+            raise TypeError(f"the pipeline's loss_fn returned a {type(loss).__name__}: it must return one tensor "
+                            f"(as Paddle's pipeline requires), the loss of micro-batch {k}")
+        if loss.numel() != 1:
+            raise ValueError(f"the pipeline's loss_fn returned a tensor of shape {list(loss.shape)} for micro-batch "
+                             f"{k}: it must return one value (reduce a per-sample loss, e.g. with .mean())")
+        loss = loss / self.n
         self.values[k] = loss.detach()
         return self.scaler.scale(loss) if self.scaler is not None else loss

@@ -10,6 +10,7 @@ from torch.distributed.pipelining import PipelineStage
 
 from ... import trace
 from ...compat import pipeline_setup_calls, pipeline_stage_marks_every_recv, pipeline_stage_sends_zero_grads
+from ...compat.pipeline_meta import grad_metas_of
 from ...trace import Compute, Event, Recv, Send
 from ..devices import needs_host_p2p, p2p_through_host, staged_recv, staged_send
 
@@ -28,9 +29,26 @@ class _Stage(PipelineStage):
     """torch 2.11's PipelineStage marks every received activation as needing a gradient (an integer one, such as
     position ids, raises), and 2.11's and 2.12's send a gradient back for each (a missing one raises). Here integer
     activations need none, and a received activation without a gradient sends back zeros, as torch 2.13 does by
-    itself."""
+    itself. torch 2.11's input-only backward (zero bubble) differentiates outputs that have no gradient (it raises)
+    and returns gradients for the activations that need one only; here it skips those outputs, and the gradients
+    are put back in place. The last stage detaches its outputs after its backward: where one is a
+    received activation itself (a last stage that passes it on unchanged), torch 2.11 left its receive buffer
+    needing no gradient from then on, and the stages before got none from the second step on; here each buffer
+    that needs a gradient needs it again before its forward."""
 
     def _prepare_forward_infra(self, *args, **kwargs):
+        out = self._prepare_receive_buffers(*args, **kwargs)
+        self._grad_bufs = {k: [b for info in infos if isinstance(b := getattr(info, "buffer", None), torch.Tensor)
+                               and b.requires_grad] for k, infos in self.args_recv_info.items()}
+        return out
+
+    def forward_one_chunk(self, fwd_chunk_id, *args, **kwargs):
+        for buf in getattr(self, "_grad_bufs", {}).get(fwd_chunk_id, ()):
+            if not buf.requires_grad:
+                buf.requires_grad_(True)
+        return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+
+    def _prepare_receive_buffers(self, *args, **kwargs):
         if not _MARKS_EVERY_RECV:
             return super()._prepare_forward_infra(*args, **kwargs)
         backward = self.has_backward
@@ -47,6 +65,16 @@ class _Stage(PipelineStage):
                         buf.requires_grad_(True)
         return out
 
+    def backward_maybe_with_nosync(self, backward_type, bwd_kwargs, last_backward=False):
+        outs, grads = bwd_kwargs.get("stage_output"), bwd_kwargs.get("output_grads")
+        if backward_type == "input" and isinstance(outs, (tuple, list)) and grads is not None:
+            # 2.11's input-only backward takes every output, one without a gradient too (later releases skip it)
+            keep = [i for i, t in enumerate(outs) if t.requires_grad or t.grad_fn is not None]
+            if len(keep) < len(outs):
+                bwd_kwargs = {**bwd_kwargs, "stage_output": tuple(outs[i] for i in keep),
+                              "output_grads": [grads[i] for i in keep]}
+        return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+
     def get_bwd_send_ops(self, bwd_chunk_id):
         if not _SENDS_ZEROS and self.has_backward and not self.is_first and bwd_chunk_id in self.bwd_cache:
             bufs = [getattr(info, "buffer", None) for info in self.args_recv_info[bwd_chunk_id]]
@@ -55,10 +83,34 @@ class _Stage(PipelineStage):
                 self.grad_send_info = [None if isinstance(b, torch.Tensor) and not b.requires_grad else to
                                        for to, b in zip(self._create_grad_send_info(self.args_recv_info[0]), bufs)]
             sends = self.grad_send_info or [True] * len(bufs)
+            grads = self.bwd_cache[bwd_chunk_id]
+            if len(grads) < len(bufs):  # 2.11's input-only backward: the gradients of the inputs needing one
+                it, needs = iter(grads), {id(b) for b in getattr(self, "_grad_bufs", {}).get(bwd_chunk_id, ())}
+                grads = tuple(next(it, None) if id(b) in needs else None for b in bufs)
             self.bwd_cache[bwd_chunk_id] = tuple(
                 torch.zeros_like(b) if g is None and isinstance(b, torch.Tensor) and to is not None else g
-                for g, b, to in zip(self.bwd_cache[bwd_chunk_id], bufs, sends))
+                for g, b, to in zip(grads, bufs, sends))
         return super().get_bwd_send_ops(bwd_chunk_id)
+
+    # torch 2.13 on: a stage's shape inference receives its output gradients' shapes from the next stage, which
+    # sends them back once its own backward inference ran. For plain tensors they are the outputs' shapes (as 2.11
+    # and 2.12 take them), so both sides take them here without sending anything backwards: a stage then never
+    # waits on a later one at set-up (simulated ranks run one after another).
+    def _send_meta(self, meta, dst_stage):
+        if dst_stage < self.stage_index and _plain(self._stage_meta.inputs):
+            return None
+        return super()._send_meta(meta, dst_stage)
+
+    def _recv_meta(self, src_stage):
+        outputs = self._stage_meta.outputs
+        if src_stage > self.stage_index and _plain(outputs):
+            return grad_metas_of(outputs)
+        return super()._recv_meta(src_stage)
+
+
+def _plain(metas) -> bool:
+    """Whether these tensor metadata describe plain tensors only (a DTensor's gradient may be placed otherwise)."""
+    return metas is not None and not any(hasattr(m, "placements") for m in metas)
 
 
 class TracedStage(_Stage):
