@@ -61,8 +61,6 @@ class Fleet:
         h = strategy.hybrid_configs
         degrees = {k: h[f"{k}_degree"] for k in _DEGREES}
         order = list(h["order"])
-        if degrees["sep"] > 1 and "sep" not in order:
-            order.insert(order.index("mp"), "sep")  # Paddle's default place for it
         others = degrees["pp"] * degrees["sharding"] * degrees["mp"] * degrees["sep"]
         if degrees["dp"] == -1:
             if world % others:
@@ -74,11 +72,11 @@ class Fleet:
                 f"{degrees['dp']}*{degrees['pp']}*{degrees['sharding']}*{degrees['mp']}*{degrees['sep']} = "
                 f"{degrees['dp'] * others}, but the world has {world} ranks")
         same_on_every_rank("fleet.init: hybrid_configs", {**degrees, "order": order})
-        names = [AXIS_NAMES[a] for a in order]
-        if degrees["sep"] == 1:
-            names = [n for n in names if n != "sep"]
-            order = [a for a in order if a != "sep"]
-        self._topology = CommunicateTopology(names, [degrees[a] for a in order])
+        for axis in ("sep", "cp"):  # Paddle's topology always has them (size 1 unless set), before mp by default
+            if axis not in order:
+                order.insert(order.index("mp"), axis)
+        degrees["cp"] = 1
+        self._topology = CommunicateTopology([AXIS_NAMES[a] for a in order], [degrees[a] for a in order])
         self._hcg = HybridCommunicateGroup(self._topology)
         if degrees["mp"] > 1:  # as Paddle: the tracker's model_parallel_rng state (and the global seed, if given)
             from .meta_parallel.rng_tracker import model_parallel_random_seed
@@ -108,8 +106,8 @@ class Fleet:
         return self._topology
 
     def distributed_model(self, model: nn.Module):
-        """Data parallel only: ``DataParallel`` over the dp group. mp/sharding: parameters made consistent
-        (non-split ones over the mp group, all over dp/sharding) and the model returned; gradients are averaged
+        """Data parallel only: ``DataParallel`` over the dp group. mp/sep/sharding: parameters made consistent
+        (non-split ones over the mp group, all over sep/dp/sharding) and the model returned; gradients are synced
         by ``distributed_optimizer``'s step. pp > 1: the pipeline runtime (``pipeline_hook._pipeline_model``)."""
         from ...runtime.devices import place_module
         from ..parallel import DataParallel, sync_params_buffers
@@ -136,6 +134,8 @@ class Fleet:
             sync_params_buffers(model, hcg.get_model_parallel_group(), is_model_parallel=True)
             if mode == ParallelMode.TENSOR_PARALLEL:
                 _broadcast_inputs(model, hcg, strategy)
+        if hcg.get_sep_parallel_world_size() > 1:
+            sync_params_buffers(model, hcg.get_sep_parallel_group())
         if hcg.get_sharding_parallel_world_size() > 1:
             sync_params_buffers(model, hcg.get_sharding_parallel_group())
         if hcg.get_data_parallel_world_size() > 1:

@@ -4,21 +4,42 @@ from __future__ import annotations
 
 import warnings
 
-from ...runtime.data_parallel import average_gradients
+import torch
+import torch.distributed as tdist
+
+from ...runtime.devices import device
 from ...runtime.zero import OwnerZero, ShardingGroup, Zero
 from .topology import ParallelMode
+from .utils.hybrid_parallel_util import sync_dp_sep_grads
 
 __all__ = ["HybridParallelOptimizer"]
+
+
+def _agree_grads(sharding) -> None:
+    """Give a zero gradient to every parameter that has none here but has one on another rank of the sharding
+    group (a branch only some ranks' data took), as one process on the whole batch counts it: the reduce to the
+    owner then runs on every rank for the same parameters. One small all-reduce of has-a-gradient flags."""
+    params = [p for p in sharding.params if p.requires_grad or p.grad is not None]
+    if not params:
+        return
+    flags = torch.tensor([p.grad is not None for p in params], dtype=torch.float32, device=device())
+    sharding._group.all_reduce(flags, op=tdist.ReduceOp.MAX)
+    for p, somewhere in zip(params, flags.tolist()):
+        if somewhere and p.grad is None:
+            p.grad = torch.zeros_like(p)
 
 
 class HybridParallelOptimizer(Zero):
     """Wraps a torch optimizer: ``step()`` first averages what Paddle averages, then steps.
 
     With mp, sharding or pp > 1 and dp > 1, the gradients are averaged over the data-parallel group (in pure
-    data parallel, ``DataParallel`` already did it during backward). With sharding > 1 it is Paddle's stage 1
-    (``DygraphShardingOptimizer``, the ZeRO engine's :class:`~meshviz.runtime.zero.OwnerZero`): each parameter's
-    gradient is averaged into its one owner in the sharding group, which alone keeps its optimizer state and
-    steps it, then broadcasts it; ``owner`` maps a parameter to its owner's index in the sharding group.
+    data parallel, ``DataParallel`` already did it during backward); with sep > 1 they are summed over the sep
+    group too, as Paddle's ``fused_allreduce_gradients`` (each sep rank's loss is its part of the sequence's).
+    With sharding > 1 it is Paddle's stage 1 (``DygraphShardingOptimizer``, the ZeRO engine's
+    :class:`~meshviz.runtime.zero.OwnerZero`): each parameter's gradient is averaged into its one owner in the
+    sharding group, which alone keeps its optimizer state and steps it, then broadcasts it (a gradient that only
+    some ranks have counts zero on the others, as in one process); ``owner`` maps a parameter to its owner's index
+    in the sharding group.
 
     With sharding, a torch ``GradScaler`` (one not passed through ``fleet.distributed_scaler`` too) gives the
     values of one process: it hands itself to ``step`` on every rank (``_step_supports_amp_scaling``), where every
@@ -67,10 +88,11 @@ class HybridParallelOptimizer(Zero):
             return
         params = self._params()
         if self._sharding is not None:
+            _agree_grads(self._sharding)
             self._sharding._sync_grads()
             params = self._sharding.owned()
-        if hcg.get_parallel_mode() != ParallelMode.DATA_PARALLEL and hcg.get_data_parallel_world_size() > 1:
-            average_gradients(params, hcg.get_data_parallel_group())
+        if hcg.get_parallel_mode() != ParallelMode.DATA_PARALLEL:
+            sync_dp_sep_grads(params, hcg)
 
     def _clip(self):
         """Paddle's ``HybridParallelClipGrad`` for a ``ClipGradByGlobalNorm`` grad clip (``opt._grad_clip`` or the

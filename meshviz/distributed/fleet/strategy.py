@@ -17,7 +17,16 @@ _HYBRID_DEFAULTS = {
     "mp_configs": {"need_broadcast_data": True},
     "dp_configs": {},
     "sharding_configs": {},
+    # Paddle's other keys, kept so that code setting them runs: the switches have no effect here, and the
+    # context, expert and moe-sharding degrees must stay 1 (those parallelisms do not exist here)
+    "enable_optimizer_timer": False, "split_norm_comm": False,
+    "cp_degree": 1, "cp_sharding_degree": 1, "ep_degree": 1, "moe_sharding_degree": 1,
+    **{k: {} for k in ("sep_configs", "dp_sep_configs", "pp_tp_configs", "ep_configs", "moe_sharding_configs",
+                       "default_comm_group_configs", "cp_configs", "cp_sharding_configs", "dp_cp_configs",
+                       "cp_mp_configs")},
 }
+
+_UNSUPPORTED_DEGREES = ("cp_degree", "cp_sharding_degree", "ep_degree", "moe_sharding_degree")
 
 _PIPELINE_DEFAULTS = {
     "micro_batch_size": 1,
@@ -112,10 +121,14 @@ class DistributedStrategy:
             v = merged[k]
             if isinstance(v, bool) or not isinstance(v, int) or (v < 1 and not (k == "dp_degree" and v == -1)):
                 raise ValueError(f"hybrid_configs[{k!r}] must be a positive int (dp_degree may be -1), got {v!r}")
+        for k in _UNSUPPORTED_DEGREES:
+            if merged[k] not in (0, 1) or isinstance(merged[k], bool):
+                raise ValueError(f"hybrid_configs[{k!r}] = {merged[k]!r}: only 1 is supported (that parallelism "
+                                 f"does not exist here)")
         order = list(merged["order"])
-        known = {"dp", "pp", "sharding", "mp", "sep"}
+        known = {"dp", "pp", "sharding", "mp", "sep", "cp"}
         if len(set(order)) != len(order) or not set(order) <= known or not {"dp", "pp", "sharding", "mp"} <= set(order):
-            raise ValueError(f"hybrid_configs['order'] must order dp, pp, sharding, mp (and optionally sep) once "
+            raise ValueError(f"hybrid_configs['order'] must order dp, pp, sharding, mp (and optionally sep, cp) once "
                              f"each, got {order}")
         merged["order"] = order
         self._hybrid = merged

@@ -19,7 +19,7 @@ def hybrid_group() -> "HybridCommunicateGroup | None":
     return _fleet()._built
 
 # hybrid_configs short name -> topology axis name
-AXIS_NAMES = {"dp": "data", "pp": "pipe", "sharding": "sharding", "sep": "sep", "mp": "model"}
+AXIS_NAMES = {"dp": "data", "pp": "pipe", "sharding": "sharding", "sep": "sep", "cp": "context", "mp": "model"}
 
 
 class ParallelMode:

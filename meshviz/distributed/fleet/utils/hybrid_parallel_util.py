@@ -5,10 +5,44 @@ from __future__ import annotations
 import functools
 
 from ....runtime.data_parallel import average_gradients
-from ...parallel import fused_allreduce_gradients, sync_params_buffers
+from ...parallel import fused_allreduce_gradients as _dp_allreduce_gradients
+from ...parallel import sync_params_buffers
 
 __all__ = ["fused_allreduce_gradients", "broadcast_dp_parameters", "broadcast_mp_parameters",
-           "broadcast_sharding_parameters", "sync_params_buffers", "broadcast_input_data"]
+           "broadcast_sharding_parameters", "broadcast_sep_parameters", "sync_params_buffers",
+           "broadcast_input_data", "sync_dp_sep_grads"]
+
+
+def sync_dp_sep_grads(parameter_list, hcg) -> None:
+    """Paddle's gradient sync over dp and sep: summed over the sep group, averaged over the data-parallel group
+    (one all-reduce over their fused group); a rank without a gradient counts zero."""
+    import torch
+
+    sep, dp = hcg.get_sep_parallel_world_size(), hcg.get_data_parallel_world_size()
+    if sep > 1:
+        params = list(parameter_list)
+        with torch.no_grad():
+            for p in params:
+                if p.grad is not None:
+                    p.grad.mul_(sep)
+        average_gradients(params, hcg.get_dp_sep_parallel_group())
+    elif dp > 1:
+        average_gradients(parameter_list, hcg.get_data_parallel_group())
+
+
+def fused_allreduce_gradients(parameter_list, hcg=None):
+    """Average the gradients of ``parameter_list`` over the data-parallel group of ``hcg`` (None: the world);
+    with a sep group (sep_degree > 1) they are also summed over it, as Paddle's."""
+    if hcg is not None and hcg.get_sep_parallel_world_size() > 1:
+        import torch
+
+        params = None if isinstance(parameter_list, torch.Tensor) else list(parameter_list)
+        if params is None or not all(isinstance(p, torch.Tensor) for p in params):
+            raise TypeError("fused_allreduce_gradients: parameter_list is a list of parameters (such as "
+                            "list(model.parameters()))")
+        sync_dp_sep_grads([p for p in params if p.requires_grad], hcg)
+        return
+    _dp_allreduce_gradients(parameter_list, hcg)
 
 
 def broadcast_dp_parameters(model, hcg, fuse_params=True):
@@ -22,6 +56,10 @@ def broadcast_mp_parameters(model, hcg, fuse_params=True):
 
 def broadcast_sharding_parameters(model, hcg, fuse_params=True):
     sync_params_buffers(model, hcg.get_sharding_parallel_group(), fuse_params=fuse_params)
+
+
+def broadcast_sep_parameters(model, hcg, fuse_params=True):
+    sync_params_buffers(model, hcg.get_sep_parallel_group(), fuse_params=fuse_params)
 
 
 def _sharding_mean(parameter_list, hcg):
