@@ -175,10 +175,13 @@ class ClipGradByGlobalNorm:
         ...]``; each list's squared sum is added over every process group of ``groups`` in turn (groups along
         different axes of the hybrid topology, so over all the ranks they span). The model-parallel shards are added
         over the mp, pipeline and sharding groups; the other gradients, the same on every mp rank, only over the
-        pipeline and sharding groups, so they count once. Returns the global norm."""
+        pipeline and sharding groups, so they count once. A list with ``groups`` None is scaled and not counted (the
+        copies of a weight whose gradient another rank counts). Returns the global norm."""
         dev = _norm_device([g for grads, _ in parts for g in grads])
         sq = torch.zeros((), dtype=torch.float64, device=dev)
         for grads, groups in parts:
+            if groups is None:
+                continue
             part = _sq_sum(grads, dev)
             for group in groups:
                 _sum_over(part, group)

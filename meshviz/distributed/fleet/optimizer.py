@@ -112,13 +112,16 @@ class HybridParallelOptimizer(Zero):
         if (not isinstance(clip, ClipGradByGlobalNorm) or hcg is None
                 or any(isinstance(p.grad, (DistTensor, DTensor)) for p in params)):
             return clip(params)
+        # a weight shared across pipeline stages holds one summed gradient on each: counted on its first stage only
+        again = [p.grad for p in params if getattr(p, "is_firstly_shared", None) is False]
+        params = [p for p in params if getattr(p, "is_firstly_shared", None) is not False]
         # ``is True``: a torch tensor's own ``is_distributed`` is a method
         split = [p.grad for p in params if getattr(p, "is_distributed", False) is True]
         whole = [p.grad for p in params if getattr(p, "is_distributed", False) is not True]
         mp = [hcg.get_model_parallel_group()] if hcg.get_model_parallel_world_size() > 1 else []
         rest = [g for n, g in ((hcg.get_pipe_parallel_world_size(), hcg.get_pipe_parallel_group()),
                                (hcg.get_sharding_parallel_world_size(), hcg.get_sharding_parallel_group())) if n > 1]
-        return clip.clip_hybrid([(split, mp + rest), (whole, rest)])
+        return clip.clip_hybrid([(split, mp + rest), (whole, rest), (again, None)])
 
     def _gather(self):
         if self._sharding is not None:
