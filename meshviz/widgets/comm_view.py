@@ -10,7 +10,9 @@ from .draw import MAX_W
 from .sheet import Block, line_height, text_block, text_width, vstack
 from .style import LABEL, TICK, TITLE, block_colours, fmt_bytes
 
-__all__ = ["CommView"]
+__all__ = ["CommView", "MAX_ROWS"]
+
+MAX_ROWS = 24  # bars drawn; the rest are counted under them
 
 
 class CommView(View):
@@ -33,6 +35,12 @@ class CommView(View):
         title = self.title or f"communication: {fmt_bytes(self.table.total_bytes)} per rank"
         if not rows:
             return vstack([text_block(title, TITLE), text_block("no communication", LABEL)], gap=0.1)
+        rest = None
+        if len(rows) > MAX_ROWS:  # the largest, largest first: a bar per row of a long run is metres of picture
+            top_rows = sorted(rows, key=lambda r: -r.bytes)
+            rows, left_out = top_rows[:MAX_ROWS], top_rows[MAX_ROWS:]
+            rest = (f"the {MAX_ROWS} largest of {len(self.table)} rows; the other {len(left_out)} move "
+                    f"{fmt_bytes(sum(r.bytes for r in left_out))} per rank (the comm table lists every row)")
         labels = [f"{'' if r.cell is None else f'[{r.cell}] '}{r.module}{' (bwd)' if r.backward else ''} · {r.op} · "
                   f"{r.axis}" for r in rows]
         notes = [f"{fmt_bytes(r.bytes)} · {r.count}x · {1000 * r.seconds:.1f} ms" for r in rows]
@@ -64,7 +72,7 @@ class CommView(View):
                 sheet.text(x + left + bar_w + 0.08, y + (i + 0.5) * row_h, s, TICK, va="center")
 
         body = Block(width, ax_h + below, paint)
-        return vstack([head, body], gap=0.1)
+        return vstack([head, body, text_block(rest, LABEL, width=width) if rest else None], gap=0.1)
 
     def _status_html(self) -> str:
         return self.table._repr_html_() + super()._status_html()

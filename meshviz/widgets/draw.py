@@ -9,6 +9,7 @@ from matplotlib.collections import LineCollection
 from matplotlib.lines import Line2D
 from matplotlib.patches import Rectangle
 
+from .marks import fit_label, index_labels, x_margin, y_margin
 from .sheet import (
     DPI,
     MIN_FONT,
@@ -21,22 +22,20 @@ from .sheet import (
     text_size,
     text_width,
     vstack,
-    wrap,
 )
-from .style import EMPTY, LABEL, TICK, TITLE
+from .style import LABEL, TICK, TITLE
+from .tensor_draw import MAX_SAMPLES, block_image, tensor_block
 
 __all__ = ["mesh_panels", "mesh_block", "tensor_block", "legend_block", "block_image", "MAX_CELL_TEXT", "MAX_SAMPLES",
            "MAX_W", "ids_text"]
 
 MAX_CELL_TEXT = 256  # above this many cells, ids are left out (the picture stays cheap)
-MAX_SAMPLES = 384  # pixels per side a tensor picture samples at most
 MAX_FACETS = 16
 MAX_W = 8.4  # inches of content (806 px, 826 with the margins): a notebook output area at 1280 px, file browser open
 MIN_CELL = 0.06  # inches (6 px): a row of ranks whose cells would be narrower is wrapped into rows of _WRAP_CELL
+MAX_GRID_H = 8.4  # inches a mesh's grid may take down the page at MIN_CELL before its columns are split
 _WRAP_CELL = 0.1
 _ROUND = (1, 2, 4, 5, 8, 10, 16, 20, 25, 32, 50, 64, 100, 128, 200, 256, 500, 512, 1000, 1024)
-_TICKPAD = 3.5 / 72  # tick length + pad, inches
-_LABELPAD = 3 / 72
 
 
 def ids_text(ids, limit: int = 8) -> str:
@@ -71,42 +70,27 @@ def _panel_rgb(cell_rgb, idx, ndim):
     return cell_rgb[idx] if idx else cell_rgb
 
 
-def _x_margin() -> float:
-    """Below an axes: tick labels and the axis label."""
-    return _TICKPAD + line_height(TICK) + _LABELPAD + line_height(LABEL)
-
-
-def _y_margin(tick_labels) -> float:
-    """Left of an axes: the axis label, then the widest tick label."""
-    widest = max((text_width(t, TICK) for t in tick_labels), default=0.0)
-    return line_height(LABEL) + _LABELPAD + widest + _TICKPAD + 0.02
-
-
-def _fit_label(candidates, size, room):
-    for c in candidates:
-        if text_width(c, size) <= room:
-            return c
-    return candidates[-1]
-
-
-def _index_labels(panel, xticks, yticks, xlabel, ylabel, centre=0.0, ystep: int = 1):
-    """Tick labels (indices, at index + ``centre``) and axis labels beside a panel, where an Axes would put them;
-    a y tick reads ``index * ystep`` (the first rank of a wrapped row)."""
-    below, left = -_TICKPAD * 72, -_TICKPAD * 72
-    y1 = panel.ylim[1]
-    for i in xticks:
-        panel.text(i + centre, y1, str(i), TICK, dy=below, ha="center", va="top")
-    if xlabel:
-        down = below - (line_height(TICK) * 72 if len(xticks) else 0) - _LABELPAD * 72
-        panel.text((panel.xlim[0] + panel.xlim[1]) / 2, y1, xlabel, LABEL, dy=down, ha="center", va="top")
-    x0 = panel.xlim[0]
-    for i in yticks:
-        panel.text(x0, i + centre, str(i * ystep), TICK, dx=left, ha="right", va="center")
-    if ylabel:
-        widest = max((text_width(str(i * ystep), TICK) for i in yticks), default=0.0)
-        dx = left - (widest + _LABELPAD) * 72 if len(yticks) else -_LABELPAD * 72
-        panel.text(x0, (panel.ylim[0] + panel.ylim[1]) / 2, ylabel, LABEL, dx=dx, ha="right", va="center",
-                   rotation=90)
+def _split_panels(mesh, cell_rgb, max_facets: int, max_w: float):
+    """([(title, 2-D ids, rgb)], split, panels of the mesh shown): the mesh's panels; a panel whose cells would be
+    under MIN_CELL along its long side (2 x 512: rows of 512 ranks; 512 x 2: columns) is split into one row of
+    cells per line along that side (split 'wide' or 'tall'), which the caller wraps, while the panels stay few."""
+    ids, names = mesh.ids, mesh.dim_names
+    base = [(t, ids2, _panel_rgb(cell_rgb, idx, ids.ndim)) for t, idx, ids2 in mesh_panels(mesh, max_facets)]
+    rows, cols = base[0][1].shape
+    room = max_w - y_margin([str(rows - 1)]) - 0.06
+    wide = rows > 1 and cols * MIN_CELL > room
+    tall = not wide and rows * MIN_CELL > MAX_GRID_H
+    n_lines = rows if wide else cols
+    if ids.ndim < 2 or not (wide or tall) or len(base) * n_lines > max_facets:
+        return base, None, len(base)
+    out = []
+    for t, ids2, rgb in base:
+        for i in range(n_lines):
+            name = f"{names[-2]}={i}" if wide else f"{names[-1]}={i}"
+            title = ", ".join(x for x in (t, name if n_lines > 1 else "") if x)
+            out.append((title, ids2[i][None, :], rgb[i][None, :]) if wide else
+                       (title, ids2[:, i][None, :], rgb[:, i][None, :]))
+    return out, "wide" if wide else "tall", len(base)
 
 
 def mesh_block(mesh, cell_rgb=None, *, hatched=(), devices=None, groups_axis=None, title=None, text_extra=None,
@@ -114,38 +98,39 @@ def mesh_block(mesh, cell_rgb=None, *, hatched=(), devices=None, groups_axis=Non
     """The mesh as a grid of cells (faceted over leading axes beyond two), ids (and ``devices``, ``text_extra``)
     in the cells when they fit, ``title`` above, wrapped; facets beyond ``max_facets`` summarized on a line below.
     A row of ranks too long for cells of ``MIN_CELL`` is wrapped into rows, each labelled with its first index."""
-    panels = mesh_panels(mesh, max_facets)
     ids = mesh.ids
     names = mesh.dim_names
     n_all = int(np.prod(ids.shape[:-2])) if ids.ndim > 2 else 1
     if cell_rgb is None:
         cell_rgb = np.broadcast_to(np.array([0.74, 0.84, 0.95]), ids.shape + (3,))
-    rows, cols = panels[0][2].shape
-    total = sum(p[2].size for p in panels)
+    panels, split, shown = _split_panels(mesh, cell_rgb, max_facets, max_w)
+    rows, cols = panels[0][1].shape
+    total = sum(p[1].size for p in panels)
     labels: dict = {}
     if total <= MAX_CELL_TEXT:
-        for _, _, ids2 in panels:
+        for _, ids2, _ in panels:
             for r in map(int, ids2.ravel()):
                 labels[r] = "\n".join([str(r)] + [str(d[r]) for d in (devices, text_extra) if d and r in d])
     one_line = all("\n" not in s for s in labels.values())
     fs = (9.0 if total <= 16 else 8.0) if one_line else MIN_FONT
     one_d = ids.ndim == 1
     yticks_all = [] if one_d else [str(i) for i in range(rows)]
-    left = 0.04 if one_d else _y_margin(yticks_all)
-    bottom = _x_margin()
-    top = line_height(TITLE) + 0.04 if ids.ndim > 2 else 0.0
+    left = 0.04 if one_d else y_margin(yticks_all)
+    bottom = x_margin()
+    top = line_height(TITLE) + 0.04 if any(t for t, _, _ in panels) else 0.0
     room = max_w - left - 0.06
     per = 0  # ranks to a row of a wrapped row of ranks; 0: not wrapped
     if rows == 1 and cols * MIN_CELL > room:
-        left = _y_margin([str(cols - 1)])
+        left = y_margin([str(cols - 1)])
         room = max_w - left - 0.06
         per = max(k for k in _ROUND if k == 1 or k * _WRAP_CELL <= room)
         labels = {}  # (cells that would have held them are not MIN_CELL wide)
     length = cols
-    panel_rgb = [_panel_rgb(cell_rgb, idx, ids.ndim) for _, idx, _ in panels]
+    along = ids.ndim - 2 if split == "tall" else ids.ndim - 1  # the mesh axis a panel's row of cells runs along
+    panel_rgb = [rgb for _, _, rgb in panels]
     if per:
         rows, cols = -(-cols // per), per
-        panels = [(t, idx, _wrap(ids2, per, -1)) for t, idx, ids2 in panels]
+        panels = [(t, _wrap(ids2, per, -1), rgb) for t, ids2, rgb in panels]
         panel_rgb = [_wrap(rgb, per, 1.0) for rgb in panel_rgb]
     n = len(panels)
     facets = n > 1 and not per
@@ -157,30 +142,33 @@ def mesh_block(mesh, cell_rgb=None, *, hatched=(), devices=None, groups_axis=Non
             labels = {}
     if per:
         cell = min(0.3 if one_d else 0.2, room / cols)
-    elif not labels:  # a row of ranks may use the width; a grid stays about 3 inches
+    elif not labels:  # a row of ranks may use the width; a grid stays about 3 inches, unless its cells go too small
         cell = min(0.3, room / cols) if one_d else min(0.2, 3.2 / max(rows, cols))
+        if cell < MIN_CELL and cols * MIN_CELL <= room and rows * MIN_CELL <= MAX_GRID_H:
+            cell = MIN_CELL
     cell = min(cell, room / cols)
-    xlabels = [f"{names[-1]} ({ids.shape[-1]})" + (f", {per} a row" if per else "")] + ([names[-1]] if facets else [])
+    xlabels = [f"{names[along]} ({ids.shape[along]})" + (f", {per} a row" if per else "")] + \
+        ([names[-1]] if facets else [])
     fgap, ncols = (0.1 if facets else 0.0), 1
     if facets:  # facets to a row: one per index of the second axis of a 4-D mesh (its rows are the first), else all
         pref = int(ids.shape[-3]) if ids.ndim >= 4 and n % ids.shape[-3] == 0 else n
         ncols, cell, fs, labels = _facet_columns(n, pref, cols, cell, fs, labels, room, fgap)
     gw, gh = cols * cell, rows * cell
-    xlabel = _fit_label(xlabels, LABEL, max(gw, (room - (ncols - 1) * fgap) / ncols))
-    ylabel = "" if one_d or per else _fit_label([f"{names[-2]} ({ids.shape[-2]})", names[-2]], LABEL, max(gh, 0.9))
+    xlabel = fit_label(xlabels, LABEL, max(gw, (room - (ncols - 1) * fgap) / ncols))
+    ylabel = "" if one_d or per else fit_label([f"{names[-2]} ({ids.shape[-2]})", names[-2]], LABEL, max(gh, 0.9))
     over = max(0.0, (text_width(ylabel, LABEL) - gh) / 2) if ylabel else 0.0
     col_w = max(gw, text_width(xlabel, LABEL))  # a facet's column: its grid, or its axis label when that is wider
     if not facets:  # one panel, or facets each with their own axes (a wrapped row of ranks), side by side
         col_w += left + 0.06
         fgap = 0.2
         ncols = max(1, min(n, int((max_w + fgap) // (col_w + fgap))))
-    titles = [elide(t, TITLE, col_w + (fgap * 0.8 if facets else 0.0)) for t, _, _ in panels]
+    titles, common = _facet_titles([t for t, _, _ in panels], col_w + (fgap * 0.8 if facets else 0.0))
     nrows = math.ceil(n / ncols)
     row_h = top + over + gh
     vgap = 0.06 if facets else 0.1 + max(bottom, over + 0.02)
     grid_w = (left + 0.06 if facets else 0.0) + ncols * col_w + (ncols - 1) * fgap
     grid_h = nrows * row_h + (nrows - 1) * vgap + max(bottom, over + 0.02)
-    more = n_all - len(panels)
+    more = n_all - shown
     width = max(grid_w, min(text_width(title, TITLE), max(grid_w, 2.2), max_w)) if title else grid_w
     parts = [text_block(title, TITLE, width=width)] if title else []
     tx = np.asarray(index_ticks(cols, gw, TICK, True))
@@ -189,7 +177,7 @@ def mesh_block(mesh, cell_rgb=None, *, hatched=(), devices=None, groups_axis=Non
     line = _group_line(labels, fs, cell) if groups_axis is not None else (0.3, 0.3, 2.5)
 
     def paint_grid(sheet, x0, y0):
-        for k, (_, _, ids2) in enumerate(panels):
+        for k, (_, ids2, _) in enumerate(panels):
             c = k % ncols  # facets share their axes: index labels left of the first column, under each column's last
             px = x0 + left + c * (col_w + fgap) + ((col_w - gw) / 2 if facets else 0.0)
             show_x, show_y = (k + ncols >= n, c == 0) if facets else (True, True)
@@ -201,7 +189,7 @@ def mesh_block(mesh, cell_rgb=None, *, hatched=(), devices=None, groups_axis=Non
                 segs += [((-0.5, i - 0.5), (cols - 0.5, i - 0.5)) for i in range(1, rows)]
                 panel.add(LineCollection(segs, colors="white", linewidths=1.5 if cell >= 0.2 else 0.5))
             panel.frame(edgecolor="black", linewidth=0.8)
-            _index_labels(panel, tx if show_x else tx[:0], ty if show_y else [], xlabel if show_x else "",
+            index_labels(panel, tx if show_x else tx[:0], ty if show_y else [], xlabel if show_x else "",
                           ylabel if show_y else "", ystep=per or 1)
             if titles[k]:
                 sheet.text(px + gw / 2, py - 0.03, titles[k], TITLE, ha="center", va="bottom")
@@ -214,19 +202,22 @@ def mesh_block(mesh, cell_rgb=None, *, hatched=(), devices=None, groups_axis=Non
                                         edgecolor=(0.2, 0.2, 0.2, 0.5)))
             if groups_axis is not None and not per:
                 _draw_groups(panel, ids.ndim, groups_axis, rows, cols, line=line)
-            elif groups_axis is not None and groups_axis == ids.ndim - 1:  # one line, through each wrapped row
+            elif groups_axis is not None and groups_axis == along:  # one line, through each wrapped row
                 _draw_groups(panel, 1, 0, rows - 1, cols, line=line)
                 _draw_groups(panel, 1, 0, 1, length - per * (rows - 1), at=rows - 1, line=line)
 
     parts.append(Block(grid_w, grid_h, paint_grid, mid=None))
     notes = []
-    if groups_axis is not None and ids.ndim > 2 and groups_axis < ids.ndim - 2:
+    if groups_axis is not None and ((ids.ndim > 2 and groups_axis < ids.ndim - 2) or (split and groups_axis != along)):
         notes.append("groups: the same cell across panels")
+    if common:
+        notes.append(common)
     if more > 0:
         notes.append(f"… {more} more panels")
     if per:
-        along = " × ".join(f"{a} ({n})" for a, n in zip(names[-2:], ids.shape[-2:]))
-        notes.append(f"{along}: wrapped {per} ranks to a row; the left labels are each row's first index")
+        line_of = f"each panel: {names[along]} ({ids.shape[along]})" if split else \
+            " × ".join(f"{a} ({n})" for a, n in zip(names[-2:], ids.shape[-2:]))
+        notes.append(f"{line_of}: wrapped {per} ranks to a row; the left labels are each row's first index")
     elif cell < MIN_CELL:
         notes.append(f"squeezed: cells {cell * DPI:.1f} px wide")
     for note in notes:
@@ -235,6 +226,29 @@ def mesh_block(mesh, cell_rgb=None, *, hatched=(), devices=None, groups_axis=Non
     head = parts[0].h + 0.06 if title else 0.0
     out.mid = head + top + over + gh / 2 if nrows == 1 else out.h / 2
     return out
+
+
+def _facet_titles(titles: list, room: float) -> tuple[list, str]:
+    """(titles, a note) for panels ``room`` inches wide. When a title does not fit, the leading 'axis=index' parts
+    every panel shares are said once in the note; then, if needed, titles keep only the indices ('0,1,0') and the
+    note names their axes; what still does not fit loses its leading indices (the last ones tell panels apart)."""
+    if all(text_width(t, TITLE) <= room for t in titles):
+        return titles, ""
+    parts = [t.split(", ") for t in titles]
+    k = 0
+    while len(parts) > 1 and all(len(p) > k + 1 and p[k] == parts[0][k] for p in parts):
+        k += 1
+    note = [f"every panel shown: {', '.join(parts[0][:k])}"] if k else []
+    rest = [", ".join(p[k:]) for p in parts]
+    if all(text_width(t, TITLE) <= room for t in rest):
+        return rest, "; ".join(note)
+    note.append(f"panel titles: ({', '.join(q.split('=')[0] for q in parts[0][k:])})")
+    out = []
+    for p in parts:
+        idx = [q.split("=")[-1] for q in p[k:]]
+        fits = [i for i in range(len(idx)) if text_width(("…" if i else "") + ",".join(idx[i:]), TITLE) <= room]
+        out.append(("…" if fits[0] else "") + ",".join(idx[fits[0]:]) if fits else elide(idx[-1], TITLE, room))
+    return out, "; ".join(note)
 
 
 def _facet_columns(n: int, pref: int, cols: int, cell: float, fs: float, labels: dict, room: float, gap: float):
@@ -285,181 +299,6 @@ def _draw_groups(panel, ndim, axis, rows, cols, at: int = 0, line=(0.3, 0.3, 2.5
     elif ndim > 1 and axis == ndim - 2 and rows > 1:
         for j in range(cols):
             panel.add(Line2D([j + offx, j + offx], [0, rows - 1], **kw))
-
-
-def _samples(n: int, maxs: int):
-    """Sampled indices and the (n_samples + 1) edges they cover, in tensor coordinates."""
-    if n <= maxs:
-        return np.arange(n), np.arange(n + 1, dtype=float)
-    edges = np.linspace(0, n, maxs + 1)
-    centres = np.floor((edges[:-1] + edges[1:]) / 2).astype(int)
-    return centres, edges
-
-
-def _view_shape(shape):
-    shape = tuple(int(s) for s in shape)
-    if len(shape) == 0:
-        return 1, 1
-    if len(shape) == 1:
-        return 1, shape[0]
-    return int(np.prod(shape[:-1])), shape[-1]
-
-
-def block_image(shape, blocks, maxs: int = MAX_SAMPLES):
-    """Index image (rows x cols, -1 where no block) of a tensor's blocks seen as 2-D: leading dims x last dim."""
-    shape = tuple(int(s) for s in shape)
-    rows, cols = _view_shape(shape)
-    ri, yedges = _samples(rows, maxs)
-    ci, xedges = _samples(cols, maxs)
-    img = np.full((len(ri), len(ci)), -1, dtype=np.int32)
-    if len(shape) == 0:
-        if blocks:
-            img[:] = 0
-        return img, xedges, yedges
-    lead = shape[:-1]
-    rmulti = np.unravel_index(ri, lead) if lead else ()
-    for k, blk in enumerate(blocks):
-        if any(a >= b for a, b in blk):
-            continue
-        rin = np.ones(len(ri), dtype=bool)
-        for d, arr in enumerate(rmulti):
-            a, b = blk[d]
-            rin &= (arr >= a) & (arr < b)
-        a, b = blk[-1]
-        cin = (ci >= a) & (ci < b)
-        img[np.ix_(rin, cin)] = k
-    return img, xedges, yedges
-
-
-def _runs(mask):
-    """(start, stop) of each run of True in a 1-D bool array."""
-    m = np.concatenate([[0], mask.astype(np.int8), [0]])
-    d = np.diff(m)
-    return zip(np.flatnonzero(d == 1), np.flatnonzero(d == -1))
-
-
-def _boundaries(img, xedges, yedges):
-    segs = []
-    diff_v = img[:, 1:] != img[:, :-1]  # boundary between column c and c+1
-    for c in np.flatnonzero(diff_v.any(axis=0)):
-        x = xedges[c + 1]
-        for a, b in _runs(diff_v[:, c]):
-            segs.append(((x, yedges[a]), (x, yedges[b])))
-    diff_h = img[1:, :] != img[:-1, :]
-    for r in np.flatnonzero(diff_h.any(axis=1)):
-        y = yedges[r + 1]
-        for a, b in _runs(diff_h[r, :]):
-            segs.append(((xedges[a], y), (xedges[b], y)))
-    return segs
-
-
-def _fmt_value(v) -> str:
-    if isinstance(v, (float, np.floating)):
-        if not np.isfinite(v):
-            return ""
-        if float(v).is_integer():
-            return str(int(v))
-        return f"{v:.2g}"
-    return str(v)
-
-
-VALUE_FONT = 7.5
-
-
-def tensor_block(shape, blocks, colours, *, values=None, labels=None, faded=(), title=None, note=None,
-                 max_w: float = 2.6, max_h: float = 2.6, title_lines: int = 1, max_numbers: int = 144,
-                 maxs: int = MAX_SAMPLES) -> Block:
-    """A tensor's index space (leading dims as rows, the last dim as columns) with ``blocks[k]`` filled with
-    ``colours[k]``; its numbers in the cells when ``values`` (dense, NaN where unknown) is given and they fit,
-    else ``labels[k]`` in block k where it fits. ``faded``: blocks drawn pale (the identity summands of a Partial).
-    ``note``: a red line under it. The block's ``mid`` is the middle of its axes."""
-    shape = tuple(int(s) for s in shape)
-    rows, cols = _view_shape(shape)
-    nd = len(shape)
-    strs = None
-    empty = rows * cols == 0  # a 0-size dim: the frame alone, and a note that says so
-    if empty and not note:
-        note = "no elements: a dim of size 0"
-    if values is not None and not empty and rows * cols <= max_numbers:
-        v2 = np.asarray(values, dtype=float).reshape(rows, cols)
-        strs = [[_fmt_value(v) for v in row] for row in v2]
-        cw = max(0.2, max(text_width(s, VALUE_FONT) for row in strs for s in row) + 0.08)
-        ch = max(0.2, line_height(VALUE_FONT) + 0.04)
-        if cols * cw > max_w or rows * ch > max_h:
-            strs = None
-        else:
-            w, h = cols * cw, rows * ch
-    if strs is None:
-        side = min(max_w, max_h, 2.2)
-        unit = min(0.28, side / max(rows, cols, 1))
-        w, h = max(0.45, cols * unit), max(0.3, rows * unit)
-        w, h = min(w, max_w), min(h, max_h)
-    xt = index_ticks(cols, w, TICK, True)
-    yt = index_ticks(rows, h, TICK, False) if nd >= 2 else []
-    left = _y_margin([str(i) for i in yt]) if nd >= 2 else 0.04
-    xlabel = f"dim {nd - 1} ({cols})" if nd else "scalar"
-    ylabel = ""
-    if nd >= 2:
-        cands = [f"dim 0 ({shape[0]})", "dim 0", "d0"] if nd == 2 else \
-            [f"dims 0..{nd - 2} ({rows} rows)", f"dims 0..{nd - 2}", f"d0..{nd - 2}"]
-        ylabel = _fit_label(cands, LABEL, h + 0.3)
-    over = max(0.0, (text_width(ylabel, LABEL) - h) / 2) if ylabel else 0.0
-    bw = left + max(w, text_width(xlabel, LABEL)) + 0.06
-    tlines: list[str] = []
-    if title:
-        bw = max(bw, min(text_width(title, TITLE) + 0.02, max(bw, 2.0)))
-        tlines = wrap(title, TITLE, bw - 0.02)
-    nlines = max(len(tlines), title_lines if title else 0)
-    top = nlines * line_height(TITLE) + (0.06 if nlines else 0.0) + over
-    bottom = max(_x_margin(), over + 0.02)
-    nlines_note = wrap(note, MIN_FONT, bw) if note else []
-    bh = top + h + bottom + len(nlines_note) * line_height(MIN_FONT)
-    img, xedges, yedges = block_image(shape, blocks, maxs)
-
-    inset = max(0.0, (bw - 0.06 - left - max(w, text_width(xlabel, LABEL))) / 2)  # axes centred under the title
-
-    def paint(sheet, x, y):
-        for i, ln in enumerate(tlines):
-            sheet.text(x + bw / 2, y + i * line_height(TITLE), ln, TITLE, ha="center")
-        panel = Panel(sheet, x + inset + left, y + top, w, h, (0, max(cols, 1)), (0, max(rows, 1)))
-        if not empty:  # a 0-size tensor has no cells: its frame alone
-            cols_ = np.asarray(colours, dtype=float).reshape(-1, 3)
-            pal = np.vstack([cols_, EMPTY[None, :]]) if len(cols_) else EMPTY[None, :]
-            pal = pal.copy()
-            for k in faded:
-                pal[k] = pal[k] * 0.3 + 0.7
-            panel.image(pal[img])
-            segs = _boundaries(img, xedges, yedges)
-            if segs:
-                panel.add(LineCollection(segs, colors="black", linewidths=1.2))
-        panel.frame(edgecolor="black", linewidth=1.2)
-        _index_labels(panel, xt, yt, xlabel, ylabel, centre=0.5)
-        if strs is not None:
-            for i, row in enumerate(strs):
-                for j, s in enumerate(row):
-                    if s:
-                        panel.text(j + 0.5, i + 0.5, s, VALUE_FONT, ha="center", va="center")
-        elif labels is not None and len(blocks) <= 24:
-            ys = (yedges[:-1] + yedges[1:]) / 2
-            xs = (xedges[:-1] + xedges[1:]) / 2
-            for k, lab in enumerate(labels):
-                where = np.argwhere(img == k)
-                if not lab or not len(where):
-                    continue
-                r0, r1 = where[:, 0].min(), where[:, 0].max() + 1
-                c0, c1 = where[:, 1].min(), where[:, 1].max() + 1
-                if len(where) != (r1 - r0) * (c1 - c0):
-                    continue  # not one rectangle (blocks interleaved in the flattened view): no room to say
-                bw_in = (xedges[c1] - xedges[c0]) / cols * w
-                bh_in = (yedges[r1] - yedges[r0]) / rows * h
-                tw, th = text_size(lab, MIN_FONT)
-                if tw + 0.06 <= bw_in and th + 0.04 <= bh_in:
-                    panel.text(xs[c0:c1].mean(), ys[r0:r1].mean(), lab, MIN_FONT, ha="center", va="center",
-                               bbox=dict(boxstyle="round,pad=0.1", fc=(1, 1, 1, 0.7), lw=0))
-        for i, ln in enumerate(nlines_note):
-            sheet.text(x + inset, y + top + h + bottom + i * line_height(MIN_FONT), ln, MIN_FONT, color="#a00")
-
-    return Block(bw, bh, paint, mid=top + h / 2)
 
 
 def legend_block(entries, size: float = LABEL, max_w: float | None = None) -> Block:

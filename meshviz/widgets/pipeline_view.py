@@ -12,7 +12,7 @@ from ..core.schedule import bubble_formula, schedule_orders
 from ..trace import Compute, Event, Recv, Send
 from .base import View
 from .draw import MAX_W, legend_block
-from .sheet import Block, line_height, text_block, text_width, vstack
+from .sheet import DPI, Block, line_height, text_block, text_width, vstack
 from .style import LABEL, TICK, TITLE
 
 __all__ = ["PipelineView", "synthetic_schedule"]
@@ -218,10 +218,12 @@ class PipelineView(View):
             for c in range(chunks):
                 name = lab if chunks == 1 else f"{lab}, chunk {c}"
                 entries.append((name, dict(facecolor=_shade(PHASE_COLOUR[k], c), edgecolor="black")))
+        k = self._stride()
+        drawn = f" (1 in {k} of {len(self.transfers)} drawn)" if k > 1 else ""
         if any(t["how"] == "reshard" for t in self.transfers):
-            entries.append(("reshard send/recv", {"line": "#c0392b"}))
+            entries.append(("reshard send/recv" + drawn, {"line": "#c0392b"}))
         if any(t["how"] == "p2p" for t in self.transfers):
-            entries.append(("send/recv", {"line": "#444"}))
+            entries.append(("send/recv" + drawn, {"line": "#444"}))
         if self.comms:
             entries.append(("collective", dict(facecolor="#555", edgecolor="#555")))
         return entries
@@ -253,6 +255,10 @@ class PipelineView(View):
         below = 3.5 / 72 + line_height(TICK) + 2 / 72 + line_height(LABEL) + 0.08
         legend = legend_block(self._legend(), LABEL, max_w=width)
 
+        # blocks a few pixels wide: their black edges alone would fill the row, so they go (the colours stay)
+        durations = [b["end"] - b["start"] for b in self.blocks]
+        edge = 0.5 if not durations or float(np.median(durations)) / span * ax_w * DPI >= 4 else 0.0
+
         def paint(sheet, x, y):
             ax = sheet.axes(x + left, y, ax_w, ax_h)
             by = defaultdict(list)
@@ -260,7 +266,7 @@ class PipelineView(View):
                 col = _shade(PHASE_COLOUR.get(b["phase"], (0.7, 0.7, 0.7)), b["chunk"] or 0)
                 by[(b["rank"], col)].append(((b["start"] - t0) * scale, (b["end"] - b["start"]) * scale))
             for (r, col), bars in by.items():
-                ax.broken_barh(bars, (row[r] - 0.38, 0.76), facecolors=[col], edgecolors="black", linewidth=0.5)
+                ax.broken_barh(bars, (row[r] - 0.38, 0.76), facecolors=[col], edgecolors="black", linewidth=edge)
             if len(self.blocks) <= MAX_LABELS:
                 for b in numbered:
                     s = str(b["micro_batch"])
@@ -283,10 +289,14 @@ class PipelineView(View):
         body = Block(width, ax_h + below, paint)
         return vstack([head, body, legend], gap=0.1)
 
+    def _stride(self) -> int:
+        """Every k-th transfer is drawn: at most MAX_ARROWS, spread over the whole run (the legend says so)."""
+        return max(1, -(-len(self.transfers) // MAX_ARROWS))
+
     def _draw_transfers(self, ax, row, t0, scale):
         """Arrows from the sender's row at send time to the receiver's row at arrival; many: one line collection."""
         segs, colours = [], []
-        for t in self.transfers[:MAX_ARROWS]:
+        for t in self.transfers[::self._stride()]:
             d = 1 if row[t["dst"]] >= row[t["src"]] else -1
             segs.append((((t["start"] - t0) * scale, row[t["src"]] + 0.4 * d),
                          ((t["end"] - t0) * scale, row[t["dst"]] - 0.4 * d)))
@@ -304,7 +314,8 @@ class PipelineView(View):
         p = len({b["rank"] for b in self.blocks})
         m = self.micro_batches
         v = self.chunks
-        head = f"{self.schedule + ' · ' if self.schedule else ''}{p} stage ranks, {m} micro-batches"
+        head = f"{self.schedule + ' · ' if self.schedule else ''}{p} stage rank{'s' * (p != 1)}, {m} micro-batch" \
+            + ("es" if m != 1 else "")
         if v > 1:
             head += f", {v} chunks each"
         if self.bubble is not None:

@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 
 from ..core import ProcessMesh
 from ..trace.status import RankStatus, RollCall
 from .base import View
-from .draw import MAX_W, legend_block, mesh_block
+from .draw import MAX_CELL_TEXT, MAX_W, legend_block, mesh_block
 from .mesh_view import as_mesh
 from .sheet import Block, hstack, text_block, text_width, vstack
 from .style import LABEL
 
-__all__ = ["RollCallView", "STATE_COLOUR"]
+__all__ = ["RollCallView", "STATE_COLOUR", "short_lists"]
 
 STATE_COLOUR = {
     "idle": np.array([0.80, 0.84, 0.90]),
@@ -22,6 +24,18 @@ STATE_COLOUR = {
     "unknown": np.array([1.0, 1.0, 1.0]),
 }
 _MISMATCH = np.array([0.90, 0.35, 0.35])
+_LIST = 8  # a list of ranks longer than this is drawn as its first few, '…', its last and its length
+_IDS = re.compile(r"(\d+(?:, \d+){" + str(_LIST) + r",})(\]?)")
+
+
+def short_lists(line: str, limit: int = _LIST) -> str:
+    """``line`` with each list of more than ``limit`` ranks cut to its first few and last and counted:
+    'ranks 0, 1, 2, 3, 4, 5, …, 1022 (1023 ranks) wait … on group [0, 1, 2, 3, 4, 5, …, 1023] (1024 ranks)'."""
+    def cut(m) -> str:
+        ids = m.group(1).split(", ")
+        return f"{', '.join(ids[: limit - 2])}, …, {ids[-1]}{m.group(2)} ({len(ids)} ranks)"
+
+    return _IDS.sub(cut, line)
 
 
 def _grid(n: int) -> ProcessMesh:
@@ -48,6 +62,7 @@ class RollCallView(View):
     def __init__(self, rollcall, mesh=None, title: str | None = None):
         self.rollcall = _as_rollcall(rollcall)
         ranks = [s.rank for s in self.rollcall]
+        self._grid = mesh is None
         self.mesh = as_mesh(mesh) if mesh is not None else _grid(max(ranks, default=-1) + 1)
         self.title = title or self.rollcall.title
         super().__init__()
@@ -87,7 +102,9 @@ class RollCallView(View):
         mesh = mesh_block(self.mesh, self.cell_rgb(), hatched=self.rollcall.culprits(), text_extra=self.labels(),
                           title=self.title or "roll-call", max_w=MAX_W - legend.w - 0.3)
         top = hstack([mesh, legend], gap=0.3)
-        lines = self.lines or ["no rank waits in a collective"]
+        lines = [short_lists(ln) for ln in self.lines] or ["no rank waits in a collective"]
+        if self._grid and self.mesh.ndim == 2 and self.mesh.size > MAX_CELL_TEXT:  # no ids in the cells
+            lines.insert(0, f"the cell in row r, column c is rank r × {self.mesh.shape[1]} + c")
         width = max(top.w, min(MAX_W, max(text_width(ln, LABEL, "monospace") for ln in lines)))
         return vstack([top, text_block(lines, LABEL, width=width, family="monospace")], gap=0.15)
 

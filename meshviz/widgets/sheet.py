@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import re
 import threading
+from bisect import bisect_right
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import lru_cache
+from itertools import accumulate
 
 import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg, RendererAgg
@@ -83,24 +85,34 @@ def elide(s: str, size: float, width: float, family: str | None = None, weight: 
 def wrap(s: str, size: float, width: float, family: str | None = None, indent: str = "",
          weight: str = "normal") -> list[str]:
     """``s`` broken at spaces into lines of at most ``width`` inches (a word longer than a line is broken too);
-    continuation lines start with ``indent``."""
+    continuation lines start with ``indent``. Widths are summed as they grow: a line of thousands of words is cheap."""
+    size = float(size)
+
+    def adv(c: str) -> float:
+        return _extent(c, size, family, weight)[0]
+
+    def grow(w: float, text: str) -> float:
+        for c in text:
+            w += adv(c)
+        return w
+
     out: list[str] = []
     for para in str(s).split("\n"):
-        words = _WORD.split(para)
-        line = ""
-        for word in words:
-            cand = word if not line else f"{line} {word}"
-            if text_width(cand, size, family, weight) <= width or not line.strip():
-                line = cand
+        line, lw = "", 0.0
+        for word in _WORD.split(para):
+            cand_w = grow(lw + adv(" "), word) if line else grow(0.0, word)
+            if cand_w <= width or not line.strip():
+                line, lw = (f"{line} {word}" if line else word), cand_w
             else:
                 out.append(line)
                 line = indent + word
-            while text_width(line, size, family, weight) > width and len(line.strip()) > 1:
-                cut = len(line) - 1
-                while cut > len(indent) + 1 and text_width(line[:cut], size, family, weight) > width:
-                    cut -= 1
+                lw = grow(0.0, line)
+            while lw > width and len(line.strip()) > 1:
+                ends = list(accumulate(adv(c) for c in line))  # ends[k]: the width of line[:k + 1]
+                cut = max(min(len(indent) + 1, len(line) - 1), min(len(line) - 1, bisect_right(ends, width)))
                 out.append(line[:cut])
                 line = indent + line[cut:]
+                lw = grow(0.0, line)
         out.append(line)
     return out
 

@@ -148,7 +148,11 @@ def _slot(text: str, size: float, bold: bool = True) -> Block:
 def _empty_note(st: TensorState) -> str | None:
     if not st.empty:
         return None
-    return f"empty block on rank{'s' if len(st.empty) > 1 else ''} {_rank_list(st.empty, 8)}"
+    n, ids = len(st.empty), [str(r) for r in st.empty]
+    if n == 1:
+        return f"empty block on rank {ids[0]}"
+    listed = ", ".join(ids) if n <= 8 else ", ".join(ids[:6]) + f", …, {ids[-1]}"  # spaces: it wraps between ids
+    return f"empty blocks on {n} ranks: {listed}"
 
 
 def tensor_state_block(st: TensorState, *, world=None, groups_axis=None, mesh_title=None, text_extra=None,

@@ -86,7 +86,7 @@ class WhatIfView(View):
     def _heading(self) -> str:
         r = self.report
         over = f", {len(self.over())} over {self.limit / _GB:g} GB" if self.limit is not None else ""
-        return f"what if: {r.nranks} ranks ({len(r.simulated)} simulated){over}"
+        return f"what if: {r.nranks} rank{'s' * (r.nranks != 1)} ({len(r.simulated)} simulated){over}"
 
     def _scale_block(self, hi: float) -> Block:
         """The colours of the mesh: peak bytes from 0 to ``hi``."""
