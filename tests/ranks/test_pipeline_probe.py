@@ -306,3 +306,33 @@ def test_a_global_norm_clip_counts_a_weight_shared_across_stages_once(hybrid):
     case = {"model": "tied", "hybrid": hybrid, "rows": 4, "clip": 0.05,
             "pipe": {"micro_batch_size": 2, "accumulate_steps": 2}}
     _check(case, run_ranks(_fleet, 2 * hybrid.get("dp_degree", 1), case, timeout=100))
+
+
+def _sep_stage_weights(_):
+    from meshviz.distributed import fleet
+    from meshviz.distributed.fleet.meta_parallel import PipelineLayer
+
+    s = fleet.DistributedStrategy()
+    s.hybrid_configs = {"pp_degree": 2, "sep_degree": 2}
+    s.pipeline_configs = {"micro_batch_size": 2, "accumulate_steps": 2}
+    fleet.init(is_collective=True, strategy=s)
+    hcg = fleet.get_hybrid_communicate_group()
+    layer = PipelineLayer(_descs("mlp5"), loss_fn=nn.MSELoss())
+    with torch.no_grad():  # each rank holds other weights
+        for p in layer.parameters():
+            p.add_(hcg.get_global_rank())
+    fleet.distributed_model(layer)
+    return hcg.get_stage_id(), hcg.get_sep_parallel_group().ranks, {n: p.detach().clone()
+                                                                  for n, p in layer.named_parameters()}
+
+
+@pytest.mark.timeout(120)
+def test_a_pipeline_with_sep_broadcasts_each_stages_weights_over_the_sep_group():
+    """Paddle's PipelineParallel broadcasts the parameters over the sep group (``broadcast_sep_parameters``): the sep
+    ranks of one stage start from the same weights, the group's first rank's."""
+    res = run_ranks(_sep_stage_weights, 4, None, timeout=100)
+    for stage, ranks, weights in res:
+        first = res[ranks[0]][2]
+        for name, w in weights.items():
+            torch.testing.assert_close(w, first[name], rtol=0, atol=0, msg=f"stage {stage} {name}")
+    assert {tuple(r) for _, r, _ in res} == {(0, 1), (2, 3)}

@@ -80,6 +80,8 @@ class PipelineParallel(nn.Module):
         place_module(layers, "PipelineParallel")  # a CPU model on a GPU rank moves to the GPU, as in Paddle
         if hcg.get_model_parallel_world_size() > 1:
             sync_params_buffers(layers, hcg.get_model_parallel_group(), is_model_parallel=True)
+        if hcg.get_sep_parallel_world_size() > 1:  # Paddle's order: mp, sep, sharding, dp
+            sync_params_buffers(layers, hcg.get_sep_parallel_group())
         if hcg.get_sharding_parallel_world_size() > 1:
             sync_params_buffers(layers, hcg.get_sharding_parallel_group())
         if hcg.get_data_parallel_world_size() > 1:
