@@ -138,6 +138,7 @@ class Cluster:
         self.rollcalls: list[RollCall] = []  # the roll-calls the last execution showed
         self.last_error = None  # the RankError of the last execution that failed
         self._executions = 0
+        self._interrupted = -1  # the execution interrupt() last reached
         self.backend = backend
         self.events = EventLog()
         self._control = Control()
@@ -334,7 +335,8 @@ class Cluster:
         self._sync_events([o.rank for o in outcomes if o.status in ("ok", "error")])
         if any(o.status != "ok" for o in outcomes):
             rollcall = self._blame(watch, since, t0)
-            self.last_error = self._control.rank_error(outcomes, since, t0, rollcall)
+            self.last_error = self._control.rank_error(outcomes, since, t0, rollcall,
+                                                       interrupted=self._interrupted == self._executions)
             raise self.last_error
         return outcomes
 
@@ -434,6 +436,7 @@ class Cluster:
         still busy ``abort_after`` seconds later, their process group is torn down (and re-created before the
         next cell) so that the blocked collectives fail at once.
         """
+        self._interrupted = self._executions
         if abort_after is not None:
             t = threading.Timer(abort_after, self._abort_if_busy, args=(self._executions,))
             t.daemon = True

@@ -76,8 +76,10 @@ class ClusterConfig:
         if not (isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout > 0):
             raise ValueError(f"Cluster: timeout must be a positive number of seconds, got {timeout!r}")
         if hang_after is not None and (isinstance(hang_after, bool) or not isinstance(hang_after, (int, float))
-                                       or hang_after <= 0):
+                                       or not hang_after > 0):
             raise ValueError(f"Cluster: hang_after must be a positive number of seconds or None, got {hang_after!r}")
+        if not isinstance(check_collectives, bool):  # "no" or "0" would silently mean True
+            raise ValueError(f"Cluster: check_collectives must be True or False, got {check_collectives!r}")
         if gpus is None:
             remote = "engines" in ipp_options and devices not in (None, "auto", "cpu")
             gpus = None if remote else gpu_count()

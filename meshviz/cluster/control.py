@@ -261,7 +261,7 @@ class Control:
         return [f for f in self.failures[since:] if f.get("time", 0) >= t0 - 1]
 
     def rank_error(self, outcomes: list[RankOutcome], since: int, t0: float,
-                   rollcall: RollCall | None = None) -> RankError:
+                   rollcall: RollCall | None = None, interrupted: bool = False) -> RankError:
         """The RankError for an execution that started at ``t0`` (``since``: failure reports before it), from
         :func:`meshviz.ranks.outcomes.rank_error` with what the control knows.
 
@@ -269,7 +269,9 @@ class Control:
         once); else the first rank that reported a failure during the execution, unless it failed inside a
         collective and ``rollcall`` (the roll-call of the hang, merged with the failing ranks' collectives) names
         the members that never entered it: then those; else the first rank that raised (or did not finish),
-        unless the roll-call names culprits (with no report, where it failed is unknown).
+        unless the roll-call names culprits (with no report, where it failed is unknown). ``interrupted``: the
+        execution was interrupted (Ctrl-C, ``interrupt()``); when that is what the ranks failed with, every rank it
+        stopped is named, none as stopped because of another.
         """
         dead = [o.rank for o in outcomes if o.status == "died"]
         reports = self.reports(since, t0)
@@ -285,9 +287,15 @@ class Control:
             errs = [o for o in outcomes if o.status == "error"] or [o for o in outcomes if o.status != "ok"]
             seen = [errs[0].rank] if errs else []
             inside = set(seen)
-        note = ""
+        hit = [o.rank for o in outcomes if o.status == "error" and (o.error or "").startswith("KeyboardInterrupt")]
+        if interrupted and hit and not dead and (not reports or str(reports[0].get("error")).startswith(
+                "KeyboardInterrupt")):
+            inside = {f["rank"] for f in reports if f.get("collective")}
+            seen = [tuple(sorted(hit, key=lambda r: (r not in inside, r)))]
+        note = "The cell was interrupted." if interrupted else ""
         if self.needs_reset:
-            note = "The ranks' process group was torn down to stop them; it is re-created before the next cell."
+            note = (note + " " if note else "") + (
+                "The ranks' process group was torn down to stop them; it is re-created before the next cell.")
         if dead or self.stuck:
             note = "Call cluster.restart() for a working cluster." + "".join(
                 f" Rank {r} is {why}." for r, why in sorted(self.stuck.items()))

@@ -55,8 +55,16 @@ def _in_users_code(frame) -> bool:
     return False
 
 
+def _text(value: BaseException) -> str:
+    """``str(value)``, or what Python's tracebacks show for an exception whose ``__str__`` raises."""
+    try:
+        return str(value)
+    except Exception:
+        return "<exception str() failed>"
+
+
 def _summary(value: BaseException) -> str:
-    text = f"{type(value).__name__}: {value}"
+    text = f"{type(value).__name__}: {_text(value)}"
     return text if len(text) <= 500 else text[:497] + "..."
 
 
@@ -187,7 +195,10 @@ class _EngineState:
     def _on_exception(self, shell, etype, value, tb, tb_offset=None):
         # IPython unregisters a handler that raises, and the cluster's interrupt (SIGINT) may land in this one:
         # it must never raise, or this rank's later failures would go unreported and its peers wait forever
-        aborts = self.abort_pending or broke_process_group(value)
+        try:
+            aborts = self.abort_pending or broke_process_group(value)
+        except BaseException:
+            aborts = self.abort_pending
         reported = aborted = False
         for _ in range(3):  # a SIGINT landing here interrupts a step: it is taken again
             try:

@@ -17,7 +17,10 @@ def broke_process_group(value: BaseException) -> bool:
             return True
     except Exception:
         return False
-    text = str(value)
+    try:
+        text = str(value)
+    except Exception:  # a user's exception whose __str__ raises
+        return False
     return any(k in text for k in ("gloo/transport", "Connection closed by peer", "Connection reset", "NCCL"))
 
 

@@ -15,6 +15,10 @@ if TYPE_CHECKING:
 
 __all__ = ["ThreadView", "RankResult"]
 
+# how a rank stopped because of another's failure begins (meshviz.backends.threads)
+_STOPPED = ("RankStopped: rank ", "RankStopped: the process group was torn down",
+            "RankStopped: the ranks' collectives stopped")
+
 
 # -- each rank's output ----------------------------------------------------------------------------------------
 
@@ -140,9 +144,14 @@ class RankResult:
         return self._job.outcomes()
 
     def error(self) -> RankError | None:
-        """The RankError naming the first rank (in rank order) that did not end well; None while running or when
-        every rank did (the cluster's own error, ``Control.rank_error``, names the cause from the ranks' reports)."""
-        return error_of(self._job.outcomes()) if self._job.done() else None
+        """The RankError naming the first rank (in rank order) that failed on its own, not stopped because a peer
+        failed; None while running or when every rank ended well (the cluster's own error, ``Control.rank_error``,
+        names the cause from the ranks' reports)."""
+        if not self._job.done():
+            return None
+        outcomes = self._job.outcomes()
+        own = [o.rank for o in outcomes if o.status != "ok" and not (o.error or "").startswith(_STOPPED)]
+        return error_of(outcomes, own[:1])
 
     @property
     def result(self) -> "RankResult":

@@ -66,6 +66,21 @@ def _interactive(func, ns: dict):
     return func
 
 
+_running: dict[int, bool] = {}  # the running thread clusters (by id) and their check_collectives
+_kernel: dict[str, bool] = {}  # the process's check setting before the first of them started
+
+
+class UnprintableError(Exception):
+    """Raised in place of a rank's exception whose ``__str__`` raises (chained to it, so its traceback shows)."""
+
+
+def _text(e: BaseException) -> str | None:
+    try:
+        return str(e)
+    except Exception:
+        return None
+
+
 # -- the backend -----------------------------------------------------------------------------------------------
 
 class Threads:
@@ -123,6 +138,7 @@ class Threads:
         self._stop_dispatch = False
         self._dispatcher = threading.Thread(target=self._dispatch, name="meshviz-thread-events", daemon=True)
         self._dispatcher.start()
+        self.world.on_deadlock = self._timed_out
         self.world.start()
         self.ranks = list(range(cfg.n))
         self.namespaces = [{"__name__": "__main__", "__builtins__": builtins} for _ in self.ranks]
@@ -137,7 +153,11 @@ class Threads:
         self.set_tracing(True)
         from ..runtime import match
 
-        self._checking_was = match.set_checking(cfg.check_collectives)  # process-wide: every rank thread, or none
+        _running[id(self)] = cfg.check_collectives
+        was = match.set_checking(any(_running.values()))  # process-wide: every rank thread, or none
+        if len(_running) == 1:
+            _kernel["checking"] = was
+        self._checking_was = was
         return self
 
     def stop(self) -> None:
@@ -165,7 +185,9 @@ class Threads:
         if self._checking_was is not None:
             from ..runtime import match
 
-            match.set_checking(self._checking_was)  # the kernel's own setting again
+            _running.pop(id(self), None)
+            # another thread cluster still running keeps its check; the last one puts the kernel's setting back
+            match.set_checking(any(_running.values()) if _running else _kernel.get("checking", self._checking_was))
             self._checking_was = None
         self.view = None
         unroute_streams()
@@ -257,6 +279,8 @@ class Threads:
                 return fn(r)
             except BaseException as e:
                 self._report(r, e)
+                if _text(e) is None:  # every runner describes a failure by its str(): this one's raises
+                    raise UnprintableError(f"{type(e).__name__}: <exception str() failed>") from e
                 raise
             finally:
                 trace.flush()  # the cell's deferred events (a traced reshard's) go out with it
@@ -277,6 +301,28 @@ class Threads:
             return
         rec = self._records[rank]  # guarded() set it before the rank ran
         self.control.on_control(failure_report(rank, e, rec.cell, rec, own_wait))
+
+    def _timed_out(self) -> None:
+        """The baton's hook, called (holding its lock) on the thread of a rank whose wait found a deadlock or timed
+        out. A timed-out rank raises only when it next gets the turn: while another rank keeps it (a loop that
+        never waits) that would be never, so it reports now, as a rank process whose collective timed out does,
+        and the cluster stops the others."""
+        world = self.world
+        me = next((r for r, rec in self._records.items() if rec.thread == threading.get_ident()), None)
+        if world is None or me is None or world.holder is None or world.holder == me:
+            return None  # a deadlock (nobody holds the turn), or the rank runs on at once and reports itself
+        from ..ranks.threads import RankStopped
+        from .engine import failure_report
+
+        rec = self._records[me]
+        if rec.op is not None:
+            what = f"{rec.op}{'' if rec.seq is None else f' #{rec.seq}'} on group {list(rec.group or ())}"
+        else:  # a collective that does not pass meshviz's comm layer: as the process group words it
+            what = getattr(world, "_blocked", {}).get(me) or "a collective"
+        err = RankStopped(f"rank {me} timed out after {self.config.timeout:g} s in {what}", own=True)
+        rec.fail(err)
+        self.control.on_control(failure_report(me, err, rec.cell, rec, True))
+        return None
 
     def _on_message(self, msg: dict) -> None:
         """The cluster's messages to the ranks: an abort stops every waiting rank now; a status request is
