@@ -6,7 +6,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["RankError", "RankOutcome", "strip_ansi"]
+__all__ = ["RankError", "RankOutcome", "strip_ansi", "summary"]
 
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")
 
@@ -14,6 +14,16 @@ _ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")
 def strip_ansi(text: str) -> str:
     """``text`` without terminal colour codes (ipyparallel's remote tracebacks carry them)."""
     return _ANSI.sub("", text)
+
+
+def summary(e: BaseException, limit: int = 500) -> str:
+    """``Type: text`` of an exception, cut to ``limit`` characters; where its ``__str__`` raises, what Python's
+    tracebacks show for it."""
+    try:
+        text = f"{type(e).__name__}: {e}"
+    except Exception:
+        text = f"{type(e).__name__}: <exception str() failed>"
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 @dataclass(frozen=True, eq=False)

@@ -10,6 +10,7 @@ import threading
 import time
 import traceback
 
+from ..errors import summary as _summary
 from .messages import TO_RANKS, Abort, Failure, PeerFailed, StatusReply, StatusRequest, Stuck, decode
 from .peers import broke_process_group, close_peer_sockets
 
@@ -53,19 +54,6 @@ def _in_users_code(frame) -> bool:
             return True
         frame = parent
     return False
-
-
-def _text(value: BaseException) -> str:
-    """``str(value)``, or what Python's tracebacks show for an exception whose ``__str__`` raises."""
-    try:
-        return str(value)
-    except Exception:
-        return "<exception str() failed>"
-
-
-def _summary(value: BaseException) -> str:
-    text = f"{type(value).__name__}: {_text(value)}"
-    return text if len(text) <= 500 else text[:497] + "..."
 
 
 def failure_report(rank: int, value: BaseException, cell: int, rec=None, aborted: bool = False) -> dict:

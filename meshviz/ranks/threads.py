@@ -14,6 +14,7 @@ import torch.distributed as tdist
 from ..backends import threads as thread_backend
 from ..backends.threads import BACKEND, RankStopped, observers
 from ..errors import RankError, RankOutcome
+from ..errors import summary as _summary
 from ..rank_context import RankContext, bound
 from . import patches
 from .baton import Baton, here, set_here
@@ -282,11 +283,6 @@ def _format_exception(e: BaseException) -> str:
     while tb is not None and tb.tb_next is not None and tb.tb_frame.f_code.co_filename in _INTERNAL:
         tb = tb.tb_next
     return "".join(traceback.format_exception(type(e), e, tb))
-
-
-def _summary(e: BaseException) -> str:
-    text = f"{type(e).__name__}: {e}"
-    return text if len(text) <= 500 else text[:497] + "..."
 
 
 def run(fn: Callable, nprocs: int, *args, timeout: float = 120.0, collective_timeout: float = 30.0,

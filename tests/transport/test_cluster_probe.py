@@ -158,3 +158,29 @@ def test_stopping_one_of_two_thread_clusters_keeps_the_others_collective_check()
 def test_settings_that_would_mean_something_else_raise_before_starting(kwargs, match):
     with pytest.raises(ValueError, match=match):
         meshviz.Cluster(n=2, ranks="threads", **kwargs)
+
+
+class _Unprintable(Exception):
+    def __str__(self):
+        raise ValueError("no text")
+
+
+def _raise_unprintable_on_rank_1():
+    import meshviz.distributed as dist
+
+    dist.init_parallel_env()
+    if dist.get_rank() == 1:
+        raise _Unprintable()
+    dist.barrier()
+
+
+@pytest.mark.timeout(60)
+def test_run_ranks_on_threads_names_the_rank_whose_exception_has_no_text():
+    """``run_ranks`` on thread ranks described a failure by its ``str()``, which raised: the error blamed another
+    rank with an unrelated message."""
+    from meshviz.testing import run_ranks
+
+    with pytest.raises(RankError) as info:
+        run_ranks(_raise_unprintable_on_rank_1, 2, ranks="threads", timeout=30)
+    assert info.value.ranks == [1], info.value.headline()
+    assert "_Unprintable: <exception str() failed>" in info.value.headline()
