@@ -223,8 +223,10 @@ class ThreadGroup(_InProcessGroup):
                 return _Work(result)
             c.sched.block(self.me, f"{what} (waiting for rank{'s' if len(m.ranks) - m.arrived > 1 else ''} "
                               f"{', '.join(str(r) for r, h in zip(m.ranks, m.here) if not h)})")
+            if isinstance(m.error, RankStopped):  # one object per rank: its traceback is this rank's alone
+                raise RankStopped(str(m.error), m.error.own)
             if m.error is not None:
-                raise m.error if isinstance(m.error, RankStopped) else RuntimeError(f"{what} failed: {m.error}")
+                raise RuntimeError(f"{what} failed: {m.error}")
         _show(op, result)
         return _Work(result)
 
