@@ -355,6 +355,16 @@ class DistTensor(torch.Tensor):
             "for the global value (a collective: every rank must call it) or t._local_value().numpy()"
         )
 
+    def tolist(self):
+        """The value of a Replicate tensor on a rank of its mesh (its block, as ``item()``); else raises."""
+        if self._tpl is None and all(isinstance(p, Replicate) for p in self._mpl) \
+                and self._pmesh.contains(groups.rank()):
+            return self._local.tolist()
+        raise RuntimeError(
+            f"tolist() of a {self.placements} dist tensor would give this rank's block or summand, not the value; "
+            "use dist.unshard_dtensor(t).tolist() on every rank (a collective) or t._local_value().tolist()"
+        )
+
     def __repr__(self, *, tensor_contents=None) -> str:  # never communicates
         local = self._local
         rank = groups.rank()

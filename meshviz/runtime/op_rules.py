@@ -13,7 +13,7 @@ from ..core.layout import local_block
 from ..core.mesh import ProcessMesh
 from ..core.partial import summed
 from ..core.placements import Partial, Placement, Replicate, Shard
-from .autograd import local_block_of
+from .autograd import local_block_of, run_reshard
 from .dtensor import make_dist
 
 __all__ = ["TensorSpec", "Strategy", "Rule", "RULES", "CANONICAL_ARGS", "register", "canonical", "rule_of",
@@ -238,6 +238,27 @@ def _stack_dim(args, kwargs):
     return (tensors, dim % (tensors[0].dim() + 1), *args[2:]), {k: v for k, v in kwargs.items() if k != "dim"}
 
 
+@canonical(aten.index.Tensor, aten.index_put.default, aten.index_put_.default, aten._index_put_impl_.default)
+def _mask_indices(args, kwargs):
+    """A boolean mask among the indices (``x[mask]``, ``x[mask] = v``) spelled as the long indices of its nonzero
+    elements, as torch's own kernel reads it: torch DTensor's rule takes a k-dim mask for an index of one dim and
+    leaves the other k-1 dims sharded, which the mask's shape then does not fit."""
+    indices = args[1] if len(args) > 1 else kwargs.get("indices")
+    if not isinstance(indices, (list, tuple)) or not any(
+            isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) and type(i) is torch.Tensor
+            for i in indices):
+        return args, kwargs
+    out: list = []
+    for i in indices:
+        if isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) and type(i) is torch.Tensor:
+            out.extend(i.nonzero().unbind(1) if i.dim() else [i])
+        else:
+            out.append(i)
+    if len(args) > 1:
+        return (args[0], out, *args[2:]), kwargs
+    return args, {**kwargs, "indices": out}
+
+
 # -- local: every rank runs the op on its own blocks
 
 @register("local", aten.gather.default)
@@ -331,6 +352,17 @@ def _extremum_rule(args, kwargs):
     return Strategy(([Replicate() if isinstance(p, Shard) and p.dim in dims else p for p in x.placements],))
 
 
+@register("paddle", aten.embedding.default)
+def _embedding_rule(args, kwargs):
+    """embedding with a vocab-split weight some rank holds no rows of (5 rows on 4 ranks: 2, 2, 1, 0): the weight's
+    vocab dim made whole first. torch's masked lookup indexes that rank's empty block, and it raises alone."""
+    weight, indices = args[0], args[1]
+    if not isinstance(weight, TensorSpec) or weight.dim() != 2 or not _empty_somewhere(weight, [0]):
+        return None
+    want = [Replicate() if isinstance(p, Shard) and p.dim == 0 else p for p in weight.placements]
+    return Strategy((want, None) if isinstance(indices, TensorSpec) else (want,))
+
+
 @register("local", aten.argmax.default, aten.argmin.default)
 def _arg_reduce_local(args, kwargs):
     """argmax / argmin, Paddle's reduction rule: the reduced dim whole (a Partial input summed first: the index of
@@ -384,7 +416,9 @@ def _dropout(func, args, kwargs):
     return make_dist(out, x._pmesh, pl, tuple(x.shape)), make_dist(blk.bool(), x._pmesh, pl, tuple(x.shape))
 
 
-@register("random", aten.normal_.default, aten.uniform_.default, aten.bernoulli_.float)
+@register("random", aten.normal_.default, aten.uniform_.default, aten.bernoulli_.float, aten.exponential_.default,
+          aten.random_.default, getattr(aten.random_, "from"), aten.random_.to, aten.cauchy_.default,
+          aten.log_normal_.default, aten.geometric_.default)
 def _fill(func, args, kwargs):
     """An in-place random fill (normal_, uniform_, bernoulli_): the whole tensor drawn on every rank as the dense
     op draws it, each rank keeping its block; a Partial axis becomes Replicate (the fill replaces the value)."""
@@ -393,6 +427,25 @@ def _fill(func, args, kwargs):
     local = t._local
     full = func(torch.empty(tuple(t.shape), dtype=t.dtype, device=local.device), *args[1:], **kwargs)
     return args[0]._hold(make_dist(local_block_of(full, t._pmesh, pl), t._pmesh, pl, tuple(t.shape)))
+
+
+@register("random", aten.rand_like.default, aten.randn_like.default, aten.randint_like.default,
+          aten.randint_like.low_dtype, aten.bernoulli.default, aten.bernoulli.p)
+def _draw_like(func, args, kwargs):
+    """rand_like / randn_like / randint_like / bernoulli: the whole tensor drawn on every rank as the dense op draws
+    it, each rank keeping its block, laid out as the input (a Partial axis Replicate). bernoulli reads its
+    probabilities whole (an all-gather) where they are split. (torch draws each block on its own: the blocks are not
+    the dense run's, and replicas disagree.)"""
+    t = args[0]._resolved()
+    pl = summed(t.placements)
+    if func in (aten.bernoulli.default, aten.bernoulli.p):
+        whole = run_reshard(t, t._pmesh, [Replicate()] * t._pmesh.ndim)._local if t._pmesh.ndim else t._local
+        if whole.numel() != t.numel():  # a rank outside the mesh: draw as the others do
+            whole = torch.full(tuple(t.shape), 0.5, dtype=t.dtype, device=t._local.device)
+        full = func(whole, *args[1:], **kwargs)
+    else:
+        full = func(torch.empty(tuple(t.shape), dtype=t.dtype, device=t._local.device), *args[1:], **kwargs)
+    return make_dist(local_block_of(full, t._pmesh, pl), t._pmesh, pl, tuple(t.shape))
 
 
 # -- default: ops meshviz runs by Paddle's default rule on purpose (ops torch has no rule for join them as met)

@@ -1,4 +1,4 @@
-"""Arguments an op writes besides its first (batch norm's running statistics), kept in the caller's layout."""
+"""What an op writes besides its own block: other arguments (batch norm's statistics), its ``out=`` tensors."""
 
 from __future__ import annotations
 
@@ -6,7 +6,9 @@ import contextvars
 
 import torch
 
-__all__ = ["written_args", "writing", "moved", "write_back"]
+from .dtensor import DistTensor
+
+__all__ = ["written_args", "writing", "moved", "write_back", "out_variant", "into_out"]
 
 _WRITTEN: dict = {}
 # per thread (ranks as threads included): id of the caller's tensor, or of a copy laid out anew for the op ->
@@ -63,3 +65,59 @@ def write_back(watched: dict, token: contextvars.Token, redistribute) -> None:
         back = redistribute(copy, orig._mpl, f"{orig.name or 'argument'} written back")
         with torch.no_grad():
             orig._local.copy_(back._local)
+
+
+# -- out= arguments: the op run as its functional overload, the result held by the caller's tensors -------------------
+
+_OUTS: dict = {}  # op -> (names of its out arguments, its functional overload) or None
+
+
+def out_variant(func):
+    """``(out names, functional overload)`` for an op with ``out=`` arguments (``aten.add.out`` -> ``add.Tensor``:
+    the same other arguments, nothing written), cached; None for any other op."""
+    hit = _OUTS.get(func, False)
+    if hit is not False:
+        return hit
+    schema = getattr(func, "_schema", None)
+    outs = tuple(a.name for a in schema.arguments if a.is_out) if schema is not None else ()
+    hit = None
+    if outs:
+        want = [(a.name, str(a.type)) for a in schema.arguments if not a.is_out]
+        packet = func._overloadpacket
+        for name in packet.overloads():
+            op = getattr(packet, name)
+            s = op._schema
+            if [(a.name, str(a.type)) for a in s.arguments] == want and not any(
+                    a.alias_info is not None for a in s.arguments):
+                hit = (outs, op)
+                break
+    _OUTS[func] = hit
+    return hit
+
+
+def into_out(func, args, kwargs, run, probe):
+    """Run an ``out=`` op whose outputs are all dist tensors as its functional overload (``run``: the op layer),
+    then each out tensor holds its result (its layout too, as DTensor's out= gives). NotImplemented where an out
+    is not a dist tensor. A shape other than the result's raises on every rank before anything runs."""
+    names, functional = out_variant(func)
+    outs = [kwargs.get(n) for n in names]
+    if not all(_is_dist(o) for o in outs):
+        return NotImplemented
+    rest = {k: v for k, v in kwargs.items() if k not in names}
+    shapes = probe(functional, args, rest)
+    shapes = [shapes] if isinstance(shapes, torch.Tensor) else list(shapes)
+    for n, o, s in zip(names, outs, shapes):
+        if tuple(o.shape) != tuple(s.shape):
+            raise ValueError(f"{func}: out= tensor {n!r} has shape {list(o.shape)}, the result {list(s.shape)}; a "
+                             f"dist tensor cannot be resized in place: pass one of the result's shape")
+    res = run(functional, args, rest)
+    results = [res] if len(names) == 1 else list(res)
+    for o, r in zip(outs, results):
+        if r.dtype != o.dtype:
+            r = run(torch.ops.aten._to_copy.default, (r,), {"dtype": o.dtype})
+        o._hold(r)
+    return outs[0] if len(names) == 1 else tuple(outs)
+
+
+def _is_dist(x) -> bool:
+    return type(x) is DistTensor

@@ -41,7 +41,7 @@ from .op_plan import (
     writes_self,
 )
 from .op_rules import CANONICAL_ARGS, RULES
-from .op_writes import moved, write_back, writing, written_args
+from .op_writes import into_out, moved, out_variant, write_back, writing, written_args
 from .torch_rule import as_replicate, ask_torch
 
 __all__ = ["dispatch", "decisions", "redistribute", "grad_like"]
@@ -51,6 +51,10 @@ _DECISIONS = decisions()
 
 def dispatch(func, args, kwargs):
     """Run ``func`` on ``args`` holding dist tensors; the single place meshviz decides an op's placements."""
+    if kwargs and out_variant(func) is not None:
+        out = into_out(func, args, kwargs, dispatch, probe)
+        if out is not NotImplemented:
+            return out
     if written_args(func):  # batch norm's running statistics: written in place wherever the op layer moved them
         watched, token = writing(func, args, kwargs, lambda x: isinstance(x, DistTensor))
         try:

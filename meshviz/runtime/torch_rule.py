@@ -51,11 +51,13 @@ def ask_torch(d: Decision, func, args, kwargs, dists) -> None:
             current.append(None)
     if len(got.wanted) != len(tensors):
         return
+    moves_self = d.inplace and got.wanted[0] is not None and current[0] is not None \
+        and tuple(got.wanted[0]) != tuple(current[0])
     moves: list = []  # per dist input: the placements torch's rule lays it out in first, None where it stays
     for t, want, now in zip(tensors, got.wanted, current):
         if want is None or now is None:
             if want is not None and isinstance(t, torch.Tensor) and any(not p.is_replicate() for p in want):
-                return  # a dense input torch would lay out otherwise
+                return _dtensor_runs(d, moves_self)  # a dense input torch would lay out otherwise
             if now is not None:
                 moves.append(None)
             continue
@@ -66,8 +68,9 @@ def ask_torch(d: Decision, func, args, kwargs, dists) -> None:
                 d.summed_first = True
                 return
             target = _plain_target(want, now, t)
-            if target is None or (d.inplace and t is tensors[0]):
-                return  # DTensor moves data: it runs the op (its collectives observed)
+            if target is None:
+                return _dtensor_runs(d, moves_self)  # DTensor moves data: it runs the op (its collectives observed)
+            # an in-place op's self too: DTensor would write into a re-laid-out copy of it and drop the write
             moves.append(target)
         else:
             moves.append(None)
@@ -78,7 +81,7 @@ def ask_torch(d: Decision, func, args, kwargs, dists) -> None:
             continue
         tpl, shape, stride, dtype, layout = o
         if any(compat.is_mask_partial(p) for p in tpl):
-            return  # torch's embedding mask: DTensor keeps it until meshviz applies it
+            return _dtensor_runs(d, moves_self)  # torch's embedding mask: DTensor keeps it until meshviz applies it
         own = None if all(type(p) in PLAIN_PLACEMENTS for p in tpl) else layout  # _StridedShard: only torch names it
         outputs.append((tuple(from_torch_placements(tpl)), shape, stride, dtype, own))
     d.how, d.op, d.local_args, d.outputs, d.single = "local", got.op, got.local_args, outputs, got.single
@@ -89,6 +92,13 @@ def ask_torch(d: Decision, func, args, kwargs, dists) -> None:
         d.torch_moves = tuple(moves)
         before = d.moves or (None,) * len(moves)
         d.moves = tuple(m if m is not None else b for m, b in zip(moves, before))
+
+
+def _dtensor_runs(d: Decision, moves_self: bool) -> None:
+    """DTensor runs the op, but for an in-place op whose self its rule lays out anew: DTensor would write into that
+    copy and drop the write (self keeps its old block under the new placements), so Paddle's default rule runs it."""
+    if moves_self:
+        d.how, d.note, d.moves = "default", ("default", "torch DTensor's rule lays out self anew in place"), None
 
 
 def _plain_target(want, now, t):
