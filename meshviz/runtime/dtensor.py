@@ -228,6 +228,7 @@ class DistTensor(torch.Tensor):
     _mv_name: str | None = None
     _mv_grad_hook = None  # the op layer's hook giving the gradient Paddle's placements
     _mv_key: int | None = None  # the layout's number in the op layer's decision cache, made on first use
+    _mv_view = None  # ``op_writes.ViewOf``: how it is a view of another dist tensor (an in-place op writes that too)
     __torch_function__ = compat.disabled_torch_function_impl
 
     @staticmethod

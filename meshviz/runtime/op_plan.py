@@ -296,7 +296,7 @@ class Decision:
 
     __slots__ = ("how", "moves", "op", "call", "local_args", "outputs", "out_keys", "single", "note", "inplace",
                  "whole", "nested", "hooks", "why", "fallback", "torch_rule", "summed_first", "member",
-                 "torch_moves")
+                 "torch_moves", "view")
 
     def __init__(self, how, moves=None, note=None, inplace=False, hooks=True, why=""):
         self.how, self.moves, self.note, self.inplace, self.hooks, self.why = how, moves, note, inplace, hooks, why
@@ -306,6 +306,7 @@ class Decision:
         self.whole = self.nested = False
         self.torch_rule = self.summed_first = False
         self.member = True  # this rank is in the inputs' mesh (the call key holds its coordinate)
+        self.view = False  # a view op: its outputs are marked as views of its input (``op_writes.ViewOf``)
 
     def __repr__(self) -> str:
         return f"Decision({self.how}, moves={self.moves}, outputs={self.outputs})"

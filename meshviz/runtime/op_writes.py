@@ -1,14 +1,17 @@
-"""What an op writes besides its own block: other arguments (batch norm's statistics), its ``out=`` tensors."""
+"""What an op writes besides its own block: other arguments (batch norm's statistics), the base of a written view."""
 
 from __future__ import annotations
 
 import contextvars
+import weakref
 
 import torch
 
+from ..core.placements import Replicate
 from .dtensor import DistTensor
 
-__all__ = ["written_args", "writing", "moved", "write_back", "out_variant", "into_out"]
+__all__ = ["written_args", "writing", "moved", "write_back", "ViewOf", "view_made", "write_through", "out_variant",
+           "into_out"]
 
 _WRITTEN: dict = {}
 # per thread (ranks as threads included): id of the caller's tensor, or of a copy laid out anew for the op ->
@@ -65,6 +68,88 @@ def write_back(watched: dict, token: contextvars.Token, redistribute) -> None:
         back = redistribute(copy, orig._mpl, f"{orig.name or 'argument'} written back")
         with torch.no_grad():
             orig._local.copy_(back._local)
+
+
+# -- views: an in-place op on a view writes its base ----------------------------------------------------------------
+
+class ViewOf:
+    """How a dist tensor is a view of ``base``: ``func(base, *args, **kwargs)`` (its ``index``-th output).
+    ``detached``: its block is not a view of the base's block (the op layer moved the base first, or DTensor ran the
+    view), so a write into it reaches the base only through :func:`write_through`."""
+
+    __slots__ = ("_base", "func", "args", "kwargs", "index", "detached")
+
+    def __init__(self, base, func, args, kwargs, index, detached: bool):
+        # weakly: a view must not keep its base's block alive (activations saved for backward are views); a base
+        # no one holds any more needs no write
+        self._base, self.func, self.args, self.kwargs = weakref.ref(base), func, args, kwargs
+        self.index, self.detached = index, detached
+
+    @property
+    def base(self):
+        return self._base()
+
+
+def view_made(d, args, kwargs, func, out) -> None:
+    """Mark each dist output of the view op ``func`` as a view of its dist input ``args[0]`` (an in-place op on one
+    then writes the input too); detached where the op (its decision ``d``, None: unknown) did not run on the input's
+    own block."""
+    if d is not None:
+        d.view = True
+    base = args[0]
+    if not _is_dist(base):
+        return
+    detached = d is None or d.how != "local" or (d.moves is not None and d.moves[0] is not None)
+    if _is_dist(out):
+        if out is not base:  # DTensor may hand the input itself back (a view to its own shape)
+            out._mv_view = ViewOf(base, func, args[1:], kwargs, None, detached)
+    elif isinstance(out, (list, tuple)):
+        for i, o in enumerate(out):
+            if _is_dist(o) and o is not base:
+                o._mv_view = ViewOf(base, func, args[1:], kwargs, i, detached)
+
+
+def write_through(view, before, redistribute, member: bool) -> None:
+    """An in-place op wrote ``view`` (its block and placements were ``before``): where that write did not land in
+    the base's block (a detached view, or a view the op laid out anew), the base's region is set to the view's
+    value, in the base's own placements, and so on up a chain of views. Every rank of the mesh calls it
+    (collectives). A view of the base's own block whose op handed it a new block of the same layout (a random fill
+    draws the whole tensor and keeps its block) has that block copied into the old one: no collective."""
+    block, placements = before
+    first, changed = view._mv_view, view._local is not block
+    if changed and first is not None and not first.detached and view._mpl == placements \
+            and view._local.shape == block.shape and view._local.dtype == block.dtype:
+        with torch.no_grad():
+            block.copy_(view._local)
+        changed = False
+    else:
+        first = None
+    rec = view._mv_view
+    seen = {id(view)}
+    while rec is not None and (base := rec.base) is not None and id(base) not in seen:
+        seen.add(id(base))
+        if not (rec.detached or changed):  # the write landed in the base's block: on up the chain
+            view, rec, changed = base, base._mv_view, False
+            continue
+        before = base._local
+        with torch.no_grad():
+            rep = (Replicate(),) * base._pmesh.ndim
+            whole = redistribute(base, rep, "view's base")
+            value = redistribute(view, rep, "written view")
+            if member:
+                region = rec.func(whole._local, *rec.args, **rec.kwargs)
+                if rec.index is not None:
+                    region = region[rec.index]
+                region.copy_(value._local)
+            if whole is not base:
+                back = redistribute(whole, base._mpl, "view's base")
+                if back._local.shape == base._local.shape and back._local.dtype == base._local.dtype:
+                    base._local.copy_(back._local)
+                else:
+                    base._hold(back)
+        view, rec, changed = base, base._mv_view, base._local is not before
+    if first is not None:  # the view's new block is its own now: a later write into it goes the long way
+        first.detached = True
 
 
 # -- out= arguments: the op run as its functional overload, the result held by the caller's tensors -------------------

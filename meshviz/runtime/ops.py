@@ -41,7 +41,7 @@ from .op_plan import (
     writes_self,
 )
 from .op_rules import CANONICAL_ARGS, RULES
-from .op_writes import into_out, moved, out_variant, write_back, writing, written_args
+from .op_writes import into_out, moved, out_variant, view_made, write_back, write_through, writing, written_args
 from .torch_rule import as_replicate, ask_torch
 
 __all__ = ["dispatch", "decisions", "redistribute", "grad_like"]
@@ -55,14 +55,20 @@ def dispatch(func, args, kwargs):
         out = into_out(func, args, kwargs, dispatch, probe)
         if out is not NotImplemented:
             return out
+    self = args[0] if args else None
+    view = type(self) is DistTensor and self._mv_view is not None and writes_self(func)
+    before = (self._local, self._mpl) if view else None
     if written_args(func):  # batch norm's running statistics: written in place wherever the op layer moved them
         watched, token = writing(func, args, kwargs, lambda x: isinstance(x, DistTensor))
         try:
             out = _dispatch(func, args, kwargs)
         finally:
             write_back(watched, token, redistribute)
-        return out
-    return _dispatch(func, args, kwargs)
+    else:
+        out = _dispatch(func, args, kwargs)
+    if view:  # a view of another dist tensor: the write reaches it
+        write_through(self, before, redistribute, self._pmesh.contains(groups.rank()))
+    return out
 
 
 def _dispatch(func, args, kwargs):
@@ -76,12 +82,16 @@ def _dispatch(func, args, kwargs):
     except TypeError:  # an argument value that cannot be hashed: decided every call
         key, d = None, None
     if d is None:
-        return _decide_and_run(key, func, args, kwargs, dists)
+        out = _decide_and_run(key, func, args, kwargs, dists)
+        if _is_view(func) or func in METADATA_OPS:
+            view_made(_DECISIONS.get(key) if key is not None else None, args, kwargs, func, out)
+        return out
     if d.hooks and torch.is_grad_enabled():
         _grad_hooks(dists)
-    if d.how == "local":
-        return _run_local(d, func, args, kwargs, dists)
-    return _run(d, func, args, kwargs, dists)
+    out = _run_local(d, func, args, kwargs, dists) if d.how == "local" else _run(d, func, args, kwargs, dists)
+    if d.view:
+        view_made(d, args, kwargs, func, out)
+    return out
 
 
 def _grad_hooks(dists) -> None:

@@ -1,4 +1,4 @@
-"""In-place, indexing, out=, random and embedding ops on dist tensors, against the same ops on the dense tensor."""
+"""In-place ops on dist tensors and on their views, against the same ops on the dense tensor in one process."""
 
 import pytest
 import torch
@@ -40,6 +40,81 @@ def _check(dist, mesh, t, want, placements) -> None:
         block = local_block(tuple(want.shape), mesh, placements, mesh.coordinate(dist.get_rank()))
         torch.testing.assert_close(t._local_value().detach(), want[tuple(slice(a, b) for a, b in block)])
     torch.testing.assert_close(dist.unshard_dtensor(t).detach(), want)
+
+
+_WRITES = {
+    "row": lambda t: t.__setitem__(1, 9.0),
+    "column": lambda t: t.__setitem__((slice(None), 2), 9.0),
+    "element": lambda t: t.__setitem__((3, 1), 9.0),
+    "rows from a tensor": lambda t: t.__setitem__(slice(0, 2), torch.arange(8.0).reshape(2, 4)),
+    "slice add_": lambda t: t[1:3].add_(1),
+    "column mul_": lambda t: t[:, 1].mul_(3),
+    "slice clamp_": lambda t: t[1:4].clamp_(max=0.1),
+    "flat view relu_": lambda t: t.view(20)[3:9].relu_(),
+    "transposed add_": lambda t: t.t().add_(torch.arange(5.0)),
+    "unsqueezed add_": lambda t: t.unsqueeze(0).add_(1),
+    "row copy_": lambda t: t[4].copy_(torch.arange(4.0)),
+}
+
+
+def writes_into_views(mesh_shape, code):
+    dist, mesh = _setup(mesh_shape)
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(0))
+    for name, write in _WRITES.items():
+        t = _place(dist, mesh, x, code)
+        placements = t.placements
+        want = x.clone()
+        write(t)
+        write(want)
+        try:
+            _check(dist, mesh, t, want, placements)
+        except AssertionError as e:
+            raise AssertionError(f"{name} on {code}: {e}") from None
+    return True
+
+
+@pytest.mark.parametrize("mesh_shape,code", [
+    ([2], "S(0)"), ([2], "S(1)"), ([2], "P"), ([4], "S(0)"), ([2, 2], "S(0),S(1)"), ([2, 2], "S(0),S(0)"),
+    ([2, 2], "R,S(0)"), ([2, 2], "P"),
+])
+def test_an_in_place_op_on_a_view_writes_the_dist_tensor_as_on_the_dense_one(mesh_shape, code):
+    # t[1] = 9 on a row-sharded tensor wrote into a gathered copy of the row: the tensor stayed as it was (as did
+    # t[1:3].add_(1), and t[1] = 9 on a Partial tensor: its summed copy took the write)
+    n = 1
+    for s in mesh_shape:
+        n *= s
+    assert run_ranks(writes_into_views, n, mesh_shape, code) == [True] * n
+
+
+def view_writes_gradient(code):
+    dist, mesh = _setup([2])
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(5, 4, generator=g), torch.randn(5, 4, generator=g)
+    w = torch.linspace(-1, 1, 20).reshape(5, 4)
+
+    def f(a, b):
+        z = a * 1.0
+        z[1:3].mul_(3)
+        z[:, 0].add_(1)
+        z[4].copy_(b[0])
+        return z
+
+    a = _place(dist, mesh, x, code).detach().requires_grad_()
+    b = _place(dist, mesh, y, code).detach().requires_grad_()
+    out = f(a, b)
+    (out * w).sum().backward()
+    ra, rb = x.clone().requires_grad_(), y.clone().requires_grad_()
+    rout = f(ra, rb)
+    (rout * w).sum().backward()
+    torch.testing.assert_close(dist.unshard_dtensor(out).detach(), rout.detach())
+    torch.testing.assert_close(dist.unshard_dtensor(a.grad), ra.grad)
+    torch.testing.assert_close(dist.unshard_dtensor(b.grad), rb.grad)
+    return True
+
+
+@pytest.mark.parametrize("code", ["S(0)", "P"])
+def test_writes_into_views_give_the_dense_values_and_gradients(code):
+    assert run_ranks(view_writes_gradient, 2, code) == [True, True]
 
 
 def index_add_in_place(mesh_shape, code):
