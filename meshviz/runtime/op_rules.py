@@ -396,6 +396,29 @@ def _triangle_local(args, kwargs):
     return Strategy((want,), (want,))
 
 
+@register("local", aten._scaled_dot_product_flash_attention_for_cpu.default,
+          aten._scaled_dot_product_flash_attention_for_cpu_backward.default)
+def _attention_local(args, kwargs):
+    """The CPU attention kernel and its backward with every dist input laid out alike along the batch or heads dim:
+    each rank attends over its own rows and heads, a plain mask read whole where it has no such dim (torch's rule,
+    given a mask, propagates through the kernel's decomposition: minutes on a CPU)."""
+    specs = [a for a in args if isinstance(a, TensorSpec)]
+    mask = kwargs.get("attn_mask")
+    if len(specs) not in (3, 6) or isinstance(mask, TensorSpec):  # q, k, v (and the backward's grad, out, lse)
+        return None
+    pl = specs[0].placements
+    if any(s.placements != pl for s in specs) or any(
+            not isinstance(p, (Replicate, Shard)) or (isinstance(p, Shard) and p.dim > 1) for p in pl):
+        return None
+    split = {p.dim for p in pl if isinstance(p, Shard)}
+    if any(_empty_somewhere(s, sorted(split)) for s in specs):
+        return None
+    if isinstance(mask, torch.Tensor) and any(0 <= d - 4 + mask.dim() and mask.shape[d - 4 + mask.dim()] > 1
+                                              for d in split):
+        return None  # a mask per batch row or head: each rank would need its part
+    return Strategy((None,) * len(specs), (pl,) * (2 if len(specs) == 3 else 3))  # (out, lse) or (dq, dk, dv)
+
+
 # -- random: the dense op's draw on every rank, each keeping its block
 
 @register("random", aten.native_dropout.default)
