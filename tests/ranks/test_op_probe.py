@@ -1,5 +1,7 @@
 """In-place ops on dist tensors and on their views, against the same ops on the dense tensor in one process."""
 
+import math
+
 import pytest
 import torch
 
@@ -12,9 +14,7 @@ def _setup(mesh_shape):
     import meshviz.distributed as dist
 
     dist.init_parallel_env()
-    n = 1
-    for s in mesh_shape:
-        n *= s
+    n = math.prod(mesh_shape)
     ranks = torch.arange(n).reshape(mesh_shape).tolist()
     return dist, dist.ProcessMesh(ranks, dim_names=["x", "y"][:len(mesh_shape)])
 
@@ -80,9 +80,7 @@ def writes_into_views(mesh_shape, code):
 def test_an_in_place_op_on_a_view_writes_the_dist_tensor_as_on_the_dense_one(mesh_shape, code):
     # t[1] = 9 on a row-sharded tensor wrote into a gathered copy of the row: the tensor stayed as it was (as did
     # t[1:3].add_(1), and t[1] = 9 on a Partial tensor: its summed copy took the write)
-    n = 1
-    for s in mesh_shape:
-        n *= s
+    n = math.prod(mesh_shape)
     assert run_ranks(writes_into_views, n, mesh_shape, code) == [True] * n
 
 
@@ -131,9 +129,7 @@ def index_add_in_place(mesh_shape, code):
 def test_index_add_in_place_on_a_row_sharded_tensor_adds(mesh_shape, code):
     # torch DTensor's rule gathers self for it: DTensor wrote the sum into that copy and relabelled the rank's old
     # block Replicate (3 rows called the whole 5x4 tensor); on a 2x2 mesh a later gather then crashed
-    n = 1
-    for s in mesh_shape:
-        n *= s
+    n = math.prod(mesh_shape)
     assert run_ranks(index_add_in_place, n, mesh_shape, code) == [True] * n
 
 
@@ -174,9 +170,7 @@ def mask_writes(mesh_shape, code):
 def test_a_boolean_mask_index_on_a_column_sharded_tensor(mesh_shape, code):
     # t[mask] = 3.0 raised IndexError on each rank: torch DTensor's rule reads a 2-D mask as an index of dim 0
     # and kept dim 1 sharded, which the [5, 4] mask does not fit
-    n = 1
-    for s in mesh_shape:
-        n *= s
+    n = math.prod(mesh_shape)
     assert run_ranks(mask_writes, n, mesh_shape, code) == [True] * n
 
 
@@ -234,9 +228,7 @@ def random_draws(mesh_shape, code):
 def test_random_draws_on_a_dist_tensor_are_the_dense_runs_blocks(mesh_shape, code):
     # rand_like, randn_like, randint_like, bernoulli, exponential_ and random_ drew each block on its own: the
     # blocks were not the dense run's draw, and on R,S(0) the replicas disagreed
-    n = 1
-    for s in mesh_shape:
-        n *= s
+    n = math.prod(mesh_shape)
     assert run_ranks(random_draws, n, mesh_shape, code) == [True] * n
 
 
@@ -309,8 +301,6 @@ def test_attention_with_a_mask_on_split_heads_runs_on_each_ranks_heads(mesh_shap
     """scaled_dot_product_attention with an attn_mask on q, k, v split by heads (and batch): torch's rule propagated
     through the CPU kernel's decomposition and did not return within 100 s. Each rank now attends over its own heads,
     the mask read whole; values and gradients as in one process."""
-    n = 1
-    for s in mesh_shape:
-        n *= s
+    n = math.prod(mesh_shape)
     want = [parse_placement(p) for p in code.split(",")]
     assert run_ranks(masked_attention, n, mesh_shape, code, timeout=50) == [want] * n
