@@ -34,6 +34,11 @@ def set_here(baton: "Baton | None") -> None:
     BATON.get().baton = baton
 
 
+def _safe_point() -> None:
+    """Called first under the lock: an interrupt's KeyboardInterrupt, sent to the holder while it waited for the
+    lock, is raised here (on entering a Python function), before the scheduling state changes."""
+
+
 class Baton:
     """Schedules ``n`` rank threads, one at a time, and is the :class:`~meshviz.backends.threads.Scheduler` of
     their process groups (``comms``). The next rank to run is the next ready one in rank order after the last,
@@ -109,11 +114,15 @@ class Baton:
 
     def _leave(self, rank: int) -> None:
         with self.lock:
+            _safe_point()
             self._pending[rank] -= 1
+            # a rank between jobs neither waits nor sleeps, whatever a stray interrupt left half done
             self._runnable.discard(rank)
+            self._away.discard(rank)
+            self._blocked.pop(rank, None)
             if self.holder == rank:
                 self.holder = None
-                self._grant()
+            self._grant()
             self._check_deadlock()
             if not any(self._pending) and self.holder is None:
                 self._gens.switch(None)  # the process gets its own RNG states back
@@ -143,6 +152,7 @@ class Baton:
         """``time.sleep`` on a rank thread: the baton moves on while it sleeps (so timelines overlap as they do
         with rank processes)."""
         with self.lock:
+            _safe_point()
             if self.holder != rank:
                 return real_sleep(seconds)
             self._away.add(rank)
@@ -198,11 +208,12 @@ class Baton:
                     self._verdict.setdefault(r, KeyboardInterrupt(f"rank {r} interrupted"))
                 self._naps[r].set()
             holder = self.holder
-        if holder is not None and holder not in self._away:
-            ident = self._idents.get(holder)
-            if ident is not None:
+            # sent holding the lock: the holder runs its own code, or waits for the lock and takes it at a
+            # _safe_point, never halfway through a change of the scheduling state
+            if holder is not None and holder not in self._away and self._idents.get(holder) is not None:
                 self._verdict.pop(holder, None)
-                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(ident), ctypes.py_object(KeyboardInterrupt))
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self._idents[holder]),
+                                                           ctypes.py_object(KeyboardInterrupt))
 
     def busy(self) -> bool:
         return any(self._pending)

@@ -217,21 +217,28 @@ class ThreadWorld(Baton):
 
     def _run(self, job: _Job, rank: int) -> RankOutcome:
         try:
+            out = self._call(job, rank)
+        except BaseException as e:  # an interrupt that came as the job ended, in the bookkeeping
+            out = RankOutcome(rank, None, "error", _summary(e), traceback.format_exc())
+        while True:
+            try:
+                self._leave(rank)
+                return out
+            except KeyboardInterrupt:  # sent as the job ended, taken at _leave's safe point: nothing changed yet
+                continue
+
+    def _call(self, job: _Job, rank: int) -> RankOutcome:
+        try:
             self._enter(rank)
         except BaseException as e:  # interrupted before it ran
-            self._leave(rank)
             return RankOutcome(rank, None, "error", _summary(e), traceback.format_exc())
         try:
             value = job.fn(rank)
         except BaseException as e:
             tb = _format_exception(e)
             self.rank_failed(rank, e)
-            out = RankOutcome(rank, None, "error", _summary(e), tb)
-        else:
-            out = RankOutcome(rank, None, "ok", value=value)
-        finally:
-            self._leave(rank)
-        return out
+            return RankOutcome(rank, None, "error", _summary(e), tb)
+        return RankOutcome(rank, None, "ok", value=value)
 
     # -- failures --------------------------------------------------------------------------------------------
     def rank_failed(self, rank: int, error: BaseException) -> None:

@@ -1,7 +1,10 @@
 """Ranks as threads of one process: the thread process group, the baton, per-rank state, and meshes far larger
 than the machine (64 ranks, a 16-rank hybrid step) against the dense truth."""
 
+import ctypes
 import re
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -457,3 +460,82 @@ def test_a_caught_failed_wait_stops_every_later_collective_of_the_run():
     values silently wrong); every later call fails instead, as a process group is unusable after a failed wait."""
     stopped = "the ranks' collectives stopped at a failed wait (deadlock: "
     assert run_ranks(_caught_then_more, 2, ranks="threads", timeout=30) == [["deadlock", stopped, stopped]] * 2
+
+
+def _deadlock_named_at_once(world) -> str:
+    def recv_from_the_other(r):
+        import torch.distributed as tdist
+
+        tdist.recv(torch.zeros(1), src=1 - r)
+
+    t0 = time.monotonic()
+    job = world.submit(recv_from_the_other)
+    assert job.wait(20)
+    assert time.monotonic() - t0 < 5  # named at once, not at the 30 s collective timeout
+    return job.outcomes()[0].error
+
+
+def test_an_interrupt_sent_while_the_holder_waits_for_the_lock_leaves_the_deadlock_check_working():
+    """An interrupt is sent to the rank holding the turn. Here that rank is entering time.sleep and waits for the
+    scheduler's lock: the KeyboardInterrupt used to land after the sleep marked it away, which stayed so for good,
+    and no later deadlock was named (a loaded machine met this after an interrupted sleep loop)."""
+    from meshviz.ranks.threads import ThreadWorld
+
+    world = ThreadWorld(2, timeout=30).start()
+    try:
+        ready, go = threading.Event(), threading.Event()
+
+        def sleeper(r):
+            if r == 0:
+                ready.set()
+                go.wait(10)
+            time.sleep(0.01)
+
+        job = world.submit(sleeper)
+        assert ready.wait(10)
+        with world.lock:  # as interrupt() holds it: rank 0 enters the sleep and waits for the lock
+            go.set()
+            time.sleep(0.3)
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(world._idents[0]),
+                                                       ctypes.py_object(KeyboardInterrupt))
+        assert job.wait(10)
+        assert [o.status for o in job.outcomes()] == ["error", "ok"]
+        assert "KeyboardInterrupt" in job.outcomes()[0].error
+        assert "deadlock" in _deadlock_named_at_once(world)
+    finally:
+        world.stop()
+
+
+class _InterruptAfterAdd(set):
+    """A set whose add is followed by a KeyboardInterrupt on the calling thread, once (an interrupt landing in the
+    middle of the scheduler's bookkeeping)."""
+
+    armed = False
+
+    def add(self, item) -> None:
+        super().add(item)
+        if _InterruptAfterAdd.armed:
+            _InterruptAfterAdd.armed = False
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(threading.get_ident()),
+                                                       ctypes.py_object(KeyboardInterrupt))
+
+
+def test_a_rank_ends_its_job_neither_away_nor_waiting_whatever_an_interrupt_left_half_done():
+    from meshviz.ranks.threads import ThreadWorld
+
+    world = ThreadWorld(2, timeout=30).start()
+    try:
+        world._away = _InterruptAfterAdd()
+
+        def sleeper(r):
+            if r == 0:
+                _InterruptAfterAdd.armed = True
+            time.sleep(0.01)
+
+        job = world.submit(sleeper)
+        assert job.wait(10)
+        assert [o.status for o in job.outcomes()] == ["error", "ok"]
+        assert not world._away and not world._blocked and world.holder is None
+        assert "deadlock" in _deadlock_named_at_once(world)
+    finally:
+        world.stop()
