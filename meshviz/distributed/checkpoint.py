@@ -208,6 +208,8 @@ def _checksum(t: torch.Tensor):
         return 0
     if t.is_sparse or t.device.type == "meta":
         return None
+    if t.is_floating_point() or t.is_complex():
+        t = t + 0.0  # -0.0 and 0.0 are one value: their bytes differ, (-0.0) + 0.0 is 0.0
     b = t.contiguous().reshape(-1).view(torch.uint8)
     if b.device.type == "cpu":
         return zlib.crc32(b.numpy())
@@ -284,7 +286,9 @@ def _named(keys) -> str:
 def _canon(value):
     """Text that two ranks share exactly when their plain ``value`` is the same; None for a type whose text may
     differ for equal values (a set's order, an object's address): such a value is not compared."""
-    if value is None or isinstance(value, (bool, int, float, complex, str, bytes)):
+    if isinstance(value, (float, complex)):  # -0.0 and 0.0 are one value (adding 0 makes both 0.0)
+        return f"{type(value).__name__}:{value + (0j if isinstance(value, complex) else 0.0)!r}"
+    if value is None or isinstance(value, (bool, int, str, bytes)):
         return f"{type(value).__name__}:{value!r}"
     if isinstance(value, (list, tuple, dict)):
         items = value.items() if isinstance(value, dict) else enumerate(value)

@@ -353,3 +353,26 @@ def test_a_partial_tensor_is_saved_reduced(tmp_path):
     dist.load_state_dict(sd, path)
     assert {k: v.tolist() for k, v in sd.items()} == {"sum": [6.0, -6.0], "avg": [2.0, -2.0], "max": [3.0, 0.0],
                                                      "min": [1.0, -4.0]}
+
+
+# -- -0.0 and 0.0 are one value: a checkpoint of them is no difference across ranks ---------------------------------
+
+
+def _save_signed_zeros(path):
+    import meshviz.distributed as dist
+
+    dist.init_parallel_env()
+    r = dist.get_rank()
+    zero = -0.0 if r == 0 else 0.0
+    sd = {"w": dist.shard_tensor(torch.arange(4.0), dist.ProcessMesh([0, 1]), [dist.Shard(0)]),
+          "loss_scale": zero, "shift": complex(1.0, zero), "bias": torch.tensor([zero, 2.0])}
+    dist.save_state_dict(sd, path)
+    out = {"w": torch.zeros(4), "loss_scale": None, "shift": None, "bias": torch.ones(2)}
+    dist.load_state_dict(out, path)
+    return out["loss_scale"], out["shift"], out["bias"].tolist(), out["w"].tolist()
+
+
+@pytest.mark.timeout(60)
+def test_minus_zero_and_zero_are_the_same_plain_value_on_every_rank(tmp_path):
+    for scale, shift, bias, w in run_ranks(_save_signed_zeros, 2, str(tmp_path / "ck")):
+        assert scale == 0.0 and shift == complex(1.0, 0.0) and bias == [0.0, 2.0] and w == [0.0, 1.0, 2.0, 3.0]
