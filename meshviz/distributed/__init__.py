@@ -18,12 +18,11 @@ from .api import (
     shard_tensor,
     unshard_dtensor,
 )
+from .dataloader import ShardDataloader, shard_dataloader
 from .shard_api import (
-    ShardDataloader,
     ShardingStage1,
     ShardingStage2,
     ShardingStage3,
-    shard_dataloader,
     shard_layer,
     shard_optimizer,
     shard_scaler,
