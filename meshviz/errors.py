@@ -6,7 +6,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["RankError", "RankOutcome", "strip_ansi", "summary"]
+__all__ = ["RankError", "RankOutcome", "alike", "strip_ansi", "summary"]
 
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")
 
@@ -48,21 +48,43 @@ def _where(o: RankOutcome) -> str:
     return f"rank {o.rank}" if o.engine is None else f"rank {o.rank} (engine {o.engine})"
 
 
+def alike(outcomes, rank: int) -> list[int]:
+    """The ranks that raised what ``rank`` raised (the same ``Type: text``), ``rank`` among them; ``[rank]`` when it
+    did not raise."""
+    by = {o.rank: o for o in outcomes}
+    o = by.get(rank)
+    if o is None or o.status != "error" or not o.error:
+        return [rank]
+    return sorted(r for r, p in by.items() if p.status == "error" and p.error == o.error)
+
+
+def _span(ranks: list[int]) -> str:
+    """``"0-3"`` for consecutive ranks, else ``"0, 2, 5"``."""
+    if len(ranks) > 2 and ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"{ranks[0]}-{ranks[-1]}"
+    return ", ".join(map(str, ranks))
+
+
 class RankError(RuntimeError):
     """One or more ranks failed. ``ranks`` are the ranks that caused it (``rank`` the first of them), ``outcomes``
     every rank's :class:`RankOutcome` in rank order. ``diagnosis``: what the roll-call says about a hang, one line
     each ("rank 1 never entered all_reduce #1 on group [0, 1] (idle: its cell finished)", then the ranks that
-    waited); ``rollcall``: the roll-call it was read from. ``str()`` is plain text; a notebook shows the
-    tracebacks as the ranks printed them, in colour (IPython's ``_render_traceback_``)."""
+    waited); ``rollcall``: the roll-call it was read from. ``same``: each rank of ``ranks`` raised the same
+    error on its own (a NameError in a cell, on every rank), said once ("every rank (0-2) raised ..."). ``str()``
+    is plain text; a notebook shows the tracebacks as the ranks printed them, in colour (IPython's
+    ``_render_traceback_``)."""
 
     def __init__(self, outcomes: list[RankOutcome], ranks: list[int], note: str = "", diagnosis=(),
-                 lead: bool = False, rollcall=None):
+                 lead: bool = False, rollcall=None, same: bool = False):
         self.outcomes = sorted(outcomes, key=lambda o: o.rank)
         self.ranks = list(ranks)
         self.note = note
         self.diagnosis = list(diagnosis)
         self.lead = lead  # the diagnosis is the headline: the ranks named did not fail on their own
         self.rollcall = rollcall
+        by = self._by_rank()
+        self.same = same and len(self.ranks) > 1 and all(r in by for r in self.ranks) and len(
+            {(by[r].status, by[r].error) for r in self.ranks}) == 1 and by[self.ranks[0]].status == "error"
         self.streamed = False  # tracebacks were already shown as they arrived: render only the summary
         super().__init__(self.headline())
 
@@ -80,7 +102,10 @@ class RankError(RuntimeError):
             return strip_ansi("; ".join(self.diagnosis))
         by = self._by_rank()
         parts = []
-        for r in self.ranks:
+        if self.same:
+            who = f"every rank ({_span(self.ranks)})" if set(self.ranks) == set(by) else f"ranks {_span(self.ranks)}"
+            parts.append(f"{who} raised {by[self.ranks[0]].error}")
+        for r in [] if self.same else self.ranks:
             o = by.get(r)
             if o is None:
                 continue
@@ -113,10 +138,16 @@ class RankError(RuntimeError):
             lines += [f"  {d}" for d in self.diagnosis]
         if self.note:
             lines.append(self.note)
+        tracebacks: dict[str, list[RankOutcome]] = {}  # ranks that raised alike and printed one traceback: it once
         for r in self.ranks:
             o = by.get(r)
             if o is not None and o.traceback and not self.streamed:
-                lines += ["", f"--- {_where(o)} traceback ---", o.traceback.rstrip()]
+                key = strip_ansi(o.traceback).strip() if self.same else str(r)
+                tracebacks.setdefault(key, []).append(o)
+        for o, *twins in tracebacks.values():
+            also = f" (the same on rank{'s' if len(twins) > 1 else ''} {_span([p.rank for p in twins])})" \
+                if twins else ""
+            lines += ["", f"--- {_where(o)} traceback{also} ---", (o.traceback or "").rstrip()]
         for o in self.outcomes:
             if o.rank in self.ranks or o.status == "ok":
                 continue
@@ -130,10 +161,10 @@ class RankError(RuntimeError):
         return "\n".join(self.render_traceback()).removeprefix("RankError: ")
 
     def __reduce__(self):
-        return (_rebuild, (self.outcomes, self.ranks, self.note, self.streamed, self.diagnosis, self.lead))
+        return (_rebuild, (self.outcomes, self.ranks, self.note, self.streamed, self.diagnosis, self.lead, self.same))
 
 
-def _rebuild(outcomes, ranks, note, streamed, diagnosis=(), lead=False):
-    err = RankError(outcomes, ranks, note, diagnosis, lead)
+def _rebuild(outcomes, ranks, note, streamed, diagnosis=(), lead=False, same=False):
+    err = RankError(outcomes, ranks, note, diagnosis, lead, same=same)
     err.streamed = streamed
     return err

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import threading
 import weakref
 from collections.abc import Callable
@@ -15,7 +16,8 @@ import torch.distributed as tdist
 from .. import compat, rank_context
 from .meetings import _InProcessGroup, _Meeting, _pieces, _put, _Recv, _reduce, _splits, _Work
 
-__all__ = ["BACKEND", "Scheduler", "ThreadComms", "ThreadGroup", "RankStopped", "observers", "join", "register"]
+__all__ = ["BACKEND", "Scheduler", "ThreadComms", "ThreadGroup", "RankStopped", "observers", "watch_calls", "join",
+           "register"]
 
 BACKEND = "threads"  # the c10d backend name: tdist.get_backend() on a rank thread
 
@@ -24,6 +26,7 @@ BACKEND = "threads"  # the c10d backend name: tdist.get_backend() on a rank thre
 class ThreadsState:
     comms: ThreadComms | None = None  # where this rank thread's groups are made
     observers: list = field(default_factory=list)  # callbacks(c10d op, tensors) that see this rank's calls
+    calls: Callable | None = None  # calls(op, ranks, tensors): a context manager around each call's wait
 
 
 THREADS = rank_context.slot("threads", ThreadsState)
@@ -50,6 +53,13 @@ def observers() -> list:
     """This rank's observers: ``callback(op, tensors)`` is called for each of its calls on a thread group, with
     the c10d op a gloo group would have dispatched (``torch.ops.c10d.allreduce_.default``, ...)."""
     return _state().observers
+
+
+def watch_calls(calls: Callable | None) -> None:
+    """The calling rank's collectives and receives run inside ``calls(op, ranks, tensors)`` (a context manager;
+    ``op`` as torch.distributed names it, ``ranks`` the global ranks it waits on): what the rank waits in is known
+    while it waits, whoever called it. None: no longer."""
+    _state().calls = calls
 
 
 def _show(op: str, tensors) -> None:
@@ -182,6 +192,12 @@ class ThreadGroup(_InProcessGroup):
 
     # -- the meeting -----------------------------------------------------------------------------------------
     def _meet(self, op: str, data, work: Callable[[list], None], result=()) -> _Work:
+        calls = _state().calls
+        name = op.replace("gather_single", "gather_into_tensor").replace("scatter_single", "scatter_tensor")  # torch's
+        with contextlib.nullcontext() if calls is None else calls(name, tuple(self.ranks), list(result)):
+            return self._meet_now(op, data, work, result)
+
+    def _meet_now(self, op: str, data, work: Callable[[list], None], result=()) -> _Work:
         c = self.comms
         with c.sched.lock:
             c.check(self.me)
@@ -439,6 +455,12 @@ class ThreadGroup(_InProcessGroup):
         return _Work(recv=rv, group=self)
 
     def _wait_recv(self, rv: _Recv) -> None:
+        calls = _state().calls
+        peers = tuple(self.ranks) if rv.src is None else tuple(sorted({self.me, self.ranks[rv.src]}))
+        with contextlib.nullcontext() if calls is None or rv.filled else calls("recv", peers, [rv.tensor]):
+            self._wait_recv_now(rv)
+
+    def _wait_recv_now(self, rv: _Recv) -> None:
         c = self.comms
         with c.sched.lock:
             while not rv.filled:

@@ -105,7 +105,8 @@ class Cluster:
     private state dir (``state_dir``, mode 0700) with the engines' and controller's logs.
 
     ``%%px`` is activated: a failing cell raises :class:`RankError` naming the rank that failed first, with
-    its traceback; the other ranks are stopped at once (their process group is torn down and re-created
+    its traceback (every rank that raised the same error, said once: "every rank (0-3) raised NameError: ...");
+    the other ranks are stopped at once (their process group is torn down and re-created
     before the next cell). ``events`` fill while cells run; ``subscribe(callback)`` sees each one.
 
     ``state`` is a :class:`ClusterState`, equal to its name: ``"stopped"``, ``"starting"``, ``"ready"``,

@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable
 from enum import Enum
 
-from ..errors import RankError, RankOutcome
+from ..errors import RankError, RankOutcome, alike
 from ..ranks.outcomes import rank_error
 from ..trace.status import RankStatus, RollCall
 from .messages import FROM_RANKS, Abort, Failure, Message, PeerFailed, StatusReply, StatusRequest, Stuck, decode
@@ -299,10 +299,16 @@ class Control:
         if dead or self.stuck:
             note = "Call cluster.restart() for a working cluster." + "".join(
                 f" Rank {r} is {why}." for r, why in sorted(self.stuck.items()))
-        return rank_error(outcomes, seen, inside=inside, rollcall=rollcall, note=note,
-                          mismatch=None if mismatch is None else (
-                              mismatch.get("ranks") or [f["rank"] for f in reports if f.get("mismatch")],
-                              mismatch["line"]))
+        err = rank_error(outcomes, seen, inside=inside, rollcall=rollcall, note=note,
+                         mismatch=None if mismatch is None else (
+                             mismatch.get("ranks") or [f["rank"] for f in reports if f.get("mismatch")],
+                             mismatch["line"]))
+        if err.lead or mismatch is not None or dead or len(err.ranks) != 1 or (interrupted and hit):
+            return err
+        same = alike(err.outcomes, err.ranks[0])  # the others raised what it raised on their own, not because of it
+        if len(same) == 1:
+            return err
+        return RankError(err.outcomes, same, err.note, err.diagnosis, False, err.rollcall, same=True)
 
 
 def blame_rollcall(base: RollCall | None, reports: list[dict], ranks, dead: dict) -> RollCall | None:

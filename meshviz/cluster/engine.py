@@ -172,7 +172,15 @@ class _EngineState:
         self._rollcall.current().start(self.cell)
         self._trace.set_cell(self.cell)  # events say which cell emitted them (the comm table groups by it)
 
-    def _post(self, *_, note: str = "its cell finished"):
+    def _post(self, *args, note: str = "its cell finished"):
+        err = getattr(args[0], "error_in_exec", None) if args else None
+        if isinstance(err, BaseException) and self.failed_cell != self.cell:
+            # IPython takes a SystemExit before any custom handler sees it: reported here, or the peers would wait
+            # for this rank until the collective timeout
+            try:
+                self.report_failure(err)
+            except BaseException as e:
+                _debug("failure report", _summary(e))
         self.running = False
         self._rollcall.current().finish(note)
         if self.abort_pending:

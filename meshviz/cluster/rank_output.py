@@ -6,6 +6,8 @@ import time
 
 __all__ = ["RankOrderedOutput"]
 
+LIVE_TAIL = 20_000  # characters of each rank's stream a live update shows: the whole text is sent when the cell ends
+
 
 def _in_kernel() -> bool:
     try:
@@ -45,21 +47,27 @@ class RankOrderedOutput:
         self._text = ""
         self._last = 0.0
 
-    def text(self) -> str:
-        """stdout of every rank in rank order, then stderr likewise, each under its '[stdout:r]' line."""
+    def text(self, tail: int | None = None) -> str:
+        """stdout of every rank in rank order, then stderr likewise, each under its '[stdout:r]' line; ``tail``:
+        only each stream's last lines within that many characters."""
         parts = []
         for name in ("stdout", "stderr"):
             for r, text in zip(self.ranks, _per_rank(self.result, name)):
+                if tail is not None and len(text) > tail:
+                    cut = text.find("\n", len(text) - tail) + 1 or len(text) - tail
+                    text = f"[... {cut} characters above; all of it when the cell ends]\n{text[cut:]}"
                 if text:
                     parts.append(f"[{name}:{r}] \n{text}" + ("" if text.endswith("\n") else "\n"))
         return "".join(parts)
 
     def update(self, force: bool = False) -> None:
-        """Show what arrived since the last update (at most every ``interval`` s; a notebook only)."""
+        """Show what arrived since the last update (at most every ``interval`` s; a notebook only). A live update
+        shows each stream's last ``LIVE_TAIL`` characters (each update sends all it shows; a cell printing megabytes
+        would send them ten times a second); ``force``: all of it."""
         if not self.live or (not force and time.monotonic() - self._last < self.interval):
             return
         self._last = time.monotonic()
-        text = self.text()
+        text = self.text(None if force else LIVE_TAIL)
         if text == self._text:
             return
         self._text = text

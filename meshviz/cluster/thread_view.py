@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import threading
 from typing import TYPE_CHECKING
 
-from ..errors import RankError, RankOutcome
+from .. import rank_context
+from ..errors import RankError, RankOutcome, alike
+from ..rank_context import bound
 from ..ranks.outcomes import error_of
 from ..ranks.patches import capture
 
@@ -25,14 +28,91 @@ _STOPPED = ("RankStopped: rank ", "RankStopped: the process group was torn down"
 class _Output:
     """What one rank printed and displayed during one execution."""
 
-    __slots__ = ("stdout", "stderr", "outputs", "execute_result", "count")
+    __slots__ = ("stdout", "stderr", "outputs", "execute_result", "count", "key")
 
-    def __init__(self):
+    def __init__(self, key: tuple[int, int] | None = None):
+        self.key = key  # (id of the Threads, rank): where threads the execution starts write (cluster.threads)
         self.stdout: list[str] = []
         self.stderr: list[str] = []
         self.outputs: list[dict] = []  # display_data contents, as ipyparallel keeps them
         self.execute_result: dict | None = None
         self.count: int | None = None
+
+
+# -- threads a rank's cell starts -----------------------------------------------------------------------------
+
+_real_start = threading.Thread.start
+_live: dict[tuple[int, int], _Output] = {}  # (id of the Threads, rank) -> the output of the cell the rank runs now
+
+
+class _Kernel:
+    """A late thread's stream once no cell of its rank runs: the kernel's, each line labelled with the rank."""
+
+    def __init__(self, name: str, rank: int):
+        self.name, self.rank, self.fresh = name, rank, True
+
+    def append(self, text: str) -> None:
+        lines = text.splitlines(True)
+        label = f"[{self.name}:{self.rank}] "
+        text = "".join((label if i or self.fresh else "") + ln for i, ln in enumerate(lines))
+        if lines:
+            self.fresh = text.endswith("\n")
+        with bound(rank_context.process()):  # the process's capture is none: the write goes where the kernel's go
+            getattr(sys, self.name).write(text)
+
+
+class _Follow:
+    """Where a thread started by a rank's cell writes (its capture's ``out``): that cell's output while it runs,
+    then the output of the cell its rank runs (as an engine sends a thread's output with the current request),
+    else the kernel's streams, labelled with the rank."""
+
+    def __init__(self, key: tuple[int, int], out):
+        self.key = self._key = key  # a thread this one starts writes where it does
+        self._out = out
+        self._kernel = {name: _Kernel(name, key[1]) for name in ("stdout", "stderr")}
+
+    def _now(self) -> _Output | None:
+        return _live.get(self._key)
+
+    @property
+    def stdout(self):
+        now = self._now()
+        return now.stdout if now is not None else self._kernel["stdout"]
+
+    @property
+    def stderr(self):
+        now = self._now()
+        return now.stderr if now is not None else self._kernel["stderr"]
+
+    @property
+    def outputs(self):
+        now = self._now()
+        return now.outputs if now is not None else self._out.outputs
+
+
+def _start(self: threading.Thread) -> None:
+    """``Thread.start`` while thread clusters run: a thread started by a rank's cell writes into that rank's output
+    (on an engine it would be that engine's). Not a pool's worker (concurrent.futures): it runs whoever's tasks."""
+    out = capture().out if rank_context.in_rank_thread() else None
+    key = getattr(out, "key", None)
+    target = getattr(self, "_target", None)
+    if key is not None and getattr(target, "__module__", "") != "concurrent.futures.thread":
+        ctx = rank_context.RankContext(env=rank_context.current().env)
+        with bound(ctx):
+            capture().out = _Follow(key, out)
+        run = self.run
+
+        def run_as_started():
+            with bound(ctx):
+                try:
+                    run()
+                except SystemExit:
+                    pass
+                except BaseException:  # reported here, so that the report goes where the thread's output goes
+                    threading.excepthook(threading.ExceptHookArgs((*sys.exc_info(), self)))  # type: ignore
+
+        self.run = run_as_started  # type: ignore[method-assign]
+    _real_start(self)
 
 
 class _RankDisplay:
@@ -151,7 +231,10 @@ class RankResult:
             return None
         outcomes = self._job.outcomes()
         own = [o.rank for o in outcomes if o.status != "ok" and not (o.error or "").startswith(_STOPPED)]
-        return error_of(outcomes, own[:1])
+        err = error_of(outcomes, own[:1])
+        same = alike(outcomes, own[0]) if own and err is not None and not err.lead else []
+        return RankError(err.outcomes, same, err.note, err.diagnosis, False, err.rollcall, same=True) \
+            if len(same) > 1 and err is not None else err
 
     @property
     def result(self) -> "RankResult":

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import builtins
 import collections
+import contextlib
 import itertools
 import linecache
 import threading
@@ -18,7 +19,7 @@ from ..trace.status import RankStatus
 from ..trace.stream import EventLog
 from .config import ClusterConfig
 from .control import Control
-from .thread_view import RankResult, ThreadView, _Output, _pull, _RankDisplay, _shell
+from .thread_view import RankResult, ThreadView, _live, _Output, _pull, _RankDisplay, _real_start, _shell, _start
 
 __all__ = ["Threads", "ThreadView", "RankResult"]
 
@@ -68,6 +69,27 @@ def _interactive(func, ns: dict):
 
 _running: dict[int, bool] = {}  # the running thread clusters (by id) and their check_collectives
 _kernel: dict[str, bool] = {}  # the process's check setting before the first of them started
+
+
+@contextlib.contextmanager
+def _on_rollcall(op: str, ranks: tuple, tensors):
+    """A collective (or receive) of the thread backend that meshviz's comm layer did not issue (``torch.distributed``
+    called directly): the rank's roll-call shows it while it waits, and a failure names it, as for meshviz's own.
+    It takes no number of the group's (the comm layer counts its own calls; engines do not see these)."""
+    from ..runtime import rollcall
+
+    rec = rollcall.current()
+    if rec.op is not None:  # inside one of meshviz's collectives: shown already
+        yield
+        return
+    prev = rec.enter(op, ranks, tensors, counted=False)
+    try:
+        yield
+    except BaseException as e:
+        rec.fail(e)
+        raise
+    finally:
+        rec.leave(prev)
 
 
 class UnprintableError(Exception):
@@ -154,6 +176,7 @@ class Threads:
         from ..runtime import match
 
         _running[id(self)] = cfg.check_collectives
+        threading.Thread.start = _start  # type: ignore[method-assign]
         was = match.set_checking(any(_running.values()))  # process-wide: every rank thread, or none
         if len(_running) == 1:
             _kernel["checking"] = was
@@ -189,6 +212,10 @@ class Threads:
             # another thread cluster still running keeps its check; the last one puts the kernel's setting back
             match.set_checking(any(_running.values()) if _running else _kernel.get("checking", self._checking_was))
             self._checking_was = None
+            if not _running and threading.Thread.start is _start:
+                threading.Thread.start = _real_start  # type: ignore[method-assign]
+        for key in [k for k in _live if k[0] == id(self)]:
+            del _live[key]
         self.view = None
         unroute_streams()
         shell = _shell()
@@ -213,7 +240,7 @@ class Threads:
         """Start ``code`` on ``ranks`` (all by default), each in its own namespace; returns the RankResult."""
         ranks = list(self.ranks) if ranks is None else ranks
         body, last, _ = _compile(code)  # a syntax error is raised here, once
-        outs = {r: _Output() for r in ranks}
+        outs = {r: _Output((id(self), r)) for r in ranks}
 
         def cell(r):
             self._counts[r] += 1
@@ -221,7 +248,7 @@ class Threads:
             out.count = self._counts[r]
             trace.set_cell(out.count)  # events say which cell emitted them, as on an engine
             ns = self.namespaces[r]
-            capture().out = out
+            capture().out = _live[out.key] = out
             try:
                 exec(body, ns)
                 if last is not None:
@@ -230,6 +257,8 @@ class Threads:
                         out.execute_result = {**_format(value), "count": out.count}
             finally:
                 capture().out = None
+                if _live.get(out.key) is out:
+                    del _live[out.key]
 
         return self._submit(cell, ranks, outs, single, "%px")
 
@@ -238,10 +267,10 @@ class Threads:
         """Start ``func(*args, **kwargs)`` on every rank (in its namespace if defined in the notebook; with
         ``_namespace`` the namespace is the first argument, with ``_rank_arg`` the rank)."""
         ranks = list(self.ranks) if _ranks is None else _ranks
-        outs = {r: _Output() for r in ranks}
+        outs = {r: _Output((id(self), r)) for r in ranks}
 
         def call(r):
-            capture().out = outs[r]
+            out = capture().out = _live[(id(self), r)] = outs[r]
             try:
                 if _namespace:
                     return func(self.namespaces[r], *args, **kwargs)
@@ -250,6 +279,8 @@ class Threads:
                 return _interactive(func, self.namespaces[r])(*args, **kwargs)
             finally:
                 capture().out = None
+                if _live.get(out.key) is out:
+                    del _live[out.key]
 
         return self._submit(call, ranks, outs, _single, "apply")
 
@@ -270,7 +301,10 @@ class Threads:
 
         self._prepare_io()
 
+        from ..backends.threads import watch_calls
+
         def guarded(r):
+            watch_calls(_on_rollcall)
             rec = rollcall.current()  # this rank's roll-call record: what status() reads while it waits
             rec.rank, rec.thread = r, threading.get_ident()
             self._records[r] = rec
