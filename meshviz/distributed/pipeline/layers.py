@@ -251,6 +251,50 @@ class PipelineLayer(nn.Module):
                 raise TypeError(f"PipelineLayer: layer {i} ({d!r}) is not a module, LayerDesc or callable")
         return funcs
 
+    def meta_forward(self, vs: int, inputs: tuple):
+        """Virtual stage ``vs``'s layers run on ``inputs`` (meta tensors) with meta parameters: its outputs' shapes,
+        dtypes and whether they need a gradient, on any rank (whichever stage it holds) and allocating nothing.
+        Nothing is registered here: a LayerDesc is built again on the meta device, a module runs on meta copies of
+        its parameters and buffers. For simulated ranks only (``what_if``): the collectives of tensor-parallel layers
+        run on meta tensors, untraced."""
+        from torch.func import functional_call
+
+        from ... import trace
+        from ...runtime.devices import strict_devices
+
+        shared: dict = {}
+
+        def meta_of(m: nn.Module) -> dict:
+            return {k: torch.empty_like(t, device="meta").requires_grad_(t.requires_grad)
+                    for k, t in [*m.named_parameters(), *m.named_buffers()]}
+
+        def func(d):
+            if isinstance(d, SharedLayerDesc):
+                if d.layer_name not in shared:
+                    with torch.device("meta"):
+                        shared[d.layer_name] = d.build_layer()
+                layer = shared[d.layer_name]
+                return layer if d.forward_func is None else partial(d.forward_func, layer)
+            if isinstance(d, LayerDesc):
+                with torch.device("meta"):
+                    return d.build_layer()
+            if isinstance(d, nn.Module):
+                return partial(lambda m, params, x: functional_call(m, params, (x,)), d, meta_of(d))
+            return d
+
+        listening = trace.sinks()
+        for sink in listening:
+            trace.remove_sink(sink, close=False)
+        try:
+            with torch.random.fork_rng(devices=[]), strict_devices(False):
+                x = inputs[0] if len(inputs) == 1 else tuple(inputs)
+                for i in range(self.segment_parts[vs], self.segment_parts[vs + 1]):
+                    x = func(self._layers_desc[i])(x)
+        finally:
+            for sink in listening:
+                trace.add_sink(sink)
+        return x
+
     def get_stage_from_index(self, layer_idx: int) -> int:
         """The pipe stage (rank position, not virtual stage) holding layer ``layer_idx``."""
         if not 0 <= layer_idx < len(self._layers_desc):

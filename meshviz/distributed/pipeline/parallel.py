@@ -73,7 +73,8 @@ class PipelineParallel(nn.Module):
             layers._chunks, layers.virtual_stages, group=hcg.get_pipe_parallel_group(), ranks=line,
             stage_id=hcg.get_stage_id(), num_stages=p, num_virtual_stages=layers.get_num_virtual_stages(),
             micro_batch_size=micro_batch_size, accumulate_steps=accumulate_steps,
-            schedule_mode=cfg.get("schedule_mode", "1F1B"), device=device(), loss_fn=layers._loss_fn)
+            schedule_mode=cfg.get("schedule_mode", "1F1B"), device=device(), loss_fn=layers._loss_fn,
+            stage_meta=layers.meta_forward)
         self._opt_wrappers: dict = {}
         from ..parallel import sync_params_buffers
 

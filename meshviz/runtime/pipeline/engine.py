@@ -124,15 +124,16 @@ class PipelineEngine:
     ``group``: the pipe group (a runtime Group); ``ranks``: the global rank of every pipe position, in stage order;
     ``stage_id`` of ``num_stages``, each holding ``num_virtual_stages`` chunks; a batch holds ``accumulate_steps``
     micro-batches of ``micro_batch_size`` rows; ``schedule_mode`` one of :data:`SCHEDULE_MODES`; ``device`` where
-    the stage computes; ``loss_fn(output, label)`` of one micro-batch. Each micro loss is divided by
-    accumulate_steps before its backward, so the gradients accumulated over the micro-batches are those of the
-    mean loss. Emits ``compute`` / ``send`` / ``recv`` events per block and transfer (:class:`TracedStage`) and a
-    ``mark`` (op ``pipeline_step``) per step; ``step`` counts the steps run.
+    the stage computes; ``loss_fn(output, label)`` of one micro-batch; ``stage_meta(virtual_stage, inputs)``: that
+    stage's outputs for meta-tensor inputs, on any rank (simulated ranks need it with virtual stages). Each micro
+    loss is divided by accumulate_steps before its backward, so the gradients accumulated over the micro-batches are
+    those of the mean loss. Emits ``compute`` / ``send`` / ``recv`` events per block and transfer
+    (:class:`TracedStage`) and a ``mark`` (op ``pipeline_step``) per step; ``step`` counts the steps run.
     """
 
     def __init__(self, chunks, virtual_stages, *, group, ranks, stage_id: int, num_stages: int,
                  num_virtual_stages: int, micro_batch_size: int, accumulate_steps: int, schedule_mode: str,
-                 device: torch.device, loss_fn=None):
+                 device: torch.device, loss_fn=None, stage_meta=None):
         self.schedule_mode, self.schedule_class = resolve_schedule(schedule_mode, num_virtual_stages)
         check_pipeline_config(num_stages, accumulate_steps, num_virtual_stages, self.schedule_mode)
         if self.schedule_class == "Schedule1F1B" and accumulate_steps < num_stages:
@@ -150,6 +151,7 @@ class PipelineEngine:
         self.accumulate_steps = accumulate_steps
         self.device = device
         self.loss_fn = loss_fn
+        self.stage_meta = stage_meta
         self.is_first_stage = stage_id == 0
         self.is_last_stage = stage_id == num_stages - 1
         self.step = 0
@@ -161,11 +163,12 @@ class PipelineEngine:
         key = (kind, compute_loss, shapes)
         if key in self._cache:
             return self._cache[key]
-        from .stage import TracedStage
+        from .stage import MetaChain, TracedStage
 
         p, v, m = self.num_stages, self.num_virtual_stages, self.accumulate_steps
+        chain = MetaChain(self.stage_meta, tdist.get_backend(self.group.process_group) == "simulated")
         stages = [TracedStage(chunk, vs, p * v, self.device, self.group.process_group, self.ranks,
-                              lambda: self.step, self.meter)
+                              lambda: self.step, self.meter, chain)
                   for chunk, vs in zip(self.chunks, self.virtual_stages)]
         loss = MicroLoss(self.loss_fn, m) if compute_loss else None
         name = self.schedule_class if kind == "train" else ("ScheduleGPipe" if v == 1 else "ScheduleLoopedBFS")

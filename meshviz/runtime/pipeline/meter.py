@@ -11,7 +11,8 @@ __all__ = ["ActivationMeter", "MicroLoss"]
 class ActivationMeter:
     """Bytes saved for backward per (virtual stage, micro-batch), live from its forward until its backward.
 
-    Parameters saved by autograd are not counted; a tensor saved twice in one micro-batch is counted once.
+    Parameters saved by autograd are not counted; a tensor saved twice in one micro-batch is counted once. Storages
+    are told apart by their identity, not their address: a simulated rank's tensors have no address.
     """
 
     def __init__(self):
@@ -21,7 +22,7 @@ class ActivationMeter:
         self._params: set = set()
 
     def watch(self, module: nn.Module) -> None:
-        self._params |= {p.untyped_storage().data_ptr() for p in module.parameters()}
+        self._params |= {p.untyped_storage()._cdata for p in module.parameters()}
 
     def hooks(self, key):
         seen: set = set()
@@ -29,7 +30,8 @@ class ActivationMeter:
 
         def pack(t):
             try:
-                base, key = t.untyped_storage().data_ptr(), (t.data_ptr(), t.numel())
+                base = t.untyped_storage()._cdata
+                key = (base, t.storage_offset(), t.numel())
             except Exception:
                 return t
             if base not in self._params and key not in seen:

@@ -10,11 +10,11 @@ from torch.distributed.pipelining import PipelineStage
 
 from ... import trace
 from ...compat import pipeline_setup_calls, pipeline_stage_marks_every_recv, pipeline_stage_sends_zero_grads
-from ...compat.pipeline_meta import grad_metas_of
+from ...compat.pipeline_meta import forward_metas_of, grad_metas_of, meta_summary
 from ...trace import Compute, Event, Recv, Send
 from ..devices import needs_host_p2p, p2p_through_host, staged_recv, staged_send
 
-__all__ = ["TracedStage"]
+__all__ = ["TracedStage", "MetaChain"]
 
 
 def _nbytes(ops) -> int:
@@ -36,7 +36,11 @@ class _Stage(PipelineStage):
     needing no gradient from then on, and the stages before got none from the second step on; here each buffer
     that needs a gradient needs it again before its forward."""
 
+    _chain: MetaChain | None = None
+
     def _prepare_forward_infra(self, *args, **kwargs):
+        if self.is_first and self._chain is not None and self._chain.simulated and len(args) > 1:
+            self._chain.note(args[1])
         out = self._prepare_receive_buffers(*args, **kwargs)
         self._grad_bufs = {k: [b for info in infos if isinstance(b := getattr(info, "buffer", None), torch.Tensor)
                                and b.requires_grad] for k, infos in self.args_recv_info.items()}
@@ -99,13 +103,102 @@ class _Stage(PipelineStage):
     def _send_meta(self, meta, dst_stage):
         if dst_stage < self.stage_index and _plain(self._stage_meta.inputs):
             return None
+        if dst_stage > self.stage_index and self._simulated_before(dst_stage):
+            return self._check_taken(meta, dst_stage)
         return super()._send_meta(meta, dst_stage)
 
     def _recv_meta(self, src_stage):
         outputs = self._stage_meta.outputs
         if src_stage > self.stage_index and _plain(outputs):
             return grad_metas_of(outputs)
+        if src_stage < self.stage_index and self._simulated_after(src_stage):
+            return self._take_from_chain(src_stage, self.has_backward)
         return super()._recv_meta(src_stage)
+
+    # torch 2.11 and 2.12: one method receives the inputs' shapes, runs the stage and sends its outputs' shapes
+    def _shape_inference(self, args, kwargs=None):
+        ranks, prev, nxt = self.stage_index_to_group_rank, self.stage_index - 1, self.stage_index + 1
+        saved = dict(ranks)
+        take = not self.is_first and self._simulated_after(prev)
+        keep = not self.is_last and self._simulated_before(nxt)
+        if take:
+            args = self._take_from_chain(prev, False)
+            ranks[prev] = self.group_rank  # torch then takes them as a same-rank neighbour's
+        if keep:
+            ranks[nxt] = self.group_rank
+        try:
+            out = super()._shape_inference(args, kwargs)
+        finally:
+            ranks.clear()
+            ranks.update(saved)
+        if keep:
+            self._check_taken(out, nxt)
+            return ()
+        return out
+
+    # -- simulated ranks run one after another: the first pipe rank's later chunks cannot hear from the last one
+    # (which runs after it), so it computes their inputs' shapes from the model's description instead, and the
+    # last one, instead of sending its outputs' shapes, checks they are the ones taken -------------------------
+    def _global_of(self, stage: int) -> int:
+        return tdist.get_global_rank(self.group, self.stage_index_to_group_rank[stage])
+
+    def _simulated_after(self, stage: int) -> bool:
+        return self._chain is not None and self._chain.simulated and \
+            self._global_of(stage) > self._global_of(self.stage_index)
+
+    def _simulated_before(self, stage: int) -> bool:
+        return self._chain is not None and self._chain.simulated and \
+            self._global_of(stage) < self._global_of(self.stage_index)
+
+    def _take_from_chain(self, src_stage: int, grad: bool):
+        assert self._chain is not None
+        meta = forward_metas_of(self._chain.outputs(src_stage, grad))
+        tdist.send_object_list([meta_summary(meta)], dst=self._global_of(src_stage), group=self.group)
+        return meta
+
+    def _check_taken(self, meta, dst_stage: int) -> None:
+        got: list = [None]
+        tdist.recv_object_list(got, src=self._global_of(dst_stage), group=self.group)
+        if got[0] != meta_summary(meta):
+            raise RuntimeError(
+                f"what_if: stage {dst_stage} (rank {self._global_of(dst_stage)}, simulated before this one) took its "
+                f"inputs to be (shape, stride, dtype, requires_grad) {got[0]}, from the model's description, but "
+                f"stage {self.stage_index} outputs {meta_summary(meta)}")
+
+
+class MetaChain:
+    """The first stage's inputs (one micro-batch) and ``stage_meta(stage, inputs) -> outputs``, a virtual stage run
+    on meta tensors: the shapes any stage's outputs have, computed on any rank. ``simulated``: whether the ranks
+    are simulated ones (only they take shapes from here)."""
+
+    def __init__(self, stage_meta, simulated: bool):
+        self.stage_meta = stage_meta
+        self.simulated = simulated
+        self.inputs: tuple | None = None
+        self._outs: dict = {}
+
+    def note(self, args) -> None:
+        ts = (args,) if isinstance(args, torch.Tensor) else tuple(args)
+        self.inputs = tuple(torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+                            .requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t for t in ts)
+        self._outs.clear()
+
+    def outputs(self, stage: int, grad: bool) -> tuple:
+        """Stage ``stage``'s outputs (meta tensors) for the noted inputs; ``grad``: as a stage that runs a backward
+        computes them (needing gradients), else as without one."""
+        if self.stage_meta is None:
+            raise RuntimeError("what_if: this pipeline's interleaved stages need each stage's output shapes on the "
+                               "first pipe rank; give PipelineEngine a stage_meta (PipelineLayer.meta_forward)")
+        if self.inputs is None:
+            raise RuntimeError("what_if: the first stage's inputs were not seen before a later stage's shapes")
+        x, done = self.inputs, 0
+        while (done, grad) in self._outs and done <= stage:
+            x, done = self._outs[(done, grad)], done + 1
+        with torch.enable_grad() if grad else torch.no_grad():
+            for s in range(done, stage + 1):
+                out = self.stage_meta(s, x)
+                x = self._outs[(s, grad)] = out if isinstance(out, tuple) else (out,)
+        return x
 
 
 def _plain(metas) -> bool:
@@ -120,8 +213,9 @@ class TracedStage(_Stage):
     waits on it just before); send events mark when the send was posted (gloo/NCCL isend is asynchronous).
     """
 
-    def __init__(self, submodule, stage_index, num_stages, device, group, ranks, step_ref, meter=None):
+    def __init__(self, submodule, stage_index, num_stages, device, group, ranks, step_ref, meter=None, chain=None):
         super().__init__(submodule, stage_index, num_stages, device, group=group)
+        self._chain = chain
         self._ranks = list(ranks)  # global rank of every pipe position
         self._p = len(self._ranks)
         self._step_ref = step_ref  # callable -> current step number
