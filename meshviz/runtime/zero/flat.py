@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+import weakref
 
 import torch
 import torch.distributed as tdist
@@ -10,7 +11,7 @@ import torch.nn as nn
 from torch.autograd.graph import get_gradient_edge
 
 from ... import trace
-from ...core.sharding import SHARDED, plan_pieces
+from ...core.sharding import SHARDED, Piece, plan_pieces
 from ..comm import all_reduce_mean_
 from ..devices import device
 from .engine import Zero, clear_grads, create_states
@@ -41,12 +42,19 @@ class FlatZero(Zero):
     one rank took) counts as zeros from them, as in a dense run.
     ``offload`` (on a ``dev`` other than the CPU) keeps every optimizer state on the CPU. ``grad_clip``: a
     ``ClipGradByGlobalNorm`` applied to the sharded gradients; ``buffer_max_size`` bounds the fused all-reduce
-    (elements). ``sync_buffers``: buffers broadcast from the first rank before every forward.
+    (elements). ``sync_buffers``: buffers broadcast from the first rank before every forward. ``dp``: a group of
+    ranks that hold the same shards in other sharding groups; gradients are averaged over it too. ``exclude``: names
+    of parameters kept whole at p_g_os. ``clip_kinds``: the names of the model-parallel split parameters and of those
+    with ``need_clip = False``; ``mp``: the model-parallel group the split ones' squares are added over.
     """
 
     def __init__(self, inner, model, level, grp: ShardingGroup, names: dict, dev, *, offload=False,
-                 segment_size=2**20, grad_clip=None, buffer_max_size=2**23, sync_buffers=False):
+                 segment_size=2**20, grad_clip=None, buffer_max_size=2**23, sync_buffers=False,
+                 dp: ShardingGroup | None = None, exclude=frozenset(), clip_kinds=(frozenset(), frozenset()), mp=None):
         super().__init__(inner, level)
+        self._dp = dp
+        self._split, self._no_clip = clip_kinds
+        self._mp = mp
         self._model = model
         self._group = grp
         self._grad_clip = grad_clip
@@ -62,8 +70,11 @@ class FlatZero(Zero):
         self._pos: dict = {}  # os_g: id of each parameter -> its place in this backward's order
         self._late: set = set()  # os_g: id of each parameter whose gradient came after its turn in this backward
         self._used: dict = {}  # p_g_os: id(param) -> "used", "zeros" (none before) or "added" since the step
+        self._given: dict = {}  # os, p_g_os: id(slot) -> a weak reference to the gradient _sync_grads gave its copy
         broadcast_module(model, grp)
-        self._slots = self._plan(names, dev, offload, segment_size)
+        if dp is not None:
+            broadcast_module(model, dp)
+        self._slots = self._plan(names, dev, offload, segment_size, exclude)
         at = {id(p): i for i, p in enumerate(model.parameters())}
         self._reverse = sorted(self._slots, key=lambda s: -at[id(s.param)])  # os_g: the order of its reductions
         self._offload = offload = bool(offload) and dev.type != "cpu"  # on a CPU rank every state already is there
@@ -85,14 +96,21 @@ class FlatZero(Zero):
         if level in ("os", "p_g_os"):
             model.register_forward_pre_hook(self._mark_forward)
         if sync_buffers:
-            model.register_forward_pre_hook(lambda m, args: broadcast_module(m, grp, "buffers"))
+            model.register_forward_pre_hook(self._sync_buffers)
         self._emit_ownership()
 
+    def _sync_buffers(self, module, args) -> None:
+        broadcast_module(module, self._group, "buffers")
+        if self._dp is not None:
+            broadcast_module(module, self._dp, "buffers")
+
     # who owns what -------------------------------------------------------------------------------------------
-    def _plan(self, names, dev, offload, segment_size) -> list:
+    def _plan(self, names, dev, offload, segment_size, exclude) -> list:
         inner, grp, model = self._inner_opt, self._group, self._model
         order = [p for g in inner.param_groups for p in g["params"]]
         pieces = plan_pieces([(names[id(p)], tuple(p.shape)) for p in order], self.level, grp.size, segment_size)
+        pieces = [Piece(pc.name, pc.shape, "replicated", tuple((0, pc.numel) for _ in range(grp.size)))
+                  if pc.name in exclude else pc for pc in pieces]
         if self.level == "p_g_os":
             apply_fsdp(model, {pc.name: pc for pc in pieces}, grp, dev, offload, self._used)
             new_params = dict(model.named_parameters())
@@ -199,6 +217,7 @@ class FlatZero(Zero):
         kept = [(s, mine) for (s, _, mine), m in zip(parts, made) if m]
         # a gradient that came after its turn on some rank (see _grad_ready): reduced again, zeros where none came
         kept += [(s, self._reduce_to_owner(s)) for (s, _, _), a in zip(parts, again) if a]
+        self._dp_mean([mine for _, mine in kept if mine is not None])
         for s, mine in kept:
             if mine is None:
                 continue
@@ -209,12 +228,20 @@ class FlatZero(Zero):
             s.shard.grad = s.grad_buf
 
     def _agree(self, flags: list) -> list:
-        """``flags`` OR-ed over the group (one MAX all-reduce)."""
-        if self._group.size == 1 or not flags:
+        """``flags`` OR-ed over the group and the dp group (one MAX all-reduce over each)."""
+        groups = [g for g in (self._group, self._dp) if g is not None and g.size > 1]
+        if not groups or not flags:
             return [bool(f) for f in flags]
         t = torch.tensor(flags, dtype=torch.uint8, device=device())
-        self._group.all_reduce(t, op=tdist.ReduceOp.MAX)
+        for g in groups:
+            g.all_reduce(t, op=tdist.ReduceOp.MAX)
         return [bool(f) for f in t.tolist()]
+
+    def _dp_mean(self, tensors: list) -> None:
+        """Average ``tensors`` (each rank of the dp group passes the same shapes) over the dp group."""
+        if self._dp is not None and tensors:
+            itemsize = tensors[0].element_size()
+            all_reduce_mean_(tensors, self._dp.group, bucket_bytes=self._buffer_max_size * itemsize)
 
     def _reduce_to_owner(self, slot: Slot):
         """Reduce this gradient (zeros where this rank has none) so that only its owners keep their part, averaged,
@@ -265,6 +292,7 @@ class FlatZero(Zero):
         if not agreed[0]:
             if forwarded:
                 warnings.warn(self._no_gradient_message(False), UserWarning, stacklevel=3)
+            self._drop_stale([s for s in slots if s.param.grad is not None])
             return
         reached = agreed[1 + len(slots):]
         if fsdp and not any(reached) and any(used.get(id(s.param)) for s in fsdp):
@@ -272,20 +300,39 @@ class FlatZero(Zero):
         for s, real in zip(fsdp, reached):
             if not real and used.get(id(s.param)) == "zeros":
                 s.param.grad = None
-        if grp.size > 1:
+        if self._dp is not None:  # FSDP reduced each gradient over the group; over the dp group it is averaged here
+            held = self._agree([s.param.grad is not None for s in fsdp])
+            for s, h in zip(fsdp, held):
+                if h and s.param.grad is None:
+                    s.param.grad = torch.zeros_like(s.param)
+            self._dp_mean([local_tensor(s.param.grad) for s, h in zip(fsdp, held) if h])
+        if grp.size > 1 or self._dp is not None:
             live = [s for s, h in zip(slots, agreed[1:]) if h]
             for s in live:
                 if s.param.grad is None:
                     s.param.grad = torch.zeros_like(s.param)
             itemsize = live[0].param.grad.element_size() if live else 4
             all_reduce_mean_([s.param.grad for s in live], grp.group, bucket_bytes=self._buffer_max_size * itemsize)
+            self._dp_mean([s.param.grad for s in live])
         else:
             live = [s for s in slots if s.param.grad is not None]
+        self._drop_stale(live)
         for s in live:
             if s.shard is None or s.shard is s.param or not s.owned:
                 continue
             g = s.param.grad.detach().reshape(-1)[s.lo : s.hi]
             s.shard.grad = g.to("cpu") if s.shard.device != g.device else g
+            self._given[id(s)] = weakref.ref(s.shard.grad)
+
+    def _drop_stale(self, live: list) -> None:
+        """A stepped copy whose parameter has no gradient now (the model's own ``zero_grad()`` dropped it) keeps
+        none either: the optimizer must not step it on the gradient of an earlier step, as a dense run would not.
+        Only a gradient this sync gave it is dropped (``create_states`` gives the copies gradients of their own)."""
+        keep = {id(s) for s in live}
+        for s in self._slots:
+            given = self._given.get(id(s))
+            if id(s) not in keep and given is not None and s.shard.grad is not None and given() is s.shard.grad:
+                s.shard.grad = None
 
     def _no_gradient_message(self, units_ran: bool) -> str:
         inputs = ("a backward(inputs=...) naming the model's parameters reaches only those kept whole (under "
@@ -302,17 +349,26 @@ class FlatZero(Zero):
         clip = self._grad_clip or getattr(self._inner_opt, "_grad_clip", None)
         if clip is None:
             return None
-        sharded, replicated = [], []
+        sharded, replicated = [], []  # (gradient, whether it is a model-parallel block)
         for s in self._slots:
+            if s.name in self._no_clip:
+                continue
+            split = s.name in self._split
             if s.piece.mode == "fsdp":
                 g = s.param.grad
                 if g is not None:
-                    sharded.append(local_tensor(g))
+                    sharded.append((local_tensor(g), split))
             elif s.piece.mode == "replicated":
-                replicated.append(s.shard.grad if s.shard is not s.param else s.param.grad)
+                replicated.append((s.shard.grad if s.shard is not s.param else s.param.grad, split))
             elif s.owned and s.shard is not None:
-                sharded.append(s.shard.grad)
-        return clip.clip_pieces(sharded, replicated, group=self._group.pg)
+                sharded.append((s.shard.grad, split))
+        if self._mp is None:
+            return clip.clip_pieces([g for g, _ in sharded], [g for g, _ in replicated], group=self._group.pg)
+        # the split blocks' squares added over the mp group too; the other gradients are the same on each mp rank
+        grp, mp = self._group.pg, self._mp
+        parts = [([g for g, m in sharded if m], [grp, mp]), ([g for g, m in sharded if not m], [grp]),
+                 ([g for g, m in replicated if m], [mp]), ([g for g, m in replicated if not m], [])]
+        return clip.clip_hybrid([([g for g in gs if g is not None], groups) for gs, groups in parts])
 
     # step ------------------------------------------------------------------------------------------------
     def _before_sync(self, closure):

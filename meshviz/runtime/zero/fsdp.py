@@ -55,6 +55,53 @@ def apply_fsdp(model, piece_of: dict, grp: ShardingGroup, dev, offload, used: di
                     _fill_unused(group, used)
             unit.register_forward_pre_hook(_same_unit(i, [names[id(u)] for u in units + [model]], grp),
                                            prepend=True)
+        _anchor_units(model, units)
+
+
+def _anchor_units(model, units: list) -> None:
+    """Make every backward through the model's output reach each unit whose forward ran, with zeros where the loss
+    does not read the unit's output: FSDP2 would otherwise reduce-scatter such a unit's gradients at the end of this
+    rank's backward, after the others' units, while a rank whose loss reads it does so in the backward's order, and
+    the ranks' collectives would no longer match."""
+    ran: list = []
+
+    def record(module, args, output):
+        if torch.is_grad_enabled():
+            ran.extend(t for t in _tensors(output) if t.requires_grad)
+
+    def anchor(module, args, output):
+        if not ran or not torch.is_grad_enabled():
+            ran.clear()
+            return None
+        # a zero read from an empty slice of each (no 0 * inf): its backward gives each output a zero gradient
+        zero = sum(h.reshape(-1)[:0].sum().float() for h in ran)
+        ran.clear()
+        return _map_tensors(output, lambda t: t + zero.to(t.dtype) if t.requires_grad and t.is_floating_point() else t)
+
+    for unit in units:
+        unit.register_forward_hook(record)
+    model.register_forward_pre_hook(lambda module, args: ran.clear(), prepend=True)
+    model.register_forward_hook(anchor)
+
+
+def _tensors(x) -> list:
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, (list, tuple)):
+        return [t for v in x for t in _tensors(v)]
+    if isinstance(x, dict):
+        return [t for v in x.values() for t in _tensors(v)]
+    return []
+
+
+def _map_tensors(x, fn):
+    if isinstance(x, torch.Tensor):
+        return fn(x)
+    if type(x) in (list, tuple):  # a container of another type is left as it is
+        return type(x)(_map_tensors(v, fn) for v in x)
+    if type(x) is dict:
+        return {k: _map_tensors(v, fn) for k, v in x.items()}
+    return x
 
 
 def _tied(model, units: list, ignored) -> list:
