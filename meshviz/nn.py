@@ -88,7 +88,7 @@ def _sum_over(sq: torch.Tensor, group) -> None:
              tensors=(sq,), traced=False))
 
 
-def _fleet_mp_group():
+def fleet_mp_group():
     """fleet's model-parallel group when ``fleet.init`` set one up with mp > 1 on this rank, else None."""
     from .distributed.fleet.state import current
 
@@ -204,7 +204,7 @@ class ClipGradByGlobalNorm:
         grads = [p.grad for p in kept]
         split = [p.grad for p in kept if getattr(p, "is_distributed", False) is True and not _is_dist(p.grad)
                  and not _is_dtensor(p.grad)]
-        mp = _fleet_mp_group() if group is None and split else None
+        mp = fleet_mp_group() if group is None and split else None
         if mp is not None:  # fleet's tensor-parallel shards: their squares are added over the mp group
             ids = {id(g) for g in split}
             return self.clip_pieces(sharded=split, replicated=[g for g in grads if id(g) not in ids], group=mp)

@@ -6,7 +6,7 @@ import torch.distributed as tdist
 import torch.nn as nn
 
 from ...core.sharding import LEVELS
-from ...nn import ClipGradByGlobalNorm, _fleet_mp_group
+from ...nn import ClipGradByGlobalNorm, fleet_mp_group
 from ...runtime.agree import same_on_every_rank
 from ...runtime.devices import place_module
 from ...runtime.groups import resolve
@@ -128,7 +128,7 @@ def group_sharded_parallel(
                                 segment_size=max(segment_size, 1),
                                 grad_clip=grad_clip, buffer_max_size=buffer_max_size, sync_buffers=sync_buffers,
                                 dp=dp, exclude=excluded, clip_kinds=(split, no_clip),
-                                mp=_fleet_mp_group() if split else None)
+                                mp=fleet_mp_group() if split else None)
     optimizer._meshviz_sharded = True  # its param_groups hold this rank's shards now, not the model's parameters
     return model, opt, make_scaler(scaler, grp, dev.type)
 
