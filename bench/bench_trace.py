@@ -1,11 +1,14 @@
-"""The live stream in one process: single-event latency, and the cost of emitting with no receiver listening.
+"""The live stream in one process: single-event latency, the cost of emitting with no receiver listening, and a
+traced reshard against the same reshard untraced (issue 28's aim: at most 1.2x).
 
-Run: .venv/bin/python bench/bench_trace.py [--events 200]
+Run: .venv/bin/python bench/bench_trace.py [--events 200] [--reshard --ranks 1 2 --calls 300 --rounds 15]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import statistics
 import time
 
 from meshviz import trace
@@ -45,10 +48,69 @@ def emit_without_receiver(count: int) -> float:
     return took
 
 
+RESHARDS = {"S(0)->R": ("S0", "R"), "P->R": ("P", "R"), "S(0)->S(1)": ("S0", "S1")}
+
+
+def reshard_cost(calls: int, rounds: int) -> dict:
+    """On every rank of the world: per reshard of ``RESHARDS`` (4x4 float32 on a 1-D mesh of the world), the
+    median over rounds of (traced / untraced) of the calling thread's CPU time, and the medians of each in us. A
+    traced round runs under ``trace.record`` (its events kept, as a user's are) and its flush is inside its time;
+    the two run alternately, round by round, so drifting load hits both alike, and each round's pair gives one
+    ratio (the CPU time leaves out the peer's latency, which only adds the same to both)."""
+    import torch
+    import torch.distributed as tdist
+
+    import meshviz.distributed as dist
+    from meshviz import trace
+
+    dist.init_parallel_env()
+    n = tdist.get_world_size()
+    mesh = dist.ProcessMesh(list(range(n)), dim_names=["x"])
+    pl = {"S0": dist.Shard(0), "S1": dist.Shard(1), "R": dist.Replicate(), "P": dist.Partial()}
+    out = {}
+    for name, (src, dst) in RESHARDS.items():
+        d = dist.shard_tensor(torch.arange(16.0).reshape(4, 4), mesh, [pl[src]])
+        target = [pl[dst]]
+        cpu: dict = {False: [], True: []}
+        for traced in (False, True):  # warm-up: plans, groups, templates
+            with trace.record() if traced else contextlib.nullcontext():
+                for _ in range(20):
+                    dist.reshard(d, mesh, target)
+        for _ in range(rounds):
+            for traced in (False, True):
+                if n > 1:
+                    tdist.barrier()
+                with trace.record() if traced else contextlib.nullcontext():
+                    c0 = time.thread_time()
+                    for _ in range(calls):
+                        dist.reshard(d, mesh, target)
+                    trace.flush()
+                    cpu[traced].append((time.thread_time() - c0) / calls * 1e6)
+        ratios = sorted(t / u for t, u in zip(cpu[True], cpu[False]))
+        out[name] = (statistics.median(ratios), ratios[len(ratios) // 4], ratios[-(len(ratios) // 4) - 1],
+                     statistics.median(cpu[True]), statistics.median(cpu[False]))
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--events", type=int, default=200)
+    ap.add_argument("--reshard", action="store_true", help="only the traced reshard against the untraced one")
+    ap.add_argument("--ranks", type=int, nargs="+", default=[1, 2], help="gloo processes, with --reshard")
+    ap.add_argument("--calls", type=int, default=300)
+    ap.add_argument("--rounds", type=int, default=15)
     args = ap.parse_args()
+    if args.reshard:
+        from meshviz.testing import run_ranks
+
+        print("| ranks | reshard | traced / untraced CPU time, median (quartiles) | traced us | untraced us |\n"
+              "|---|---|---|---|---|")
+        for n in args.ranks:
+            res = run_ranks(reshard_cost, n, args.calls, args.rounds, timeout=1800, collective_timeout=600,
+                            ranks="processes")[0]
+            for name, (r, lo, hi, t, u) in res.items():
+                print(f"| {n} | {name} | {r:.2f} ({lo:.2f}-{hi:.2f}) | {t:.1f} | {u:.1f} |")
+        return
     lat = single_event_latency(args.events)
     p50, p95 = lat[len(lat) // 2], lat[int(0.95 * (len(lat) - 1))]
     print(f"single-event latency, in-process stream: p50 {p50:.2f} ms, p95 {p95:.2f} ms, max {lat[-1]:.2f} ms "

@@ -70,9 +70,10 @@ class DeviceRead:
 class Traced:
     """What a plan's events carry on one rank that is the same at every run: the ``reshard`` event's fields, each
     step's group (None where the rank has no part), whether it keeps the block (a line of one rank: the block's
-    values are those that went in), its ``reshard_step`` fields, and its payloads per issuer."""
+    values are those that went in), its ``reshard_step`` fields, its payloads per issuer, and the blocks' shapes as
+    lists (events of the plan share them, as they share the templates' lists)."""
 
-    __slots__ = ("plan", "head", "parts", "keeps", "steps", "issued")
+    __slots__ = ("plan", "head", "parts", "keeps", "steps", "issued", "shapes")
 
     def __init__(self, plan: Plan, rank: int):
         self.plan = plan  # held: the cache's key is its id
@@ -92,6 +93,22 @@ class Traced:
                 shape_after=list(plan.shape), payload=trace.ReshardStep())
             for i, (step, part) in enumerate(zip(plan.steps, self.parts))]
         self.issued: list[dict] = [{} for _ in plan.steps]
+        self.shapes: dict = {}
+
+    def shape_of(self, local) -> list | None:
+        """``list(local.shape)`` (None for no block), one list per shape: a run keeps no new object alive for it."""
+        if local is None:
+            return None
+        shape = local.shape
+        try:
+            s = self.shapes.get(shape)
+        except TypeError:  # a symbolic size hashes not
+            return list(shape)
+        if s is None:
+            if len(self.shapes) >= 64:
+                self.shapes.clear()
+            s = self.shapes[shape] = list(shape)
+        return s
 
     def step_payload(self, i: int, issued) -> trace.ReshardStep:
         known = self.issued[i]
@@ -121,26 +138,31 @@ def traced_plan(plan: Plan, rank: int) -> Traced:
 
 UNKNOWN = object()  # values not read yet
 
+# The hot path keeps one tuple per event until the flush (trace.defer_entry): its maker, then what the event says,
+# each part a cached object where one serves (a shape's list, a step's payload) or the values read.
+
 
 def plan_event(st, traced: Traced, me: int, local, name, tensor_id, plan_id) -> list | None:
     """Defer the ``reshard`` event (it is made at the trace's next flush, of what holds now); returns the values it
     read."""
     values = None if local is None else values_of(local)
     now = time.time()
-    trace.defer(st, _plan_made, (traced, next(st.seq), now, me, st.cell, name, tensor_id, plan_id,
-                                 None if local is None else local.shape, values), now)
+    trace.defer_entry(st, (_plan_made, traced, next(st.seq), now, me, st.cell, name, tensor_id, plan_id,
+                           traced.shape_of(local), values), now)
     return values
 
 
 def _listed(values):
+    if values is None or type(values) is list:
+        return values
     if type(values) is DeviceRead:
         return values.tolist()
     return trace.small_values(values) if isinstance(values, torch.Tensor) else values
 
 
-def _plan_made(traced, seq, now, me, cell, name, tensor_id, plan_id, shape, values):
-    return traced.head.stamp_run(seq, now, now, me, cell, name, tensor_id, plan_id,
-                                 None if shape is None else list(shape), _listed(values))
+def _plan_made(entry):
+    _, traced, seq, now, me, cell, name, tensor_id, plan_id, shape, values = entry
+    return traced.head.stamp_run(seq, now, now, me, cell, name, tensor_id, plan_id, shape, _listed(values))
 
 
 def step_event(st, traced: Traced, me: int, i: int, local, t0, name, tensor_id, plan_id, issued,
@@ -149,16 +171,17 @@ def step_event(st, traced: Traced, me: int, i: int, local, t0, name, tensor_id, 
     the block has the values that went in). Returns the values."""
     values = (None if local is None else values_of(local)) if known is UNKNOWN else known
     now = time.time()
-    trace.defer(st, _step_made, (traced, i, known is not UNKNOWN, next(st.seq), t0, now, me, st.cell, name,
-                                 tensor_id, plan_id, None if local is None else local.shape, values, issued), now)
+    trace.defer_entry(st, (_step_made, traced, i, known is not UNKNOWN, next(st.seq), t0, now, me, st.cell, name,
+                           tensor_id, plan_id, traced.shape_of(local), values, traced.step_payload(i, issued)), now)
     return values
 
 
-def _step_made(traced, i, shared, seq, t0, now, me, cell, name, tensor_id, plan_id, shape, values, issued):
+def _step_made(entry):
+    _, traced, i, shared, seq, t0, now, me, cell, name, tensor_id, plan_id, shape, values, payload = entry
     return traced.steps[i].stamp_run(
-        seq, t0, now, me, cell, name, tensor_id, plan_id, None if shape is None else list(shape),
+        seq, t0, now, me, cell, name, tensor_id, plan_id, shape,
         values.copy() if shared and type(values) is list else _listed(values),  # each event owns its values
-        traced.step_payload(i, issued))
+        payload)
 
 
 def issued_now() -> tuple:

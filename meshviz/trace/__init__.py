@@ -25,6 +25,7 @@ from .recorder import (
     add_sink,
     clear_sinks,
     defer,
+    defer_entry,
     emit,
     flush,
     load_events,
@@ -44,6 +45,7 @@ __all__ = [
     "Event", "EventTemplate", "KINDS", "MAX_VALUES", "leading_rows", "small_values", "to_json", "from_json",
     "Ownership", "Payload", "Placed", "ReshardPlan", "ReshardStep", "Issued", "Collective", "Send", "Recv", "Compute",
     "Mark", "Share", "OpRule", "RankStatus", "RollCall", "Situation", "CommRow", "CommTable", "comm_table",
-    "active", "on_active", "emit", "defer", "flush", "FLUSH_AFTER", "span", "add_sink", "remove_sink", "clear_sinks",
-    "sinks", "set_rank", "set_cell", "my_rank", "MemorySink", "JSONLSink", "record", "replay", "load_events",
+    "active", "on_active", "emit", "defer", "defer_entry", "flush", "FLUSH_AFTER", "span", "add_sink", "remove_sink",
+    "clear_sinks", "sinks", "set_rank", "set_cell", "my_rank", "MemorySink", "JSONLSink", "record", "replay",
+    "load_events",
 ]

@@ -142,9 +142,16 @@ class EventTemplate:
         """:meth:`stamp` of the fields a reshard's run sets (``payload``: the template's where None; one of the
         template's kind)."""
         fields = self._fields.copy()
-        fields["seq"], fields["start"], fields["end"], fields["rank"], fields["cell"] = seq, start, end, rank, cell
-        fields["name"], fields["tensor_id"], fields["plan_id"] = name, tensor_id, plan_id
-        fields["local_shape"], fields["values"] = local_shape, values
+        fields["seq"] = seq
+        fields["start"] = start
+        fields["end"] = end
+        fields["rank"] = rank
+        fields["cell"] = cell
+        fields["name"] = name
+        fields["tensor_id"] = tensor_id
+        fields["plan_id"] = plan_id
+        fields["local_shape"] = local_shape
+        fields["values"] = values
         if payload is not None:
             if payload.KIND != self._kind:
                 raise ValueError(f"EventTemplate: a {self._kind!r} event cannot carry a {type(payload).__name__}")
