@@ -229,6 +229,7 @@ class DistTensor(torch.Tensor):
     _mv_grad_hook = None  # the op layer's hook giving the gradient Paddle's placements
     _mv_key: int | None = None  # the layout's number in the op layer's decision cache, made on first use
     _mv_view = None  # ``op_writes.ViewOf``: how it is a view of another dist tensor (an in-place op writes that too)
+    _mv_writes = 0  # in-place ops on it so far (a view whose block is not its block's reads it anew after one)
     __torch_function__ = compat.disabled_torch_function_impl
 
     @staticmethod
@@ -312,7 +313,11 @@ class DistTensor(torch.Tensor):
 
     def _resolved(self) -> "DistTensor":
         """This tensor with a block that its :attr:`placements` describe: an axis only torch can name is
-        all-gathered by torch (its collective is seen, as every one inside an op is). No autograd."""
+        all-gathered by torch (its collective is seen, as every one inside an op is). No autograd. A view whose
+        base was written since its block was made reads the base anew first (``op_writes.ViewOf``)."""
+        rec = self._mv_view
+        if rec is not None and rec.stale():
+            rec.refresh(self)
         if self._tpl is None:
             return self
         dt = self._dtensor

@@ -14,7 +14,7 @@ from ..core.mesh import ProcessMesh
 from ..core.partial import summed
 from ..core.placements import Partial, Placement, Replicate, Shard
 from .autograd import local_block_of, run_reshard
-from .dtensor import make_dist
+from .dtensor import DistTensor, make_dist
 
 __all__ = ["TensorSpec", "Strategy", "Rule", "RULES", "CANONICAL_ARGS", "register", "canonical", "rule_of",
            "merged", "partial_meets_shard"]
@@ -396,27 +396,50 @@ def _triangle_local(args, kwargs):
     return Strategy((want,), (want,))
 
 
-@register("local", aten._scaled_dot_product_flash_attention_for_cpu.default,
-          aten._scaled_dot_product_flash_attention_for_cpu_backward.default)
+_ATTENTION = (aten._scaled_dot_product_flash_attention_for_cpu.default,
+              aten._scaled_dot_product_flash_attention_for_cpu_backward.default)
+
+
+def _mask_layout(mask, pl) -> list:
+    """An attention mask's placements beside q's ``pl``: split as q's batch or heads dim where it has that dim
+    (of size above 1), else whole."""
+    dims = [p.dim - 4 + mask.dim() if isinstance(p, Shard) and p.dim <= 1 else -1 for p in pl]
+    return [Shard(d) if d >= 0 and mask.shape[d] > 1 else Replicate() for d in dims]
+
+
+@canonical(*_ATTENTION)
+def _attention_mask(args, kwargs):
+    """A dense attn_mask with a batch or heads dim that q splits: a Replicate dist tensor, which the attention rule
+    lays out as each rank's rows and heads (a slice of the block every rank holds: nothing moves)."""
+    mask = kwargs.get("attn_mask")
+    q = next((a for a in args if type(a) is DistTensor), None) if type(mask) is torch.Tensor else None
+    if q is None or not any(isinstance(p, Shard) for p in _mask_layout(mask, q._mpl)):
+        return args, kwargs
+    return args, {**kwargs, "attn_mask": make_dist(mask, q._pmesh, (Replicate(),) * q._pmesh.ndim, mask.shape)}
+
+
+@register("local", *_ATTENTION)
 def _attention_local(args, kwargs):
     """The CPU attention kernel and its backward with every dist input laid out alike along the batch or heads dim:
-    each rank attends over its own rows and heads, a plain mask read whole where it has no such dim (torch's rule,
-    given a mask, propagates through the kernel's decomposition: minutes on a CPU)."""
+    each rank attends over its own rows and heads, the mask laid out alike where it has such a dim, else whole.
+    (torch's rule, given a mask, propagates through the kernel's decomposition: minutes on a CPU.)"""
     specs = [a for a in args if isinstance(a, TensorSpec)]
     mask = kwargs.get("attn_mask")
-    if len(specs) not in (3, 6) or isinstance(mask, TensorSpec):  # q, k, v (and the backward's grad, out, lse)
+    if len(specs) not in (3, 6):  # q, k, v (and the backward's grad, out, lse)
         return None
     pl = specs[0].placements
     if any(s.placements != pl for s in specs) or any(
             not isinstance(p, (Replicate, Shard)) or (isinstance(p, Shard) and p.dim > 1) for p in pl):
         return None
-    split = {p.dim for p in pl if isinstance(p, Shard)}
-    if any(_empty_somewhere(s, sorted(split)) for s in specs):
+    if any(_empty_somewhere(s, sorted({p.dim for p in pl if isinstance(p, Shard)})) for s in specs):
         return None
-    if isinstance(mask, torch.Tensor) and any(0 <= d - 4 + mask.dim() and mask.shape[d - 4 + mask.dim()] > 1
-                                              for d in split):
-        return None  # a mask per batch row or head: each rank would need its part
-    return Strategy((None,) * len(specs), (pl,) * (2 if len(specs) == 3 else 3))  # (out, lse) or (dq, dk, dv)
+    want = [None] * len(specs)
+    if isinstance(mask, TensorSpec):
+        lay = _mask_layout(mask, pl)
+        want.append(None if lay == mask.placements else lay)
+    elif isinstance(mask, torch.Tensor) and any(isinstance(p, Shard) for p in _mask_layout(mask, pl)):
+        return None  # a dense mask per batch row or head (not made a dist one): each rank would need its part
+    return Strategy(tuple(want), (pl,) * (2 if len(specs) == 3 else 3))  # (out, lse) or (dq, dk, dv)
 
 
 # -- random: the dense op's draw on every rank, each keeping its block

@@ -8,10 +8,13 @@ import weakref
 import torch
 
 from ..core.placements import Replicate
+from . import dtensor as dtensor_module
+from . import groups
+from .autograd import run_reshard
 from .dtensor import DistTensor
 
 __all__ = ["written_args", "writing", "moved", "write_back", "ViewOf", "view_made", "write_through", "out_variant",
-           "into_out"]
+           "into_out", "fresh", "wrote"]
 
 _WRITTEN: dict = {}
 # per thread (ranks as threads included): id of the caller's tensor, or of a copy laid out anew for the op ->
@@ -68,6 +71,8 @@ def write_back(watched: dict, token: contextvars.Token, redistribute) -> None:
         back = redistribute(copy, orig._mpl, f"{orig.name or 'argument'} written back")
         with torch.no_grad():
             orig._local.copy_(back._local)
+    for orig, _ in watched.values():
+        orig._mv_writes += 1
 
 
 # -- views: an in-place op on a view writes its base ----------------------------------------------------------------
@@ -75,19 +80,72 @@ def write_back(watched: dict, token: contextvars.Token, redistribute) -> None:
 class ViewOf:
     """How a dist tensor is a view of ``base``: ``func(base, *args, **kwargs)`` (its ``index``-th output).
     ``detached``: its block is not a view of the base's block (the op layer moved the base first, or DTensor ran the
-    view), so a write into it reaches the base only through :func:`write_through`."""
+    view), so a write into it reaches the base only through :func:`write_through`, and an in-place op on the base
+    reaches it only when it is read anew (:meth:`refresh`; ``writes``: the base's count of them it has seen)."""
 
-    __slots__ = ("_base", "func", "args", "kwargs", "index", "detached")
+    __slots__ = ("_base", "func", "args", "kwargs", "index", "detached", "writes", "_block")
 
     def __init__(self, base, func, args, kwargs, index, detached: bool):
         # weakly: a view must not keep its base's block alive (activations saved for backward are views); a base
         # no one holds any more needs no write
         self._base, self.func, self.args, self.kwargs = weakref.ref(base), func, args, kwargs
-        self.index, self.detached = index, detached
+        self.index, self.detached, self.writes = index, detached, base._mv_writes
+        self._block = None if detached else weakref.ref(base._local)  # the block its own is a view of
 
     @property
     def base(self):
         return self._base()
+
+    def stale(self) -> bool:
+        """Whether an in-place op on the base (or on one further up a chain of views) since the view's block was
+        made did not land in that block (a copy, or a view of the base's block since replaced). The same on every
+        rank: the counts and blocks change with the ops every rank runs."""
+        base = self._base()
+        if base is None:
+            return False
+        if base._mv_writes != self.writes and (self.detached or self._block() is not base._local):
+            return True
+        up = base._mv_view
+        return up is not None and up.stale()
+
+    def synced(self) -> None:
+        """The view holds the base's value as it is now (a write through it reached the base)."""
+        base = self._base()
+        if base is not None:
+            self.writes = base._mv_writes
+
+    def refresh(self, view) -> None:
+        """``view`` holds ``func(base, ...)`` anew, in its own placements, as a torch view of a plain tensor sees
+        its base's writes. Every rank of the mesh calls it (collectives)."""
+        base = self._base()
+        with torch.no_grad():
+            out = dtensor_module._op_layer(self.func, (base, *self.args), self.kwargs)
+            if self.index is not None:
+                out = out[self.index]
+            rec = out._mv_view if out is not base else None
+            detached = rec.detached if rec is not None else out is not base
+            if out._mpl != view._mpl and out._tpl is None and view._tpl is None:
+                out, detached = run_reshard(out, out._pmesh, view._mpl, view.name), True
+        view._hold(out)
+        view._mv_writes += 1  # its own views read it anew too
+        view._mv_view = ViewOf(base, self.func, self.args, self.kwargs, self.index, detached)
+
+
+def fresh(args, kwargs) -> None:
+    """Each dist view among an op's arguments whose base an in-place op wrote since is read anew first."""
+    for a in args:
+        kind = type(a)
+        if kind is DistTensor:
+            rec = a._mv_view
+            if rec is not None and rec.stale():
+                rec.refresh(a)
+        elif kind is list or kind is tuple:
+            fresh(a, {})
+    for v in kwargs.values():
+        if type(v) is DistTensor:
+            rec = v._mv_view
+            if rec is not None and rec.stale():
+                rec.refresh(v)
 
 
 def view_made(d, args, kwargs, func, out) -> None:
@@ -109,6 +167,14 @@ def view_made(d, args, kwargs, func, out) -> None:
                 o._mv_view = ViewOf(base, func, args[1:], kwargs, i, detached)
 
 
+def wrote(t, before, redistribute) -> None:
+    """An in-place op wrote ``t``: counted (views of it whose blocks are copies read it anew), and where ``t`` is
+    a view (``before``: its block and placements before the op, else None), the write reaches its base."""
+    t._mv_writes += 1
+    if before is not None:
+        write_through(t, before, redistribute, t._pmesh.contains(groups.rank()))
+
+
 def write_through(view, before, redistribute, member: bool) -> None:
     """An in-place op wrote ``view`` (its block and placements were ``before``): where that write did not land in
     the base's block (a detached view, or a view the op laid out anew), the base's region is set to the view's
@@ -117,18 +183,19 @@ def write_through(view, before, redistribute, member: bool) -> None:
     draws the whole tensor and keeps its block) has that block copied into the old one: no collective."""
     block, placements = before
     first, changed = view._mv_view, view._local is not block
+    own = changed  # the view holds a new block: its own from now on, so a later write into it goes the long way
     if changed and first is not None and not first.detached and view._mpl == placements \
             and view._local.shape == block.shape and view._local.dtype == block.dtype:
         with torch.no_grad():
             block.copy_(view._local)
         changed = False
-    else:
-        first = None
     rec = view._mv_view
     seen = {id(view)}
     while rec is not None and (base := rec.base) is not None and id(base) not in seen:
         seen.add(id(base))
         if not (rec.detached or changed):  # the write landed in the base's block: on up the chain
+            base._mv_writes += 1
+            rec.synced()
             view, rec, changed = base, base._mv_view, False
             continue
         before = base._local
@@ -147,8 +214,11 @@ def write_through(view, before, redistribute, member: bool) -> None:
                     base._local.copy_(back._local)
                 else:
                     base._hold(back)
+        base._mv_writes += 1
+        rec.synced()
+        rec.detached = rec.detached or changed
         view, rec, changed = base, base._mv_view, base._local is not before
-    if first is not None:  # the view's new block is its own now: a later write into it goes the long way
+    if own and first is not None:
         first.detached = True
 
 
@@ -180,10 +250,11 @@ def out_variant(func):
     return hit
 
 
-def into_out(func, args, kwargs, run, probe):
+def into_out(func, args, kwargs, run, probe, redistribute):
     """Run an ``out=`` op whose outputs are all dist tensors as its functional overload (``run``: the op layer),
-    then each out tensor holds its result (its layout too, as DTensor's out= gives). NotImplemented where an out
-    is not a dist tensor. A shape other than the result's raises on every rank before anything runs."""
+    then each out tensor holds its result (its layout too, as DTensor's out= gives; an out that is a view writes
+    its base). NotImplemented where an out is not a dist tensor. A shape other than the result's raises on every
+    rank before anything runs."""
     names, functional = out_variant(func)
     outs = [kwargs.get(n) for n in names]
     if not all(_is_dist(o) for o in outs):
@@ -200,7 +271,8 @@ def into_out(func, args, kwargs, run, probe):
     for o, r in zip(outs, results):
         if r.dtype != o.dtype:
             r = run(torch.ops.aten._to_copy.default, (r,), {"dtype": o.dtype})
-        o._hold(r)
+        before = (o._local, o._mpl) if o._mv_view is not None else None
+        wrote(o._hold(r), before, redistribute)
     return outs[0] if len(names) == 1 else tuple(outs)
 
 

@@ -41,7 +41,7 @@ from .op_plan import (
     writes_self,
 )
 from .op_rules import CANONICAL_ARGS, RULES
-from .op_writes import into_out, moved, out_variant, view_made, write_back, write_through, writing, written_args
+from .op_writes import fresh, into_out, moved, out_variant, view_made, write_back, writing, written_args, wrote
 from .torch_rule import as_replicate, ask_torch
 
 __all__ = ["dispatch", "decisions", "redistribute", "grad_like"]
@@ -52,12 +52,13 @@ _DECISIONS = decisions()
 def dispatch(func, args, kwargs):
     """Run ``func`` on ``args`` holding dist tensors; the single place meshviz decides an op's placements."""
     if kwargs and out_variant(func) is not None:
-        out = into_out(func, args, kwargs, dispatch, probe)
+        out = into_out(func, args, kwargs, dispatch, probe, redistribute)
         if out is not NotImplemented:
             return out
+    fresh(args, kwargs)
     self = args[0] if args else None
-    view = type(self) is DistTensor and self._mv_view is not None and writes_self(func)
-    before = (self._local, self._mpl) if view else None
+    inplace = type(self) is DistTensor and writes_self(func)
+    before = (self._local, self._mpl) if inplace and self._mv_view is not None else None
     if written_args(func):  # batch norm's running statistics: written in place wherever the op layer moved them
         watched, token = writing(func, args, kwargs, lambda x: isinstance(x, DistTensor))
         try:
@@ -66,8 +67,8 @@ def dispatch(func, args, kwargs):
             write_back(watched, token, redistribute)
     else:
         out = _dispatch(func, args, kwargs)
-    if view:  # a view of another dist tensor: the write reaches it
-        write_through(self, before, redistribute, self._pmesh.contains(groups.rank()))
+    if inplace:  # counted; where self is a view of another dist tensor, the write reaches that too
+        wrote(self, before, redistribute)
     return out
 
 
