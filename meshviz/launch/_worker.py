@@ -14,12 +14,20 @@ def main() -> None:
         rank_envs = os.environ.get(name)
         if rank_envs:  # this worker's device and Paddle's variables, decided by the launcher before it started
             os.environ.update(json.loads(rank_envs)[local])
-    os.environ["PADDLE_TRAINER_ID"] = os.environ.get("RANK", "0")
-    os.environ["PADDLE_TRAINERS_NUM"] = os.environ.get("WORLD_SIZE", "1")
-    os.environ["PADDLE_LOCAL_RANK"] = str(local)
+    rank, world = os.environ.get("RANK", "0"), os.environ.get("WORLD_SIZE", "1")
+    os.environ.update(PADDLE_TRAINER_ID=rank, PADDLE_TRAINERS_NUM=world, PADDLE_LOCAL_RANK=str(local),
+                      PADDLE_GLOBAL_RANK=rank, PADDLE_GLOBAL_SIZE=world)
+    master = os.environ.pop("MESHVIZ_LAUNCH_ENDPOINTS", "")
+    if master:  # the endpoints follow the master's port, one per rank of the world torch's rendezvous counted
+        from meshviz.runtime.rendezvous import paddle_endpoints, paddle_env
+
+        host, _, port = master.rpartition(":")
+        os.environ.update(paddle_env(int(rank), paddle_endpoints(host, int(port), int(world))))
     if os.environ.get("MESHVIZ_LAUNCH_MERGE_STDERR") == "1":
         sys.stderr.flush()
         os.dup2(sys.stdout.fileno(), sys.stderr.fileno())
+    if is_program(script):
+        _exec(script, args)
     sys.argv = [script] + args
     path = os.path.abspath(script)
     sys.path.insert(0, os.path.dirname(path))
@@ -32,6 +40,29 @@ def main() -> None:
     from meshviz.runtime.world import exit_quietly
 
     exit_quietly(0, note="its script finished")
+
+
+def is_program(script: str) -> bool:
+    """Is ``script`` a program to run as it is (Paddle's launch runs a script not ending in ``.py`` so: ``launch
+    python -m pkg.mod`` or ``launch ./run.sh``)? A folder, a zip, and a file without the execute bit stay Python."""
+    if script.endswith((".py", ".pyxes")) or os.path.isdir(script):
+        return False
+    if os.path.isfile(script):
+        return os.access(script, os.X_OK) and not zipfile.is_zipfile(script)
+    return True  # a name found on PATH
+
+
+def _exec(program: str, args: list) -> None:
+    """Become ``program args...`` (found on PATH as Paddle's launch runs it), with this worker's variables."""
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")  # a Python program's lines reach workerlog.N as they come
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        os.execvp(program, [program, *args])
+    except OSError as e:
+        _report(e)
+        print(f"meshviz.launch: cannot run {program!r}: {e}", file=sys.stderr, flush=True)
+        sys.exit(127)
 
 
 def _run(path: str) -> None:

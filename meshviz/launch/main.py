@@ -132,7 +132,8 @@ def _rank_envs(plan, listed: bool) -> list[dict]:
 def _paddle_envs(args, plan, nnodes: int, node_rank: int, master: str) -> list[dict]:
     """Each local worker's Paddle variables, as Paddle's launch sets them: ranks, sizes, the master, the endpoints
     (with --ips Paddle's ``ip:start_port+i``; else the master's host and the ports after its port, names only), the
-    log folder and, on the CPU, PADDLE_DISTRI_BACKEND=gloo."""
+    log folder and, on the CPU, PADDLE_DISTRI_BACKEND=gloo. Without --ips each worker names its rank and the
+    endpoints again once torch's rendezvous has counted the ranks (nodes may run different --nproc_per_node)."""
     from ..runtime.rendezvous import paddle_endpoints, paddle_env
 
     n = plan.n
@@ -257,6 +258,7 @@ def _build(args: argparse.Namespace, flags=None):
     from ..runtime import watchdog
 
     env = {"MESHVIZ_LAUNCH_MERGE_STDERR": "1", "MESHVIZ_BACKEND": plan.backend,
+           "MESHVIZ_LAUNCH_ENDPOINTS": "" if args.ips else master,
            "MESHVIZ_LAUNCH_RANK_ENV": json.dumps(_rank_envs(plan, listed=isinstance(_spec(args), tuple))),
            "MESHVIZ_LAUNCH_PADDLE_ENV": json.dumps(_paddle_envs(args, plan, nnodes, node_rank, master))}
     if args.hang_after > 0:
@@ -322,8 +324,7 @@ def launch(argv=None) -> int:
         args = parse_args(argv)
         _print_overrides(args)
         flags = _flags(args)  # before torch is imported: a bad flag or a missing script is refused at once
-        if not os.path.isfile(args.training_script):
-            raise ValueError(f"no such script {args.training_script!r}")
+        _check_script(args.training_script)
         config, env, reservation, plan = _build(args, flags)
     except ValueError as e:
         print(f"meshviz.launch: error: {with_sources(str(e), args) if args is not None else e}", file=sys.stderr)
@@ -344,10 +345,15 @@ def launch(argv=None) -> int:
     host = _rollcall_host(args, config)
     runner = Torchrun(config, entrypoint=sys.executable)
     hung, over = _stop_when_hung(host, runner) if host is not None else ([], None)
+    from torch.distributed import DistNetworkError, DistStoreError
+
     try:
         try:
             job = runner.start().submit(
                 ["-u", "-m", "meshviz.launch._worker", args.training_script, *args.training_script_args])
+        except (DistStoreError, DistNetworkError) as e:  # the agent's rendezvous timed out: no worker started
+            print(f"meshviz.launch: error: {_rendezvous_failure(e, config)}", file=sys.stderr, flush=True)
+            return 1
         finally:
             logs.stop()
         if hung:
@@ -365,6 +371,38 @@ def launch(argv=None) -> int:
         logs.remove_raw()
         del store
     return 0
+
+
+def _check_script(script: str) -> None:
+    """ValueError unless ``script`` is a Python script (or folder, or zip) here, or a program to run as it is."""
+    from ._worker import is_program
+
+    if is_program(script):
+        if shutil.which(script) is None:
+            raise ValueError(f"no such program {script!r} (a script not ending in .py is run as a program, as in "
+                             "Paddle's launch)")
+    elif not os.path.exists(script):
+        raise ValueError(f"no such script {script!r}")
+
+
+def _rendezvous_failure(e, config) -> str:
+    """What a rendezvous that timed out means: which node never arrived (node 0: the store never filled), or that
+    node 0's store never answered (the other nodes)."""
+    import re
+
+    master, node, nnodes = config.rdzv_endpoint, config.rdzv_configs["rank"], config.min_nodes
+    within = f"within {config.rdzv_configs['timeout']} s (MESHVIZ_RDZV_TIMEOUT)"
+    if node != 0:
+        return (f"node 0 (--rank 0) never served the rendezvous at {master} {within}: start it there, or check "
+                f"--master; {type(e).__name__}: {e}")
+    m = re.search(r"(\d+)/(\d+) clients joined", str(e))
+    if m and nnodes == 2:
+        missing = "node 1 (--rank 1) never arrived"
+    elif m:
+        missing = f"{nnodes - int(m.group(1))} of nodes 1..{nnodes - 1} never arrived"
+    else:
+        missing = f"not every one of nodes 1..{nnodes - 1} arrived"
+    return f"{missing} at the rendezvous at {master} (job {config.run_id}) {within}; {type(e).__name__}: {e}"
 
 
 def _print_overrides(args) -> None:
