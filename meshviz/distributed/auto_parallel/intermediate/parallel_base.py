@@ -26,7 +26,12 @@ def param_holders(model: torch.nn.Module) -> dict:
 
 def _share_across_stages(layer, origin, pname, placements, mesh):
     """A parameter of an earlier stage used by this layer too: swap in a copy resharded onto this layer's
-    stage for its forward (the gradient flows back through the reshard), then put the original back."""
+    stage for its forward (the gradient flows back through the reshard), then put the original back. Once per
+    layer and parameter: a later ``parallelize`` (a ``dp_config`` for a new optimizer) would move it twice."""
+    shared = layer.__dict__.setdefault("_mv_shared_params", set())
+    if pname in shared:
+        return
+    shared.add(pname)
 
     def pre(layer, input):
         layer._parameters[pname] = reshard(origin, mesh, placements)
@@ -35,7 +40,7 @@ def _share_across_stages(layer, origin, pname, placements, mesh):
         layer._parameters[pname] = origin
 
     layer.register_forward_pre_hook(pre)
-    layer.register_forward_hook(post)
+    layer.register_forward_hook(post, always_call=True)  # a forward that raises puts the original back too
 
 
 def shard_all_params(model, mesh, layer_param_placements: dict) -> None:
