@@ -13,6 +13,7 @@ from ...runtime.data_parallel import average_gradients
 from ...runtime.zero import create_states
 from ..api import is_dist_tensor
 from ..collective import all_gather_object, all_reduce, broadcast
+from .amp import PureLowPrecision, amp_dtype, pure_low_precision
 from .program import Program, count_inputs, local_of, meta_from_spec, shape_str, skeleton, split_feeds, split_input_spec
 from .recorder import DispatchRecorder, graph_from_records
 from .strategy import Strategy
@@ -65,6 +66,7 @@ class DistModel:
             raise ValueError(f"to_static: amp.dtype must be 'float16' or 'bfloat16', got {amp.dtype!r}")
         if amp.enable and str(amp.level).lower() not in ("o0", "o1", "o2"):
             raise ValueError(f"to_static: amp.level must be 'O0', 'O1' or 'O2', got {amp.level!r}")
+        o2 = pure_low_precision(strategy, optimizer)
         sh = strategy.sharding
         if sh.enable and optimizer is not None and sh.stage not in (1, 2, 3):
             raise ValueError(f"to_static: sharding.stage must be 1, 2 or 3, got {sh.stage}")
@@ -104,6 +106,7 @@ class DistModel:
                     broadcast(p.data, src=0)
             self._dp = bool(plain)
         self._device_type = next((p.device.type for p in layer.parameters()), "cpu")
+        self._o2 = PureLowPrecision(layer, amp_dtype(amp.dtype)) if o2 else None
         if amp.enable and str(amp.dtype) == "float16" and amp.use_dynamic_loss_scaling and optimizer is not None:
             self._scaler = torch.amp.GradScaler(
                 self._device_type, init_scale=float(amp.init_loss_scaling), growth_factor=float(amp.incr_ratio),
@@ -174,6 +177,9 @@ class DistModel:
                 raise TypeError(f"The inputs of DistModel should be list or tensor, but got {type(item)}")
         n = self._n_inputs
         inputs, labels = split_feeds(list(args), n, self._mode != "predict")
+        if self._sharded and any(_is_dist(t) for t in inputs + labels):  # the same on every rank, before any step
+            raise ValueError("DistModel: strategy.sharding with dist-tensor inputs (shard_dataloader) is not supported;"
+                             " feed each rank's part of the batch as plain tensors (its x._local_value())")
         if self._mode == "predict" and n is not None and len(inputs) != n:
             raise ValueError(f"predict takes the model's {n} input(s), got {len(inputs)} tensors")
         if self._mode != "predict" and not (inputs and labels):
@@ -200,13 +206,15 @@ class DistModel:
         amp = self._strategy.amp
         if not amp.enable or str(amp.level).lower() == "o0":
             return torch.autocast(self._device_type, enabled=False)
-        dtype = torch.float16 if str(amp.dtype) == "float16" else torch.bfloat16
-        return torch.autocast(self._device_type, dtype=dtype)
+        return torch.autocast(self._device_type, dtype=amp_dtype(amp.dtype))
+
+    def _run(self, inputs):
+        return self._forward(*inputs) if self._o2 is None else self._o2.run(self._layer, inputs)
 
     def _step(self, inputs, labels):
         if self._mode == "predict":
             with torch.no_grad(), self._autocast():
-                got = self._forward(*inputs)
+                got = self._run(inputs)
             outs = got if isinstance(got, (tuple, list)) else [got]
             bad = [type(o).__name__ for o in outs if not isinstance(o, torch.Tensor)]
             if bad:  # the same on every rank: every rank runs the same forward
@@ -216,10 +224,12 @@ class DistModel:
             return {f"out{i}": self._out(o) for i, o in enumerate(outs)}
         if self._mode == "eval":
             with torch.no_grad(), self._autocast():
-                loss = self._loss(self._forward(*inputs), *labels)
+                loss = self._loss(self._run(inputs), *labels)
             return self._out(self._global_loss(loss))
         with self._autocast():
-            loss = self._loss(self._forward(*inputs), *labels)
+            loss = self._loss(self._run(inputs), *labels)
+        if self._o2 is not None and loss.is_floating_point():
+            loss = loss.float()  # O2's loss in float32, as Paddle's
         scaled = loss
         if loss.dim():  # a loss per sample: the gradient of its sum over the whole batch, as in Paddle
             # the ranks' gradients are averaged: a local sum times the ranks is their sum
@@ -228,6 +238,8 @@ class DistModel:
         if self._scaler is not None:
             scaled = self._scaler.scale(scaled)
         scaled.backward()
+        if self._o2 is not None:
+            self._o2.master_grads(self._layer)
         self._micro += 1
         if self._micro % self._k == 0:
             if self._dp:
