@@ -46,17 +46,26 @@ _live: dict[tuple[int, int], _Output] = {}  # (id of the Threads, rank) -> the o
 
 
 class _Kernel:
-    """A late thread's stream once no cell of its rank runs: the kernel's, each line labelled with the rank."""
+    """A late thread's stream once no cell of its rank runs: the kernel's, each line labelled with the rank and
+    written whole (threads of several ranks print at once; ``print`` writes a line in pieces)."""
 
     def __init__(self, name: str, rank: int):
-        self.name, self.rank, self.fresh = name, rank, True
+        self.name, self.rank, self.part = name, rank, ""
 
     def append(self, text: str) -> None:
-        lines = text.splitlines(True)
+        text = self.part + text
+        whole, _, self.part = text.rpartition("\n")
+        if whole or text.endswith("\n"):
+            self._write(whole + "\n")
+
+    def flush(self) -> None:
+        if self.part:
+            part, self.part = self.part, ""
+            self._write(part + "\n")
+
+    def _write(self, text: str) -> None:
         label = f"[{self.name}:{self.rank}] "
-        text = "".join((label if i or self.fresh else "") + ln for i, ln in enumerate(lines))
-        if lines:
-            self.fresh = text.endswith("\n")
+        text = "".join(label + ln for ln in text.splitlines(True))
         with bound(rank_context.process()):  # the process's capture is none: the write goes where the kernel's go
             getattr(sys, self.name).write(text)
 
@@ -98,8 +107,9 @@ def _start(self: threading.Thread) -> None:
     target = getattr(self, "_target", None)
     if key is not None and getattr(target, "__module__", "") != "concurrent.futures.thread":
         ctx = rank_context.RankContext(env=rank_context.current().env)
+        follow = _Follow(key, out)
         with bound(ctx):
-            capture().out = _Follow(key, out)
+            capture().out = follow
         run = self.run
 
         def run_as_started():
@@ -110,6 +120,9 @@ def _start(self: threading.Thread) -> None:
                     pass
                 except BaseException:  # reported here, so that the report goes where the thread's output goes
                     threading.excepthook(threading.ExceptHookArgs((*sys.exc_info(), self)))  # type: ignore
+                finally:
+                    for stream in follow._kernel.values():
+                        stream.flush()
 
         self.run = run_as_started  # type: ignore[method-assign]
     _real_start(self)

@@ -223,3 +223,16 @@ def test_a_live_px_output_sends_each_ranks_tail_not_all_it_printed(monkeypatch):
     out.finish()  # the end shows all of it, in rank order
     whole = "".join(f"[stdout:{r}] \n{Result.stdout[r]}" for r in range(3)) + "[stderr:1] \nwarn"
     assert len(sent) == 2 and sent[-1] == whole
+
+
+def test_late_threads_of_several_ranks_write_whole_lines_to_the_kernel(capsys):
+    """``print`` writes a line in pieces: two ranks' late threads printing at once interleaved them mid-line
+    ('[stdout:2] late[stdout:1] late 2')."""
+    from meshviz.cluster.thread_view import _Kernel
+
+    one, two = _Kernel("stdout", 1), _Kernel("stdout", 2)
+    for stream, piece in [(two, "late"), (one, "late"), (two, " "), (one, " "), (two, "2"), (one, "1\nand "),
+                          (two, "\n"), (one, "more")]:
+        stream.append(piece)
+    one.flush()
+    assert capsys.readouterr().out.splitlines() == ["[stdout:1] late 1", "[stdout:2] late 2", "[stdout:1] and more"]
