@@ -5,40 +5,10 @@ import math
 import pytest
 import torch
 
-from meshviz.core.layout import local_block
 from meshviz.core.placements import parse_placement
 from meshviz.testing import run_ranks
 
-
-def _setup(mesh_shape):
-    import meshviz.distributed as dist
-
-    dist.init_parallel_env()
-    n = math.prod(mesh_shape)
-    ranks = torch.arange(n).reshape(mesh_shape).tolist()
-    return dist, dist.ProcessMesh(ranks, dim_names=["x", "y"][:len(mesh_shape)])
-
-
-def _place(dist, mesh, x, code):
-    """``x`` laid out as ``code`` (one placement per mesh axis, e.g. "S(0),S(1)"); "P": Partial(sum) on every axis,
-    rank r holding a seeded summand and rank 0 the rest."""
-    if code == "P":
-        n = dist.get_world_size()
-        g = torch.Generator().manual_seed(7)
-        parts = [torch.randn(x.shape, generator=g, dtype=x.dtype) for _ in range(n)]
-        parts[0] = x - sum(parts[1:])
-        return dist.dtensor_from_local(parts[dist.get_rank()].clone(), mesh, [dist.Partial()] * mesh.ndim,
-                                       shape=list(x.shape))
-    return dist.shard_tensor(x, mesh, [parse_placement(p) for p in code.split(",")])
-
-
-def _check(dist, mesh, t, want) -> None:
-    """``t`` holds ``want``: every rank's block that of ``want`` (a Partial one: the value), and the value."""
-    if not any(p.is_partial() for p in t.placements):
-        block = local_block(tuple(want.shape), mesh, t.placements, mesh.coordinate(dist.get_rank()))
-        torch.testing.assert_close(t._local_value().detach(), want[tuple(slice(a, b) for a, b in block)])
-    torch.testing.assert_close(dist.unshard_dtensor(t).detach(), want)
-
+from .test_op_probe import _check, _place, _setup
 
 # (make the view, then write): the write goes into the base or into another view of it, after the view was taken
 _LATE_WRITES = {
