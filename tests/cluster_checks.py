@@ -36,6 +36,13 @@ print(s0._local_value().tolist(), r._local_value().tolist() == a.tolist())
 """
 
 
+def fails(cluster, code, **kw) -> RankError:
+    """The RankError that running ``code`` on every rank raises."""
+    with pytest.raises(RankError) as info:
+        cluster.execute(code, **kw)
+    return info.value
+
+
 def events_arrive_while_the_cell_runs(cluster, n: int, tmp_path) -> None:
     flag = str(tmp_path / "go")
     cluster.events.clear()

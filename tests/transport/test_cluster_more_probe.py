@@ -9,6 +9,8 @@ import pytest
 import meshviz
 from meshviz.cluster import RankError
 
+from ..cluster_checks import fails
+
 pytestmark = pytest.mark.timeout(120)
 
 SETUP = "import threading, time, torch, torch.distributed as tdist\nr = tdist.get_rank()\n"
@@ -23,12 +25,6 @@ def threads():
     c.stop()
 
 
-def _fails(cluster, code, **kw) -> RankError:
-    with pytest.raises(RankError) as info:
-        cluster.execute(code, **kw)
-    return info.value
-
-
 def _all_reduce_works(cluster, n: int = 3) -> None:
     ar = cluster.execute("x = torch.full((1,), float(r + 1))\ntdist.all_reduce(x)\nprint(x.item())")
     assert ar.stdout == [f"{float(sum(range(1, n + 1)))}\n"] * n
@@ -37,7 +33,7 @@ def _all_reduce_works(cluster, n: int = 3) -> None:
 def test_one_error_on_every_thread_rank_is_named_as_every_ranks(threads):
     """A NameError on all three ranks read "rank 0 raised NameError ... (ranks 1, 2 stopped because of it)":
     ranks 1 and 2 were stopped by nothing, they raised it themselves."""
-    err = _fails(threads, "undefined_name_xyz")
+    err = fails(threads, "undefined_name_xyz")
     assert err.ranks == [0, 1, 2] and not err.lead
     assert err.headline() == f"every rank (0-2) raised {NAME_ERROR}"
     text = str(err)
@@ -45,10 +41,10 @@ def test_one_error_on_every_thread_rank_is_named_as_every_ranks(threads):
     assert text.count("traceback") == 1 and "--- rank 0 traceback (the same on ranks 1, 2) ---" in text
     assert threads.state == "ready"  # nothing was torn down
     # some ranks raising it alike, one ending well
-    err = _fails(threads, "if r:\n    raise KeyError('k')")
+    err = fails(threads, "if r:\n    raise KeyError('k')")
     assert err.ranks == [1, 2] and err.headline() == "ranks 1, 2 raised KeyError: 'k'", str(err)
     # different errors stay one rank's each
-    err = _fails(threads, "raise KeyError(r)")
+    err = fails(threads, "raise KeyError(r)")
     first = err.ranks[0]
     assert len(err.ranks) == 1 and err.headline().startswith(f"rank {first} raised KeyError: {first} ("), str(err)
     # the view's own error says the same
@@ -78,7 +74,7 @@ def test_a_raw_collective_one_thread_rank_skips_is_named_as_meshvizs_are(threads
     """tdist.all_reduce called directly on rank 0 alone: the error named rank 0 (its deadlock) with no word of
     ranks 1 and 2, which never entered it; meshviz's own collective named those two."""
     t0 = time.monotonic()
-    err = _fails(threads, "x = torch.ones(2)\nif r == 0:\n    tdist.all_reduce(x)\n")
+    err = fails(threads, "x = torch.ones(2)\nif r == 0:\n    tdist.all_reduce(x)\n")
     assert time.monotonic() - t0 < 10  # the collective timeout is 30 s
     assert err.ranks == [1, 2] and err.lead, str(err)
     assert err.diagnosis[0] == "rank 1 never entered all_reduce on group [0, 1, 2] (idle: its cell finished)"
@@ -124,7 +120,7 @@ def test_a_rank_keeping_the_turn_is_named_at_the_timeout_of_a_raw_collective():
                 "x = torch.ones(1)\n"
                 "tdist.all_reduce(x)\n")
         t0 = time.monotonic()
-        err = _fails(c, cell, timeout=30)
+        err = fails(c, cell, timeout=30)
         assert time.monotonic() - t0 < 15, str(err)
         assert err.ranks == [1] and err.lead, str(err)
         assert err.diagnosis[0] == "rank 1 never entered all_reduce on group [0, 1, 2]; it is running at line 3 " \
@@ -164,7 +160,7 @@ def test_engines_name_one_error_of_every_rank_a_system_exit_and_a_rank_that_exit
     c = meshviz.Cluster(n=2, timeout=20)
     try:
         c.execute(SETUP)
-        err = _fails(c, "undefined_name_xyz")
+        err = fails(c, "undefined_name_xyz")
         assert err.ranks == [0, 1] and err.headline() == f"every rank (0, 1) raised {NAME_ERROR}", str(err)
         assert "stopped because of it" not in str(err)
         assert c.state == "ready"
@@ -172,11 +168,11 @@ def test_engines_name_one_error_of_every_rank_a_system_exit_and_a_rank_that_exit
         # IPython takes a SystemExit before the engine's failure handler: rank 0 waited the collective timeout and
         # was named as the cause, rank 1 as stopped because of it
         t0 = time.monotonic()
-        err = _fails(c, "if r == 1:\n    raise SystemExit('bye')\nx = torch.ones(1)\ntdist.all_reduce(x)", timeout=60)
+        err = fails(c, "if r == 1:\n    raise SystemExit('bye')\nx = torch.ones(1)\ntdist.all_reduce(x)", timeout=60)
         assert time.monotonic() - t0 < 15, str(err)  # the collective timeout is 20 s
         assert err.ranks == [1] and err.headline().startswith("rank 1 raised SystemExit: bye"), str(err)
         _all_reduce_works(c, 2)
-        err = _fails(c, "import os\nif r == 1:\n    os._exit(0)\nx = torch.ones(1)\ntdist.all_reduce(x)", timeout=60)
+        err = fails(c, "import os\nif r == 1:\n    os._exit(0)\nx = torch.ones(1)\ntdist.all_reduce(x)", timeout=60)
         assert err.ranks == [1] and err.headline().startswith("rank 1 died"), str(err)
         assert c.state == "broken"
     finally:

@@ -8,6 +8,8 @@ import pytest
 import meshviz
 from meshviz.cluster import RankError
 
+from ..cluster_checks import fails
+
 pytestmark = pytest.mark.timeout(120)
 
 SETUP = "import time, torch, torch.distributed as tdist\nimport meshviz.distributed as dist\nr = tdist.get_rank()\n"
@@ -29,14 +31,8 @@ def threads():
     c.stop()
 
 
-def _fails(cluster, code, **kw) -> RankError:
-    with pytest.raises(RankError) as info:
-        cluster.execute(code, **kw)
-    return info.value
-
-
 def test_an_exception_whose_str_raises_names_its_rank_on_threads(threads):
-    err = _fails(threads, UNPRINTABLE, timeout=20)
+    err = fails(threads, UNPRINTABLE, timeout=20)
     assert err.ranks == [1], str(err)
     assert err.headline().startswith("rank 1 raised") and "Unprintable: <exception str() failed>" in err.headline()
     by = {o.rank: o for o in err.outcomes}
@@ -49,7 +45,7 @@ def test_an_interrupted_cell_blames_no_rank_for_the_others(threads):
     """Every rank sleeps; the interrupt stops all three: each is named as interrupted, none as stopped by another."""
     threading.Timer(0.5, threads.interrupt).start()
     t0 = time.monotonic()
-    err = _fails(threads, "time.sleep(30)", timeout=20)
+    err = fails(threads, "time.sleep(30)", timeout=20)
     assert time.monotonic() - t0 < 10
     assert err.ranks == [0, 1, 2], str(err)
     assert "stopped because of it" not in err.headline()
@@ -57,12 +53,12 @@ def test_an_interrupted_cell_blames_no_rank_for_the_others(threads):
     assert err.note.startswith("The cell was interrupted.")
     # a rank interrupted inside a collective still names those that never entered it
     threading.Timer(0.5, threads.interrupt).start()
-    err = _fails(threads, "if r == 2:\n    dist.all_reduce(torch.ones(1))\nelse:\n    time.sleep(30)", timeout=20)
+    err = fails(threads, "if r == 2:\n    dist.all_reduce(torch.ones(1))\nelse:\n    time.sleep(30)", timeout=20)
     assert err.ranks == [0, 1] and err.lead, str(err)
     assert err.diagnosis[0].startswith("rank 0 never entered all_reduce #1 on group [0, 1, 2]")
     # a rank that raised on its own before the interrupt is still the cause
     threading.Timer(0.5, threads.interrupt).start()
-    err = _fails(threads, "if r == 1:\n    raise KeyError('own')\ntime.sleep(30)", timeout=20)
+    err = fails(threads, "if r == 1:\n    raise KeyError('own')\ntime.sleep(30)", timeout=20)
     assert err.ranks == [1] and "rank 1 raised KeyError: 'own' (ranks 0, 2 stopped because of it)" in str(err)
     assert threads.execute(ALL_REDUCE).stdout == ["6.0\n"] * 3
 
@@ -97,7 +93,7 @@ def test_a_rank_that_keeps_the_turn_is_named_at_the_collective_timeout_on_thread
                 "        pass\n"
                 "x = torch.ones(1)\n"
                 "dist.all_reduce(x)\n")
-        err = _fails(c, cell, timeout=30)
+        err = fails(c, cell, timeout=30)
         assert time.monotonic() - t0 < 15, str(err)
         assert err.ranks == [1] and err.lead, str(err)
         assert err.diagnosis[0] == "rank 1 never entered all_reduce #1 on group [0, 1, 2]; it is running at line 3 " \
@@ -116,11 +112,11 @@ def test_an_exception_whose_str_raises_is_reported_at_once_on_engines():
     try:
         c.execute(SETUP)
         t0 = time.monotonic()
-        err = _fails(c, UNPRINTABLE)
+        err = fails(c, UNPRINTABLE)
         assert time.monotonic() - t0 < 10  # the collective timeout is 20 s
         assert err.ranks == [1] and err.headline().startswith("rank 1 raised"), str(err)  # IPython's own text
         t0 = time.monotonic()
-        err = _fails(c, "if r == 1:\n    raise KeyError('later')\nx = torch.ones(1)\ntdist.all_reduce(x)\n")
+        err = fails(c, "if r == 1:\n    raise KeyError('later')\nx = torch.ones(1)\ntdist.all_reduce(x)\n")
         assert time.monotonic() - t0 < 10
         assert err.ranks == [1] and "rank 1 raised KeyError: 'later'" in err.headline(), str(err)
         assert c.execute(ALL_REDUCE).stdout == ["3.0\n"] * 2
@@ -140,7 +136,7 @@ def test_stopping_one_of_two_thread_clusters_keeps_the_others_collective_check()
         first.stop()
         assert match.checking()
         second.execute("import torch\nimport meshviz.distributed as dist")
-        err = _fails(second, "t = torch.ones(4 if dist.get_rank() == 0 else 8)\ndist.all_reduce(t)")
+        err = fails(second, "t = torch.ones(4 if dist.get_rank() == 0 else 8)\ndist.all_reduce(t)")
         assert err.ranks == [0, 1] and err.lead, str(err)
         assert err.diagnosis[0].endswith("rank 0 entered all_reduce with float32[4]; "
                                          "rank 1 entered all_reduce with float32[8]")
