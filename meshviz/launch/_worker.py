@@ -23,6 +23,8 @@ def main() -> None:
 
         host, _, port = master.rpartition(":")
         os.environ.update(paddle_env(int(rank), paddle_endpoints(host, int(port), int(world))))
+    if int(os.environ.get("GROUP_WORLD_SIZE", "1")) > 1 and os.environ.get("MESHVIZ_LAUNCH_PADDLE_ENV"):
+        _tell_nodes(local, int(rank))
     if os.environ.get("MESHVIZ_LAUNCH_MERGE_STDERR") == "1":
         sys.stderr.flush()
         os.dup2(sys.stdout.fileno(), sys.stderr.fileno())
@@ -40,6 +42,22 @@ def main() -> None:
     from meshviz.runtime.world import exit_quietly
 
     exit_quietly(0, note="its script finished")
+
+
+def _tell_nodes(local: int, rank: int) -> None:
+    """Tell the other nodes how many workers this node runs (node 0's roll-call counts the world so), and with
+    --ips name Paddle's endpoints from every node's number: nodes may run different --nproc_per_node."""
+    from meshviz.launch import nodes
+    from meshviz.runtime.rendezvous import connect_store, paddle_env
+
+    timeout = float(os.environ.get("MESHVIZ_RDZV_TIMEOUT", "900"))
+    store = connect_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), None, timeout)
+    if local == 0:
+        nodes.publish(store, int(os.environ["GROUP_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"]))
+    spec = os.environ.pop(nodes.IPS_ENV, "")
+    if spec:
+        per_node = nodes.counts(store, int(os.environ["GROUP_WORLD_SIZE"]), timeout)
+        os.environ.update(paddle_env(rank, nodes.ips_endpoints(spec, per_node)))
 
 
 def is_program(script: str) -> bool:

@@ -137,7 +137,7 @@ def _paddle_envs(args, plan, nnodes: int, node_rank: int, master: str) -> list[d
     from ..runtime.rendezvous import paddle_endpoints, paddle_env
 
     n = plan.n
-    ips = [i.strip() for i in args.ips.split(",") if i.strip()] if args.ips else None
+    ips = _ips(args)
     if ips:
         endpoints = [e for ip in ips for e in paddle_endpoints(ip, args.start_port, n)]
     else:
@@ -165,6 +165,10 @@ def build_config(args: argparse.Namespace):
     """
     config, env, _, _ = _build(args)
     return config, env
+
+
+def _ips(args) -> list[str] | None:
+    return [i.strip() for i in args.ips.split(",") if i.strip()] if args.ips else None
 
 
 def _nnodes(text) -> int:
@@ -201,7 +205,7 @@ def _flags(args: argparse.Namespace):
     if isinstance(spec, tuple) and args.nproc_per_node is not None and args.nproc_per_node > len(spec):
         raise ValueError(f"--nproc_per_node {args.nproc_per_node} asks for more processes than the {len(spec)} "
                          f"devices listed in --devices {args.devices}")
-    ips = [i.strip() for i in args.ips.split(",") if i.strip()] if args.ips else None
+    ips = _ips(args)
     nnodes = _nnodes(args.nnodes) if args.nnodes is not None else (len(ips) if ips else 1)
     if nnodes < 1:
         raise ValueError(f"--nnodes must be >= 1, got {nnodes}")
@@ -256,9 +260,11 @@ def _build(args: argparse.Namespace, flags=None):
         master = f"{rendezvous.LOOPBACK}:{reservation.port}"
 
     from ..runtime import watchdog
+    from . import nodes
 
     env = {"MESHVIZ_LAUNCH_MERGE_STDERR": "1", "MESHVIZ_BACKEND": plan.backend,
            "MESHVIZ_LAUNCH_ENDPOINTS": "" if args.ips else master,
+           nodes.IPS_ENV: json.dumps({"ips": _ips(args), "start_port": args.start_port}) if args.ips else "",
            "MESHVIZ_LAUNCH_RANK_ENV": json.dumps(_rank_envs(plan, listed=isinstance(_spec(args), tuple))),
            "MESHVIZ_LAUNCH_PADDLE_ENV": json.dumps(_paddle_envs(args, plan, nnodes, node_rank, master))}
     if args.hang_after > 0:
@@ -468,11 +474,10 @@ def _rollcall_host(args, config):
     collective (it reads the agent's store, which may come up a moment later). None elsewhere or when off."""
     if args.hang_after <= 0 or config.rdzv_configs["rank"] != 0:
         return None
-    from ..runtime.watchdog import RollCallHost
+    from .nodes import rollcall_host
 
     host, _, port = config.rdzv_endpoint.rpartition(":")
-    world = config.min_nodes * config.nproc_per_node
-    return RollCallHost(host, int(port), world, args.hang_after, wait_for_store=60.0).start()
+    return rollcall_host(host, int(port), config.min_nodes, config.nproc_per_node, args.hang_after)
 
 
 def main(argv=None) -> None:

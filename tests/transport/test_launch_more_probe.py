@@ -111,3 +111,52 @@ def test_nodes_with_different_nproc_per_node_agree_on_paddles_variables(tmp_path
         assert env["PADDLE_LOCAL_RANK"] == str(r % 2) and env["PADDLE_LOCAL_SIZE"] == ("2" if r < 2 else "1")
     assert sorted(os.listdir(tmp_path / "log0")) == ["workerlog.0", "workerlog.1"]
     assert sorted(os.listdir(tmp_path / "log1")) == ["workerlog.0"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_nodes_named_by_ips_with_different_nproc_per_node_agree_on_paddles_endpoints(tmp_path):
+    # --ips: node k's workers are at ips[k]:start_port + i, so 2 workers on node 0 and 1 on node 1 are 3 endpoints
+    (tmp_path / "s.py").write_text(NODE_SCRIPT)
+    port = free_port()
+    procs = [_launch(["--ips", "127.0.0.1,127.0.0.2", "--start_port", str(port), "--rank", str(node),
+                      "--nproc_per_node", str(n), "--devices", "cpu", "--log_dir", f"log{node}", "s.py"],
+                     cwd=str(tmp_path), wait=False) for node, n in ((0, 2), (1, 1))]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [e[-2000:] for _, e in outs]
+    endpoints = [f"127.0.0.1:{port}", f"127.0.0.1:{port + 1}", f"127.0.0.2:{port}"]
+    for r in range(3):
+        g = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert g["sum"] == 7.0
+        env = g["env"]
+        assert env["PADDLE_TRAINER_ID"] == env["PADDLE_GLOBAL_RANK"] == str(r)
+        assert env["PADDLE_TRAINERS_NUM"] == "3"
+        assert env["PADDLE_TRAINER_ENDPOINTS"] == ",".join(endpoints), env
+        assert env["PADDLE_CURRENT_ENDPOINT"] == endpoints[r]
+
+
+SKIPS = textwrap.dedent("""
+    import time, torch
+    import meshviz.distributed as dist
+    dist.init_parallel_env()
+    if dist.get_rank() == 2:
+        time.sleep(2)
+    else:
+        dist.all_reduce(torch.ones(1))
+""")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_the_roll_call_of_nodes_with_different_nproc_per_node_lists_the_ranks_there_are(tmp_path):
+    # node 0 runs 2 workers, node 1 one: the world is 3 ranks, not node 0's 2 per node times 2 nodes
+    (tmp_path / "s.py").write_text(SKIPS)
+    port = free_port()
+    procs = [_launch(["--nnodes", "2", "--master", f"127.0.0.1:{port}", "--rank", str(node), "--nproc_per_node",
+                      str(n), "--devices", "cpu", "--hang_after", "0.5", "--max_restart", "0", "--log_dir",
+                      f"log{node}", "s.py"], cwd=str(tmp_path), wait=False, MESHVIZ_TIMEOUT="600")
+             for node, n in ((0, 2), (1, 1))]
+    (_, err0), _ = [p.communicate(timeout=120) for p in procs]
+    assert procs[0].returncode == 1, err0[-3000:]
+    assert "meshviz.launch: rank 2 never entered all_reduce #1 on group [0, 1, 2]" in err0, err0[-3000:]
+    assert "  rank 2: " in err0 and "rank 3" not in err0, err0[-3000:]
