@@ -26,7 +26,11 @@ class DataParallelEngine:
     non-persistent buffer broadcast. The parameters to average are those that require a gradient at each forward:
     where that set changed since the last one (a layer frozen or unfrozen after the wrap, on every rank alike), the
     reducer is built again over the new set, without a broadcast. With nothing to train there is no DDP (``ddp`` is
-    None): the replicas are made equal at the wrap.
+    None): the replicas are made equal at the wrap. Without ``find_unused_parameters``, as Paddle's reducer, the first
+    synced forward looks for parameters its loss cannot use: where some rank has one, DDP is built again to search
+    for them at every backward from that one on (a gradient averaged with zeros from the ranks that did not use it,
+    none where no rank did); where none has, nothing changes (one that goes unused later raises at the end of that
+    backward).
     """
 
     def __init__(self, module: nn.Module, g: Group, bucket_mb, first_bucket_mb, find_unused_parameters=False):
@@ -35,6 +39,9 @@ class DataParallelEngine:
         self.key = tuple(g.ranks)
         self.bucket_mb, self.first_bucket_mb = bucket_mb, first_bucket_mb
         self.find_unused_parameters = find_unused_parameters
+        self.find = find_unused_parameters  # whether DDP searches for unused parameters at every backward
+        self.probe = not self.find  # whether the next synced forward looks for them
+        self.accumulated = False  # a forward inside no_sync() since the last synced one
         self.sync = True  # False inside no_sync()
         self.ddp = None
         self.params = list(module.parameters())  # the set DDP was given: a changed flag is read from these alone
@@ -65,7 +72,7 @@ class DataParallelEngine:
                 process_group=self.group.process_group,
                 bucket_cap_mb=self.bucket_mb,
                 bucket_cap_mb_list=[self.first_bucket_mb, self.bucket_mb],
-                find_unused_parameters=self.find_unused_parameters,
+                find_unused_parameters=self.find,
                 init_sync=init_sync,
             )
         finally:
@@ -96,6 +103,7 @@ class DataParallelEngine:
         if self.ddp is not None:
             self.ddp.reducer._remove_autograd_hooks()
         self.trained, self.ddp = now, None
+        self.find, self.probe = self.find_unused_parameters, not self.find_unused_parameters  # looked at again
         if now:
             self._install(self._build(False))
 
@@ -105,13 +113,43 @@ class DataParallelEngine:
             return self.module(*inputs, **kwargs)
         self.ddp.require_backward_grad_sync = self.sync
         out = self.ddp(*inputs, **kwargs)
-        if self.sync and torch.is_grad_enabled():
+        if torch.is_grad_enabled() and not self.sync:
+            self.accumulated = True
+        elif torch.is_grad_enabled():
+            if self.probe:
+                self._probe(out)
+            self.accumulated = False
             # DDP's bucket all-reduces bypass the comm layer (its C++ hook): a rank blocked in the backward that
             # follows is shown as inside them on this group
             rollcall.current().begin_region("all_reduce", self.key, "DataParallel gradients")
-            if not self.find_unused_parameters:
+            if not self.find:
                 _check_after_backward(self.ddp, out)
         return out
+
+    def _probe(self, out) -> None:
+        """The first synced forward: where ``out`` leaves a parameter DDP averages unused on some rank (one MAX
+        all-reduce of a flag, untraced as DDP's own search), DDP is built again to search for unused parameters,
+        this backward included."""
+        self.probe = False
+        reached = _reached_params(out)
+        flag = torch.tensor([any(i not in reached for i in self.trained), self.accumulated], dtype=torch.uint8,
+                            device=self.params[0].device)
+        run(Call(CollectiveOp.ALL_REDUCE, self.group,
+                 lambda g: tdist.all_reduce(flag, op=tdist.ReduceOp.MAX, group=g.process_group, async_op=True),
+                 tensors=(flag,), traced=False, name="DataParallel.find_unused", reduce_op="max"))
+        unused, accumulated = flag.tolist()
+        if not unused:
+            return
+        if accumulated:  # a reducer built now would not know what the no_sync() backwards used
+            raise RuntimeError(
+                "DataParallel: a parameter that requires a gradient takes no part in the loss of the first synced "
+                "step on some rank, after steps inside no_sync(): its gradients would not be averaged. Pass "
+                "find_unused_parameters=True to DataParallel, or freeze the parameter")
+        self.find = True
+        self.ddp.reducer._remove_autograd_hooks()
+        self._install(self._build(False))
+        self.ddp.require_backward_grad_sync = True
+        self.ddp.reducer.prepare_for_backward(_tensors(out))  # what DDP's forward does with them
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -132,9 +170,8 @@ _ABSENT = object()
 
 def _check_after_backward(ddp, out) -> None:
     """Raise at the end of a backward through ``out`` that left a bucket unreduced (a parameter that requires a
-    gradient not used in the loss, or used only inside ``no_sync``), not at the next forward as DDP does: by then
-    the optimizer has stepped on gradients that were never averaged."""
-    from torch.autograd import Variable
+    gradient, used in the first synced step, not used in the loss now, or used only inside ``no_sync``), not at
+    the next forward as DDP does: by then the optimizer has stepped on gradients that were never averaged."""
 
     def check():
         try:
@@ -142,23 +179,55 @@ def _check_after_backward(ddp, out) -> None:
         except RuntimeError as e:
             raise RuntimeError(
                 "DataParallel: the backward ended with gradients not averaged: a parameter that requires a "
-                "gradient took no part in the loss on this rank (or only inside no_sync()). Pass "
+                "gradient took no part in the loss on this rank (or only inside no_sync()), where the first synced "
+                "step used every one on every rank (so unused ones are not searched for). Pass "
                 f"find_unused_parameters=True to DataParallel, or freeze the parameter. torch DDP: {e}") from None
 
-    def hook(grad):
-        # queued from a callback, it runs after DDP's own finalize, which is queued during the backward
-        Variable._execution_engine.queue_callback(lambda: Variable._execution_engine.queue_callback(check))
+    _after_backward(out, check)
 
-    stack = [out]
+
+def _tensors(out) -> list:
+    """The tensors in ``out`` (nested lists, tuples and dicts), as DDP looks for them."""
+    stack, found = [out], []
     while stack:
         o = stack.pop()
         if isinstance(o, torch.Tensor):
-            if o.requires_grad and o.grad_fn is not None:  # a hook on a leaf (a parameter) would outlive the step
-                o.register_hook(hook)
+            found.append(o)
         elif isinstance(o, (list, tuple)):
             stack.extend(o)
         elif isinstance(o, dict):
             stack.extend(o.values())
+    return found
+
+
+def _after_backward(out, fn) -> None:
+    """Run ``fn`` at the end of each backward through a tensor in ``out`` (once per such tensor), after DDP's own
+    finalize, which is queued during the backward."""
+    from torch.autograd import Variable
+
+    def hook(grad):
+        Variable._execution_engine.queue_callback(lambda: Variable._execution_engine.queue_callback(fn))
+
+    for t in _tensors(out):
+        if t.requires_grad and t.grad_fn is not None:  # a hook on a leaf (a parameter) would outlive the step
+            t.register_hook(hook)
+
+
+def _reached_params(out) -> set:
+    """The ids of the leaves (parameters) the autograd graph of the tensors in ``out`` reaches."""
+    leaves = {id(t) for t in _tensors(out) if t.grad_fn is None and t.requires_grad}
+    # ``seen`` keeps each node's Python object alive: one let go may come back as another object at the same id
+    stack, seen = [t.grad_fn for t in _tensors(out) if t.grad_fn is not None], {}
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen[id(node)] = node
+        var = getattr(node, "variable", None)
+        if var is not None:
+            leaves.add(id(var))
+        stack.extend(fn for fn, _ in node.next_functions if fn is not None)
+    return leaves
 
 
 def _named_tensors(module: nn.Module) -> list:

@@ -261,7 +261,9 @@ def test_a_parameter_used_only_inside_no_sync_raises_at_the_synced_backward_or_i
     every rank (DDP would leave every gradient of b's bucket unaveraged, and raise only at the next forward, after
     the optimizer step); with it the accumulated sums are averaged."""
     for out in run_ranks(_used_only_in_no_sync, 2, False, timeout=50):
-        assert isinstance(out, str) and out.startswith("DataParallel: the backward ended with gradients not averaged")
+        # the first synced step finds b unused after no_sync() steps: it raises at that forward, before any gradient
+        assert isinstance(out, str) and out.startswith(
+            "DataParallel: a parameter that requires a gradient takes no part in the loss of the first synced step")
         assert "find_unused_parameters=True" in out
     res = run_ranks(_used_only_in_no_sync, 2, True, timeout=50)
     torch.manual_seed(0)
@@ -279,11 +281,18 @@ def _deprecated():
     dist, r = _start()
     net = _Net()
     dp = dist.DataParallel(net)
+    if r != 0:  # ranks as threads share the warnings state: rank 0 alone records, the others wait inside it
+        loss = dp.scale_loss(_loss(dp, r, 0))
+        loss.backward()
+        dp.apply_collective_grads()
+        dist.barrier()
+        return None, _grads(net)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         loss = dp.scale_loss(_loss(dp, r, 0))
         loss.backward()
         dp.apply_collective_grads()
+        dist.barrier()
     return [(w.category, str(w.message)) for w in caught], _grads(net)
 
 
@@ -295,8 +304,11 @@ def test_scale_loss_and_apply_collective_grads_do_nothing_as_in_paddle():
     torch.manual_seed(0)
     net = _Net()
     sum(_loss(net, r, 0) for r in range(2)).div(2).backward()
-    for caught, grads in res:
-        assert [c for c, _ in caught] == [DeprecationWarning] * 2
+    for r, (caught, grads) in enumerate(res):
+        if r == 0:  # scale_loss and apply_collective_grads (rank 1's may land in rank 0's record too)
+            assert {c for c, _ in caught} == {DeprecationWarning}, caught
+            assert {m.split(" is ")[0] for _, m in caught} == {"DataParallel.scale_loss",
+                                                                "DataParallel.apply_collective_grads"}, caught
         _close(grads, _grads(net), "grads")
 
 

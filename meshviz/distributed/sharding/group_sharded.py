@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import weakref
+
 import torch.distributed as tdist
 import torch.nn as nn
 
@@ -15,7 +17,9 @@ from ...runtime.zero import ShardingGroup, check_elementwise
 from .optimizer import GroupShardedOptimizer
 from .scaler import make_scaler
 
-__all__ = ["group_sharded_parallel", "resolve_group"]
+__all__ = ["group_sharded_parallel", "resolve_group", "sharding_group_of"]
+
+_GROUP_OF: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> the ShardingGroup it was sharded over
 
 
 def _validate(model, optimizer, level, scaler, segment_size, buffer_max_size, grad_clip, offload, dp_group,
@@ -130,6 +134,7 @@ def group_sharded_parallel(
                                 dp=dp, exclude=excluded, clip_kinds=(split, no_clip),
                                 mp=fleet_mp_group() if split else None)
     optimizer._meshviz_sharded = True  # its param_groups hold this rank's shards now, not the model's parameters
+    _GROUP_OF[model] = grp
     return model, opt, make_scaler(scaler, grp, dev.type)
 
 
@@ -154,6 +159,11 @@ def _excluded_params(model, exclude_layer, names: dict) -> set:
         return set()
     return {names[id(p)] for m in model.modules() if id(m) in exclude_layer or type(m).__name__ in exclude_layer
             for p in m.parameters(recurse=False)}
+
+
+def sharding_group_of(model) -> ShardingGroup | None:
+    """The group ``group_sharded_parallel`` last sharded ``model`` over (None where it did not)."""
+    return _GROUP_OF.get(model)
 
 
 def resolve_group(group) -> ShardingGroup:

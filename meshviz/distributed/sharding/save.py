@@ -7,7 +7,7 @@ import os
 import torch
 
 from ...runtime.devices import full_tensor
-from .group_sharded import resolve_group
+from .group_sharded import resolve_group, sharding_group_of
 from .optimizer import GroupShardedOptimizer
 
 __all__ = ["save_group_sharded_model", "MODEL_FILE", "OPT_FILE"]
@@ -27,7 +27,11 @@ def save_group_sharded_model(model, output, optimizer=None):
         raise ValueError(f"save_group_sharded_model: output ({output}) must be a directory, not a file")
     if optimizer is not None and not isinstance(optimizer, GroupShardedOptimizer):
         raise ValueError("save_group_sharded_model: optimizer must be the one group_sharded_parallel returned")
-    grp = optimizer._group if optimizer is not None else resolve_group(None)
+    own = sharding_group_of(model)  # without the optimizer, the model's own group (one of several, say) writes
+    if optimizer is not None and own is not None and own.ranks != optimizer._group.ranks:
+        raise ValueError(f"save_group_sharded_model: the model was sharded over ranks {own.ranks} and the optimizer "
+                         f"over {optimizer._group.ranks}; pass the optimizer group_sharded_parallel returned with it")
+    grp = optimizer._group if optimizer is not None else own if own is not None else resolve_group(None)
     sd = {}
     for k, v in model.state_dict().items():
         v = full_tensor(v)

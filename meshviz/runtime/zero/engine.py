@@ -7,7 +7,7 @@ import weakref
 import torch
 
 __all__ = ["Zero", "check_elementwise", "clear_grads", "create_states", "is_fresh_state", "settle_states",
-           "STEP_OBSERVERS"]
+           "watch_zero_grad", "ModelHook", "STEP_OBSERVERS"]
 
 # called with the optimizer as each sharded step begins (what_if's ledger counts the full gradients there)
 STEP_OBSERVERS: list = []
@@ -41,6 +41,56 @@ def clear_grads(tensors, set_to_none: bool = True) -> None:
         else:
             t.grad.requires_grad_(False)
         t.grad.zero_()
+
+
+class _ZeroGradWatch:
+    """A module's ``zero_grad`` that, after the module's own, calls each listener with the module and
+    ``set_to_none``; a copy or pickle of the module gets it without listeners (a plain ``zero_grad`` again)."""
+
+    def __init__(self, module, listeners=()):
+        self.module = weakref.ref(module)
+        self.listeners = list(listeners)
+
+    def __call__(self, set_to_none: bool = True) -> None:
+        module = self.module()
+        type(module).zero_grad(module, set_to_none)
+        for listen in self.listeners:
+            listen(module, set_to_none)
+
+    def __deepcopy__(self, memo):
+        module = self.module()
+        return _ZeroGradWatch(memo.get(id(module), module))
+
+    def __reduce__(self):
+        return _ZeroGradWatch, (self.module(),)
+
+
+class ModelHook:
+    """A hook on the model that calls ``fn``; in a copy or pickle of the model it does nothing (the copy is not
+    sharded, and ``copy.deepcopy`` would otherwise copy the sharded optimizer and its process groups)."""
+
+    def __init__(self, fn=None):
+        self.fn = fn
+
+    def __call__(self, *args):
+        return None if self.fn is None else self.fn(*args)
+
+    def __deepcopy__(self, memo):
+        return ModelHook()
+
+    def __reduce__(self):
+        return ModelHook, ()
+
+
+def watch_zero_grad(model, listen) -> None:
+    """Call ``listen(module, set_to_none)`` after ``zero_grad`` of ``model`` or of any module in it: gradients a
+    sharded optimizer keeps apart from the parameters' (freed after backward) are cleared with them."""
+    for m in model.modules():
+        watch = m.__dict__.get("zero_grad")
+        if not isinstance(watch, _ZeroGradWatch):
+            watch = _ZeroGradWatch(m)
+            m.zero_grad = watch
+        watch.listeners.append(listen)
 
 
 @torch.no_grad()

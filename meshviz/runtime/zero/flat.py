@@ -14,7 +14,7 @@ from ... import trace
 from ...core.sharding import SHARDED, Piece, plan_pieces
 from ..comm import all_reduce_mean_
 from ..devices import device
-from .engine import Zero, clear_grads, create_states
+from .engine import ModelHook, Zero, clear_grads, create_states, watch_zero_grad
 from .fsdp import apply_fsdp, unmix_foreach
 from .group import ShardingGroup, broadcast_module
 from .slot import Slot, local_tensor
@@ -94,9 +94,11 @@ class FlatZero(Zero):
                 continue
             self._hooks.append(s.param.register_post_accumulate_grad_hook(hook))
         if level in ("os", "p_g_os"):
-            model.register_forward_pre_hook(self._mark_forward)
+            model.register_forward_pre_hook(ModelHook(self._mark_forward))
+        else:  # the reduced parts live beside the freed gradients: the model's zero_grad must drop them too
+            watch_zero_grad(model, self._module_zero_grad)
         if sync_buffers:
-            model.register_forward_pre_hook(self._sync_buffers)
+            model.register_forward_pre_hook(ModelHook(self._sync_buffers))
         self._emit_ownership()
 
     def _sync_buffers(self, module, args) -> None:
@@ -439,6 +441,15 @@ class FlatZero(Zero):
         self._used.clear()
         self._reduced = False
         self._clear_pass()  # os_g (a backward that raised left its end queued on no one)
+
+    def _module_zero_grad(self, module, set_to_none: bool) -> None:
+        """os_g, after ``module.zero_grad()``: the reduced parts of its parameters' gradients go as theirs did."""
+        mine = {id(p) for p in module.parameters()}
+        for s in self._slots:
+            if id(s.param) in mine and s.shard is not None:
+                clear_grads([s.shard], set_to_none)
+                if set_to_none:
+                    s.grad_buf = None
 
     def _clear_pass(self) -> None:
         """os_g: no backward's reductions under way."""
