@@ -133,8 +133,8 @@ def test_o2_float16_keeps_layer_norm_float32_and_scales_the_loss():
 def test_o2_refuses_what_it_cannot_run():
     net = Net()
     s = strategy("O2")
-    s.fused_passes.enable = True
-    with pytest.raises(ValueError, match="O2"):
+    s.sharding.enable, s.sharding.stage, s.sharding.degree = True, 3, 1
+    with pytest.raises(ValueError, match="O2.*stage 3"):
         to_static(net, None, nn.MSELoss(), torch.optim.SGD(net.parameters(), lr=0.1), s)
 
 
@@ -169,27 +169,3 @@ def test_o2_with_dist_tensor_parameters_on_two_ranks_equals_the_recipe_by_hand()
             torch.testing.assert_close(params[k], v.detach(), rtol=0, atol=0, msg=k)
         assert local == (IMAGE // 2, IMAGE) and dtype == "torch.float32"
         assert losses != o1_losses
-
-
-# -- strategy.sharding fed by shard_dataloader -----------------------------------------------------------------
-def _sharding_fed_dist_batches():
-    import meshviz.distributed as dist
-
-    dist.init_parallel_env()
-    mesh = dist.ProcessMesh([0, 1], dim_names=["dp"])
-    x, y = data(0, 8)
-    loader = dist.shard_dataloader(torch.utils.data.DataLoader(list(zip(x, y)), batch_size=4), meshes=[mesh],
-                                   shard_dims="dp")
-    net = Net()
-    s = Strategy({"sharding": {"enable": True, "stage": 1, "degree": 2}})
-    dm = to_static(net, loader, nn.MSELoss(), torch.optim.SGD(net.parameters(), lr=0.1), s)
-    xb, yb = next(iter(loader()))
-    with pytest.raises(ValueError, match="shard_dataloader"):
-        dm(xb, yb)
-    return True
-
-
-@pytest.mark.timeout(60)
-def test_sharding_fed_dist_batches_raises_on_every_rank_instead_of_hanging():
-    """The ZeRO engine's gradient sync and the dist inputs' reshards met out of order: the ranks hung."""
-    assert run_ranks(_sharding_fed_dist_batches, 2, timeout=40) == [True, True]

@@ -1,11 +1,86 @@
-"""Paddle's AMP level 'O2' for DistModel: each step runs on low-precision copies of the float32 parameters."""
+"""Paddle's AMP for DistModel: autocast with Paddle's custom op lists, and level 'O2' on low-precision copies."""
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn as nn
+from torch.overrides import TorchFunctionMode
 
-__all__ = ["PureLowPrecision", "amp_dtype", "pure_low_precision"]
+from ... import compat
+
+__all__ = ["PureLowPrecision", "amp_dtype", "pure_low_precision", "autocast", "OpLists", "check_lists"]
+
+# Paddle's op names (legacy and current) -> the names of the torch functions that run that op
+_ALIASES = {
+    "matmul": ("matmul", "__matmul__", "__rmatmul__", "mm", "bmm", "addmm", "baddbmm", "linear"),
+    "matmul_v2": "matmul", "mul": "matmul", "fused_gemm_epilogue": "matmul", "linear": ("linear",),
+    "elementwise_add": "add", "add": ("add", "__add__", "__radd__"),
+    "elementwise_sub": "subtract", "subtract": ("sub", "subtract", "__sub__", "__rsub__"),
+    "elementwise_mul": "multiply", "multiply": ("mul", "multiply", "__mul__", "__rmul__"),
+    "elementwise_div": "divide", "divide": ("div", "divide", "true_divide", "__truediv__", "__rtruediv__"),
+    "reduce_sum": "sum", "reduce_mean": "mean", "reduce_prod": "prod", "pow": ("pow", "__pow__", "__rpow__"),
+    "lookup_table": "embedding", "lookup_table_v2": "embedding", "softmax_with_cross_entropy": "cross_entropy",
+    "cross_entropy2": "cross_entropy", "c_softmax_with_cross_entropy": "cross_entropy",
+}
+
+
+def _torch_names(op: str) -> tuple:
+    got = _ALIASES.get(op, (op,))
+    return _torch_names(got) if isinstance(got, str) else got
+
+
+def check_lists(amp) -> None:
+    """ValueError where the custom lists are not lists of op names or name one op in both (as Paddle's)."""
+    for key in ("custom_white_list", "custom_black_list"):
+        v = getattr(amp, key)
+        if isinstance(v, str) or not isinstance(v, (list, tuple, set, frozenset)) or \
+                not all(isinstance(o, str) for o in v):
+            raise ValueError(f"to_static: amp.{key} must be a list of Paddle op names, got {v!r}")
+    both = sorted(set(amp.custom_white_list) & set(amp.custom_black_list))
+    if both:
+        raise ValueError(f"to_static: Custom white list overlap custom black list: {both}")
+
+
+class OpLists(TorchFunctionMode):
+    """Paddle's ``custom_white_list`` / ``custom_black_list`` over torch autocast: a white-listed op runs on its
+    floating inputs cast to the low dtype, a black-listed one on them cast to float32 (autocast off inside it)."""
+
+    def __init__(self, device_type: str, dtype: torch.dtype, white, black):
+        super().__init__()
+        self.device_type = device_type
+        self.to = {n: dtype for op in white for n in _torch_names(op)}
+        self.to.update({n: torch.float32 for op in black for n in _torch_names(op)})
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        dtype = self.to.get(getattr(func, "__name__", None))
+        if dtype is None:
+            return func(*args, **kwargs)
+
+        def cast(x):
+            return x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+
+        args, kwargs = compat.tree_map(cast, (tuple(args), kwargs))
+        with torch.autocast(self.device_type, enabled=False):
+            return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def autocast(amp, device_type: str):
+    """The context a step's forward and loss run under: torch autocast at O1 and O2, with the custom lists."""
+    if not amp.enable or str(amp.level).lower() == "o0":
+        with torch.autocast(device_type, enabled=False):
+            yield
+        return
+    dtype = amp_dtype(amp.dtype)
+    lists = amp.custom_white_list or amp.custom_black_list
+    with torch.autocast(device_type, dtype=dtype), \
+            OpLists(device_type, dtype, amp.custom_white_list, amp.custom_black_list) if lists else \
+            contextlib.nullcontext():
+        yield
+
 
 # Paddle's ``need_keep_fp32``: batch norms keep float32 parameters; layer and instance norms too under float16
 _KEEP_ALWAYS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
@@ -20,9 +95,9 @@ def pure_low_precision(strategy, optimizer) -> bool:
     """Whether ``strategy`` asks for O2; ValueError where meshviz cannot run it."""
     amp = strategy.amp
     o2 = bool(amp.enable) and str(amp.level).lower() == "o2"
-    if o2 and ((strategy.sharding.enable and optimizer is not None) or strategy.fused_passes.enable):
-        raise ValueError("to_static: amp level 'O2' with strategy.sharding or strategy.fused_passes is not "
-                         "supported; use level 'O1' there")
+    if o2 and strategy.sharding.enable and optimizer is not None and strategy.sharding.stage == 3:
+        raise ValueError("to_static: amp level 'O2' with sharding stage 3 is not supported (its parameters are "
+                         "gathered by torch FSDP inside the forward); use stage 1 or 2, or level 'O1'")
     return o2
 
 
@@ -31,44 +106,27 @@ class PureLowPrecision:
     multi-precision optimizer); every forward runs on their casts to the low dtype (norm layers' kept float32,
     as Paddle's), and the casts' gradients reach the float32 parameters as float32 gradients."""
 
-    def __init__(self, layer: nn.Module, dtype: torch.dtype):
+    def __init__(self, layer: nn.Module, dtype: torch.dtype, compiled: bool = False):
         self.dtype = dtype
+        self._call = torch.compile(self._functional) if compiled else self._functional
         keep: set = set()
         for mname, m in layer.named_modules():
             if isinstance(m, _KEEP_ALWAYS) or (dtype == torch.float16 and isinstance(m, _KEEP_FP16)):
                 pre = f"{mname}." if mname else ""
                 keep |= {pre + n for n, _ in m.named_parameters(recurse=False)}
         self.params = [n for n, p in layer.named_parameters() if n not in keep and p.is_floating_point()]
-        self._copies: dict = {}
 
     def copies(self, layer: nn.Module) -> dict:
-        """The low-precision stand-ins of this step (leaves that collect the gradients). Buffers stay as they are:
-        the forward may write them (running statistics)."""
+        """This step's low-precision casts of the parameters: their gradients reach the float32 parameters as
+        float32 gradients in the same backward (through the parameters' own gradient hooks, which a sharded
+        optimizer reduces by). Buffers stay as they are: the forward may write them (running statistics)."""
         params = dict(layer.named_parameters())
-        out = {}
-        for n in self.params:
-            p = params[n]
-            c = p.detach().to(self.dtype)
-            out[n] = c.requires_grad_() if p.requires_grad else c
-        return out
+        return {n: params[n].to(self.dtype) for n in self.params}
 
-    def run(self, layer: nn.Module, inputs):
-        """The layer's forward on this step's copies."""
-        self._copies = self.copies(layer)
-        return torch.func.functional_call(layer, self._copies, tuple(inputs))
+    def run(self, layer: nn.Module, inputs, eager: bool = False):
+        """The layer's forward on this step's copies (compiled with fused_passes unless ``eager``)."""
+        return (self._functional if eager else self._call)(layer, self.copies(layer), tuple(inputs))
 
-    def master_grads(self, layer: nn.Module) -> None:
-        """Add the copies' gradients, as float32, to the parameters' (summed over gradient-merge steps)."""
-        params = dict(layer.named_parameters())
-        with torch.no_grad():
-            for n in self.params:
-                g = self._copies[n].grad
-                if g is None:
-                    continue
-                p = params[n]
-                g = g.to(p.dtype)
-                if p.grad is None:
-                    p.grad = g
-                else:
-                    p.grad.add_(g)
-        self._copies = {}
+    @staticmethod
+    def _functional(layer, params, inputs):
+        return torch.func.functional_call(layer, params, inputs)

@@ -13,7 +13,8 @@ from ...runtime.data_parallel import average_gradients
 from ...runtime.zero import create_states
 from ..api import is_dist_tensor
 from ..collective import all_gather_object, all_reduce, broadcast
-from .amp import PureLowPrecision, amp_dtype, pure_low_precision
+from . import program as prog
+from .amp import PureLowPrecision, amp_dtype, autocast, check_lists, pure_low_precision
 from .program import Program, count_inputs, local_of, meta_from_spec, shape_str, skeleton, split_feeds, split_input_spec
 from .recorder import DispatchRecorder, graph_from_records
 from .strategy import Strategy
@@ -42,6 +43,8 @@ class DistModel:
     rank 0, each rank feeds its own part of the batch, gradients are averaged, and the loss returned is the mean
     over the ranks (the loss of the whole batch). A loss per sample (not a scalar) trains on the gradient of its
     sum over the whole batch and comes back as every sample's loss (data parallel ranks' in rank order), as Paddle's.
+    With ``strategy.sharding`` fed dist batches (``shard_dataloader``'s) each rank runs its rows of the inputs and
+    the loss is the whole batch's, as one process's on it.
     """
 
     def __init__(self, layer, loader=None, loss=None, optimizer=None, strategy=None, input_spec=None):
@@ -66,6 +69,8 @@ class DistModel:
             raise ValueError(f"to_static: amp.dtype must be 'float16' or 'bfloat16', got {amp.dtype!r}")
         if amp.enable and str(amp.level).lower() not in ("o0", "o1", "o2"):
             raise ValueError(f"to_static: amp.level must be 'O0', 'O1' or 'O2', got {amp.level!r}")
+        if amp.enable:
+            check_lists(amp)
         o2 = pure_low_precision(strategy, optimizer)
         sh = strategy.sharding
         if sh.enable and optimizer is not None and sh.stage not in (1, 2, 3):
@@ -94,6 +99,7 @@ class DistModel:
         self._names = {}
         self._sharded = False
         self._dp = False
+        self._rows = None
 
         if world > 1:
             from ...runtime.devices import place_module
@@ -106,7 +112,7 @@ class DistModel:
                     broadcast(p.data, src=0)
             self._dp = bool(plain)
         self._device_type = next((p.device.type for p in layer.parameters()), "cpu")
-        self._o2 = PureLowPrecision(layer, amp_dtype(amp.dtype)) if o2 else None
+        self._o2 = PureLowPrecision(layer, amp_dtype(amp.dtype), strategy.fused_passes.enable) if o2 else None
         if amp.enable and str(amp.dtype) == "float16" and amp.use_dynamic_loss_scaling and optimizer is not None:
             self._scaler = torch.amp.GradScaler(
                 self._device_type, init_scale=float(amp.init_loss_scaling), growth_factor=float(amp.incr_ratio),
@@ -177,9 +183,8 @@ class DistModel:
                 raise TypeError(f"The inputs of DistModel should be list or tensor, but got {type(item)}")
         n = self._n_inputs
         inputs, labels = split_feeds(list(args), n, self._mode != "predict")
-        if self._sharded and any(_is_dist(t) for t in inputs + labels):  # the same on every rank, before any step
-            raise ValueError("DistModel: strategy.sharding with dist-tensor inputs (shard_dataloader) is not supported;"
-                             " feed each rank's part of the batch as plain tensors (its x._local_value())")
+        # before any communication: the same on every rank
+        self._rows = prog.row_split(inputs, labels, _world(), "DistModel") if self._sharded else None
         if self._mode == "predict" and n is not None and len(inputs) != n:
             raise ValueError(f"predict takes the model's {n} input(s), got {len(inputs)} tensors")
         if self._mode != "predict" and not (inputs and labels):
@@ -203,13 +208,14 @@ class DistModel:
         return out
 
     def _autocast(self):
-        amp = self._strategy.amp
-        if not amp.enable or str(amp.level).lower() == "o0":
-            return torch.autocast(self._device_type, enabled=False)
-        return torch.autocast(self._device_type, dtype=amp_dtype(amp.dtype))
+        return autocast(self._strategy.amp, self._device_type)
 
     def _run(self, inputs):
-        return self._forward(*inputs) if self._o2 is None else self._o2.run(self._layer, inputs)
+        if self._rows is not None:  # sharding trains each rank on its rows; the loss is the whole batch's
+            inputs = [local_of(t).detach() if _is_dist(t) else t for t in inputs]
+        out = self._forward(*inputs) if self._o2 is None else \
+            self._o2.run(self._layer, inputs, eager=self._forward is self._layer)
+        return out if self._rows is None else prog.rows_as_dist(out, self._rows)
 
     def _step(self, inputs, labels):
         if self._mode == "predict":
@@ -235,11 +241,11 @@ class DistModel:
             # the ranks' gradients are averaged: a local sum times the ranks is their sum
             scaled = loss.sum() * (_world() if self._split(loss) else 1)
         scaled = scaled / self._k if (self._k > 1 and self._avg) else scaled
+        if self._rows is not None:  # the ranks' gradients are averaged: each block's counts once in their sum
+            scaled = scaled * self._rows.parts
         if self._scaler is not None:
             scaled = self._scaler.scale(scaled)
         scaled.backward()
-        if self._o2 is not None:
-            self._o2.master_grads(self._layer)
         self._micro += 1
         if self._micro % self._k == 0:
             if self._dp:
@@ -357,12 +363,13 @@ class DistModel:
                                          True)  # a loader's batch holds the labels: predict leaves them out below
         else:
             raise ValueError("serial program: pass input_spec or a loader to to_static, or run one step first")
-        has_dist = any(_is_dist(p) for p in self._layer.parameters())  # then every rank feeds the whole batch
-        scale = _world() if (self._dp and self._strategy.split_data and not has_dist) else 1
+        # dist parameters (not sharding's own): every rank feeds the whole batch
+        has_dist = not self._sharded and any(_is_dist(p) for p in self._layer.parameters())
+        scale = _world() if ((self._dp or self._sharded) and self._strategy.split_data and not has_dist) else 1
 
         def meta(t):
             shape = list(t.shape)
-            if shape and scale > 1:
+            if shape and scale > 1 and not _is_dist(t):  # a dist feed's shape is the whole batch's
                 shape[0] *= scale
             return torch.empty(shape, dtype=t.dtype, device="meta")
 
@@ -430,7 +437,7 @@ class DistModel:
         for k, v in params.items():
             if _is_dist(own[k]) and not _is_dist(v):
                 raise ValueError(f"set_state_dict: {k} is a dist tensor; pass a dist tensor for it")
-            _check_shape(k, v, own[k])
+            prog.check_shape(k, v, own[k])
         rest = {k: v for k, v in state_dict.items() if k not in own}
         if rest and self._optimizer is None:
             raise ValueError(f"set_state_dict: unknown keys {sorted(rest)[:5]} (no optimizer to load them into)")
@@ -448,9 +455,9 @@ class DistModel:
         for i, st_in in states.items():
             for skey, v in st_in.items():
                 if self._sharded:  # the same check on every rank: the piece's whole shape, not this rank's shard
-                    _check_piece(f"{names[i]}.{skey}", v, self._optimizer.ownership[i])
+                    prog.check_piece(f"{names[i]}.{skey}", v, self._optimizer.ownership[i])
                 else:
-                    _check_shape(f"{names[i]}.{skey}", v, self._optimizer.state.get(by_index[i], {}).get(skey))
+                    prog.check_shape(f"{names[i]}.{skey}", v, self._optimizer.state.get(by_index[i], {}).get(skey))
         with torch.no_grad():
             for k, v in params.items():
                 own[k].copy_(v)
@@ -466,24 +473,6 @@ class DistModel:
                     st[skey].copy_(v)
                 else:
                     st[skey] = v.clone() if torch.is_tensor(v) else v
-
-
-def _check_shape(key, value, own) -> None:
-    """ValueError naming ``key`` (before anything is written) when ``value`` cannot be loaded into tensor ``own``."""
-    if torch.is_tensor(own) and (not torch.is_tensor(value) or value.shape != own.shape):
-        got = list(value.shape) if torch.is_tensor(value) else type(value).__name__
-        raise ValueError(f"set_state_dict: {key} has shape {list(own.shape)}, got {got}")
-
-
-def _check_piece(key, value, piece) -> None:
-    """ValueError naming ``key`` when ``value`` is not a state of the whole parameter ``piece`` describes (a 0-dim
-    value is an optimizer's scalar state, such as Adam's step)."""
-    if not torch.is_tensor(value) or value.dim() == 0:
-        return
-    shape = tuple(value.shape)
-    if shape == tuple(piece.shape) or (piece.mode != "fsdp" and shape == (piece.numel,)):
-        return
-    raise ValueError(f"set_state_dict: {key} has shape {list(piece.shape)}, got {list(shape)}")
 
 
 def to_static(layer, loader=None, loss=None, optimizer=None, strategy=None, input_spec=None):

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import inspect
 
 import torch
 import torch.nn as nn
 
 __all__ = ["Program", "shape_str", "meta_from_spec", "split_input_spec", "count_inputs", "split_feeds", "local_of",
-           "skeleton"]
+           "skeleton", "Rows", "row_split", "rows_as_dist", "check_shape", "check_piece"]
 
 
 def shape_str(t) -> str:
@@ -96,6 +97,92 @@ def split_feeds(items: list, n, with_labels: bool):
         return (flat(items[:-1]), flat(items[-1:])) if len(items) > 1 else (flat(items), [])
     feeds = flat(items)
     return feeds[:n], feeds[n:]
+
+
+@dataclasses.dataclass
+class Rows:
+    """How dist feeds split a batch's rows: over ``mesh`` as ``placements``; ``parts`` distinct blocks."""
+
+    mesh: object
+    placements: list
+    rows: int
+    parts: int
+
+
+def row_split(inputs: list, labels: list, world: int, who: str) -> Rows | None:
+    """How the dist inputs split the batch's rows (None: the inputs are plain); ValueError, the same on every rank
+    (it reads only their global layout), where a rank's block is not its rows: the inputs must all be dist or all
+    plain, lie on one mesh of every rank, split along dim 0 on some axes and replicated on the others, all alike.
+    Dist labels may lie otherwise: the loss takes them as dist tensors."""
+    from ...core.placements import Replicate, Shard
+    from ..api import is_dist_tensor
+
+    def is_dist(t):
+        return is_dist_tensor(t) or hasattr(t, "to_local")
+
+    dist = [t for t in inputs if is_dist(t)]
+    if not dist:
+        if any(is_dist(t) for t in labels):
+            raise ValueError(f"{who}: dist labels with plain inputs: with strategy.sharding feed the inputs as dist "
+                             f"tensors too (shard_dataloader's batches), or every tensor plain (each rank's part)")
+        return None
+    if len(dist) != len(inputs):
+        raise ValueError(f"{who}: with strategy.sharding the inputs must be all dist tensors (each rank runs its "
+                         f"rows of them) or all plain; got {len(dist)} dist of {len(inputs)}")
+    first = dist[0]
+    if not is_dist_tensor(first):
+        raise ValueError(f"{who}: a torch DTensor feed is not supported here; feed meshviz dist tensors "
+                         f"(shard_dataloader's batches) or plain tensors")
+    mesh, pl = first.process_mesh, list(first.placements)
+    if sorted(mesh.process_ids) != list(range(world)):
+        raise ValueError(f"{who}: the dist batch lies on {mesh}, which must hold every rank (0..{world - 1}): each "
+                         f"rank trains on its own block of the batch")
+    if first.dim() == 0 or not all(p == Shard(0) or isinstance(p, Replicate) for p in pl):
+        raise ValueError(f"{who}: a dist batch must be split along its rows (Shard(0)) or replicated on each mesh "
+                         f"axis, got {pl}")
+    for t in dist[1:]:
+        same = is_dist_tensor(t) and t.process_mesh == mesh and list(t.placements) == pl
+        if not same or t.shape[:1] != first.shape[:1]:
+            got = f"{getattr(t, 'process_mesh', None)} {list(getattr(t, 'placements', []))} {list(t.shape)}"
+            raise ValueError(f"{who}: every dist input must split the same rows the same way: the first is {mesh} "
+                             f"{pl} {list(first.shape)}, another {got}")
+    parts = 1
+    for axis, p in enumerate(pl):
+        parts *= mesh.shape[axis] if p == Shard(0) else 1
+    return Rows(mesh, pl, int(first.shape[0]), parts)
+
+
+def rows_as_dist(out, rows: Rows):
+    """The forward's outputs on this rank's rows as dist tensors of the whole batch's rows (as the feeds lie)."""
+    from ...runtime.autograd import from_local
+
+    def one(o):
+        if not isinstance(o, torch.Tensor):
+            return o
+        if o.dim() == 0:
+            raise ValueError(f"DistModel: the model returned a 0-dim tensor from this rank's rows of a dist batch; "
+                             f"with strategy.sharding its outputs must hold a row per sample ({rows.rows} in all)")
+        return from_local(o, rows.mesh, rows.placements, [rows.rows] + list(o.shape[1:]))
+
+    return type(out)(one(o) for o in out) if isinstance(out, (tuple, list)) else one(out)
+
+
+def check_shape(key, value, own) -> None:
+    """ValueError naming ``key`` (before anything is written) when ``value`` cannot be loaded into tensor ``own``."""
+    if torch.is_tensor(own) and (not torch.is_tensor(value) or value.shape != own.shape):
+        got = list(value.shape) if torch.is_tensor(value) else type(value).__name__
+        raise ValueError(f"set_state_dict: {key} has shape {list(own.shape)}, got {got}")
+
+
+def check_piece(key, value, piece) -> None:
+    """ValueError naming ``key`` when ``value`` is not a state of the whole parameter ``piece`` describes (a 0-dim
+    value is an optimizer's scalar state, such as Adam's step)."""
+    if not torch.is_tensor(value) or value.dim() == 0:
+        return
+    shape = tuple(value.shape)
+    if shape == tuple(piece.shape) or (piece.mode != "fsdp" and shape == (piece.numel,)):
+        return
+    raise ValueError(f"set_state_dict: {key} has shape {list(piece.shape)}, got {list(shape)}")
 
 
 def local_of(p):

@@ -111,11 +111,13 @@ class Strategy:
     """Parallel and optimisation settings for ``dist.to_static``, sections and defaults as in Paddle 3.
 
     Taking effect in meshviz: ``sharding`` (enable, stage 1/2/3 -> 'os'/'os_g'/'p_g_os', degree = the
-    world size), ``gradient_merge`` (enable, k_steps, avg), ``amp`` (enable, dtype, level: 'O1' runs forward and
+    world size; fed ``shard_dataloader``'s dist batches, each rank runs its rows and the loss is the whole batch's),
+    ``gradient_merge`` (enable, k_steps, avg), ``amp`` (enable, dtype, level: 'O1' runs forward and
     loss under torch autocast; 'O2' too, on casts of the parameters to the low dtype (norm layers' kept float32, as
-    Paddle's) while the float32 parameters are the master weights the optimizer steps, the loss in float32; the
-    loss-scaling options for float16; 'O2' with sharding or fused_passes is refused; custom_white_list and
-    custom_black_list are kept, not applied), ``fused_passes.enable`` (compiles the layer with ``torch.compile``),
+    Paddle's) while the float32 parameters are the master weights the optimizer steps (sharded at stages 1 and 2;
+    'O2' with stage 3 is refused), the loss in float32; the loss-scaling options for float16; custom_white_list and
+    custom_black_list, Paddle's op names, run those ops on their inputs cast to the low dtype or to float32 over
+    autocast's own choice), ``fused_passes.enable`` (compiles the layer with ``torch.compile``),
     ``split_data``, ``return_numpy``, ``full_graph`` (read-only, from the dict; False: ``to_static`` returns the
     layer). ``pipeline.enable`` is refused by ``to_static``. The other options are kept and shown.
     ``Strategy({"sharding": {"enable": True, "stage": 2}})`` sets options from a dict; an option or section
