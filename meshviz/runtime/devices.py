@@ -9,6 +9,7 @@ import warnings
 import torch
 import torch.distributed as tdist
 
+from .. import rank_context
 from ..core.devices import DeviceNotice, RankDevices, plan_devices
 
 __all__ = [
@@ -113,32 +114,45 @@ def visible_gpu_labels() -> list[str] | None:
 
 # -- strict mode ------------------------------------------------------------------------------------------------
 
-_strict: bool | None = None  # None: MESHVIZ_STRICT_DEVICES decides
+class _Strict:
+    """A rank's strict-mode override: None where ``MESHVIZ_STRICT_DEVICES``, as the rank sees it, decides."""
+
+    __slots__ = ("on",)
+
+    def __init__(self) -> None:
+        self.on: bool | None = None
+
+
+# per rank: ranks that are threads of one process (and a simulated rank running a stage on meta tensors) each
+# keep their own mode
+STRICT = rank_context.slot("strict_devices", _Strict)
 
 
 def strict() -> bool:
-    """Is strict device mode on? Then every tensor handed to a collective must be on this rank's device."""
-    if _strict is not None:
-        return _strict
-    return os.environ.get(STRICT_ENV, "") not in ("", "0", "false", "False")
+    """Is strict device mode on for the calling rank? Then every tensor handed to a collective must be on this
+    rank's device."""
+    on = STRICT.get().on
+    if on is not None:
+        return on
+    return (rank_context.getenv(STRICT_ENV) or "") not in ("", "0", "false", "False")
 
 
 def set_strict(on: bool | None) -> None:
-    """Turn strict device mode on or off in this process (None: back to ``MESHVIZ_STRICT_DEVICES``)."""
-    global _strict
-    _strict = None if on is None else bool(on)
+    """Turn strict device mode on or off for the calling rank (the process, outside rank threads); None: back to
+    ``MESHVIZ_STRICT_DEVICES``."""
+    STRICT.get().on = None if on is None else bool(on)
 
 
 @contextlib.contextmanager
 def strict_devices(on: bool = True):
-    """``with strict_devices():`` strict device mode inside the block."""
-    global _strict
-    before = _strict
-    _strict = bool(on)
+    """``with strict_devices():`` strict device mode inside the block, for the calling rank only."""
+    st = STRICT.get()
+    before = st.on
+    st.on = bool(on)
     try:
         yield
     finally:
-        _strict = before
+        st.on = before
 
 
 # -- the check in comm.run ----------------------------------------------------------------------------------------

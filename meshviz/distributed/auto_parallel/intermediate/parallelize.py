@@ -258,6 +258,9 @@ def parallelize_optimizer(optimizer, mesh=None, config=None):
             if not isinstance(p, DistTensor):
                 raise ValueError("Please use model after parallelize to create optimizer: a parameter of shape "
                                  f"{list(p.shape)} is not a dist tensor.")
+    if optimizer.state:  # as parallelize: sharding levels 1 and 2 step shadows of the parameters, without it
+        raise ValueError("parallelize_optimizer: the optimizer already holds state (it has stepped); create it from "
+                         "the parallelized model's parameters and pass it before training")
     mesh = _need_mesh()
     dp_config = config.get("dp_config")
     level, dim = check_dp_config(dp_config, mesh) if dp_config is not None else (None, "dp")
