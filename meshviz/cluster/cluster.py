@@ -117,9 +117,11 @@ class Cluster:
     the roll-call (:meth:`status`: each rank's state drawn on the ranks, one line per situation, "rank 0 waits in
     all_reduce #1 on group [0, 1] for 6.2 s; rank 1 is idle: its cell finished without entering all_reduce #1"),
     updated until the cell ends; ranks inside different collectives at one sequence number of a group are a
-    mismatch, and the cell fails at once naming them. A collective timeout's error names the ranks that never
-    entered the collective. ``check_collectives``: before each collective on a gloo group, the members compare
-    op, sequence number, shapes and dtypes (gloo would end the process on a size mismatch); one small
+    mismatch, and the cell fails at once naming them; so does a blocking cell whose ranks wait for ranks that
+    finished it without entering the collective (or died): nothing else can reach those while it runs. A collective
+    timeout's error names the ranks that never entered the collective. Raw ``torch.distributed`` collectives are in
+    the roll-call too, without a number. ``check_collectives``: before each collective on a gloo group, the members
+    compare op, sequence number, shapes and dtypes (gloo would end the process on a size mismatch); one small
     all-gather each.
 
     ``runner``: the ranks' :class:`RankBackend` made some other way, called as ``runner(config, events, control)``
@@ -335,25 +337,39 @@ class Cluster:
             watch.close(all(o.status == "ok" for o in outcomes))
         self._sync_events([o.rank for o in outcomes if o.status in ("ok", "error")])
         if any(o.status != "ok" for o in outcomes):
-            rollcall = self._blame(watch, since, t0)
+            rollcall = self._blame(watch, since, t0, [o.rank for o in outcomes if o.status == "ok"])
             self.last_error = self._control.rank_error(outcomes, since, t0, rollcall,
                                                        interrupted=self._interrupted == self._executions)
             raise self.last_error
         return outcomes
 
-    def _blame(self, watch: HangWatch, since: int, t0: float) -> RollCall | None:
+    def _blame(self, watch: HangWatch, since: int, t0: float, done=()) -> RollCall | None:
         """The roll-call that explains a failed execution: the last one shown while the ranks hung (else one taken
-        now), with the failing ranks inside the collectives they failed in."""
+        now), with the failing ranks inside the collectives they failed in, and the ranks of ``done`` (those that
+        ended well) it showed running as they are now: they finished without entering the collective."""
         reports = self._control.reports(since, t0)
+        base = watch.mismatch or watch.stuck or watch.last
+        if base is not None and base is not watch.mismatch:
+            base = self._finished(base, done)
         if not any(f.get("collective") for f in reports) and not self._control.dead:
-            return watch.mismatch or watch.last
-        base = watch.mismatch or watch.last
+            return base
         if base is None:
             try:
                 base = self.status(timeout=1.0)
             except Exception:
                 base = None
         return blame_rollcall(base, reports, self.ranks, self._control.dead)
+
+    def _finished(self, base: RollCall, done) -> RollCall:
+        by = base.by_rank()
+        late = {r for r in done if r in by and by[r].state == "running"}
+        if not late:
+            return base
+        try:
+            now = self.status(timeout=1.0)
+        except Exception:
+            return base
+        return base.merged([s for s in now if s.rank in late and s.state == "idle"])
 
     def _wait(self, job: Job, timeout, since: int = 0, watch: HangWatch | None = None, tick=None) -> None:
         control, ranks = self._control, self._ranks
@@ -386,8 +402,9 @@ class Cluster:
                 return
             if tick is not None:
                 tick()
-            if watch is not None and watch.tick() is not None:
-                # ranks sit in different collectives at one sequence number: they will never meet
+            if watch is not None and watch.tick(job.pending) is not None:
+                # ranks sit in different collectives at one sequence number, or wait for ranks done with this
+                # execution (nothing else reaches them while it runs): they will never meet
                 control.abort(None)
             try:
                 if job.wait(0.05):

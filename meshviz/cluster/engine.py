@@ -11,6 +11,7 @@ import time
 import traceback
 
 from ..errors import summary as _summary
+from ..ranks import patches
 from .messages import TO_RANKS, Abort, Failure, PeerFailed, StatusReply, StatusRequest, Stuck, decode
 from .peers import broke_process_group, close_peer_sockets
 
@@ -109,6 +110,7 @@ class _EngineState:
         self._thread.start()
         self._trace = trace
         self._install_hooks()
+        patches.record_torch_calls()  # a raw tdist collective shows in the roll-call and names where it failed
 
     # -- tracing ------------------------------------------------------------------------------------------------
     def set_tracing(self, on: bool) -> None:
@@ -308,6 +310,7 @@ class _EngineState:
     def close(self) -> None:
         self._stop = True
         self._uninstall_hooks()
+        patches.unrecord_torch_calls()
         self.set_tracing(False)
         self.sink.close()
         self._thread.join(1.0)

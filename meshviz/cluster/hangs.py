@@ -1,5 +1,5 @@
 """While a Cluster waits for a cell: take the roll-call once a rank has waited ``hang_after`` seconds in a
-collective, show it (updated until the cell ends), and spot mismatched collectives before the timeout."""
+collective, show it (updated until the cell ends), and spot mismatches and waits nothing can end before the timeout."""
 
 from __future__ import annotations
 
@@ -81,7 +81,8 @@ def _bundle(rc: RollCall) -> dict:
 class HangWatch:
     """Called from a Cluster's wait loop: takes the roll-call (``FIRST_EVERY`` s apart once the cell has run
     ``hang_after`` s), shows it as soon as a rank has waited ``hang_after`` s in a collective, and keeps it
-    up to date. ``shown``: every roll-call shown; ``mismatch``: the first one that found a mismatch."""
+    up to date. ``shown``: every roll-call shown; ``mismatch``: the first one that found a mismatch; ``stuck``: the
+    first one where ranks wait for members that cannot come (idle or dead, and done with the execution)."""
 
     def __init__(self, cluster, hang_after: float | None, display: RollCallDisplay | None = None):
         self.cluster = cluster
@@ -91,12 +92,17 @@ class HangWatch:
         self.shown: list[RollCall] = []
         self.last: RollCall | None = None
         self.mismatch: RollCall | None = None
+        self.stuck: RollCall | None = None
+        self._suspects: dict = {}  # the waits the last roll-call found nothing could end, and how long they waited
         self._rid = None
         self._asked = 0.0
         self._next = self.t0 + (hang_after or 0.0)
 
-    def tick(self) -> RollCall | None:
-        """One look (cheap when nothing is due); returns a roll-call that found a mismatch, once."""
+    def tick(self, pending=None) -> RollCall | None:
+        """One look (cheap when nothing is due); returns a roll-call that found a mismatch, or (with ``pending()``,
+        the ranks still running the execution waited for) a wait of that execution nothing can end, once, seen in
+        two roll-calls in a row: every member missing from the collective is idle (or dead, or passed it) and runs
+        nothing of the execution, and nothing else can be sent to it while the caller waits."""
         if self.hang_after is None:
             return None
         now = time.monotonic()
@@ -114,6 +120,7 @@ class HangWatch:
         self._rid = None
         self._next = now + (THEN_EVERY if self.shown else FIRST_EVERY)
         if not rc.hung(self.hang_after):
+            self._suspects = {}
             return None
         rc.title = f"roll-call after {now - self.t0:.1f} s"
         self.last = rc
@@ -124,7 +131,19 @@ class HangWatch:
         if rc.mismatches() and self.mismatch is None:
             self.mismatch = rc
             return rc
+        if pending is not None and self.stuck is None and self.mismatch is None and self._stuck(rc, pending):
+            self.stuck = rc
+            return rc
         return None
+
+    def _stuck(self, rc: RollCall, pending) -> bool:
+        """Is a wait of this execution one nothing can end, in this roll-call and, still going, in the one before
+        (a rank's answer may be a moment old: a late rank answers idle, then runs its cell at once)?"""
+        running = set(pending())  # a wait of another execution (a --noblock cell) may still be joined
+        now = {(x.op, x.group, x.seq, x.waiting): x.waited_s for x in rc.stuck()
+               if set(x.waiting) & running and not set(x.culprits) & running}
+        before, self._suspects = self._suspects, now
+        return any(key in before and waited > before[key] for key, waited in now.items())
 
     def close(self, ok: bool) -> None:
         if self.display is not None and self.shown and ok:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import sys
-import threading
 from typing import TYPE_CHECKING
 
 from .. import rank_context
@@ -41,7 +40,6 @@ class _Output:
 
 # -- threads a rank's cell starts -----------------------------------------------------------------------------
 
-_real_start = threading.Thread.start
 _live: dict[tuple[int, int], _Output] = {}  # (id of the Threads, rank) -> the output of the cell the rank runs now
 
 
@@ -98,34 +96,17 @@ class _Follow:
         now = self._now()
         return now.outputs if now is not None else self._out.outputs
 
+    def flush(self) -> None:
+        """The thread ended: a part line it left for the kernel's streams goes out."""
+        for stream in self._kernel.values():
+            stream.flush()
 
-def _start(self: threading.Thread) -> None:
-    """``Thread.start`` while thread clusters run: a thread started by a rank's cell writes into that rank's output
-    (on an engine it would be that engine's). Not a pool's worker (concurrent.futures): it runs whoever's tasks."""
-    out = capture().out if rank_context.in_rank_thread() else None
+
+def _follow(out) -> _Follow | None:
+    """Where a thread a rank's cell starts writes (``ranks.patches.follow_threads``' hook): that rank's output, as on
+    an engine; None for a capture that is no cell's."""
     key = getattr(out, "key", None)
-    target = getattr(self, "_target", None)
-    if key is not None and getattr(target, "__module__", "") != "concurrent.futures.thread":
-        ctx = rank_context.RankContext(env=rank_context.current().env)
-        follow = _Follow(key, out)
-        with bound(ctx):
-            capture().out = follow
-        run = self.run
-
-        def run_as_started():
-            with bound(ctx):
-                try:
-                    run()
-                except SystemExit:
-                    pass
-                except BaseException:  # reported here, so that the report goes where the thread's output goes
-                    threading.excepthook(threading.ExceptHookArgs((*sys.exc_info(), self)))  # type: ignore
-                finally:
-                    for stream in follow._kernel.values():
-                        stream.flush()
-
-        self.run = run_as_started  # type: ignore[method-assign]
-    _real_start(self)
+    return None if key is None else _Follow(key, out)
 
 
 class _RankDisplay:

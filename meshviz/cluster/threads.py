@@ -14,12 +14,12 @@ import types
 
 from .. import trace
 from ..rank_context import bound
-from ..ranks.patches import capture, route_streams, unroute_streams
+from ..ranks.patches import capture, follow_threads, route_streams, unfollow_threads, unroute_streams
 from ..trace.status import RankStatus
 from ..trace.stream import EventLog
 from .config import ClusterConfig
 from .control import Control
-from .thread_view import RankResult, ThreadView, _live, _Output, _pull, _RankDisplay, _real_start, _shell, _start
+from .thread_view import RankResult, ThreadView, _follow, _live, _Output, _pull, _RankDisplay, _shell
 
 __all__ = ["Threads", "ThreadView", "RankResult"]
 
@@ -176,7 +176,7 @@ class Threads:
         from ..runtime import match
 
         _running[id(self)] = cfg.check_collectives
-        threading.Thread.start = _start  # type: ignore[method-assign]
+        follow_threads(_follow)
         was = match.set_checking(any(_running.values()))  # process-wide: every rank thread, or none
         if len(_running) == 1:
             _kernel["checking"] = was
@@ -212,8 +212,8 @@ class Threads:
             # another thread cluster still running keeps its check; the last one puts the kernel's setting back
             match.set_checking(any(_running.values()) if _running else _kernel.get("checking", self._checking_was))
             self._checking_was = None
-            if not _running and threading.Thread.start is _start:
-                threading.Thread.start = _real_start  # type: ignore[method-assign]
+            if not _running:
+                unfollow_threads()
         for key in [k for k in _live if k[0] == id(self)]:
             del _live[key]
         self.view = None
