@@ -229,7 +229,7 @@ class DistTensor(torch.Tensor):
     _mv_grad_hook = None  # the op layer's hook giving the gradient Paddle's placements
     _mv_key: int | None = None  # the layout's number in the op layer's decision cache, made on first use
     _mv_view = None  # ``op_writes.ViewOf``: how it is a view of another dist tensor (an in-place op writes that too)
-    _mv_writes = 0  # in-place ops on it so far (a view whose block is not its block's reads it anew after one)
+    _mv_writes = 0  # in-place ops on it and blocks it took so far (a view whose block is not its block reads it anew)
     __torch_function__ = compat.disabled_torch_function_impl
 
     @staticmethod
@@ -306,9 +306,11 @@ class DistTensor(torch.Tensor):
 
     def _hold(self, other: "DistTensor") -> "DistTensor":
         """This tensor, now holding ``other``'s block and layout: what an in-place op that ran on a re-laid-out
-        copy (or a sharding stage) leaves in the caller's tensor."""
+        copy (or a sharding stage) leaves in the caller's tensor. A write: a view of this tensor whose block is not
+        the new one reads it anew."""
         self._local, self._mpl, self._dt, self._tpl = other._local, other._mpl, other._dt, other._tpl
         self._mv_key = None
+        self._mv_writes += 1
         return self
 
     def _resolved(self) -> "DistTensor":

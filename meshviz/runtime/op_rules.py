@@ -245,12 +245,11 @@ def _mask_indices(args, kwargs):
     leaves the other k-1 dims sharded, which the mask's shape then does not fit."""
     indices = args[1] if len(args) > 1 else kwargs.get("indices")
     if not isinstance(indices, (list, tuple)) or not any(
-            isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) and type(i) is torch.Tensor
-            for i in indices):
+            isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices):
         return args, kwargs
     out: list = []
     for i in indices:
-        if isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) and type(i) is torch.Tensor:
+        if isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8):
             out.extend(i.nonzero().unbind(1) if i.dim() else [i])
         else:
             out.append(i)

@@ -7,14 +7,16 @@ import weakref
 
 import torch
 
+from .. import compat
+from ..compat import tree_map
 from ..core.placements import Replicate
 from . import dtensor as dtensor_module
 from . import groups
 from .autograd import run_reshard
-from .dtensor import DistTensor
+from .dtensor import DistTensor, make_dist
 
 __all__ = ["written_args", "writing", "moved", "write_back", "ViewOf", "view_made", "write_through", "out_variant",
-           "into_out", "fresh", "wrote"]
+           "into_out", "fresh", "wrote", "check_overlap"]
 
 _WRITTEN: dict = {}
 # per thread (ranks as threads included): id of the caller's tensor, or of a copy laid out anew for the op ->
@@ -77,11 +79,34 @@ def write_back(watched: dict, token: contextvars.Token, redistribute) -> None:
 
 # -- views: an in-place op on a view writes its base ----------------------------------------------------------------
 
+def _version(block: torch.Tensor) -> int:
+    try:
+        return block._version
+    except RuntimeError:  # an inference tensor keeps no count
+        return -1
+
+
+def _seen(t) -> tuple:
+    """What has been written into ``t``'s block so far: its in-place ops (``_mv_writes``, which a new block counts
+    too) and torch's count of the writes into the block from outside the op layer (an optimizer step on the blocks),
+    with those of each tensor up its views whose block it shares (a write into that lands in ``t``'s block too)."""
+    seen: list = []
+    for _ in range(64):
+        seen += (t._mv_writes, _version(t._local))
+        rec = t._mv_view
+        base = rec._base() if rec is not None and not rec.detached else None
+        if base is None or rec._block() is not base._local:
+            break
+        t = base
+    return tuple(seen)
+
+
 class ViewOf:
     """How a dist tensor is a view of ``base``: ``func(base, *args, **kwargs)`` (its ``index``-th output).
     ``detached``: its block is not a view of the base's block (the op layer moved the base first, or DTensor ran the
     view), so a write into it reaches the base only through :func:`write_through`, and an in-place op on the base
-    reaches it only when it is read anew (:meth:`refresh`; ``writes``: the base's count of them it has seen)."""
+    reaches it only when it is read anew (:meth:`refresh`; ``writes``: what it has seen written into the base's
+    block, :func:`_seen`)."""
 
     __slots__ = ("_base", "func", "args", "kwargs", "index", "detached", "writes", "_block")
 
@@ -89,7 +114,7 @@ class ViewOf:
         # weakly: a view must not keep its base's block alive (activations saved for backward are views); a base
         # no one holds any more needs no write
         self._base, self.func, self.args, self.kwargs = weakref.ref(base), func, args, kwargs
-        self.index, self.detached, self.writes = index, detached, base._mv_writes
+        self.index, self.detached, self.writes = index, detached, _seen(base)
         self._block = None if detached else weakref.ref(base._local)  # the block its own is a view of
 
     @property
@@ -103,7 +128,7 @@ class ViewOf:
         base = self._base()
         if base is None:
             return False
-        if base._mv_writes != self.writes and (self.detached or self._block() is not base._local):
+        if (self.detached or self._block() is not base._local) and _seen(base) != self.writes:
             return True
         up = base._mv_view
         return up is not None and up.stale()
@@ -112,7 +137,7 @@ class ViewOf:
         """The view holds the base's value as it is now (a write through it reached the base)."""
         base = self._base()
         if base is not None:
-            self.writes = base._mv_writes
+            self.writes = _seen(base)
 
     def refresh(self, view) -> None:
         """``view`` holds ``func(base, ...)`` anew, in its own placements, as a torch view of a plain tensor sees
@@ -131,8 +156,11 @@ class ViewOf:
         view._mv_view = ViewOf(base, self.func, self.args, self.kwargs, self.index, detached)
 
 
-def fresh(args, kwargs) -> None:
-    """Each dist view among an op's arguments whose base an in-place op wrote since is read anew first."""
+def fresh(args, kwargs, writer=None) -> None:
+    """Each dist view among an op's arguments whose base an in-place op wrote since is read anew first; ``writer``:
+    the op, where it writes its first argument (:func:`check_overlap` first)."""
+    if writer is not None:
+        check_overlap(writer, args[0], args, kwargs)
     for a in args:
         kind = type(a)
         if kind is DistTensor:
@@ -218,8 +246,9 @@ def write_through(view, before, redistribute, member: bool) -> None:
         rec.synced()
         rec.detached = rec.detached or changed
         view, rec, changed = base, base._mv_view, base._local is not before
-    if own and first is not None:
-        first.detached = True
+    if first is not None:
+        first.detached = first.detached or own
+        first.synced()  # it holds what it wrote: the writes counted up its chain since are that one
 
 
 # -- out= arguments: the op run as its functional overload, the result held by the caller's tensors -------------------
@@ -266,14 +295,107 @@ def into_out(func, args, kwargs, run, probe, redistribute):
         if tuple(o.shape) != tuple(s.shape):
             raise ValueError(f"{func}: out= tensor {n!r} has shape {list(o.shape)}, the result {list(s.shape)}; a "
                              f"dist tensor cannot be resized in place: pass one of the result's shape")
-    res = run(functional, args, rest)
+    for o in outs:
+        check_overlap(func, o, args, kwargs)
+    found: list = []
+    tree_map(lambda x: found.append(x) if _is_dist(x) else None, (args, rest))
+    res = run(functional, args, rest) if found else functional(*args, **rest)
     results = [res] if len(names) == 1 else list(res)
     for o, r in zip(outs, results):
+        if not found:  # dense inputs only: the result is replicated on the out tensor's mesh, as in Paddle
+            mesh = o._pmesh
+            local = r if mesh.contains(groups.rank()) else compat.empty_block(r.dtype, r.device)
+            r = make_dist(local, mesh, (Replicate(),) * mesh.ndim, tuple(r.shape))
         if r.dtype != o.dtype:
             r = run(torch.ops.aten._to_copy.default, (r,), {"dtype": o.dtype})
         before = (o._local, o._mpl) if o._mv_view is not None else None
         wrote(o._hold(r), before, redistribute)
     return outs[0] if len(names) == 1 else tuple(outs)
+
+
+# -- an in-place op reading what it writes: torch refuses a partial overlap, so the op layer does too ------------------
+
+def check_overlap(func, written, args, kwargs) -> None:
+    """Raise, on every rank before anything moves, where the dense op would: a dist argument of ``func`` that is a
+    view of the same tensor as ``written`` (the tensor it writes) and partly overlaps it (``t[1:].add_(t[:-1])``,
+    ``a.add_(a.t())``). The blocks cannot tell: a view may be a copy, a block may hold none of the overlap."""
+    found = [a for a in args if type(a) is DistTensor and a is not written]
+    if kwargs:
+        found += [a for a in kwargs.values() if type(a) is DistTensor and a is not written]
+    if not found or (written._mv_view is None and all(a._mv_view is None for a in found)):
+        return
+    root, chain = _chain(written)
+    aliased = [a for a in found if _chain(a)[0] is root]
+    if not aliased:
+        return
+    meta = _replay(root, chain, "meta")
+    if meta is None or not any(_partial(meta, _replay(root, _chain(a)[1], "meta")) for a in aliased):
+        return
+    # a partial overlap on the global layouts: the dense op, on zeros laid out alike, says whether it is refused
+    whole = torch.empty_strided(tuple(root.shape), root.stride(), dtype=root.dtype).zero_()
+    stand = {id(a): _replay(root, _chain(a)[1], whole) for a in (written, *aliased)}
+    if any(v is None for v in stand.values()):
+        return
+    pargs, pkwargs = tree_map(lambda x: stand.get(id(x), torch.zeros(x.shape, dtype=x.dtype)) if type(x) is DistTensor
+                              else x.detach().cpu() if isinstance(x, torch.Tensor) else x, (args, kwargs))
+    try:
+        with torch.no_grad():
+            func(*pargs, **pkwargs)
+    except RuntimeError as e:
+        if "memory location" in str(e):
+            raise ValueError(f"{func}: {str(e).splitlines()[0]}") from None
+
+
+def _chain(t) -> tuple:
+    """The tensor ``t`` is a view of at the top of its views (``t`` itself when none), and the views down to ``t``."""
+    recs: list = []
+    for _ in range(64):
+        rec = t._mv_view
+        base = rec.base if rec is not None else None
+        if base is None:
+            break
+        recs.append(rec)
+        t = base
+    return t, recs[::-1]
+
+
+def _replay(root, chain, on):
+    """The views ``chain`` taken of ``on`` (a tensor laid out as ``root``, or "meta": a meta one); None where a view
+    takes a tensor argument."""
+    x = torch.empty_strided(tuple(root.shape), root.stride(), dtype=root.dtype, device="meta") if on == "meta" else on
+    for rec in chain:
+        if any(isinstance(a, torch.Tensor) for a in (*rec.args, *rec.kwargs.values())):
+            return None
+        try:
+            x = rec.func(x, *rec.args, **rec.kwargs)
+        except (RuntimeError, NotImplementedError):  # a view torch cannot take of it: nothing to tell
+            return None
+        if rec.index is not None:
+            x = x[rec.index]
+    return x
+
+
+def _partial(a, b) -> bool:
+    """torch's test of a partial overlap (``get_overlap_status``) between two views of one tensor."""
+    if a is None or b is None or not a.numel() or not b.numel():
+        return False
+    if not (_dense(a) and _dense(b)):
+        return False  # torch cannot tell either
+    a0, b0 = a.storage_offset(), b.storage_offset()
+    a1, b1 = a0 + a.numel(), b0 + b.numel()
+    if (a0, a1) == (b0, b1):
+        return a.stride() != b.stride()
+    return a0 < b1 and b0 < a1
+
+
+def _dense(x) -> bool:
+    """Whether ``x``'s elements fill a range of its storage, each once (torch's ``is_non_overlapping_and_dense``)."""
+    want = 1
+    for stride, size in sorted((st, sz) for sz, st in zip(x.shape, x.stride()) if sz != 1):
+        if stride != want:
+            return False
+        want *= size
+    return True
 
 
 def _is_dist(x) -> bool:

@@ -55,9 +55,9 @@ def dispatch(func, args, kwargs):
         out = into_out(func, args, kwargs, dispatch, probe, redistribute)
         if out is not NotImplemented:
             return out
-    fresh(args, kwargs)
     self = args[0] if args else None
     inplace = type(self) is DistTensor and writes_self(func)
+    fresh(args, kwargs, func if inplace else None)
     before = (self._local, self._mpl) if inplace and self._mv_view is not None else None
     if written_args(func):  # batch norm's running statistics: written in place wherever the op layer moved them
         watched, token = writing(func, args, kwargs, lambda x: isinstance(x, DistTensor))
