@@ -53,8 +53,9 @@ RESHARDS = {"S(0)->R": ("S0", "R"), "P->R": ("P", "R"), "S(0)->S(1)": ("S0", "S1
 
 def reshard_cost(calls: int, rounds: int) -> dict:
     """On every rank of the world: per reshard of ``RESHARDS`` (4x4 float32 on a 1-D mesh of the world), the
-    median over rounds of (traced / untraced) of the calling thread's CPU time, and the medians of each in us. A
-    traced round runs under ``trace.record`` (its events kept, as a user's are) and its flush is inside its time;
+    median over rounds of (traced / untraced) of the calling thread's CPU time, and the medians of each in us, and
+    of making a traced round's events when its recorder is read (after the round's time). A traced round runs
+    under ``trace.record`` (its events kept, as a user's are) and its flush is inside its time;
     the two run alternately, round by round, so drifting load hits both alike, and each round's pair gives one
     ratio (the CPU time leaves out the peer's latency, which only adds the same to both)."""
     import torch
@@ -72,6 +73,7 @@ def reshard_cost(calls: int, rounds: int) -> dict:
         d = dist.shard_tensor(torch.arange(16.0).reshape(4, 4), mesh, [pl[src]])
         target = [pl[dst]]
         cpu: dict = {False: [], True: []}
+        reads = []
         for traced in (False, True):  # warm-up: plans, groups, templates
             with trace.record() if traced else contextlib.nullcontext():
                 for _ in range(20):
@@ -80,15 +82,19 @@ def reshard_cost(calls: int, rounds: int) -> dict:
             for traced in (False, True):
                 if n > 1:
                     tdist.barrier()
-                with trace.record() if traced else contextlib.nullcontext():
+                with trace.record() if traced else contextlib.nullcontext() as rec:
                     c0 = time.thread_time()
                     for _ in range(calls):
                         dist.reshard(d, mesh, target)
                     trace.flush()
-                    cpu[traced].append((time.thread_time() - c0) / calls * 1e6)
+                    c1 = time.thread_time()
+                    cpu[traced].append((c1 - c0) / calls * 1e6)
+                    if traced:
+                        assert len(rec.events) >= calls
+                        reads.append((time.thread_time() - c1) / calls * 1e6)
         ratios = sorted(t / u for t, u in zip(cpu[True], cpu[False]))
         out[name] = (statistics.median(ratios), ratios[len(ratios) // 4], ratios[-(len(ratios) // 4) - 1],
-                     statistics.median(cpu[True]), statistics.median(cpu[False]))
+                     statistics.median(cpu[True]), statistics.median(cpu[False]), statistics.median(reads))
     return out
 
 
@@ -103,13 +109,13 @@ def main():
     if args.reshard:
         from meshviz.testing import run_ranks
 
-        print("| ranks | reshard | traced / untraced CPU time, median (quartiles) | traced us | untraced us |\n"
-              "|---|---|---|---|---|")
+        print("| ranks | reshard | traced / untraced CPU time, median (quartiles) | traced us | untraced us | "
+              "events read, us a reshard |\n|---|---|---|---|---|---|")
         for n in args.ranks:
             res = run_ranks(reshard_cost, n, args.calls, args.rounds, timeout=1800, collective_timeout=600,
                             ranks="processes")[0]
-            for name, (r, lo, hi, t, u) in res.items():
-                print(f"| {n} | {name} | {r:.2f} ({lo:.2f}-{hi:.2f}) | {t:.1f} | {u:.1f} |")
+            for name, (r, lo, hi, t, u, read) in res.items():
+                print(f"| {n} | {name} | {r:.2f} ({lo:.2f}-{hi:.2f}) | {t:.1f} | {u:.1f} | {read:.1f} |")
         return
     lat = single_event_latency(args.events)
     p50, p95 = lat[len(lat) // 2], lat[int(0.95 * (len(lat) - 1))]

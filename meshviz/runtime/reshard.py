@@ -19,7 +19,7 @@ from . import groups
 from .comm import Call, CollectiveOp, all_to_all_flat, divide_, peer_names, reduction, run
 from .devices import staged_recv, staged_send
 from .dtensor import to_torch_placements
-from .reshard_events import UNKNOWN, issued_now, plan_event, step_event, traced_plan
+from .reshard_events import issued_now, plan_event, run_traced, step_event, traced_plan
 
 __all__ = ["run_plan", "run_step", "run_plans", "check_runnable", "BUCKET_BYTES"]
 
@@ -346,20 +346,8 @@ def run_plan(plan: Plan, local, rank: int, *, dtype=None, device=None, name=None
         for i, step in enumerate(plan.steps):
             local = run_step(step, local, rank, dtype, device, own or i > 0)
         return local
-    traced = traced_plan(plan, rank)
-    plan_id = next(RESHARD.get(ctx).plan_ids)
-    me = trace.my_rank(st)
-    known = plan_event(st, traced, me, local, name, tensor_id, plan_id)  # the values of the block going in
-    issued = issued_now()
-    for i, step in enumerate(plan.steps):
-        t0 = time.time()
-        local = run_step(step, local, rank, dtype, device, own or i > 0)
-        if traced.parts[i] is None:
-            known = UNKNOWN
-        else:
-            known = step_event(st, traced, me, i, local, t0, name, tensor_id, plan_id, issued,
-                               known if traced.keeps[i] else UNKNOWN)
-    return local
+    return run_traced(plan, local, rank, dtype, device, own, name, tensor_id, next(RESHARD.get(ctx).plan_ids), st,
+                      ctx, run_step)
 
 
 _FUSABLE = ("all_reduce", "all_gather", "reduce_scatter")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import sys
 import time
+from array import array
+from ctypes import c_char
 from itertools import chain, count
 
 import torch
@@ -11,9 +13,11 @@ import torch
 from .. import trace
 from ..core.planner import Plan
 from ..core.traffic import step_received
+from ..trace import recorder
 from . import rollcall
 
-__all__ = ["DeviceRead", "Traced", "UNKNOWN", "traced_plan", "plan_event", "step_event", "issued_now", "values_of"]
+__all__ = ["DeviceRead", "Traced", "UNKNOWN", "traced_plan", "plan_event", "step_event", "issued_now", "values_of",
+           "snapshot", "run_traced"]
 
 
 def values_of(t) -> list | torch.Tensor | DeviceRead | None:
@@ -48,23 +52,40 @@ _SYNCED: dict = {}  # device -> every read whose ticket is below this has its co
 
 
 class DeviceRead:
-    """A CUDA block's leading values copied to pinned host memory without waiting for the device. ``tolist``
-    waits for the device once for every read issued before it: a reshard's path queues the copy, the trace's
-    flush reads a batch of them after one synchronize."""
+    """A block's leading values on an accelerator, on their way to the host: on CUDA copied to pinned host memory
+    without waiting for the device (elsewhere a copy on the device). ``tolist`` waits for the device once for every
+    read issued before it: a reshard's path queues the copy, the trace's flush reads a batch of them after one
+    synchronize (``settle``), and the host copy is let go once read."""
 
-    __slots__ = ("host", "device", "ticket")
+    __slots__ = ("host", "device", "ticket", "values")
 
     def __init__(self, head: torch.Tensor):
-        self.host = head.to("cpu", non_blocking=True)  # pinned, so the copy is queued, not waited for
-        self.device = head.device
-        self.ticket = next(_TICKETS)  # taken after the copy is queued
+        self.values: list | None = None
+        if head.is_cuda:
+            self.host = head.to("cpu", non_blocking=True)  # pinned, so the copy is queued, not waited for
+            self.device = head.device
+            self.ticket = next(_TICKETS)  # taken after the copy is queued
+        else:
+            self.host, self.device, self.ticket = head.clone(), head.device, -1
 
     def tolist(self) -> list:
-        if self.ticket >= _SYNCED.get(self.device, 0):
-            upto = next(_TICKETS)  # every ticket below it was taken after its copy was queued
-            torch.cuda.synchronize(self.device)
-            _SYNCED[self.device] = max(_SYNCED.get(self.device, 0), upto)
-        return self.host.tolist()
+        """The values, a new list each time."""
+        v = self.values
+        if v is None:
+            host = self.host
+            if self.ticket < 0:
+                v = trace.small_values(host)
+            else:
+                if self.ticket >= _SYNCED.get(self.device, 0):
+                    upto = next(_TICKETS)  # every ticket below it was taken after its copy was queued
+                    torch.cuda.synchronize(self.device)
+                    _SYNCED[self.device] = max(_SYNCED.get(self.device, 0), upto)
+                v = host.tolist()
+            self.values = v
+            self.host = None
+        return list(v)
+
+    settle = tolist
 
 
 class Traced:
@@ -138,54 +159,186 @@ def traced_plan(plan: Plan, rank: int) -> Traced:
 
 UNKNOWN = object()  # values not read yet
 
-# The hot path keeps one tuple per event until the flush (trace.defer_entry): its maker, then what the event says,
-# each part a cached object where one serves (a shape's list, a step's payload) or the values read.
+_ITEM = {torch.float32: 4, torch.float64: 8, torch.float16: 2, torch.bfloat16: 2, torch.int64: 8, torch.int32: 4,
+         torch.int16: 2, torch.int8: 1, torch.uint8: 1, torch.bool: 1}  # what a snapshot may keep as bytes
+_LIMIT = {dtype: size * trace.MAX_VALUES for dtype, size in _ITEM.items()}  # bytes of the leading values
+_CHARS: dict = {}  # bytes -> its ctypes array type
+_ARRAY = {torch.float32: "f", torch.float64: "d", torch.int64: "q", torch.int32: "i", torch.int16: "h",
+          torch.int8: "b", torch.uint8: "B"}  # dtype -> the typecode of array.array that reads it
 
 
-def plan_event(st, traced: Traced, me: int, local, name, tensor_id, plan_id) -> list | None:
-    """Defer the ``reshard`` event (it is made at the trace's next flush, of what holds now); returns the values it
-    read."""
-    values = None if local is None else values_of(local)
+def snapshot(st, t) -> tuple:
+    """``values_of(t)`` as the hot path keeps it, as (dtype, what): of a contiguous CPU block, the bytes of its
+    leading values (read into numbers when the event is made: torch's own ``tolist`` of the same bytes); otherwise
+    (None, ``values_of(t)``), a read from a device kept in ``st.reads`` for the trace's flush to settle."""
+    if type(t) is torch.Tensor:
+        try:
+            if t.is_cpu:
+                dtype = t.dtype
+                limit = _LIMIT.get(dtype)
+                # a negative view (the imaginary part of a conjugate) holds the values' negations
+                if limit is not None and t.is_contiguous() and not (t._is_view() and t.is_neg()):
+                    nbytes = t.nbytes
+                    if nbytes:
+                        if nbytes > limit:
+                            nbytes = limit
+                        chars = _CHARS.get(nbytes)
+                        if chars is None:
+                            chars = _CHARS[nbytes] = c_char * nbytes
+                        return dtype, chars.from_address(t.data_ptr()).raw
+            elif not t.is_meta and not t.is_complex():
+                read = DeviceRead(_head(t) if t.numel() > _MAX else t.detach().reshape(-1))
+                st.reads.append(read)
+                return None, read
+        except Exception:
+            pass
+    return None, None if t is None else values_of(t)
+
+
+_MAX = trace.MAX_VALUES
+_NONE = (None, None)
+
+
+def _values(dtype, what):
+    """The list of values a snapshot stands for, a new one for each event (events of a step that keeps the block
+    share its snapshot)."""
+    if dtype is not None:
+        code = _ARRAY.get(dtype)
+        if code is not None:  # the same Python numbers as torch's tolist, without a tensor
+            return array(code, what).tolist()
+        return torch.frombuffer(bytearray(what), dtype=dtype).tolist()
+    if what is None:
+        return None
+    if type(what) is list:
+        return what.copy()
+    if type(what) is DeviceRead:
+        return what.tolist()
+    return trace.small_values(what) if isinstance(what, torch.Tensor) else what
+
+
+# The hot path lays each event's record flat at the end of the rank's deferred records (trace.defer_record): its
+# reader, then what the event says, each part a cached object where one serves (a shape's list) or a snapshot.
+
+
+def plan_event(st, traced: Traced, me: int, local, name, tensor_id, plan_id) -> tuple:
+    """Defer the ``reshard`` event; returns the snapshot of the values it read."""
+    dtype, what = snap = _NONE if local is None else snapshot(st, local)
     now = time.time()
-    trace.defer_entry(st, (_plan_made, traced, next(st.seq), now, me, st.cell, name, tensor_id, plan_id,
-                           traced.shape_of(local), values), now)
-    return values
+    trace.defer_record(st, (_plan_read, traced, next(st.seq), now, me, st.cell, name, tensor_id, plan_id,
+                            traced.shape_of(local), dtype, what), now)
+    return snap
 
 
-def _listed(values):
-    if values is None or type(values) is list:
-        return values
-    if type(values) is DeviceRead:
-        return values.tolist()
-    return trace.small_values(values) if isinstance(values, torch.Tensor) else values
-
-
-def _plan_made(entry):
-    _, traced, seq, now, me, cell, name, tensor_id, plan_id, shape, values = entry
-    return traced.head.stamp_run(seq, now, now, me, cell, name, tensor_id, plan_id, shape, _listed(values))
+@trace.lazy_reader(12)
+def _plan_read(p: list, i: int):
+    traced, seq, now, me, cell, name, tensor_id, plan_id, shape, dtype, what = p[i + 1:i + 12]
+    return traced.head.stamp_run(seq, now, now, me, cell, name, tensor_id, plan_id, shape,
+                                 _values(dtype, what))
 
 
 def step_event(st, traced: Traced, me: int, i: int, local, t0, name, tensor_id, plan_id, issued,
-               known=UNKNOWN) -> list | None:
-    """Defer step ``i``'s event; ``known``: the values of the block it made, where they are known (a step that keeps
-    the block has the values that went in). Returns the values."""
-    values = (None if local is None else values_of(local)) if known is UNKNOWN else known
+               known=UNKNOWN) -> tuple:
+    """Defer step ``i``'s event; ``known``: the snapshot of the block it made, where it is known (a step that keeps
+    the block has the values that went in). Returns the snapshot."""
+    if known is UNKNOWN:
+        dtype, what = snap = _NONE if local is None else snapshot(st, local)
+    else:
+        dtype, what = snap = known
     now = time.time()
-    trace.defer_entry(st, (_step_made, traced, i, known is not UNKNOWN, next(st.seq), t0, now, me, st.cell, name,
-                           tensor_id, plan_id, traced.shape_of(local), values, traced.step_payload(i, issued)), now)
-    return values
+    trace.defer_record(st, (_step_read, traced, i, next(st.seq), t0, now, me, st.cell, name, tensor_id, plan_id,
+                            traced.shape_of(local), dtype, what) + issued, now)
+    return snap
 
 
-def _step_made(entry):
-    _, traced, i, shared, seq, t0, now, me, cell, name, tensor_id, plan_id, shape, values, payload = entry
-    return traced.steps[i].stamp_run(
-        seq, t0, now, me, cell, name, tensor_id, plan_id, shape,
-        values.copy() if shared and type(values) is list else _listed(values),  # each event owns its values
-        payload)
+@trace.lazy_reader(18)
+def _step_read(p: list, k: int):
+    traced, i, seq, t0, now, me, cell, name, tensor_id, plan_id, shape, dtype, what, code, lasti, module, backward \
+        = p[k + 1:k + 18]
+    where = None if code is None else rollcall._place(code.co_filename, code.co_name, _line(code, lasti))
+    return traced.steps[i].stamp_run(seq, t0, now, me, cell, name, tensor_id, plan_id, shape,
+                                     _values(dtype, what), traced.step_payload(i, (where, module, backward)))
+
+
+def run_traced(plan: Plan, local, rank: int, dtype, device, own: bool, name, tensor_id, plan_id: int, st, ctx,
+               run_step) -> torch.Tensor | None:
+    """``reshard.run_plan`` while tracing (its steps run by ``run_step``): the events :func:`plan_event` and
+    :func:`step_event` defer, laid down inline (a traced reshard's cost is its Python's)."""
+    traced = _TRACED.get((id(plan), rank))
+    if traced is None or traced.plan is not plan:
+        traced = traced_plan(plan, rank)
+    me = st.rank
+    if me is None:
+        me = trace.my_rank(st)
+    cell = st.cell
+    code, lasti, module, backward = _issued(sys._getframe(2), rollcall.ROLLCALL.get(ctx).record)
+    snap = _NONE if local is None else snapshot(st, local)
+    p = st.pending
+    now = time.time()
+    if not p:
+        st.since = now
+    shape = traced.shape_of(local)
+    p += (_plan_read, traced, next(st.seq), now, me, cell, name, tensor_id, plan_id, shape, snap[0], snap[1])
+    keeps, parts = traced.keeps, traced.parts
+    for i, step in enumerate(plan.steps):
+        t0 = time.time()
+        local = run_step(step, local, rank, dtype, device, own or i > 0)
+        if parts[i] is None:
+            snap = None
+            continue
+        if snap is None or not keeps[i]:  # a step that keeps the block has the values (and shape) that went in
+            snap = _NONE if local is None else snapshot(st, local)
+            shape = traced.shape_of(local)
+        now = time.time()
+        if not p:
+            st.since = now
+        p += (_step_read, traced, i, next(st.seq), t0, now, me, cell, name, tensor_id, plan_id, shape, snap[0], snap[1],
+              code, lasti, module, backward)
+    if p and (now - st.since > recorder.FLUSH_AFTER or len(p) >= recorder.FLUSH_FIELDS):
+        trace.flush(st)
+    return local
+
+
+_LINES: dict = {}  # (id of a code, offset) -> (the code, its line there)
+
+
+def _line(code, lasti: int):
+    """The line of ``code`` at instruction offset ``lasti``: a frame's ``f_lineno`` (which decodes the line table
+    from its start on every read: microseconds in a long function or cell)."""
+    hit = _LINES.get((id(code), lasti))
+    if hit is not None and hit[0] is code:
+        return hit[1]
+    line = next((n for a, b, n in code.co_lines() if a <= lasti < b), None)
+    if len(_LINES) >= 4096:
+        _LINES.clear()
+    _LINES[(id(code), lasti)] = (code, line)
+    return line
+
+
+_INTERNAL: dict = {}  # file name -> whether rollcall.where looks past its frames (rollcall's answer, kept)
 
 
 def issued_now() -> tuple:
-    """(where the user's code is, the module whose forward or backward runs, whether it is the backward), for the
-    reshard this module's caller runs."""
-    module, backward = rollcall.issuer()
-    return rollcall.where(sys._getframe(2)), module, backward  # from the caller's caller: both are meshviz's
+    """(the code and instruction offset where the user's code is, the module whose forward or backward runs,
+    whether it is the backward), for the reshard this module's caller runs: ``rollcall.where`` of the caller's
+    caller (both are meshviz's), its text made when the event is."""
+    return _issued(sys._getframe(2), None)
+
+
+def _issued(f, rec) -> tuple:
+    """:func:`issued_now` from frame ``f`` on (``rec``: the rank's roll-call record, where the caller has it)."""
+    if rec is None:
+        rec = rollcall.current()
+    module, backward = (rec.modules[-1][0], False) if rec.modules else rollcall.backward_issuer(rec)
+    known = _INTERNAL
+    while f is not None:
+        code = f.f_code
+        name = code.co_filename
+        internal = known.get(name)
+        if internal is None:
+            if len(known) >= 4096:
+                known.clear()
+            internal = known[name] = rollcall._internal(name)
+        if not internal:
+            return code, f.f_lasti, module, backward  # its line is read when the event is made: that costs
+        f = f.f_back
+    return None, 0, module, backward

@@ -6,7 +6,7 @@ import contextlib
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import TextIO
 
 from ..rank_context import getenv
@@ -20,6 +20,8 @@ __all__ = [
     "emit",
     "defer",
     "defer_entry",
+    "defer_record",
+    "lazy_reader",
     "flush",
     "FLUSH_AFTER",
     "span",
@@ -38,7 +40,8 @@ __all__ = [
 
 _lock = threading.Lock()
 FLUSH_AFTER = 0.05  # seconds a deferred event waits at most for the next one to flush it
-FLUSH_EVERY = 4096  # deferred events held at most
+FLUSH_EVERY = 4096  # deferred events held at most, about
+FLUSH_FIELDS = FLUSH_EVERY * 16  # fields of deferred records held at most
 _watchers: list[Callable[[bool], None]] = []
 _active_ranks = [0]  # rank contexts with a sink: module hooks stay while any rank traces
 
@@ -125,7 +128,7 @@ def defer(st: TraceState, make: Callable[..., Event], args: tuple, now: float) -
     """An event made later, as ``make(*args)``, and handed to the sinks at the next flush, in order with the events
     this rank emits after it: when a sink is added or removed or a :class:`MemorySink` is read, at the end of an
     engine's cell or a process rank's life, once the oldest deferred event is ``FLUSH_AFTER`` seconds old, or on
-    :func:`flush`. The hot path of a traced reshard: ``args`` holds what the event says, read at ``now``."""
+    :func:`flush`. ``args`` holds what the event says, read at ``now``."""
     defer_entry(st, (_call, make, args), now)
 
 
@@ -134,14 +137,55 @@ def _call(entry: tuple) -> Event:
 
 
 def defer_entry(st: TraceState, entry: tuple, now: float) -> None:
-    """:func:`defer` of ``entry[0](entry)``: one tuple per deferred event (what the event says after its maker),
-    the least a reshard's hot path can keep alive until the flush."""
+    """:func:`defer` of ``entry[0](entry)``: one tuple per deferred event (what the event says after its maker)."""
+    defer_record(st, (_entry, entry), now)
+
+
+def _entry(p: list, i: int) -> Event:
+    entry = p[i + 1]
+    return entry[0](entry)
+
+
+_LAZY: dict = {}  # reader -> the length of its records
+
+
+def lazy_reader(size: int) -> Callable:
+    """Make a function ``reader(p, i)`` the reader of records of ``size`` fields (the reader first) for
+    :func:`defer_record`: the Event such a record says, when something reads it. A :class:`MemorySink` keeps such
+    records as they are and makes their events only when it is read; every other sink gets them made at the
+    flush. Their fields must stay as they were when deferred (no tensor a later write could change)."""
+
+    def register(reader: Callable) -> Callable:
+        _LAZY[reader] = size
+        return reader
+
+    return register
+
+
+def defer_record(st: TraceState, record: tuple, now: float) -> None:
+    """The hot path of a traced reshard: ``record`` laid flat at the end of the rank's deferred records (no object
+    kept per event), its event made at the next flush (see :func:`defer`) or, for a :class:`MemorySink`, once
+    that is read. ``record[0]``: :func:`_entry` of ``(entry,)`` or a :func:`lazy_reader`'s reader."""
     p = st.pending
     if not p:
         st.since = now
-    p.append(entry)
-    if now - st.since > FLUSH_AFTER or len(p) >= FLUSH_EVERY:
+    p += record
+    if now - st.since > FLUSH_AFTER or len(p) >= FLUSH_FIELDS:
         flush(st)
+
+
+def _made_from(p: list, i: int, n: int) -> Iterator[Event]:
+    """The events of the lazy records ``p[i:n]`` (one whose making fails is left out, as a broken sink's)."""
+    lazy = _LAZY
+    while i < n:
+        reader = p[i]
+        try:
+            event = reader(p, i)
+        except Exception:
+            event = None
+        i += lazy[reader]
+        if event is not None:
+            yield event
 
 
 def flush(state: TraceState | None = None) -> int:
@@ -149,23 +193,53 @@ def flush(state: TraceState | None = None) -> int:
     st = trace_state() if state is None else state
     if not st.pending:
         return 0
-    n = 0
     with st.lock:
-        p, sinks = st.pending, list(st.sinks)
-        pop = p.popleft
-        while p:
-            entry = pop()
+        p = st.pending
+        n = len(p)  # the rank's thread may add records behind these while they are handed on
+        batch = p[:n]
+        del p[:n]
+        reads = st.reads
+        if reads:
+            k = len(reads)
+            for r in reads[:k]:
+                try:
+                    r.settle()
+                except Exception:  # read again when its event is made: never break training here
+                    pass
+            del reads[:k]
+        sinks = list(st.sinks)
+        mems = [s for s in sinks if isinstance(s, MemorySink) and type(s) is MemorySink and s.limit is None]
+        keep = bool(sinks) and len(mems) == len(sinks)
+        lazy = _LAZY
+        count = i = run = 0
+        while i < n:
+            reader = batch[i]
+            size = lazy.get(reader)
+            if size is not None and keep:  # kept as it is, in a run of such records
+                i += size
+                count += 1
+                continue
+            if run < i:
+                for mem in mems:
+                    mem._take(batch, run, i)
             try:
-                event = entry[0](entry)
+                event = reader(batch, i)
             except Exception:  # as a broken sink: never break training
+                event = None
+            i += 2 if size is None else size
+            run = i
+            if event is None:
                 continue
             for sink in sinks:  # as _deliver, inline: a flush makes thousands
                 try:
                     sink(event)
                 except Exception:
                     pass
-            n += 1
-    return n
+            count += 1
+        if run < n:
+            for mem in mems:
+                mem._take(batch, run, n)
+    return count
 
 
 @contextlib.contextmanager
@@ -223,10 +297,13 @@ def clear_sinks() -> None:
 
 
 class MemorySink:
-    """Keeps events in a list (reading it makes the deferred events of the ranks it listens on first)."""
+    """Keeps events in a list (reading it makes the deferred events of the ranks it listens on first). Without a
+    ``limit`` it keeps a traced reshard's records as they are until it is read, and makes their events then."""
 
     def __init__(self, limit: int | None = None):
         self._events: list[Event] = []
+        self._raw: list = []  # in order: (records, start, end) not made yet, and events that came after them
+        self._lock = threading.Lock()
         self._states: list[TraceState] = []
         self.limit = limit
 
@@ -234,13 +311,34 @@ class MemorySink:
     def events(self) -> list[Event]:
         for st in self._states:
             flush(st)
+        if self._raw:
+            with self._lock:
+                out = self._events
+                for item in self._raw:
+                    if type(item) is tuple:
+                        out.extend(_made_from(*item))
+                    else:
+                        out.append(item)
+                self._raw = []
         return self._events
 
     @events.setter
     def events(self, events: list[Event]) -> None:
-        self._events = events
+        with self._lock:
+            self._events = events
+            self._raw = []
+
+    def _take(self, records: list, start: int, end: int) -> None:
+        """Lazy records ``records[start:end]`` (see :func:`lazy_reader`), made when the sink is read."""
+        with self._lock:
+            self._raw.append((records, start, end))
 
     def __call__(self, event: Event) -> None:
+        if self._raw:
+            with self._lock:
+                if self._raw:  # behind records not made yet
+                    self._raw.append(event)
+                    return
         self._events.append(event)
         if self.limit is not None and len(self._events) > self.limit:
             del self._events[: len(self._events) - self.limit]
@@ -253,7 +351,6 @@ class MemorySink:
 
     def __repr__(self) -> str:
         return f"MemorySink({len(self.events)} events)"
-
 
 class JSONLSink:
     """Appends one JSON object a line; ``{rank}`` in the path is replaced by the rank."""

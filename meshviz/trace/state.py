@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import collections
 import itertools
 import threading
 from collections.abc import Callable
@@ -23,8 +22,10 @@ class TraceState:
     sinks: list[Callable[[Event], None]] = field(default_factory=list)
     rank: int | None = None  # events are stamped with it
     cell: int | None = None  # the engine cell events are stamped with
-    # events whose making was deferred, as (make, args): made and handed to the sinks, in order, at the next flush
-    pending: collections.deque = field(default_factory=collections.deque)
+    # events whose making was deferred, as records laid end to end (recorder.defer_record): made and handed to the
+    # sinks, in order, at the next flush
+    pending: list = field(default_factory=list)
+    reads: list = field(default_factory=list)  # values on their way from a device, each settle()d at the flush
     since: float = 0.0  # when the oldest of them was deferred
     lock: Any = field(default_factory=threading.RLock)  # one flush at a time: sinks see the order
 
