@@ -17,6 +17,7 @@ RankFailed = RankError  # the name tests have used for a failed run_ranks
 
 
 def _entry(index, port, func, args, world, outdir, env, rank_envs=None):
+    from .ranks import patches
     from .runtime import rendezvous
 
     os.environ.update(env)
@@ -26,6 +27,7 @@ def _entry(index, port, func, args, world, outdir, env, rank_envs=None):
     import torch
 
     torch.set_num_threads(1)
+    patches.record_torch_calls_when_watched(env)  # a raw tdist collective shows in the roll-call
     path = os.path.join(outdir, f"rank{index}.pkl")
     try:
         result = ("ok", func(*args), None)

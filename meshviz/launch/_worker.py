@@ -30,6 +30,9 @@ def main() -> None:
         os.dup2(sys.stdout.fileno(), sys.stderr.fileno())
     if is_program(script):
         _exec(script, args)
+    from meshviz.ranks import patches
+
+    patches.record_torch_calls_when_watched(os.environ)  # a raw tdist collective shows in the roll-call
     sys.argv = [script] + args
     path = os.path.abspath(script)
     sys.path.insert(0, os.path.dirname(path))

@@ -16,7 +16,8 @@ from .. import rank_context
 from ..rank_context import current
 
 __all__ = ["CaptureState", "Generators", "capture", "follow_threads", "install", "joined", "record_torch_calls",
-           "route_streams", "unfollow_threads", "uninstall", "unrecord_torch_calls", "unroute_streams"]
+           "record_torch_calls_when_watched", "route_streams", "unfollow_threads", "uninstall", "unrecord_torch_calls",
+           "unroute_streams"]
 
 # torch is imported when the patches go in, not here: the cluster's notebook side imports the stream routing
 _installed = 0
@@ -324,6 +325,13 @@ def record_torch_calls() -> None:
             for module in (tdist, distributed_c10d):
                 if getattr(module, name, None) is fn:
                     setattr(module, name, wrapped)
+
+
+def record_torch_calls_when_watched(env) -> None:
+    """:func:`record_torch_calls` on a rank process whose roll-call is watched (``MESHVIZ_HANG_AFTER`` set in
+    ``env``: spawn, launch and run_ranks' processes set it)."""
+    if env.get("MESHVIZ_HANG_AFTER"):
+        record_torch_calls()
 
 
 def unrecord_torch_calls() -> None:

@@ -13,6 +13,7 @@ from functools import partial
 from ..errors import RankError, RankOutcome
 from ..runtime import rendezvous
 from . import outcomes as _outcomes
+from . import patches
 from .options import check_spawn_options
 from .outcomes import exit_text, read_report
 from .returns import Returns, put_return
@@ -293,6 +294,7 @@ def _spawn_entry(index, port, func, args, world, env, rank_envs=None, returns=No
     from ..runtime.world import exit_quietly
 
     torch.set_num_threads(int(env.get("MESHVIZ_THREADS", "1")))
+    patches.record_torch_calls_when_watched(env)  # a raw tdist collective shows in the roll-call, as meshviz's own
     value = func(*args)
     if returns is not None:
         put_return(returns, index, value)

@@ -160,3 +160,25 @@ def test_the_roll_call_of_nodes_with_different_nproc_per_node_lists_the_ranks_th
     assert procs[0].returncode == 1, err0[-3000:]
     assert "meshviz.launch: rank 2 never entered all_reduce #1 on group [0, 1, 2]" in err0, err0[-3000:]
     assert "  rank 2: " in err0 and "rank 3" not in err0, err0[-3000:]
+
+
+RAW_SKIP = textwrap.dedent("""
+    import torch, torch.distributed as tdist
+    import meshviz.distributed as dist
+    dist.init_parallel_env()
+    if dist.get_rank() == 0:
+        tdist.all_reduce(torch.ones(1))
+""")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_a_raw_collective_one_worker_skips_is_named_at_the_roll_call(tmp_path):
+    # torch.distributed called directly is in the roll-call too: rank 1 never entered it, found long before the
+    # 600 s collective timeout
+    (tmp_path / "s.py").write_text(RAW_SKIP)
+    rc, out, err = _launch(["--nproc_per_node", "2", "--devices", "cpu", "--hang_after", "0.5", "--max_restart", "0",
+                            "--log_dir", str(tmp_path / "log"), "s.py"], cwd=str(tmp_path), MESHVIZ_TIMEOUT="600")
+    assert rc == 1, err[-3000:]
+    assert "meshviz.launch: rank 1 never entered all_reduce on group [0, 1] (idle: its script finished)" in err, \
+        err[-3000:]

@@ -91,3 +91,31 @@ def test_the_match_check_raises_on_every_rank_before_data_moves():
                          "broadcast float32[4]")
         assert seq[0] == "mismatch on group [0, 1]: rank 0 entered all_reduce #1; rank 1 entered all_reduce #2"
     assert res[0][0] == res[1][0]
+
+
+# -- torch.distributed called directly: recorded on spawn's rank processes -----------------------------------------
+
+def _raw_skip():
+    import torch.distributed as tdist
+
+    import meshviz.distributed as dist
+
+    dist.init_parallel_env()
+    if dist.get_rank() == 0:
+        tdist.all_reduce(torch.ones(1))  # rank 1 returns without entering it
+
+
+def test_spawn_names_the_rank_that_skipped_a_raw_collective_at_the_roll_call():
+    import time
+
+    import meshviz.distributed as dist
+    from meshviz.errors import RankError
+
+    t = time.monotonic()
+    with pytest.raises(RankError) as info:
+        dist.spawn(_raw_skip, nprocs=2, hang_after=0.5, timeout=60)
+    took = time.monotonic() - t
+    assert str(info.value).startswith("rank 1 never entered all_reduce on group [0, 1] (idle: its function "
+                                      "returned)"), str(info.value)[:500]
+    assert took < 40, took  # at the roll-call, not at the 60 s collective timeout
+
