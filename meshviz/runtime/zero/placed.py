@@ -167,14 +167,19 @@ class PlacedZero(Zero):
                     continue
                 with torch.no_grad():
                     sharded = self._reshard(p.detach(), p.process_mesh, pl)
+                    states = self._sharded_states(p, pl)
                 if self.level == "p_g_os":
                     self._full[p] = list(p.placements)
                     p._hold(sharded)  # the parameter itself now lives sharded
                     new_params.append(p)
+                    if states is not None:
+                        self._inner_opt.state[p] = states
                 else:
                     shadow = torch.nn.Parameter(sharded, requires_grad=True)
                     self._shadow[p] = shadow
                     self._of_shadow[shadow] = p
+                    if self._inner_opt.state.pop(p, None) and states is not None:
+                        self._inner_opt.state[shadow] = states
                     self._view(p, shadow)
                     if p.requires_grad:  # a frozen one gets no gradient to lend (torch refuses the hook)
                         p.register_post_accumulate_grad_hook(self._lend_grad)
@@ -183,6 +188,22 @@ class PlacedZero(Zero):
                     new_params.append(shadow)
                 self._emit_ownership(p)
             group["params"] = new_params
+
+    def _sharded_states(self, p, pl) -> dict | None:
+        """The states the optimizer holds for ``p`` already (it has stepped), laid out as ``pl``: as Paddle shards
+        the accumulators it finds, the steps after go on from them. None when it holds none."""
+        st = self._inner_opt.state.get(p)
+        if not st:
+            return None
+        out = {}
+        for k, v in st.items():
+            if not torch.is_tensor(v) or v.dim() == 0 or tuple(v.shape) != tuple(p.shape):
+                out[k] = v  # a step count, a scalar: the same on every rank
+            elif isinstance(v, DistTensor):
+                out[k] = self._reshard(v, p.process_mesh, pl)
+            else:
+                out[k] = self._place(v.to(p.device), p.process_mesh, pl)
+        return out
 
     def _view(self, p, shadow) -> None:
         """Make ``shadow``'s block a view of this rank's part of ``p``'s (os, os_g): the inner optimizer's step

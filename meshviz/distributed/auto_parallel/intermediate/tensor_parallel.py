@@ -98,11 +98,7 @@ def c_split(x, process_mesh, need_transpose, label=None):
         logger.debug(f"parallel api don't know {list(target.shape)} which dimension is batch, default is to cut "
                      f"to the 0th dimension")
         split = 0
-    degree = process_mesh.shape[mp]
-    if target.shape[split] % degree:
-        raise ValueError(f"sequence parallel: dim {split} of {list(target.shape)} (the sequence) is not divisible "
-                         f"by the mp degree {degree}")
-    placements[mp] = Shard(split)
+    placements[mp] = Shard(split)  # a sequence the degree does not divide: the first ranks get a row more
     return _put_first(x, _move(target, process_mesh, placements, label))
 
 
