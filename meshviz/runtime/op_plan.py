@@ -301,7 +301,7 @@ class Decision:
     def __init__(self, how, moves=None, note=None, inplace=False, hooks=True, why=""):
         self.how, self.moves, self.note, self.inplace, self.hooks, self.why = how, moves, note, inplace, hooks, why
         self.op = self.call = self.local_args = self.outputs = self.out_keys = self.fallback = None
-        self.torch_moves = None  # the moves torch's rule adds to ``moves`` (made on the deciding call)
+        self.torch_moves = None  # the layouts torch's rule asks for on top of meshviz's (folded into ``moves``)
         self.single = True
         self.whole = self.nested = False
         self.torch_rule = self.summed_first = False
@@ -331,7 +331,7 @@ def remember(key, d: Decision) -> None:
 
 def decide(func, args, kwargs, skip_random: bool = False) -> Decision:
     """The decision as far as meshviz's own rules go (:func:`plan`); ``torch`` ones are completed by
-    :func:`~meshviz.runtime.torch_rule.ask_torch` once the inputs are laid out."""
+    :func:`~meshviz.runtime.torch_rule.ask_torch`, asked about the inputs as ``moves`` would lay them out."""
     sargs, skwargs = _specs(args, kwargs)
     p = plan(func, sargs, skwargs)
     inplace = bool(args) and writes_self(func) and isinstance(args[0], DistTensor)

@@ -145,20 +145,16 @@ def _decide_and_run(key, func, args, kwargs, dists):
 
 
 def _ask_and_run(key, d: Decision, func, args, kwargs, dists):
-    """Lay the inputs out as meshviz's rules say, then ask torch's rule about them and run what it says."""
-    if d.moves is not None:
-        args, kwargs, dists = _moved(d, func, args, kwargs)
+    """Ask torch's rule about the inputs as meshviz's rules would lay them out (nothing moves yet), then run the
+    decision as a later call does: each input moved once, from its own layout to where both rules want it."""
     ask_torch(d, func, args, kwargs, dists)
     remember(key, d)
-    if d.torch_moves is not None:
-        args, kwargs, dists = _moved(d, func, args, kwargs, d.torch_moves)
-    return _run(d, func, args, kwargs, dists, moved=True)
+    return _run(d, func, args, kwargs, dists)
 
 
-def _moved(d: Decision, func, args, kwargs, targets=None):
-    """The call with its dist inputs resharded to ``targets`` (default ``d.moves``; an in-place op's self holding
-    its new layout)."""
-    moves = iter(d.moves if targets is None else targets)
+def _moved(d: Decision, func, args, kwargs):
+    """The call with its dist inputs resharded to ``d.moves`` (an in-place op's self holding its new layout)."""
+    moves = iter(d.moves)
     name = f"{name_of(func)} input"
 
     def move(x):

@@ -6,30 +6,46 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from .. import compat
+from ..core.layout import local_shape
 from ..core.mesh import ProcessMesh
+from ..core.partial import summed
 from ..core.placements import Replicate
 from . import groups
-from .dtensor import PLAIN_PLACEMENTS, DistTensor, from_torch_placements, make_dtensor
+from .dtensor import (
+    PLAIN_PLACEMENTS,
+    DistTensor,
+    contiguous_stride,
+    from_torch_placements,
+    make_dtensor,
+    representable,
+    to_torch_placements,
+)
 from .op_plan import Decision, nests_tensors, tree_map
 
 __all__ = ["ask_torch", "as_replicate"]
 
 
 def ask_torch(d: Decision, func, args, kwargs, dists) -> None:
-    """Complete ``d`` (how ``torch``) with torch DTensor's rule for the inputs as laid out now: ``local`` where the
+    """Complete ``d`` (how ``torch``) with torch DTensor's rule for the inputs as ``d.moves`` would lay them out
+    (asked of stand-ins: nothing moves, so the deciding call moves as every later one does): ``local`` where the
     rule names plain placements (after meshviz's planner makes the moves it asks for, :attr:`Decision.torch_moves`),
     ``default`` where torch has no rule, else DTensor runs it."""
     if func in compat.dtensor_special_ops() or any(isinstance(v, torch.Tensor) for v in kwargs.values()):
         return
     dm = dists[0]._dtensor.device_mesh
     tensors: list = []
+    current: list = []  # per tensor argument: its placements as laid out for the op (None: a dense tensor)
+    targets = iter(d.moves or ())
 
     def unwrap(x):
         if isinstance(x, DistTensor):
             tensors.append(x)
-            return x._dtensor
+            dt = _laid_out(x, next(targets, None))
+            current.append(dt.placements)
+            return dt
         if isinstance(x, torch.Tensor) and not isinstance(x, DTensor):
             tensors.append(x)
+            current.append(None)
             return as_replicate(x, dists[0], dm)
         return x
 
@@ -43,12 +59,6 @@ def ask_torch(d: Decision, func, args, kwargs, dists) -> None:
             d.how, d.note = "default", ("default", "torch DTensor has no sharding rule for it")
             d.moves = None
         return
-    current = []
-    for x in tensors:
-        if isinstance(x, DistTensor):
-            current.append(x._dtensor.placements)
-        else:
-            current.append(None)
     if len(got.wanted) != len(tensors):
         return
     moves_self = d.inplace and got.wanted[0] is not None and current[0] is not None \
@@ -88,10 +98,28 @@ def ask_torch(d: Decision, func, args, kwargs, dists) -> None:
     d.nested = nests_tensors(args, kwargs)
     if any(m is not None for m in moves):
         # torch's rule moves data: meshviz's planner makes those moves (its events, Paddle's collectives), then each
-        # rank runs the op on its blocks; a later call moves each input from its own layout straight there
+        # rank runs the op on its blocks; every call, the deciding one too, moves each input from its own layout
+        # straight there
         d.torch_moves = tuple(moves)
         before = d.moves or (None,) * len(moves)
         d.moves = tuple(m if m is not None else b for m, b in zip(moves, before))
+
+
+def _laid_out(x: DistTensor, target):
+    """The DTensor ``x`` would be after meshviz's planner moved it to ``target`` (None: not moved), without data:
+    a block of the moved one's shape that holds no values (torch's rule reads placements, shapes and strides)."""
+    if target is None or tuple(target) == x._mpl and x._tpl is None:
+        return x._dtensor
+    target = tuple(target)
+    stride = x.stride() if target == x._mpl else contiguous_stride(x.shape)  # a reshard's result is contiguous
+    local = x._local
+    coord = x._pmesh.coordinate(groups.rank())
+    if coord is None:
+        block = compat.empty_block(local.dtype, local.device)
+    else:
+        block = local.new_empty(()).expand(local_shape(tuple(x.shape), x._pmesh, target, coord))
+    tpl = to_torch_placements(target if representable(target) else summed(target))
+    return compat.dtensor_from_local(block, x._dtensor.device_mesh, tpl, x.shape, stride)
 
 
 def _dtensor_runs(d: Decision, moves_self: bool) -> None:
