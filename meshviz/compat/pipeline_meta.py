@@ -1,18 +1,27 @@
-"""The pipeline stage's methods meshviz overrides beyond the schedule's own, and its shape metadata (torch 2.13 on)."""
+"""The pipeline stage's methods meshviz overrides beyond the schedule's own, and its shape metadata."""
 
 from __future__ import annotations
 
-import re
+import functools
 
 import torch
 
-__all__ = ["MORE_STAGE_METHODS", "grad_metas_of", "forward_metas_of", "meta_summary", "check"]
+__all__ = ["more_stage_methods", "grad_metas_of", "forward_metas_of", "meta_summary", "check"]
 
-_NEW_META = tuple(int(x) for x in re.findall(r"\d+", torch.__version__)[:2]) >= (2, 13)
-# a stage's backward (torch 2.11's input-only one differs), and the methods through which its shape inference
-# exchanges metadata with its neighbours (torch 2.13 on; before, one method receives, runs and sends)
-MORE_STAGE_METHODS = ("backward_maybe_with_nosync",) + (("_send_meta", "_recv_meta") if _NEW_META
-                                                         else ("_shape_inference",))
+
+@functools.cache
+def _new_meta() -> bool:
+    """Whether a stage's shape inference exchanges metadata through ``_send_meta`` / ``_recv_meta`` (torch 2.12.1,
+    2.13 and later; before, one ``_shape_inference`` receives, runs and sends): asked of torch, not of its version."""
+    from torch.distributed.pipelining import PipelineStage
+
+    return hasattr(PipelineStage, "_send_meta")
+
+
+def more_stage_methods() -> tuple[str, ...]:
+    """A stage's backward (torch 2.11's input-only one differs), and the methods through which its shape inference
+    exchanges metadata with its neighbours."""
+    return ("backward_maybe_with_nosync",) + (("_send_meta", "_recv_meta") if _new_meta() else ("_shape_inference",))
 
 
 def grad_metas_of(outputs: tuple):
@@ -24,9 +33,9 @@ def grad_metas_of(outputs: tuple):
 
 
 def forward_metas_of(outputs: tuple):
-    """What a stage sends the next one as its inputs' metadata (torch 2.13 on): ``_StageForwardMeta`` of
-    ``outputs``'s tensor metadata; before 2.13, the outputs on the meta device."""
-    if not _NEW_META:
+    """What a stage sends the next one as its inputs' metadata: ``_StageForwardMeta`` of ``outputs``'s tensor
+    metadata; before torch's ``_send_meta`` (:func:`_new_meta`), the outputs on the meta device."""
+    if not _new_meta():
         return tuple(t.to("meta") if isinstance(t, torch.Tensor) else t for t in outputs)
     from torch.distributed.pipelining import stage
 
@@ -45,8 +54,8 @@ def check() -> None:
     """Raise where this torch lacks what meshviz's stage overrides or calls."""
     from torch.distributed.pipelining import PipelineStage
 
-    for m in MORE_STAGE_METHODS:
+    for m in more_stage_methods():
         getattr(PipelineStage, m)
-    if _NEW_META:
+    if _new_meta():
         grad_metas_of(())
         forward_metas_of(())

@@ -83,9 +83,12 @@ class _Stage(PipelineStage):
         if not _SENDS_ZEROS and self.has_backward and not self.is_first and bwd_chunk_id in self.bwd_cache:
             bufs = [getattr(info, "buffer", None) for info in self.args_recv_info[bwd_chunk_id]]
             if not _MARKS_EVERY_RECV and self.grad_send_info is None:
-                # 2.12: the previous stage waits for a gradient only where the activation needs one
-                self.grad_send_info = [None if isinstance(b, torch.Tensor) and not b.requires_grad else to
-                                       for to, b in zip(self._create_grad_send_info(self.args_recv_info[0]), bufs)]
+                # 2.12: the previous stage waits for a gradient only where the activation needs one (or got one:
+                # a last stage's backward may have detached an activation it passed on)
+                got = self.bwd_cache[bwd_chunk_id]
+                self.grad_send_info = [
+                    None if isinstance(b, torch.Tensor) and not b.requires_grad and g is None else to
+                    for to, b, g in zip(self._create_grad_send_info(self.args_recv_info[0]), bufs, got)]
             sends = self.grad_send_info or [True] * len(bufs)
             grads = self.bwd_cache[bwd_chunk_id]
             if len(grads) < len(bufs):  # 2.11's input-only backward: the gradients of the inputs needing one
@@ -96,10 +99,10 @@ class _Stage(PipelineStage):
                 for g, b, to in zip(grads, bufs, sends))
         return super().get_bwd_send_ops(bwd_chunk_id)
 
-    # torch 2.13 on: a stage's shape inference receives its output gradients' shapes from the next stage, which
-    # sends them back once its own backward inference ran. For plain tensors they are the outputs' shapes (as 2.11
-    # and 2.12 take them), so both sides take them here without sending anything backwards: a stage then never
-    # waits on a later one at set-up (simulated ranks run one after another).
+    # torch with _send_meta (2.12.1, 2.13 and later): a stage's shape inference receives its output gradients'
+    # shapes from the next stage, which sends them back once its own backward inference ran. For plain tensors they
+    # are the outputs' shapes (as torch before it takes them), so both sides take them here without sending anything
+    # backwards: a stage then never waits on a later one at set-up (simulated ranks run one after another).
     def _send_meta(self, meta, dst_stage):
         if dst_stage < self.stage_index and _plain(self._stage_meta.inputs):
             return None
@@ -115,7 +118,7 @@ class _Stage(PipelineStage):
             return self._take_from_chain(src_stage, self.has_backward)
         return super()._recv_meta(src_stage)
 
-    # torch 2.11 and 2.12: one method receives the inputs' shapes, runs the stage and sends its outputs' shapes
+    # torch before _send_meta (2.11): one method receives the inputs' shapes, runs the stage, sends the outputs'
     def _shape_inference(self, args, kwargs=None):
         ranks, prev, nxt = self.stage_index_to_group_rank, self.stage_index - 1, self.stage_index + 1
         saved = dict(ranks)
