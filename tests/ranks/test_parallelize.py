@@ -447,12 +447,6 @@ def test_bad_configs_raise_before_anything_is_placed(monkeypatch):
         model = _fresh()
         with pytest.raises(exc, match=msg):
             dist.parallelize(model, torch.optim.SGD(model.parameters(), lr=0.1), mesh=m, config=config)
-    model = _fresh()
-    opt = torch.optim.AdamW(model.parameters())
-    model(torch.zeros(1, 2, dtype=torch.long)).sum().backward()
-    opt.step()
-    with pytest.raises(ValueError, match="the optimizer already holds state"):
-        dist.parallelize(model, opt, mesh=mesh, config={"dp_config": {"sharding_level": 0}})
     assert applied == []  # every check ran before parallelize began to change the model
     dist.set_mesh(None)
 

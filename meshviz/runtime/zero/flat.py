@@ -74,6 +74,9 @@ class FlatZero(Zero):
         broadcast_module(model, grp)
         if dp is not None:
             broadcast_module(model, dp)
+        # an optimizer that has stepped: its states carry over into the shards (Paddle keeps the accumulators it has)
+        saved = {i: dict(st) for i, p in enumerate(q for g in inner.param_groups for q in g["params"])
+                 if (st := inner.state.get(p))}
         self._slots = self._plan(names, dev, offload, segment_size, exclude)
         at = {id(p): i for i, p in enumerate(model.parameters())}
         self._reverse = sorted(self._slots, key=lambda s: -at[id(s.param)])  # os_g: the order of its reductions
@@ -83,6 +86,8 @@ class FlatZero(Zero):
             self._shard_slices(offload)
         else:
             self._keep_whole(offload)
+        if saved:
+            self._carry_states(saved)
         for s in self._slots:
             if not s.param.requires_grad:  # frozen: no gradient to reduce (Paddle's skip non-trainable ones)
                 continue
@@ -100,6 +105,24 @@ class FlatZero(Zero):
         if sync_buffers:
             model.register_forward_pre_hook(ModelHook(self._sync_buffers))
         self._emit_ownership()
+
+    def _carry_states(self, saved: dict) -> None:
+        """Load the states the optimizer held before sharding (slot index -> whole values) into this rank's shards;
+        a parameter that had none stays without (its next step starts it afresh, as in one process)."""
+        inner = self._inner_opt
+        params = self.grad_params()
+        grads = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        try:
+            create_states(inner, params)
+        finally:
+            for p, g in zip(params, grads):
+                p.grad = g
+        load_full_optimizer_state(inner, self._slots, self._group, saved)
+        for i, s in enumerate(self._slots):
+            if i not in saved:
+                inner.state.pop(s.shard if s.shard is not None else s.param, None)
 
     def _sync_buffers(self, module, args) -> None:
         broadcast_module(module, self._group, "buffers")

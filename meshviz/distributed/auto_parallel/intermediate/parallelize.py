@@ -11,6 +11,7 @@ from ....runtime import groups
 from ....runtime.dtensor import DistTensor
 from ....runtime.world import init_parallel_env
 from ....runtime.zero import Zero, check_elementwise, gather_per_unit
+from ...api import shard_tensor
 from ..interface import _state, get_mesh, set_mesh
 from .parallel_base import param_holders, remap_optimizer, shard_all_params
 from .pipeline_parallel import (
@@ -165,19 +166,33 @@ def _parallelize(model, optimizer, config, who):
     if optimizer is not None and (not isinstance(optimizer, torch.optim.Optimizer) or isinstance(optimizer, Zero)):
         raise ValueError(f"{who}: optimizer should be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     holders = param_holders(model)
-    if optimizer is not None and optimizer.state:
-        raise ValueError(f"{who}: the optimizer already holds state (it has stepped); create it from the model's "
-                         f"parameters and pass it before training")
     if optimizer is not None and _steps_parts(prepared, optimizer):
         check_elementwise(optimizer, who)  # shard_optimizer's check, made before the model changes
     model = prepared.apply()
     _state().parallelized = (model, not model._mv_pipelined)
     if optimizer is not None:
-        remap_optimizer(optimizer, {k: getattr(*hold[0]) for k, hold in holders.items()})
+        mapping = {k: getattr(*hold[0]) for k, hold in holders.items()}
+        states = [(p, optimizer.state.pop(p)) for p in list(optimizer.state)]
+        remap_optimizer(optimizer, mapping)
+        _carry_states(optimizer, states, mapping)
         level, dim = prepared.dp if prepared.dp is not None else (None, "dp")
         optimizer = shard_optimizer_with(optimizer, level, dim, mesh)
         _gather_per_layer(optimizer)
     return model, optimizer
+
+
+@torch.no_grad()
+def _carry_states(optimizer, states: list, mapping: dict) -> None:
+    """The states of an optimizer that has stepped, keyed by the parallelized parameters and laid out as they are
+    (each rank holds the whole value of every state, as every rank stepped the same model); ``shard_optimizer``
+    then shards them as Paddle shards the accumulators it finds."""
+    for p, st in states:
+        new = mapping.get(id(p), p)
+        if isinstance(new, DistTensor):
+            st = {k: shard_tensor(v.detach(), new.process_mesh, list(new.placements)).detach()
+                  if torch.is_tensor(v) and not isinstance(v, DistTensor) and v.dim() and v.shape == new.shape
+                  else v for k, v in st.items()}
+        optimizer.state[new] = st
 
 
 def _steps_parts(prepared, optimizer) -> bool:
@@ -258,9 +273,6 @@ def parallelize_optimizer(optimizer, mesh=None, config=None):
             if not isinstance(p, DistTensor):
                 raise ValueError("Please use model after parallelize to create optimizer: a parameter of shape "
                                  f"{list(p.shape)} is not a dist tensor.")
-    if optimizer.state:  # as parallelize: sharding levels 1 and 2 step shadows of the parameters, without it
-        raise ValueError("parallelize_optimizer: the optimizer already holds state (it has stepped); create it from "
-                         "the parallelized model's parameters and pass it before training")
     mesh = _need_mesh()
     dp_config = config.get("dp_config")
     level, dim = check_dp_config(dp_config, mesh) if dp_config is not None else (None, "dp")
