@@ -5,22 +5,10 @@ import pytest
 import torch
 from torch import nn
 
-from meshviz import compat
 from meshviz.testing import run_ranks
 from tests.models import LlamaForCausalLM, llama_loss
 
-MLP_TRANSPOSE = not compat.linear_keeps_split_batch_dims()
-
-
-class Cfg:
-    """A tiny Llama whose weights the mp degrees 2 and 4 divide."""
-
-    vocab_size = 16
-    hidden_size = 16
-    num_heads = 8
-    intermediate_size = 32
-    num_layers = 2
-    eps = 1e-6
+from .test_parallelize_8_probe import MLP_TRANSPOSE, Cfg  # a tiny Llama the mp degrees 2, 4 and 8 divide
 
 
 def _batches(seq, steps=2, batch=4):

@@ -5,35 +5,12 @@ import copy
 
 import pytest
 import torch
-from torch import nn
 
 from meshviz.testing import run_ranks
 
+from .test_data_parallel_probe import _batch, _loss, _Net
+
 LEVELS = ("os", "os_g", "p_g_os")
-
-
-class _Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.a = nn.Linear(4, 6)
-        self.b = nn.Linear(6, 6)
-        self.c = nn.Linear(6, 2)
-
-    def forward(self, x, use_b=True):
-        h = torch.tanh(self.a(x))
-        if use_b:
-            h = h + self.b(h)
-        return self.c(h)
-
-
-def _batch(rank, step, n=3):
-    g = torch.Generator().manual_seed(1000 * step + rank)
-    return torch.randn(n, 4, generator=g), torch.randn(n, 2, generator=g)
-
-
-def _loss(model, rank, step, **kw):
-    x, y = _batch(rank, step)
-    return nn.functional.mse_loss(model(x, **kw), y)
 
 
 def _sgd(params):  # momentum and decay: a parameter stepped on a zero gradient moves, one not stepped stays
