@@ -8,6 +8,7 @@ import weakref
 from bisect import bisect_right
 from operator import attrgetter
 
+import torch
 from torch.nn.modules import module as _nn
 
 from .. import compat, trace
@@ -174,14 +175,19 @@ def backward_issuer(rec) -> tuple[str | None, bool]:
 rollcall.backward_issuer = backward_issuer
 
 
+_EAGER_PRE, _EAGER_POST = torch.compiler.disable(_pre), torch.compiler.disable(_post)
+
+
 def installed() -> bool:
     return bool(_handles)
 
 
 def _switch(on: bool) -> None:
     if on and not _handles:
-        _handles.append(_nn.register_module_forward_pre_hook(_pre))
-        _handles.append(_nn.register_module_forward_hook(_post, always_call=True))
+        # run eagerly under torch.compile: bookkeeping, and a weak dict that garbage collection may shrink while
+        # dynamo iterates it ("dictionary changed size during iteration")
+        _handles.append(_nn.register_module_forward_pre_hook(_EAGER_PRE))
+        _handles.append(_nn.register_module_forward_hook(_EAGER_POST, always_call=True))
     elif not on and _handles:
         for h in _handles:
             h.remove()
