@@ -14,7 +14,7 @@ from . import rollcall
 from .comm import FUSE_BYTES, Call, CollectiveOp, all_reduce_mean_, local, run
 from .groups import Group
 
-__all__ = ["DataParallelEngine", "broadcast_params_buffers", "average_gradients", "FUSE_BYTES"]
+__all__ = ["DataParallelEngine", "broadcast_params_buffers", "average_gradients", "tensors_in", "FUSE_BYTES"]
 
 
 class DataParallelEngine:
@@ -149,7 +149,7 @@ class DataParallelEngine:
         self.ddp.reducer._remove_autograd_hooks()
         self._install(self._build(False))
         self.ddp.require_backward_grad_sync = True
-        self.ddp.reducer.prepare_for_backward(_tensors(out))  # what DDP's forward does with them
+        self.ddp.reducer.prepare_for_backward(tensors_in(out))  # what DDP's forward does with them
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -186,18 +186,15 @@ def _check_after_backward(ddp, out) -> None:
     _after_backward(out, check)
 
 
-def _tensors(out) -> list:
-    """The tensors in ``out`` (nested lists, tuples and dicts), as DDP looks for them."""
-    stack, found = [out], []
-    while stack:
-        o = stack.pop()
-        if isinstance(o, torch.Tensor):
-            found.append(o)
-        elif isinstance(o, (list, tuple)):
-            stack.extend(o)
-        elif isinstance(o, dict):
-            stack.extend(o.values())
-    return found
+def tensors_in(out) -> list:
+    """The tensors in ``out`` (nested lists, tuples and dicts), in order, as DDP looks for them."""
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (list, tuple)):
+        return [t for v in out for t in tensors_in(v)]
+    if isinstance(out, dict):
+        return [t for v in out.values() for t in tensors_in(v)]
+    return []
 
 
 def _after_backward(out, fn) -> None:
@@ -208,16 +205,16 @@ def _after_backward(out, fn) -> None:
     def hook(grad):
         Variable._execution_engine.queue_callback(lambda: Variable._execution_engine.queue_callback(fn))
 
-    for t in _tensors(out):
+    for t in tensors_in(out):
         if t.requires_grad and t.grad_fn is not None:  # a hook on a leaf (a parameter) would outlive the step
             t.register_hook(hook)
 
 
 def _reached_params(out) -> set:
     """The ids of the leaves (parameters) the autograd graph of the tensors in ``out`` reaches."""
-    leaves = {id(t) for t in _tensors(out) if t.grad_fn is None and t.requires_grad}
+    leaves = {id(t) for t in tensors_in(out) if t.grad_fn is None and t.requires_grad}
     # ``seen`` keeps each node's Python object alive: one let go may come back as another object at the same id
-    stack, seen = [t.grad_fn for t in _tensors(out) if t.grad_fn is not None], {}
+    stack, seen = [t.grad_fn for t in tensors_in(out) if t.grad_fn is not None], {}
     while stack:
         node = stack.pop()
         if id(node) in seen:

@@ -9,6 +9,7 @@ from torch import nn
 from ... import compat, trace
 from ...compat.fsdp import comm_bases
 from ..comm import Call, CollectiveOp, run
+from ..data_parallel import tensors_in
 from ..devices import device
 from ..match import checking
 from .group import ShardingGroup
@@ -67,7 +68,7 @@ def _anchor_units(model, units: list) -> None:
 
     def record(module, args, output):
         if torch.is_grad_enabled():
-            ran.extend(t for t in _tensors(output) if t.requires_grad)
+            ran.extend(t for t in tensors_in(output) if t.requires_grad)
 
     def anchor(module, args, output):
         if not ran or not torch.is_grad_enabled():
@@ -82,16 +83,6 @@ def _anchor_units(model, units: list) -> None:
         unit.register_forward_hook(record)
     model.register_forward_pre_hook(lambda module, args: ran.clear(), prepend=True)
     model.register_forward_hook(anchor)
-
-
-def _tensors(x) -> list:
-    if isinstance(x, torch.Tensor):
-        return [x]
-    if isinstance(x, (list, tuple)):
-        return [t for v in x for t in _tensors(v)]
-    if isinstance(x, dict):
-        return [t for v in x.values() for t in _tensors(v)]
-    return []
 
 
 def _map_tensors(x, fn):
