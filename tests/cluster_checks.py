@@ -178,3 +178,31 @@ def px_output_in_rank_order(cluster, n: int) -> None:
         assert seen == sorted(seen), texts
     assert re.findall(r"rank (\d+) done", texts[-1]) == [str(r) for r in range(n)]
     assert cap.stdout == ""
+
+
+def rollcall_shows_raw_waits(cluster, wait: float) -> None:
+    """A raw ``tdist.all_reduce`` rank 0 waits in (a later cell of ranks 1 and 2 joins it), then a raw ``recv`` from
+    rank 2: the roll-call shows each wait, with its culprits, until the peer comes; the values then arrive."""
+    first = cluster.view.execute("x = torch.full((1,), 5.0)\nif r == 0:\n    tdist.all_reduce(x)\n", block=False)
+    deadline = time.monotonic() + wait
+    while (cluster.status()[0].waiting_s or 0) < 0.3:
+        assert time.monotonic() < deadline and not first.ready()
+        time.sleep(0.05)
+    st = cluster.status()
+    assert [s.state for s in st] == ["in_collective", "idle", "idle"] and st.culprits() == [1, 2]
+    assert (st[0].op, st[0].group, st[0].where, st[0].shapes, st[0].dtypes) == (
+        "all_reduce", (0, 1, 2), "line 3 of the cell", ((1,),), ("float32",))
+    second = cluster.view.execute("tdist.all_reduce(x)", targets=[1, 2], block=False)
+    first.get(timeout=wait)
+    second.get(timeout=wait)
+    assert cluster.view.pull("x.item()", block=True) == [15.0] * 3
+    ar = cluster.view.execute("t = torch.zeros(1)\nif r == 0:\n    tdist.recv(t, src=2)\n", block=False)
+    deadline = time.monotonic() + wait
+    while cluster.status()[0].state != "in_collective":
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    st = cluster.status()
+    assert (st[0].op, st[0].group, st.culprits()) == ("recv", (0, 2), [2])
+    cluster.view.execute("tdist.send(torch.full((1,), 7.0), dst=0)", targets=2, block=True)
+    ar.get(timeout=wait)
+    assert cluster.view.pull("t.item()", targets=0, block=True) == 7.0

@@ -9,7 +9,7 @@ import pytest
 import meshviz
 from meshviz.ranks import patches
 
-from ..cluster_checks import fails
+from ..cluster_checks import fails, rollcall_shows_raw_waits
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]
 
@@ -86,29 +86,7 @@ def test_a_rank_late_to_a_raw_collective_is_waited_for(engines):
 
 def test_the_roll_call_shows_an_engine_in_a_raw_collective_and_receive_until_the_peer_comes(engines):
     """A --noblock cell is left waiting (a later cell joins it); the roll-call shows the wait as on threads."""
-    first = engines.view.execute("x = torch.full((1,), 5.0)\nif r == 0:\n    tdist.all_reduce(x)\n", block=False)
-    deadline = time.monotonic() + 20
-    while (engines.status()[0].waiting_s or 0) < 0.3:
-        assert time.monotonic() < deadline and not first.ready()
-        time.sleep(0.05)
-    st = engines.status()
-    assert [s.state for s in st] == ["in_collective", "idle", "idle"] and st.culprits() == [1, 2]
-    assert (st[0].op, st[0].group, st[0].where, st[0].shapes, st[0].dtypes) == (
-        "all_reduce", (0, 1, 2), "line 3 of the cell", ((1,),), ("float32",))
-    second = engines.view.execute("tdist.all_reduce(x)", targets=[1, 2], block=False)
-    first.get(timeout=20)
-    second.get(timeout=20)
-    assert engines.view.pull("x.item()", block=True) == [15.0] * 3
-    ar = engines.view.execute("t = torch.zeros(1)\nif r == 0:\n    tdist.recv(t, src=2)\n", block=False)
-    deadline = time.monotonic() + 20
-    while engines.status()[0].state != "in_collective":
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
-    st = engines.status()
-    assert (st[0].op, st[0].group, st.culprits()) == ("recv", (0, 2), [2])
-    engines.view.execute("tdist.send(torch.full((1,), 7.0), dst=0)", targets=2, block=True)
-    ar.get(timeout=20)
-    assert engines.view.pull("t.item()", targets=0, block=True) == 7.0
+    rollcall_shows_raw_waits(engines, 20)
     _all_reduce_works(engines)
 
 

@@ -9,7 +9,7 @@ import pytest
 import meshviz
 from meshviz.cluster import RankError
 
-from ..cluster_checks import fails
+from ..cluster_checks import fails, rollcall_shows_raw_waits
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -83,29 +83,7 @@ def test_a_raw_collective_one_thread_rank_skips_is_named_as_meshvizs_are(threads
 
 
 def test_the_roll_call_shows_a_rank_waiting_in_a_raw_collective_or_receive(threads):
-    first = threads.view.execute("x = torch.full((1,), 5.0)\nif r == 0:\n    tdist.all_reduce(x)\n", block=False)
-    deadline = time.monotonic() + 10
-    while (threads.status()[0].waiting_s or 0) < 0.3:
-        assert time.monotonic() < deadline and not first.ready()
-        time.sleep(0.05)
-    st = threads.status()
-    assert [s.state for s in st] == ["in_collective", "idle", "idle"] and st.culprits() == [1, 2]
-    assert (st[0].op, st[0].group, st[0].where) == ("all_reduce", (0, 1, 2), "line 3 of the cell")
-    assert st[0].shapes == ((1,),)
-    second = threads.view.execute("tdist.all_reduce(x)", targets=[1, 2], block=False)
-    first.get(timeout=10)
-    second.get(timeout=10)
-    assert threads.view.pull("x.item()") == [15.0] * 3
-    ar = threads.view.execute("t = torch.zeros(1)\nif r == 0:\n    tdist.recv(t, src=2)\n", block=False)
-    deadline = time.monotonic() + 10
-    while threads.status()[0].state != "in_collective":
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
-    st = threads.status()
-    assert (st[0].op, st[0].group, st.culprits()) == ("recv", (0, 2), [2])
-    threads.view.execute("tdist.send(torch.full((1,), 7.0), dst=0)", targets=2)
-    ar.get(timeout=10)
-    assert threads.view.pull("t.item()", targets=0) == 7.0
+    rollcall_shows_raw_waits(threads, 10)
 
 
 @pytest.mark.timeout(60)
