@@ -65,9 +65,9 @@ def test_mode_defaults_and_errors():
         pm.dist_main_program("predict")
     with pytest.raises(TypeError):
         pm("x")
-    with pytest.raises(ValueError, match="pipeline.enable is not supported: place each stage's layers on its own mesh"):
-        s = Strategy()
-        s.pipeline.enable = True
+    s = Strategy()
+    s.pipeline.enable, s.pipeline.pp_degree = True, 2
+    with pytest.raises(ValueError, match=r"pp_degree \(2\) must divide the number of ranks \(1\)"):
         to_static(net, None, nn.MSELoss(), None, s)
 
 

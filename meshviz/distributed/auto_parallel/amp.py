@@ -32,7 +32,8 @@ def _torch_names(op: str) -> tuple:
 
 
 def check_lists(amp) -> None:
-    """ValueError where the custom lists are not lists of op names or name one op in both (as Paddle's)."""
+    """ValueError where the custom lists are not lists of op names or name one op in both (as Paddle's), and
+    for what meshviz cannot apply: custom_black_varnames, use_promote False at 'O2'."""
     for key in ("custom_white_list", "custom_black_list"):
         v = getattr(amp, key)
         if isinstance(v, str) or not isinstance(v, (list, tuple, set, frozenset)) or \
@@ -41,6 +42,13 @@ def check_lists(amp) -> None:
     both = sorted(set(amp.custom_white_list) & set(amp.custom_black_list))
     if both:
         raise ValueError(f"to_static: Custom white list overlap custom black list: {both}")
+    if amp.custom_black_varnames:
+        raise ValueError(f"to_static: amp.custom_black_varnames ({amp.custom_black_varnames!r}) names variables of a "
+                         f"static program, which meshviz does not build (Paddle's PIR to_static does not read it "
+                         f"either); keep ops in float32 with amp.custom_black_list (op names)")
+    if not amp.use_promote and str(amp.level).lower() == "o2":
+        raise ValueError("to_static: amp.use_promote False is not supported: at 'O2' meshviz runs torch autocast, "
+                         "which runs an op off its lists with any float32 input in float32 (Paddle's use_promote True)")
 
 
 class OpLists(TorchFunctionMode):

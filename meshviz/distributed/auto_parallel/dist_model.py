@@ -15,6 +15,7 @@ from ..api import is_dist_tensor
 from ..collective import all_gather_object, all_reduce, broadcast
 from . import program as prog
 from .amp import PureLowPrecision, amp_dtype, autocast, check_lists, pure_low_precision
+from .pipeline_schedule import Pipeline
 from .program import Program, count_inputs, local_of, meta_from_spec, shape_str, skeleton, split_feeds, split_input_spec
 from .recorder import DispatchRecorder, graph_from_records
 from .strategy import Strategy
@@ -44,7 +45,8 @@ class DistModel:
     over the ranks (the loss of the whole batch). A loss per sample (not a scalar) trains on the gradient of its
     sum over the whole batch and comes back as every sample's loss (data parallel ranks' in rank order), as Paddle's.
     With ``strategy.sharding`` fed dist batches (``shard_dataloader``'s) each rank runs its rows of the inputs and
-    the loss is the whole batch's, as one process's on it.
+    the loss is the whole batch's, as one process's on it. With ``strategy.pipeline`` each call runs the batch as
+    micro-batches through the stages' meshes (``pipeline_schedule.Pipeline``).
     """
 
     def __init__(self, layer, loader=None, loss=None, optimizer=None, strategy=None, input_spec=None):
@@ -58,10 +60,7 @@ class DistModel:
             strategy = Strategy()
         if not isinstance(strategy, Strategy):
             raise ValueError(f"to_static: strategy must be a dist.Strategy, got {type(strategy).__name__}")
-        if strategy.pipeline.enable:
-            raise ValueError("to_static: strategy.pipeline.enable is not supported: place each stage's layers on "
-                             "its own mesh (they run stage after stage on the whole batch), or schedule micro-batches "
-                             "with fleet's PipelineLayer and train_batch")
+        self._pipe = Pipeline(strategy, _world(), layer) if strategy.pipeline.enable else None
         gm = strategy.gradient_merge
         k = gm.k_steps if gm.enable else 1  # a positive int: checked when set
         amp = strategy.amp
@@ -194,7 +193,8 @@ class DistModel:
         self._examples.setdefault(self._mode, (inputs, labels))
         record = self._mode not in self._programs
         rec = DispatchRecorder() if record else None
-        with trace.span("compute", op=f"dist_model_{self._mode}"):
+        # a pipeline's blocks are its compute events: the step is no block of its own
+        with trace.span("compute", op=f"dist_model_{self._mode}") if self._pipe is None else self._pipe.quiet():
             if rec is not None:
                 fwd, self._forward = self._forward, self._layer  # record eager ops; compile skips under a mode
                 try:
@@ -218,6 +218,8 @@ class DistModel:
         return out if self._rows is None else prog.rows_as_dist(out, self._rows)
 
     def _step(self, inputs, labels):
+        if self._pipe is not None:
+            return self._pipe.run(self, inputs, labels)
         if self._mode == "predict":
             with torch.no_grad(), self._autocast():
                 got = self._run(inputs)
@@ -232,34 +234,44 @@ class DistModel:
             with torch.no_grad(), self._autocast():
                 loss = self._loss(self._run(inputs), *labels)
             return self._out(self._global_loss(loss))
+        loss = self._train_loss(inputs, labels)
+        self._backward(loss, self._k, self._avg)
+        self._micro += 1
+        if self._micro % self._k == 0:
+            self._update()
+        return self._out(self._global_loss(loss.detach()))
+
+    def _train_loss(self, inputs, labels):
         with self._autocast():
             loss = self._loss(self._run(inputs), *labels)
         if self._o2 is not None and loss.is_floating_point():
             loss = loss.float()  # O2's loss in float32, as Paddle's
+        return loss
+
+    def _backward(self, loss, k, avg):
+        """Backward of ``loss``, one of ``k`` micro-steps whose gradients accumulate (averaged with ``avg``)."""
         scaled = loss
         if loss.dim():  # a loss per sample: the gradient of its sum over the whole batch, as in Paddle
             # the ranks' gradients are averaged: a local sum times the ranks is their sum
             scaled = loss.sum() * (_world() if self._split(loss) else 1)
-        scaled = scaled / self._k if (self._k > 1 and self._avg) else scaled
+        scaled = scaled / k if (k > 1 and avg) else scaled
         if self._rows is not None:  # the ranks' gradients are averaged: each block's counts once in their sum
             scaled = scaled * self._rows.parts
         if self._scaler is not None:
             scaled = self._scaler.scale(scaled)
         scaled.backward()
-        self._micro += 1
-        if self._micro % self._k == 0:
-            if self._dp:
-                # every dense parameter, a rank without its gradient counting zeros: ranks whose branches used
-                # different parameters still pack the same buffers
-                average_gradients([p for p in self._layer.parameters() if not (_is_dist(p) or _is_dist(p.grad))],
-                                  None)
-            if self._scaler is not None:
-                self._scaler.step(self._optimizer)
-                self._scaler.update()
-            else:
-                self._optimizer.step()
-            self._optimizer.zero_grad()
-        return self._out(self._global_loss(loss.detach()))
+
+    def _update(self):
+        if self._dp:
+            # every dense parameter, a rank without its gradient counting zeros: ranks whose branches used
+            # different parameters still pack the same buffers
+            average_gradients([p for p in self._layer.parameters() if not (_is_dist(p) or _is_dist(p.grad))], None)
+        if self._scaler is not None:
+            self._scaler.step(self._optimizer)
+            self._scaler.update()
+        else:
+            self._optimizer.step()
+        self._optimizer.zero_grad()
 
     def _split(self, loss) -> bool:
         """Whether ``loss`` is this rank's part of the batch's: each rank fed its own data (a plain loss)."""

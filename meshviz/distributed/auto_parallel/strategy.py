@@ -37,6 +37,7 @@ SECTIONS = {
         "micro_batch_size": 1, "accumulate_steps": 1, "generation_batch_size": 1,
         "enable_send_recv_overlap": False, "job_schedule_profiler_start": -1, "job_schedule_profiler_stop": -1,
         "program_runtimes": [61, 72, 71, 34, 3], "memory_limit_times": -1, "split_backward": False,
+        "auto_parallel_sync_shared_params": False,
     },
     "amp": {
         "enable": False, "dtype": "float16", "level": "o1", "init_loss_scaling": 32768.0,
@@ -117,9 +118,12 @@ class Strategy:
     Paddle's) while the float32 parameters are the master weights the optimizer steps (sharded at stages 1 and 2;
     'O2' with stage 3 is refused), the loss in float32; the loss-scaling options for float16; custom_white_list and
     custom_black_list, Paddle's op names, run those ops on their inputs cast to the low dtype or to float32 over
-    autocast's own choice), ``fused_passes.enable`` (compiles the layer with ``torch.compile``),
-    ``split_data``, ``return_numpy``, ``full_graph`` (read-only, from the dict; False: ``to_static`` returns the
-    layer). ``pipeline.enable`` is refused by ``to_static``. The other options are kept and shown.
+    autocast's own choice; ``custom_black_varnames`` and, at 'O2', ``use_promote`` False raise),
+    ``fused_passes.enable`` (compiles the layer with ``torch.compile``), ``split_data``, ``return_numpy``,
+    ``full_graph`` (read-only, from the dict; False: ``to_static`` returns the layer), ``pipeline`` (enable,
+    schedule_mode 'FThenB' or '1F1B', accumulate_steps micro-batches, pp_degree: each feed's rows split evenly
+    into the micro-batches, gradients averaged over them, one step per call; the last stage returns the
+    micro-batches' values merged, the other stages None). The other options are kept and shown.
     ``Strategy({"sharding": {"enable": True, "stage": 2}})`` sets options from a dict; an option or section
     name that Paddle does not have raises ``UnknownOption`` (a ValueError).
     """
