@@ -201,7 +201,7 @@ def layout(shape, mesh: ProcessMesh, placements) -> Layout:
 def dense_to_local(value: np.ndarray, mesh: ProcessMesh, placements, coord) -> np.ndarray:
     """The local value ``shard_tensor`` gives coordinate ``coord`` for a dense ``value`` (numpy)."""
     block = local_block(value.shape, mesh, placements, coord)
-    local = value[tuple(slice(a, b) for a, b in block)].copy()
+    local = np.array(value[tuple(slice(a, b) for a, b in block)], copy=True)  # a 0-D value stays an array
     fill = partial_fill(placements, coord)
     if fill == "zero":
         local[...] = 0

@@ -123,7 +123,7 @@ def mesh_block(mesh, cell_rgb=None, *, hatched=(), devices=None, groups_axis=Non
     if rows == 1 and cols * MIN_CELL > room:
         left = y_margin([str(cols - 1)])
         room = max_w - left - 0.06
-        per = max(k for k in _ROUND if k == 1 or k * _WRAP_CELL <= room)
+        per = _wrap_width(cols, room, 0.3 if ids.ndim == 1 else 0.2, MAX_GRID_H / len(panels))
         labels = {}  # (cells that would have held them are not MIN_CELL wide)
     length = cols
     along = ids.ndim - 2 if split == "tall" else ids.ndim - 1  # the mesh axis a panel's row of cells runs along
@@ -154,10 +154,14 @@ def mesh_block(mesh, cell_rgb=None, *, hatched=(), devices=None, groups_axis=Non
         pref = int(ids.shape[-3]) if ids.ndim >= 4 and n % ids.shape[-3] == 0 else n
         ncols, cell, fs, labels = _facet_columns(n, pref, cols, cell, fs, labels, room, fgap)
     gw, gh = cols * cell, rows * cell
-    xlabel = fit_label(xlabels, LABEL, max(gw, (room - (ncols - 1) * fgap) / ncols))
-    ylabel = "" if one_d or per else fit_label([f"{names[-2]} ({ids.shape[-2]})", names[-2]], LABEL, max(gh, 0.9))
+    x_room = max(gw, (room - (ncols - 1) * fgap) / ncols)
+    xlabel = elide(fit_label(xlabels, LABEL, x_room), LABEL, x_room)
+    # a y label reaches at most 0.2 in above and below its grid: clear of the x label and the next row's
+    ylabel = "" if one_d or per else elide(fit_label([f"{names[-2]} ({ids.shape[-2]})", names[-2]], LABEL,
+                                                     max(gh, 0.9)), LABEL, gh + 0.4)
     over = max(0.0, (text_width(ylabel, LABEL) - gh) / 2) if ylabel else 0.0
     col_w = max(gw, text_width(xlabel, LABEL))  # a facet's column: its grid, or its axis label when that is wider
+    shift = 0.0 if facets else (col_w - gw) / 2  # one panel's grid sits over the middle of a wider x label
     if not facets:  # one panel, or facets each with their own axes (a wrapped row of ranks), side by side
         col_w += left + 0.06
         fgap = 0.2
@@ -179,7 +183,7 @@ def mesh_block(mesh, cell_rgb=None, *, hatched=(), devices=None, groups_axis=Non
     def paint_grid(sheet, x0, y0):
         for k, (_, ids2, _) in enumerate(panels):
             c = k % ncols  # facets share their axes: index labels left of the first column, under each column's last
-            px = x0 + left + c * (col_w + fgap) + ((col_w - gw) / 2 if facets else 0.0)
+            px = x0 + left + c * (col_w + fgap) + ((col_w - gw) / 2 if facets else shift)
             show_x, show_y = (k + ncols >= n, c == 0) if facets else (True, True)
             py = y0 + (k // ncols) * (row_h + vgap) + top + over
             panel = Panel(sheet, px, py, gw, gh, (-0.5, cols - 0.5), (-0.5, rows - 0.5))
@@ -192,7 +196,8 @@ def mesh_block(mesh, cell_rgb=None, *, hatched=(), devices=None, groups_axis=Non
             index_labels(panel, tx if show_x else tx[:0], ty if show_y else [], xlabel if show_x else "",
                           ylabel if show_y else "", ystep=per or 1)
             if titles[k]:
-                sheet.text(px + gw / 2, py - 0.03, titles[k], TITLE, ha="center", va="bottom")
+                # above the reach of the y label, which a title wider than its grid would cross
+                sheet.text(px + gw / 2, py - over - 0.03, titles[k], TITLE, ha="center", va="bottom")
             for (i, j), r in np.ndenumerate(ids2):
                 s = labels.get(int(r))
                 if s is not None:
@@ -218,7 +223,7 @@ def mesh_block(mesh, cell_rgb=None, *, hatched=(), devices=None, groups_axis=Non
         line_of = f"each panel: {names[along]} ({ids.shape[along]})" if split else \
             " × ".join(f"{a} ({n})" for a, n in zip(names[-2:], ids.shape[-2:]))
         notes.append(f"{line_of}: wrapped {per} ranks to a row; the left labels are each row's first index")
-    elif cell < MIN_CELL:
+    if cell < MIN_CELL:
         notes.append(f"squeezed: cells {cell * DPI:.1f} px wide")
     for note in notes:
         parts.append(text_block(note, MIN_FONT, width=max(width, text_width(note, MIN_FONT))))
@@ -265,6 +270,18 @@ def _facet_columns(n: int, pref: int, cols: int, cell: float, fs: float, labels:
             if fit >= need:
                 return c, fit, f, labels
     return 1, min(cell, room / cols), fs, {}
+
+
+def _wrap_width(length: int, room: float, cap: float, budget: float) -> int:
+    """Ranks to a row when a row of ``length`` ranks is wrapped into ``room`` inches: a round number giving cells
+    of about _WRAP_CELL, or more to a row (smaller cells, under MIN_CELL at last) while the rows would run longer
+    than ``budget`` inches down the page: a picture of 65,536 ranks stays as tall as one of 4,096."""
+    per = max(k for k in _ROUND if k == 1 or k * _WRAP_CELL <= room)
+    wider = [k for k in _ROUND if per < k < length] + [2 ** e for e in range(11, 17) if per < 2 ** e < length]
+    for k in [per] + wider + [length]:
+        if -(-length // k) * min(cap, room / k) <= budget:
+            return k
+    return length
 
 
 def _wrap(a, per: int, fill):

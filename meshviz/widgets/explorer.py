@@ -199,6 +199,9 @@ class Explorer:
         return None if self.reshard_view is None else self.reshard_view.png()
 
     def save(self, path):
+        """Write the reshard's picture to ``path``; ValueError while no input has worked yet."""
+        if self.reshard_view is None:
+            raise ValueError(f"nothing to save: no input has worked yet ({self.error})")
         return self.reshard_view.save(path)
 
     def __repr__(self) -> str:

@@ -166,7 +166,7 @@ class ReshardView(View):
         locals_ = None
         if locals0 is not None:
             locals_ = dict(locals0)  # the ranks' real blocks: every later state follows exactly
-        elif sim:
+        elif sim and not ran:  # a reshard that ran shows the ranks' own numbers, or none (never made-up ones)
             if value is None:
                 value = np.arange(1, numel + 1, dtype=float).reshape(shape)
             locals_ = initial_locals(np.asarray(value, dtype=float), plan.src_mesh, plan.src_placements)

@@ -113,5 +113,5 @@ class RollCallView(View):
         for s in self.rollcall:
             counts[s.state] = counts.get(s.state, 0) + 1
         parts = ", ".join(f"{n} {k.replace('_', ' ')}" for k, n in counts.items())
-        lines = "".join(f"\n  {ln}" for ln in self.lines)
+        lines = "".join(f"\n  {short_lists(ln)}" for ln in self.lines)
         return f"<RollCallView {len(self.rollcall)} ranks: {parts}>{lines}"

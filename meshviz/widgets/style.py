@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import colorsys
 import re
 
@@ -75,4 +76,22 @@ def parse_ids(text, shape) -> np.ndarray:
     ids = np.asarray(text).ravel().tolist() if s is None else parse_ints(text)
     if len(ids) != n:
         raise ValueError(f"{len(ids)} process ids for a mesh of shape {list(shape)} ({n} ranks)")
+    nested = _nesting(text)
+    if len(nested) > 1 and nested != list(shape):  # '[[2,4,5],[0,1,3]]' is 2 x 3: never re-cut into 3 x 2
+        given = str(text).strip() if s is not None else np.asarray(text).tolist()
+        raise ValueError(f"process ids {given} are {' x '.join(map(str, nested))}, the mesh shape is "
+                         f"{' x '.join(map(str, shape))}; give a flat list to reshape them")
     return np.asarray(ids).reshape(shape)
+
+
+def _nesting(text) -> list[int]:
+    """The shape of ids given as nested lists ('[[2,4,5],[0,1,3]]': [2, 3]); [] for a flat or ragged list."""
+    if isinstance(text, str):
+        try:
+            text = ast.literal_eval(text.strip())
+        except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+            return []
+    try:
+        return list(np.asarray(text, dtype=float).shape)
+    except (ValueError, TypeError):
+        return []

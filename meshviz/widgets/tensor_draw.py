@@ -160,11 +160,10 @@ def tensor_block(shape, blocks, colours, *, values=None, labels=None, faded=(), 
     nlines = max(len(tlines), title_lines if title else 0)
     top = nlines * line_height(TITLE) + (0.06 if nlines else 0.0) + over
     bottom = max(x_margin(), over + 0.02)
-    nlines_note = wrap(note, MIN_FONT, bw) if note else []
+    inset = max(0.0, (bw - 0.06 - left - max(w, text_width(xlabel, LABEL))) / 2)  # axes centred under the title
+    nlines_note = wrap(note, MIN_FONT, bw - inset) if note else []  # from the axes' left to the block's right
     bh = top + h + bottom + len(nlines_note) * line_height(MIN_FONT)
     img, xedges, yedges = block_image(shape, blocks, maxs)
-
-    inset = max(0.0, (bw - 0.06 - left - max(w, text_width(xlabel, LABEL))) / 2)  # axes centred under the title
 
     def paint(sheet, x, y):
         for i, ln in enumerate(tlines):

@@ -145,6 +145,21 @@ def _slot(text: str, size: float, bold: bool = True) -> Block:
     return Block(w + 0.12, h, paint, mid=h / 2)
 
 
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
+def _reduction(st: TensorState) -> str:
+    """'the sum of 4 summands'; mixed reductions nest, mesh axis 0 outermost: 'the sum over pp of the max over dp
+    of 4 summands'."""
+    n = _count(len(st.summands), "summand")
+    if st.reduce != "mixed":
+        return f"the {st.reduce} of {n}"
+    over = [f"the {p.reduce_type.short} over {st.mesh.dim_names[i]}" for i, p in enumerate(st.placements)
+            if isinstance(p, Partial)]
+    return " of ".join(over) + f" of {n}"
+
+
 def _empty_note(st: TensorState) -> str | None:
     if not st.empty:
         return None
@@ -285,7 +300,7 @@ class TensorView(View):
         st = self.state
         head = f"{self.name + ' ' if self.name else ''}{list(st.shape)} {placements_str(st.placements)}"
         if st.is_partial:
-            head += f"  — Partial: the tensor is the {st.reduce} of {len(st.summands)} summands"
+            head += f"  — Partial: the tensor is {_reduction(st)}"
         row = tensor_state_block(st, world=self.world, mesh_title="mesh (cell colour = block)")
         return vstack([text_block(head, HEAD, width=max(row.w, min(text_width(head, HEAD), MAX_W))), row], gap=0.12)
 
@@ -293,6 +308,6 @@ class TensorView(View):
         if self.state is None:
             return "<TensorView (waiting for a placed tensor)>"
         st = self.state
-        extra = f", {len(st.summands)} summands" if st.is_partial else ""
+        extra = f", {_count(len(st.summands), 'summand')}" if st.is_partial else ""
         return (f"<TensorView {list(st.shape)} {placements_str(st.placements)} on mesh {st.mesh.shape}: "
                 f"{len(st.order)} block{'s' if len(st.order) != 1 else ''}{extra}>")

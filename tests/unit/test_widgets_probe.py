@@ -10,7 +10,7 @@ from matplotlib.image import BboxImage
 
 from meshviz.core import ProcessMesh
 from meshviz.trace import RankStatus, RollCall
-from meshviz.widgets import MeshView, PipelineView, RollCallView, TensorView, synthetic_schedule
+from meshviz.widgets import MeshView, PipelineView, ReshardView, RollCallView, TensorView, synthetic_schedule
 from meshviz.widgets.draw import MIN_CELL, mesh_block, tensor_block
 from meshviz.widgets.rollcall_view import short_lists
 from meshviz.widgets.sheet import DPI, collisions, wrap
@@ -239,3 +239,158 @@ def test_a_long_pipeline_keeps_its_colours_and_says_which_transfers_it_draws():
     assert all(max(c.get_linewidths()) == 0.5 for c in few.axes[0].collections
                if isinstance(c, PolyCollection))
     assert "send/recv" in _texts(few)
+
+
+@pytest.mark.parametrize("shape,names", [((1,), ["data_parallel"]), ((2,), ["data_parallel"]),
+                                         ((3,), ["a_very_long_dimension_name_for_the_data_parallel_axis"]),
+                                         ((2, 3), ["a_very_long_name_for_the_data_parallel_axis",
+                                                   "another_very_long_name_for_the_model_axis"]),
+                                         ((1, 4, 1), ["pipeline_parallel_axis", "data_parallel_axis",
+                                                      "a_very_long_name_for_the_model_parallel_axis"]),
+                                         ((4, 4, 64), ["pp", "data_parallel", "mp"]),
+                                         ((2, 2, 2), ["pipeline_parallel_axis", "data_parallel_axis",
+                                                      "a_very_long_name_for_the_model_parallel_axis"]),
+                                         ((4, 4, 64), ["x", "a_very_long_name_for_the_model_parallel_axis",
+                                                       "data_parallel_axis"])],
+                         ids=["1", "2", "3", "2x3", "1x4x1", "4x4x64", "2x2x2-titles", "4x4x64-long"])
+def test_axis_names_longer_than_the_grid_stay_in_the_picture(shape, names):
+    """'data_parallel (1)' under a one-rank mesh started 16 px left of the picture (a long name: 125 px, its start
+    cut off); a 2-D mesh's long row-axis name ran down into the column axis's name, a faceted mesh's into the
+    next row of panels. An x label wider than its grid now has the grid centred over it, and a y label reaches at
+    most 0.2 in past its grid (cut with '…'); a panel's title sits above the y label's reach (the title
+    'pipeline_parallel_axis=0', wider than its grid, crossed the label 'data_parallel_axis')."""
+    mesh = _mesh(shape, names)
+    for fig in (MeshView(mesh).figure(), TensorView((5, 6), mesh, ["S(0)"]).figure(),
+                ReshardView((5, 6), mesh, ["S(0)"], dst_placements=["R"]).frame_figure(1)):
+        assert not collisions(fig), collisions(fig)
+        texts = _texts(fig)
+        assert f"{names[-1]} ({shape[-1]})" in texts or any(t.startswith(names[-1][:8]) for t in texts)
+
+
+@pytest.mark.parametrize("shape", [(8192,), (65536,), (2, 32768), (32768, 2), (16, 4096)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_a_long_row_of_ranks_wraps_into_a_bounded_picture(shape):
+    """A row of ranks wrapped 64 to a row whatever its length: 65,536 ranks (the explorer's limit) were 1,024 rows,
+    a PNG 12,057 px tall and 700 KB (the explorer's 1.3 MB); more ranks now go to a row (cells squeezed under
+    6 px, said in a note) so that the rows stay within MAX_GRID_H."""
+    from meshviz.widgets.base import png_size
+
+    view = MeshView(_mesh(shape))
+    data = view.png()
+    assert png_size(data)[1] < 1800 and len(data) < 250_000, (png_size(data), len(data))
+    fig = view.figure()
+    assert not collisions(fig)
+    if int(np.prod(shape)) >= 32768:
+        assert any(t.startswith("squeezed: cells") for t in _texts(fig))
+    one_d = MeshView(_mesh((65536,))).figure()
+    rows = [int(t) for t in _texts(one_d) if t.isdigit() and int(t) > 250]  # each row's first rank
+    assert "a (65536), 256 a row" in _texts(one_d) and rows and all(r % 256 == 0 for r in rows)
+
+
+def test_a_partial_headline_counts_its_summands_and_nests_mixed_reductions():
+    """Mixed reductions read 'the tensor is the mixed of 4 summands', and one summand '1 summands'."""
+    mixed = TensorView((5, 6), _mesh((2, 2, 2), ["pp", "dp", "mp"]), ["P(sum)", "P(max)", "S(0)"])
+    assert mixed._block() is not None
+    head = _texts(mixed.figure())[0]
+    assert head.endswith("— Partial: the tensor is the sum over pp of the max over dp of 4 summands"), head
+    one = TensorView((2, 3), _mesh((1, 4, 1)), ["R", "S(1)", "P(sum)"])
+    assert repr(one) == "<TensorView [2, 3] [R, S(1), P(sum)] on mesh [1, 4, 1]: 4 blocks, 1 summand>"
+    assert _texts(one.figure())[0].endswith("Partial: the tensor is the sum of 1 summand")
+
+
+def test_a_scalar_partial_is_drawn_with_its_summands():
+    """A 0-D Partial(sum) raised TypeError ('numpy.float64' object does not support item assignment) from
+    TensorView(value=...), from ReshardView and from the explorer's update (shape '' with 'P(sum)'): the zero
+    fill wrote into a numpy scalar. Each rank now holds a 0-D array: 5 at the sum's coordinate 0, 0 elsewhere."""
+    from meshviz.widgets import explore
+
+    mesh = _mesh((2, 2, 2), ["a", "b", "c"])
+    view = TensorView((), mesh, ["P(sum)", "P(max)", "R"], value=np.array(5.0))
+    assert {r: float(v) for r, v in view.state.locals.items()} == {r: 5.0 if r < 4 else 0.0 for r in range(8)}
+    assert all(np.ndim(v) == 0 for v in view.state.locals.values()) and float(view.state.value()) == 5.0
+    assert not collisions(view.figure())
+    rv = ReshardView((), mesh, ["P(sum)"] * 3, dst_placements=["R"] * 3, value=np.array(7.0))
+    assert [{r: float(v) for r, v in st.locals.items()} for st in rv.states][0] == {0: 7.0, **{r: 0.0 for r in
+                                                                                               range(1, 8)}}
+    assert all(float(v) == 7.0 for v in rv.states[-1].locals.values())
+    e = explore(mesh_shape="2", ids="", dim_names="x", shape="", src="P(sum)", dst="R")
+    assert e.error is None and repr(e) == "<Explorer mesh [2] x: [] [P(sum)] -> [R]: 1 step, 8 B/rank>"
+
+
+def test_an_empty_block_note_under_a_titled_panel_stays_in_the_picture():
+    """Under a titled panel wider than its axes (a Partial's 'reduced value'), the red note was wrapped to the
+    panel's width but drawn from the axes' left: 'empty blocks on 8 ranks:' ran 17 px past the picture's edge."""
+    for shape, mesh, empty in [((0,), (2, 2, 2), "8 ranks: 0, 1, 2, 3, 4, 5, 6, 7"),
+                               ((1,), (2, 2, 2), "4 ranks: 4, 5, 6, 7"),
+                               ((0,), (1024,), "1024 ranks: 0, 1, 2, 3, 4, 5, …, 1023")]:
+        placements = ["S(0)", "P(max)", "P(max)"] if len(mesh) == 3 else ["P(sum)"]
+        fig = TensorView(shape, _mesh(mesh), placements).figure()
+        assert not collisions(fig), collisions(fig)
+        note = " ".join(t.get_text() for t in fig.texts if t.get_color() == "#a00")
+        assert note.endswith(f"empty blocks on {empty}"), note
+
+
+def test_a_reshard_that_ran_never_shows_made_up_numbers():
+    """Events carry at most 64 values a rank: of a [12, 12] Partial(sum) all-reduced on 2 ranks each event's values
+    were dropped, and the view drew the numbers it makes up for a plan (1..144 after the step, zeros for rank 1's
+    summand) as the ranks' own. Without the ranks' numbers it now draws the blocks alone; with them, theirs."""
+    from meshviz.core import plan_reshard
+    from meshviz.trace import Event, ReshardPlan
+
+    mesh = ProcessMesh([0, 1], ["mp"])
+    rng = np.random.default_rng(0)
+    for shape in ((12, 12), (4, 4)):
+        plan = plan_reshard(shape, mesh, ["P(sum)"], mesh, ["R"])
+        real = {r: rng.integers(0, 9, size=shape).astype(float) for r in (0, 1)}
+        events = [Event(kind="reshard", rank=r, plan_id=1, mesh=mesh.to_dict(), placements_before=["P(sum)"],
+                        placements_after=["R"], shape_before=list(shape), shape_after=list(shape),
+                        bytes=plan.total_bytes, local_shape=list(shape), values=real[r].ravel()[:64].tolist(),
+                        payload=ReshardPlan(ops=tuple(plan.ops), target_mesh=mesh.to_dict())) for r in (0, 1)]
+        view = ReshardView(source=events)
+        if shape == (12, 12):
+            assert all(st.locals is None for st in view.states)
+            texts = _texts(view.frame_figure(1))
+            assert not {"144", "133", "100"} & set(texts), texts  # ticks and ids stop at 11
+        else:  # the ranks' own blocks, and their sum after the all-reduce
+            np.testing.assert_array_equal(view.states[0].locals[1], real[1])
+            np.testing.assert_array_equal(view.states[1].value(), real[0] + real[1])
+
+
+def test_a_roll_call_of_1024_ranks_has_a_short_text_repr():
+    """The picture cut its lists of ranks, its text/plain repr did not: 10,242 characters for 1,024 ranks."""
+    text = repr(RollCallView(_rollcall(1024)))
+    assert len(text) < 400, len(text)
+    assert text.splitlines() == [
+        "<RollCallView 1024 ranks: 1023 in collective, 1 running>",
+        "  ranks 0, 1, 2, 3, 4, 5, …, 1022 (1023 ranks) wait in all_reduce #7 on group [0, 1, 2, 3, 4, 5, …, 1023] "
+        "(1024 ranks) for 12.5 s; rank 1023 is running at an unknown place: it never entered all_reduce #7"]
+    assert repr(RollCallView(_rollcall(4))).splitlines()[1].startswith("  ranks 0, 1, 2 wait in all_reduce #7 on "
+                                                                      "group [0, 1, 2, 3] for 12.5 s")
+
+
+def test_explorer_ids_nested_for_another_shape_are_an_error_not_a_re_cut_mesh():
+    """The explorer's ids '[[2,4,5],[0,1,3]]' (2 x 3) with mesh shape '3,2' were flattened and re-cut into
+    [[2,4],[5,0],[1,3]]: every cell showed a rank the user did not put there. A nested list must now match the
+    mesh shape; a flat one is reshaped as before."""
+    from meshviz.widgets import explore
+
+    e = explore(mesh_shape="3,2", ids="[[2,4,5],[0,1,3]]", dim_names="x,y", shape="4,6", src="S(0),S(1)", dst="R,R")
+    assert e.error == ("process ids [[2,4,5],[0,1,3]] are 2 x 3, the mesh shape is 3 x 2; give a flat list to "
+                       "reshape them") and e.plan is None
+    e.update(ids="2,4,5,0,1,3")
+    assert e.error is None and e.plan.src_mesh.ids.tolist() == [[2, 4], [5, 0], [1, 3]]
+    e.update(mesh_shape="2,3", ids="[[2,4,5],[0,1,3]]")
+    assert e.error is None and e.plan.src_mesh.ids.tolist() == [[2, 4, 5], [0, 1, 3]]
+    e.update(target_ids="[[6,7],[8,9],[10,11]]")
+    assert e.error is not None and e.error.startswith("process ids [[6,7],[8,9],[10,11]] are 3 x 2")
+
+
+def test_explorer_save_before_any_input_worked_says_why(tmp_path):
+    """An explorer opened on a bad input raised AttributeError ('NoneType' object has no attribute 'save')."""
+    from meshviz.widgets import explore
+
+    e = explore(shape="-1")
+    with pytest.raises(ValueError, match=r"nothing to save: no input has worked yet \(tensor shape must be"):
+        e.save(tmp_path / "x.png")
+    e.update(shape="4,6")
+    assert e.save(tmp_path / "x.png") == str(tmp_path / "x.png") and (tmp_path / "x.png").stat().st_size > 1000
