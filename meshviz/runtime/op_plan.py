@@ -14,7 +14,7 @@ from ..core.partial import summed
 from ..core.placements import Partial, Replicate, Shard
 from . import dtensor, groups
 from .dtensor import DistTensor, representable
-from .op_rules import RULES, Strategy, TensorSpec, partial_meets_shard
+from .op_rules import RULES, Strategy, TensorSpec, canonical, partial_meets_shard, register
 
 __all__ = ["tree_map", "call_key", "Plan", "plan", "Decision", "decide", "remember", "decisions",
            "clear_decisions", "layout_number", "probe", "writes_self", "nests_tensors", "name_of", "METADATA_OPS"]
@@ -47,6 +47,21 @@ def tree_map(fn, tree):
             return _tree_map(fn, tree)
         kw[k] = fn(v)
     return tuple(out), kw
+
+
+register("default", aten.as_strided.default, why="strides name places in the whole tensor's storage")(None)
+
+
+@canonical(aten.as_strided.default)
+def _strided_whole(args, kwargs):
+    """``as_strided`` runs on the whole tensor (Paddle's default rule), where that is its storage: a tensor that is
+    no view of another and lies contiguous; any other raises on every rank, before anything moves."""
+    x = args[0]
+    if type(x) is DistTensor and (x._mv_view is not None or not x.is_contiguous()):
+        raise ValueError("as_strided of a dist tensor that is a view of another or not contiguous: its strides would "
+                         "name places in a storage no rank holds; call it on a contiguous dist tensor (t.contiguous()"
+                         " or t.clone()), or use view, narrow, transpose or slicing")
+    return args, kwargs
 
 
 METADATA_OPS = {aten.detach.default, aten.alias.default}

@@ -353,10 +353,11 @@ def _extremum_rule(args, kwargs):
 
 @register("paddle", aten.embedding.default)
 def _embedding_rule(args, kwargs):
-    """embedding with a vocab-split weight some rank holds no rows of (5 rows on 4 ranks: 2, 2, 1, 0): the weight's
-    vocab dim made whole first. torch's masked lookup indexes that rank's empty block, and it raises alone."""
+    """embedding with a vocab-split weight: the weight's vocab dim made whole first, the output laid out as the
+    indices, as Paddle's eager ``F.embedding`` (its rule takes no vocab-parallel lookup; that is ``c_embedding``)."""
     weight, indices = args[0], args[1]
-    if not isinstance(weight, TensorSpec) or weight.dim() != 2 or not _empty_somewhere(weight, [0]):
+    if not isinstance(weight, TensorSpec) or weight.dim() != 2 or not any(
+            isinstance(p, Shard) and p.dim == 0 for p in weight.placements):
         return None
     want = [Replicate() if isinstance(p, Shard) and p.dim == 0 else p for p in weight.placements]
     return Strategy((want, None) if isinstance(indices, TensorSpec) else (want,))

@@ -16,7 +16,7 @@ from .autograd import run_reshard
 from .dtensor import DistTensor, make_dist
 
 __all__ = ["written_args", "writing", "moved", "write_back", "ViewOf", "view_made", "write_through", "out_variant",
-           "into_out", "fresh", "wrote", "check_overlap"]
+           "into_out", "fresh", "wrote", "check_overlap", "run_whole"]
 
 _WRITTEN: dict = {}
 # per thread (ranks as threads included): id of the caller's tensor, or of a copy laid out anew for the op ->
@@ -156,11 +156,10 @@ class ViewOf:
         view._mv_view = ViewOf(base, self.func, self.args, self.kwargs, self.index, detached)
 
 
-def fresh(args, kwargs, writer=None) -> None:
+def fresh(args, kwargs, writer=None) -> bool:
     """Each dist view among an op's arguments whose base an in-place op wrote since is read anew first; ``writer``:
-    the op, where it writes its first argument (:func:`check_overlap` first)."""
-    if writer is not None:
-        check_overlap(writer, args[0], args, kwargs)
+    the op, where it writes its first argument (:func:`check_overlap` first, whose answer it returns)."""
+    whole = writer is not None and check_overlap(writer, args[0], (*args[1:], *kwargs.values()), args, kwargs)
     for a in args:
         kind = type(a)
         if kind is DistTensor:
@@ -174,6 +173,7 @@ def fresh(args, kwargs, writer=None) -> None:
             rec = v._mv_view
             if rec is not None and rec.stale():
                 rec.refresh(v)
+    return whole
 
 
 def view_made(d, args, kwargs, func, out) -> None:
@@ -282,11 +282,13 @@ def out_variant(func):
 def into_out(func, args, kwargs, run, probe, redistribute):
     """Run an ``out=`` op whose outputs are all dist tensors as its functional overload (``run``: the op layer),
     then each out tensor holds its result (its layout too, as DTensor's out= gives; an out that is a view writes
-    its base). NotImplemented where an out is not a dist tensor. A shape other than the result's raises on every
-    rank before anything runs."""
+    its base). NotImplemented where no out is a dist tensor. A shape other than the result's, or dist and plain outs
+    together, raise on every rank before anything runs."""
     names, functional = out_variant(func)
     outs = [kwargs.get(n) for n in names]
     if not all(_is_dist(o) for o in outs):
+        if any(_is_dist(o) for o in outs):
+            raise ValueError(f"{func}: out= holds both dist and plain tensors; pass dist tensors only (or plain only)")
         return NotImplemented
     rest = {k: v for k, v in kwargs.items() if k not in names}
     shapes = probe(functional, args, rest)
@@ -295,8 +297,9 @@ def into_out(func, args, kwargs, run, probe, redistribute):
         if tuple(o.shape) != tuple(s.shape):
             raise ValueError(f"{func}: out= tensor {n!r} has shape {list(o.shape)}, the result {list(s.shape)}; a "
                              f"dist tensor cannot be resized in place: pass one of the result's shape")
-    for o in outs:
-        check_overlap(func, o, args, kwargs)
+    reads = (*args, *rest.values())
+    if any([check_overlap(func, o, reads, args, kwargs) for o in outs]):
+        return run_whole(func, args, kwargs, outs, redistribute)
     found: list = []
     tree_map(lambda x: found.append(x) if _is_dist(x) else None, (args, rest))
     res = run(functional, args, rest) if found else functional(*args, **rest)
@@ -313,29 +316,48 @@ def into_out(func, args, kwargs, run, probe, redistribute):
     return outs[0] if len(names) == 1 else tuple(outs)
 
 
-# -- an in-place op reading what it writes: torch refuses a partial overlap, so the op layer does too ------------------
+# -- an in-place op reading what it writes: refused where torch refuses, else run as one process runs it -----------
 
-def check_overlap(func, written, args, kwargs) -> None:
-    """Raise, on every rank before anything moves, where the dense op would: a dist argument of ``func`` that is a
-    view of the same tensor as ``written`` (the tensor it writes) and partly overlaps it (``t[1:].add_(t[:-1])``,
-    ``a.add_(a.t())``). The blocks cannot tell: a view may be a copy, a block may hold none of the overlap."""
-    found = [a for a in args if type(a) is DistTensor and a is not written]
-    if kwargs:
-        found += [a for a in kwargs.values() if type(a) is DistTensor and a is not written]
-    if not found or (written._mv_view is None and all(a._mv_view is None for a in found)):
-        return
+_SAME_VIEW_SAFE = {torch.ops.aten.copy_.default}  # each element read before it is written, as a pointwise op
+
+
+def check_overlap(func, written, reads, args, kwargs) -> bool:
+    """Whether ``func`` writing ``written`` reads memory of it another way too (a dist view of the same tensor among
+    ``reads``): a partial overlap torch refuses (``t[1:].add_(t[:-1])``) raises, on every rank before anything
+    moves; one torch runs (``t[:, 1:].copy_(t[:, :-1])``, ``mm(t, t, out=t)``: the result depends on the order it
+    writes) answers True: the op runs on the whole tensors (:func:`run_whole`). Disjoint views, and the same view
+    read by a pointwise op, run as usual. The blocks cannot tell: a view may be a copy, a block may hold none of it."""
+    found = [a for r in reads for a in (r if type(r) is list or type(r) is tuple else (r,)) if type(a) is DistTensor]
+    if not found:
+        return False
+    pointwise = torch.Tag.pointwise in func.tags or func in _SAME_VIEW_SAFE
+    if written._mv_view is None and all(a._mv_view is None and (a is not written or pointwise) for a in found):
+        return False
     root, chain = _chain(written)
     aliased = [a for a in found if _chain(a)[0] is root]
     if not aliased:
-        return
-    meta = _replay(root, chain, "meta")
-    if meta is None or not any(_partial(meta, _replay(root, _chain(a)[1], "meta")) for a in aliased):
-        return
-    # a partial overlap on the global layouts: the dense op, on zeros laid out alike, says whether it is refused
+        return False
+    numel = 1 + sum((n - 1) * st for n, st in zip(root.shape, root.stride()))
+    where = torch.arange(numel if all(root.shape) else 0).as_strided(tuple(root.shape), root.stride())
+    mine = _replay(root, chain, where)
+    if mine is None:
+        return False
+    overlap = False
+    views = [_replay(root, _chain(a)[1], where) for a in aliased]
+    if any(v is None for v in views):
+        return False  # a view torch cannot take again: nothing to tell
+    for theirs in views:
+        if (theirs.shape, theirs.stride(), theirs.storage_offset()) == (mine.shape, mine.stride(),
+                                                                          mine.storage_offset()):
+            overlap = overlap or not pointwise
+        elif bool(torch.isin(theirs.reshape(-1), mine.reshape(-1)).any()):
+            overlap = True
+    if not overlap or any(a._pmesh != written._pmesh for a in compat.tree_flatten((args, kwargs))[0]
+                          if type(a) is DistTensor):
+        return False  # inputs on different meshes: the op layer refuses them
+    # the dense op, on zeros laid out alike, says whether torch refuses it
     whole = torch.empty_strided(tuple(root.shape), root.stride(), dtype=root.dtype).zero_()
     stand = {id(a): _replay(root, _chain(a)[1], whole) for a in (written, *aliased)}
-    if any(v is None for v in stand.values()):
-        return
     pargs, pkwargs = tree_map(lambda x: stand.get(id(x), torch.zeros(x.shape, dtype=x.dtype)) if type(x) is DistTensor
                               else x.detach().cpu() if isinstance(x, torch.Tensor) else x, (args, kwargs))
     try:
@@ -344,6 +366,56 @@ def check_overlap(func, written, args, kwargs) -> None:
     except RuntimeError as e:
         if "memory location" in str(e):
             raise ValueError(f"{func}: {str(e).splitlines()[0]}") from None
+    if torch.is_grad_enabled() and any(a.requires_grad for a in (written, *found)):
+        raise ValueError(f"{func}: the tensor it writes is also read through an overlapping view, which one process "
+                         f"runs in the order it writes; not supported with autograd: clone() what it reads first")
+    return True
+
+
+def run_whole(func, args, kwargs, written, redistribute):
+    """Run ``func`` as one process does on the whole tensors (each dist argument gathered; one that is a view of a
+    tensor ``func`` writes, the same view of that tensor gathered): each written tensor (``written``) then holds
+    its part of the result, in its own placements. Every rank of the mesh calls it (collectives)."""
+    dists: dict = {}
+    for x in compat.tree_flatten((args, kwargs))[0]:
+        if type(x) is DistTensor:
+            dists[id(x)] = x
+    roots = {id(r): r for r in (_chain(w)[0] for w in written)}
+    mesh = written[0]._pmesh
+    member = mesh.contains(groups.rank())
+    rep = (Replicate(),) * mesh.ndim
+    wholes, stand = {}, {}
+    with torch.no_grad():
+        for key, r in roots.items():
+            got = redistribute(r, rep, "written argument")._local
+            w = wholes[key] = torch.empty_strided(tuple(r.shape), r.stride(), dtype=r.dtype, device=got.device)
+            if member:
+                w.copy_(got.reshape(w.shape))
+        for key, x in dists.items():
+            root, chain = _chain(x)
+            if id(root) in wholes:
+                stand[key] = _replay(root, chain, wholes[id(root)])
+            else:
+                stand[key] = redistribute(x, (Replicate(),) * x._pmesh.ndim, "argument")._local
+        if member:
+            pargs, pkwargs = tree_map(lambda x: stand[id(x)] if type(x) is DistTensor else x, (args, kwargs))
+            with compat.no_dispatch_modes():
+                func(*pargs, **pkwargs)
+        for key, r in roots.items():
+            local = wholes[key].contiguous() if member else compat.empty_block(r.dtype, r._local.device)
+            back = redistribute(make_dist(local, mesh, rep, tuple(r.shape)), r._mpl, r.name)
+            if back._local.shape == r._local.shape and back._local.dtype == r._local.dtype:
+                r._local.copy_(back._local)
+            else:
+                r._hold(back)
+            r._mv_writes += 1
+    for w in written:
+        rec = w._mv_view
+        if rec is not None and rec.stale():
+            rec.refresh(w)
+        elif id(w) not in roots:
+            w._mv_writes += 1
+    return written[0] if len(written) == 1 else tuple(written)
 
 
 def _chain(t) -> tuple:
@@ -373,29 +445,6 @@ def _replay(root, chain, on):
         if rec.index is not None:
             x = x[rec.index]
     return x
-
-
-def _partial(a, b) -> bool:
-    """torch's test of a partial overlap (``get_overlap_status``) between two views of one tensor."""
-    if a is None or b is None or not a.numel() or not b.numel():
-        return False
-    if not (_dense(a) and _dense(b)):
-        return False  # torch cannot tell either
-    a0, b0 = a.storage_offset(), b.storage_offset()
-    a1, b1 = a0 + a.numel(), b0 + b.numel()
-    if (a0, a1) == (b0, b1):
-        return a.stride() != b.stride()
-    return a0 < b1 and b0 < a1
-
-
-def _dense(x) -> bool:
-    """Whether ``x``'s elements fill a range of its storage, each once (torch's ``is_non_overlapping_and_dense``)."""
-    want = 1
-    for stride, size in sorted((st, sz) for sz, st in zip(x.shape, x.stride()) if sz != 1):
-        if stride != want:
-            return False
-        want *= size
-    return True
 
 
 def _is_dist(x) -> bool:

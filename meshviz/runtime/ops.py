@@ -16,7 +16,7 @@ from ..core.mesh import ProcessMesh
 from ..core.partial import summed
 from ..core.placements import Partial, Replicate, Shard
 from ..core.traffic import received
-from . import dtensor, groups, rollcall
+from . import dtensor, groups, op_writes, rollcall
 from .autograd import run_reshard
 from .dtensor import (
     DistTensor,
@@ -57,7 +57,8 @@ def dispatch(func, args, kwargs):
             return out
     self = args[0] if args else None
     inplace = type(self) is DistTensor and writes_self(func)
-    fresh(args, kwargs, func if inplace else None)
+    if fresh(args, kwargs, func if inplace else None):  # self read through an overlapping view: one process's order
+        return op_writes.run_whole(func, args, kwargs, (self,), redistribute)
     before = (self._local, self._mpl) if inplace and self._mv_view is not None else None
     if written_args(func):  # batch norm's running statistics: written in place wherever the op layer moved them
         watched, token = writing(func, args, kwargs, lambda x: isinstance(x, DistTensor))
