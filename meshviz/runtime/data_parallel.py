@@ -7,6 +7,8 @@ import contextlib
 import torch
 import torch.distributed as tdist
 from torch import nn
+from torch.autograd import Variable
+from torch.autograd.graph import get_gradient_edge
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .. import compat, trace
@@ -14,7 +16,8 @@ from . import rollcall
 from .comm import FUSE_BYTES, Call, CollectiveOp, all_reduce_mean_, local, run
 from .groups import Group
 
-__all__ = ["DataParallelEngine", "broadcast_params_buffers", "average_gradients", "tensors_in", "FUSE_BYTES"]
+__all__ = ["DataParallelEngine", "broadcast_params_buffers", "average_gradients", "tensors_in", "reached_in_backward",
+           "FUSE_BYTES"]
 
 
 class DataParallelEngine:
@@ -200,7 +203,6 @@ def tensors_in(out) -> list:
 def _after_backward(out, fn) -> None:
     """Run ``fn`` at the end of each backward through a tensor in ``out`` (once per such tensor), after DDP's own
     finalize, which is queued during the backward."""
-    from torch.autograd import Variable
 
     def hook(grad):
         Variable._execution_engine.queue_callback(lambda: Variable._execution_engine.queue_callback(fn))
@@ -208,6 +210,19 @@ def _after_backward(out, fn) -> None:
     for t in tensors_in(out):
         if t.requires_grad and t.grad_fn is not None:  # a hook on a leaf (a parameter) would outlive the step
             t.register_hook(hook)
+
+
+def reached_in_backward(p) -> bool:
+    """Whether the backward under way runs ``p``'s gradient accumulator (as DDP's find_unused_parameters asks; True
+    where torch cannot say)."""
+    return _will_run(get_gradient_edge(p).node)
+
+
+def _will_run(node) -> bool:
+    try:
+        return bool(torch._C._will_engine_execute_node(node))
+    except (AttributeError, AssertionError, RuntimeError):
+        return True
 
 
 def _reached_params(out) -> set:

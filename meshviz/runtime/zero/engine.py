@@ -7,7 +7,7 @@ import weakref
 import torch
 
 __all__ = ["Zero", "check_elementwise", "clear_grads", "create_states", "is_fresh_state", "settle_states",
-           "watch_zero_grad", "ModelHook", "STEP_OBSERVERS"]
+           "watch_zero_grad", "watch_grad_assign", "set_grad_quietly", "ModelHook", "STEP_OBSERVERS"]
 
 # called with the optimizer as each sharded step begins (what_if's ledger counts the full gradients there)
 STEP_OBSERVERS: list = []
@@ -91,6 +91,41 @@ def watch_zero_grad(model, listen) -> None:
             watch = _ZeroGradWatch(m)
             m.zero_grad = watch
         watch.listeners.append(listen)
+
+
+_GRAD_LISTENERS: dict = {}  # id(parameter) -> (a weak reference to it, a weak reference to what to call)
+_WATCHED: dict = {}  # a parameter class -> its subclass whose ``.grad`` assignments are seen
+
+
+def set_grad_quietly(p, value) -> None:
+    """``p.grad = value`` without telling the listener :func:`watch_grad_assign` gave ``p``."""
+    torch.Tensor.grad.__set__(p, value)
+
+
+def _set_grad(p, value) -> None:
+    set_grad_quietly(p, value)
+    hit = _GRAD_LISTENERS.get(id(p))
+    listen = hit[1]() if hit is not None and hit[0]() is p else None
+    if listen is not None:
+        listen(p)
+
+
+def watch_grad_assign(p, listen) -> None:
+    """Call ``listen(p)`` after each assignment to (or deletion of) ``p.grad`` in Python (``p.grad = None`` by
+    hand, ``zero_grad``), not after backward's accumulation: a sharded optimizer that keeps reduced gradients apart
+    from the parameters' drops them with it. ``p`` becomes an instance of a subclass of its class (the same class
+    name) that sees them; a copy or pickle of ``p`` tells no one."""
+    cls = type(p)
+    if cls not in _WATCHED.values():
+        sub = _WATCHED.get(cls)
+        if sub is None:
+            grad = property(torch.Tensor.grad.__get__, _set_grad, lambda t: _set_grad(t, None),
+                            doc=torch.Tensor.grad.__doc__)
+            sub = _WATCHED[cls] = type(cls.__name__, (cls,), {"grad": grad, "__module__": cls.__module__})
+        p.__class__ = sub
+    for key in [k for k, (ref, _) in _GRAD_LISTENERS.items() if ref() is None]:
+        del _GRAD_LISTENERS[key]
+    _GRAD_LISTENERS[id(p)] = (weakref.ref(p), weakref.WeakMethod(listen))
 
 
 @torch.no_grad()

@@ -8,28 +8,19 @@ import weakref
 import torch
 import torch.distributed as tdist
 import torch.nn as nn
-from torch.autograd.graph import get_gradient_edge
 
 from ... import trace
 from ...core.sharding import SHARDED, Piece, plan_pieces
 from ..comm import all_reduce_mean_
+from ..data_parallel import reached_in_backward
 from ..devices import device
-from .engine import ModelHook, Zero, clear_grads, create_states, watch_zero_grad
+from .engine import ModelHook, Zero, clear_grads, create_states, set_grad_quietly, watch_grad_assign, watch_zero_grad
 from .fsdp import apply_fsdp, unmix_foreach
 from .group import ShardingGroup, broadcast_module
 from .slot import Slot, local_tensor
 from .state import full_optimizer_state, load_full_optimizer_state
 
 __all__ = ["FlatZero"]
-
-
-def _reached(p) -> bool:
-    """Whether the backward under way runs ``p``'s gradient accumulator (as DDP's find_unused_parameters asks; True
-    where torch cannot say)."""
-    try:
-        return bool(torch._C._will_engine_execute_node(get_gradient_edge(p).node))
-    except (AttributeError, AssertionError, RuntimeError):
-        return True
 
 
 class FlatZero(Zero):
@@ -100,8 +91,11 @@ class FlatZero(Zero):
             self._hooks.append(s.param.register_post_accumulate_grad_hook(hook))
         if level in ("os", "p_g_os"):
             model.register_forward_pre_hook(ModelHook(self._mark_forward))
-        else:  # the reduced parts live beside the freed gradients: the model's zero_grad must drop them too
+        else:  # the reduced parts live beside the freed gradients: the model's zero_grad must drop them too,
             watch_zero_grad(model, self._module_zero_grad)
+            self._slot_of = {id(s.param): s for s in self._slots}  # and so must ``p.grad = None`` by hand
+            for s in self._slots:
+                watch_grad_assign(s.param, self._grad_assigned)
         if sync_buffers:
             model.register_forward_pre_hook(ModelHook(self._sync_buffers))
         self._emit_ownership()
@@ -216,7 +210,7 @@ class FlatZero(Zero):
         self._pos = {id(s.param): i for i, s in enumerate(self._order)}
         self._ready, self._parts, self._late = set(), [], set()
         if in_backward:  # a parameter this backward's graph does not reach gets no gradient: none is waited for
-            self._ready = {id(s.param) for s in self._order if not _reached(s.param)}
+            self._ready = {id(s.param) for s in self._order if not reached_in_backward(s.param)}
 
     @torch.no_grad()
     def _reduce_next(self) -> None:
@@ -290,7 +284,7 @@ class FlatZero(Zero):
             flat = flat.clone() if owner == grp.rank and g is not None else flat
             grp.reduce(flat, owner)
             mine = flat if owner == grp.rank else None
-        p.grad = None
+        set_grad_quietly(p, None)
         if mine is None:
             return None
         mine = mine.div_(grp.size)
@@ -473,6 +467,13 @@ class FlatZero(Zero):
                 clear_grads([s.shard], set_to_none)
                 if set_to_none:
                     s.grad_buf = None
+
+    def _grad_assigned(self, p) -> None:
+        """os_g: ``p.grad`` set by hand (dropped or replaced): the reduced part of its earlier gradients goes."""
+        s = self._slot_of.get(id(p))
+        if s is not None and s.shard is not None:
+            set_grad_quietly(s.shard, None)
+            s.grad_buf = None
 
     def _clear_pass(self) -> None:
         """os_g: no backward's reductions under way."""

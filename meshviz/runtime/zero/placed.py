@@ -17,7 +17,8 @@ from ..reshard import BUCKET_BYTES
 from .blocks import step_on_blocks
 from .engine import Zero, clear_grads
 
-__all__ = ["PlacedZero", "StateView", "sharded_placements", "dist_params_for_dist_grads", "grads_as_params"]
+__all__ = ["PlacedZero", "StateView", "sharded_placements", "dist_params_for_dist_grads", "grads_as_params",
+           "laid_out_states"]
 
 
 def sharded_placements(p: DistTensor, axis, mesh=None) -> list | None:
@@ -125,6 +126,21 @@ def _like(g, p):
     return new_dist(g._local, g._pmesh, g._mpl, tuple(g.shape), g.stride(), device=p.device)
 
 
+def laid_out_states(st: dict, p, placements, reshard, place) -> dict:
+    """An optimizer's states ``st`` for the dist parameter ``p``, each one of ``p``'s shape laid out over its mesh as
+    ``placements`` (``reshard(t, mesh, placements)`` a dist one, ``place(dense, mesh, placements)`` a dense one, as
+    every rank stepped the same whole values); a step count, a scalar stays as it is (the same on every rank)."""
+    mesh, out = p.process_mesh, {}
+    for k, v in st.items():
+        if not torch.is_tensor(v) or v.dim() == 0 or tuple(v.shape) != tuple(p.shape):
+            out[k] = v
+        elif isinstance(v, DistTensor):
+            out[k] = reshard(v, mesh, placements)
+        else:
+            out[k] = place(v.detach().to(p.device), mesh, placements)
+    return out
+
+
 class PlacedZero(Zero):
     """Step ``inner``, whose parameters are dist tensors, sharding at ``level`` along mesh axis ``axis``.
 
@@ -193,17 +209,7 @@ class PlacedZero(Zero):
         """The states the optimizer holds for ``p`` already (it has stepped), laid out as ``pl``: as Paddle shards
         the accumulators it finds, the steps after go on from them. None when it holds none."""
         st = self._inner_opt.state.get(p)
-        if not st:
-            return None
-        out = {}
-        for k, v in st.items():
-            if not torch.is_tensor(v) or v.dim() == 0 or tuple(v.shape) != tuple(p.shape):
-                out[k] = v  # a step count, a scalar: the same on every rank
-            elif isinstance(v, DistTensor):
-                out[k] = self._reshard(v, p.process_mesh, pl)
-            else:
-                out[k] = self._place(v.to(p.device), p.process_mesh, pl)
-        return out
+        return laid_out_states(st, p, pl, self._reshard, self._place) if st else None
 
     def _view(self, p, shadow) -> None:
         """Make ``shadow``'s block a view of this rank's part of ``p``'s (os, os_g): the inner optimizer's step

@@ -10,8 +10,8 @@ from ....core.mesh import ProcessMesh
 from ....runtime import groups
 from ....runtime.dtensor import DistTensor
 from ....runtime.world import init_parallel_env
-from ....runtime.zero import Zero, check_elementwise, gather_per_unit
-from ...api import shard_tensor
+from ....runtime.zero import Zero, check_elementwise, gather_per_unit, laid_out_states
+from ...api import reshard, shard_tensor
 from ..interface import _state, get_mesh, set_mesh
 from .parallel_base import param_holders, remap_optimizer, shard_all_params
 from .pipeline_parallel import (
@@ -189,9 +189,8 @@ def _carry_states(optimizer, states: list, mapping: dict) -> None:
     for p, st in states:
         new = mapping.get(id(p), p)
         if isinstance(new, DistTensor):
-            st = {k: shard_tensor(v.detach(), new.process_mesh, list(new.placements)).detach()
-                  if torch.is_tensor(v) and not isinstance(v, DistTensor) and v.dim() and v.shape == new.shape
-                  else v for k, v in st.items()}
+            with torch.no_grad():
+                st = laid_out_states(st, new, list(new.placements), reshard, shard_tensor)
         optimizer.state[new] = st
 
 
