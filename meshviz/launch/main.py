@@ -324,6 +324,7 @@ def _banner(args, config, plan=None) -> str:
 def launch(argv=None) -> int:
     """Parse ``argv``, start the local workers, wait; returns the exit code (0 when every worker succeeded)."""
     from .agent import Torchrun
+    from .nodes import rendezvous_failure
 
     args = None
     try:
@@ -350,7 +351,8 @@ def launch(argv=None) -> int:
     logs = LogCopier(config.logs_specs.raw_dir, args.log_dir, plan.n, args.log_overwrite).start()
     host = _rollcall_host(args, config)
     runner = Torchrun(config, entrypoint=sys.executable)
-    hung, over = _stop_when_hung(host, runner) if host is not None else ([], None)
+    line = _node_line(config, runner)
+    hung, over = _stop_when_hung(host, runner, line) if host is not None else ([], None)
     from torch.distributed import DistNetworkError, DistStoreError
 
     try:
@@ -358,20 +360,26 @@ def launch(argv=None) -> int:
             job = runner.start().submit(
                 ["-u", "-m", "meshviz.launch._worker", args.training_script, *args.training_script_args])
         except (DistStoreError, DistNetworkError) as e:  # the agent's rendezvous timed out: no worker started
-            print(f"meshviz.launch: error: {_rendezvous_failure(e, config)}", file=sys.stderr, flush=True)
+            print(f"meshviz.launch: error: {rendezvous_failure(e, config)}", file=sys.stderr, flush=True)
             return 1
         finally:
             logs.stop()
         if hung:
             return _report_hang(args, hung[0])
+        if job.interrupted is not None and line is not None and line.heard is not None:
+            print("meshviz.launch: " + "\nmeshviz.launch: ".join(line.text(line.heard)), file=sys.stderr)
+            return 1
         if job.interrupted is not None:
             print(f"meshviz.launch: {job.interrupted}: the workers were stopped", file=sys.stderr, flush=True)
             return signal.Signals[job.interrupted].value  # the signal's number, as Paddle's launch exits (2, 15)
         if job.exception is not None:
-            return _report_failure(args, job, host, logs)
+            return _report_failure(args, job, host, logs, line)
     finally:
         if over is not None:
             over.set()
+        if line is not None:  # node 0 of a failed job serves the store until the other nodes have read it
+            line.finish(failed=bool(hung) or line.heard is not None or (
+                runner.job is not None and runner.job.exception is not None))
         if host is not None:
             host.stop()
         logs.remove_raw()
@@ -391,26 +399,6 @@ def _check_script(script: str) -> None:
         raise ValueError(f"no such script {script!r}")
 
 
-def _rendezvous_failure(e, config) -> str:
-    """What a rendezvous that timed out means: which node never arrived (node 0: the store never filled), or that
-    node 0's store never answered (the other nodes)."""
-    import re
-
-    master, node, nnodes = config.rdzv_endpoint, config.rdzv_configs["rank"], config.min_nodes
-    within = f"within {config.rdzv_configs['timeout']} s (MESHVIZ_RDZV_TIMEOUT)"
-    if node != 0:
-        return (f"node 0 (--rank 0) never served the rendezvous at {master} {within}: start it there, or check "
-                f"--master; {type(e).__name__}: {e}")
-    m = re.search(r"(\d+)/(\d+) clients joined", str(e))
-    if m and nnodes == 2:
-        missing = "node 1 (--rank 1) never arrived"
-    elif m:
-        missing = f"{nnodes - int(m.group(1))} of nodes 1..{nnodes - 1} never arrived"
-    else:
-        missing = f"not every one of nodes 1..{nnodes - 1} arrived"
-    return f"{missing} at the rendezvous at {master} (job {config.run_id}) {within}; {type(e).__name__}: {e}"
-
-
 def _print_overrides(args) -> None:
     """Which of Paddle's variables set a flag (unless --log_level hides warnings), as Paddle's launch says."""
     level = logging.getLevelName(str(args.log_level).upper())
@@ -419,17 +407,25 @@ def _print_overrides(args) -> None:
             print(f"meshviz.launch: {line}", file=sys.stderr, flush=True)
 
 
-def _report_failure(args, job, host, logs) -> int:
+def _report_failure(args, job, host, logs, line=None) -> int:
     """Say which workers failed (the agent stopped the others), the roll-call's diagnosis and their logs' tails;
+    on several nodes, the worker of another node that failed first when this node's only lost their connection;
     returns the exit code of the job (see :meth:`~meshviz.launch.agent.TorchrunJob.exit_code`)."""
+    from .nodes import tell_nodes
+
     failed = job.failed()
-    rc = host.blame() if host is not None else None
+    news = tell_nodes(line, job, failed[0]) if line is not None else None
+    rc = host.blame() if host is not None and news is None else None
     if rc is not None and rc.blame():
         print("meshviz.launch: " + "\nmeshviz.launch: ".join(rc.blame()), file=sys.stderr)
     then = ", ".join(map(str, failed[1:]))
     after = f" first, then global rank{'s' if len(failed) > 2 else ''} {then}" if len(failed) > 1 else ""
-    print(f"meshviz.launch: the worker with global rank {failed[0]} failed{after}; the others were stopped. "
-          f"Logs: {os.path.join(args.log_dir, 'workerlog.N')}", file=sys.stderr)
+    logs_at = f"Logs: {os.path.join(args.log_dir, 'workerlog.N')}"
+    if news is not None:
+        print("meshviz.launch: " + "\nmeshviz.launch: ".join(line.text(news)) + f". {logs_at}", file=sys.stderr)
+    else:
+        print(f"meshviz.launch: the worker with global rank {failed[0]} failed{after}; the others were stopped. "
+              f"{logs_at}", file=sys.stderr)
     for rank in failed:
         f = job.failures[rank]
         path = os.path.join(args.log_dir, f"workerlog.{f.local_rank}")
@@ -440,10 +436,10 @@ def _report_failure(args, job, host, logs) -> int:
     return job.exit_code() or 1
 
 
-def _stop_when_hung(host, runner):
+def _stop_when_hung(host, runner, line=None):
     """Watch ``host`` until the returned event is set: at a roll-call that found a wait nothing can end (ranks in
-    different collectives, or ranks missing from one that are done), keep it in the returned list and stop the
-    workers."""
+    different collectives, or ranks missing from one that are done), keep it in the returned list, tell the other
+    nodes (``line``) and stop the workers."""
     import threading
 
     hung: list = []
@@ -454,6 +450,8 @@ def _stop_when_hung(host, runner):
             rc = host.unending()
             if rc is not None and runner.job is not None and not runner.job.done():
                 hung.append(rc)
+                if line is not None:
+                    line.say_stopped(rc)
                 os.kill(os.getpid(), signal.SIGTERM)  # the agent ends its workers with it (a SIGINT waits 30 s)
                 return
 
@@ -467,6 +465,17 @@ def _report_hang(args, rc) -> int:
     print(f"meshviz.launch: the workers were stopped at the roll-call: nothing could end that wait. Logs: "
           f"{os.path.join(args.log_dir, 'workerlog.N')}", file=sys.stderr)
     return 1
+
+
+def _node_line(config, runner):
+    """On several nodes, this node's line to the others (:class:`~meshviz.launch.nodes.NodeLine`), watching."""
+    if config.min_nodes < 2:
+        return None
+    from .nodes import NodeLine
+
+    line = NodeLine(config.rdzv_endpoint, config.min_nodes, config.rdzv_configs["rank"])
+    line.watch(runner)
+    return line
 
 
 def _rollcall_host(args, config):

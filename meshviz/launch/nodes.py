@@ -1,11 +1,17 @@
-"""Each node's number of workers, told through the agent's store: nodes may run different --nproc_per_node."""
+"""What the nodes of a job tell each other through node 0's store: their numbers of workers, what stopped the job."""
 
 from __future__ import annotations
 
 import datetime
 import json
+import os
+import signal
+import socket
+import threading
+import time
 
-__all__ = ["IPS_ENV", "publish", "counts", "world", "ips_endpoints", "rollcall_host"]
+__all__ = ["IPS_ENV", "publish", "counts", "world", "ips_endpoints", "rollcall_host", "NodeLine", "looks_lost",
+           "tell_nodes", "rendezvous_failure"]
 
 IPS_ENV = "MESHVIZ_LAUNCH_IPS"  # {"ips": [...], "start_port": P} when --ips names the nodes
 _KEY = "meshviz/launch/nproc/"
@@ -61,3 +67,166 @@ def rollcall_host(host: str, port: int, nnodes: int, nproc: int, hang_after: flo
             return super().collect(n, timeout)
 
     return _LaunchRollCall(host, port, nnodes * nproc, hang_after, wait_for_store=60.0).start()
+
+
+_VERDICT = "meshviz/launch/stopped"  # node 0's roll-call found a wait nothing can end: {"node", "lines"}
+_FAILED = "meshviz/launch/failed/"  # + node: its worker that failed first {"rank", "what", "lost", "time"}
+_DONE = "meshviz/launch/done/"  # + node: the node has read what stopped the job and is ending
+# what a worker's error says when it only lost its connection to a peer that failed elsewhere
+_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Connection refused",
+         "never reached the rendezvous", "DistNetworkError", "DistStoreError", "Timed out", "timed out")
+
+
+def looks_lost(what: str) -> bool:
+    """Does a worker's error say that it lost its connection (to a peer, or to the store), not what went wrong?"""
+    return any(s in what for s in _LOST)
+
+
+class NodeLine:
+    """This node's line to the other nodes of a job, through the store on node 0 (``master``): node 0 says there
+    that its roll-call stopped the job, each node which of its workers failed first. While this node's workers
+    run, :meth:`watch` looks there a few times a second; told that another node stopped the job (or that a worker
+    there failed on its own), it keeps that in ``heard`` and stops its own workers (SIGTERM to this process: the
+    agent ends them), so that every node says what happened within seconds, whatever its own workers lost."""
+
+    def __init__(self, master: str, nnodes: int, node: int):
+        self.master, self.nnodes, self.node = master, nnodes, node
+        self.heard: dict | None = None
+        self._store = None
+        self._lock = threading.Lock()
+        self._over = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _call(self, op: str, *args):
+        with self._lock:
+            if self._store is None:
+                from ..runtime.rendezvous import connect_store
+
+                host, _, port = self.master.rpartition(":")
+                # nobody serves there yet (or any more): fail now, not after a client's retries, which a thread
+                # still blocked in them when the interpreter ends turns into an abort
+                socket.create_connection((host, int(port)), timeout=1.0).close()
+                self._store = connect_store(host, int(port), None, 2.0)
+            return getattr(self._store, op)(*args)
+
+    def _read(self, key: str):
+        return json.loads(self._call("get", key)) if self._call("check", [key]) else None
+
+    def _say(self, key: str, value: dict) -> None:
+        try:
+            self._call("set", key, json.dumps(value))
+        except Exception:
+            pass
+
+    def say_stopped(self, rc) -> None:
+        """Node 0: its roll-call found a wait nothing can end (``rc``); the job stops."""
+        self._say(_VERDICT, {"node": self.node, "lines": rc.blame()})
+
+    def say_failed(self, rank: int, what: str, lost: bool, when: float) -> None:
+        """This node's worker ``rank`` failed first (``what``; ``lost``: it only lost its connection)."""
+        self._say(_FAILED + str(self.node), {"node": self.node, "rank": rank, "what": what[:500], "lost": lost,
+                                            "time": when})
+
+    def news(self) -> dict | None:
+        """What another node said stopped the job: node 0's roll-call, else the worker of another node that failed
+        on its own first; None while nothing was said (or the store is gone)."""
+        try:
+            said = self._read(_VERDICT)
+            if said is not None and said["node"] != self.node:
+                return said
+            fails = [self._read(_FAILED + str(k)) for k in range(self.nnodes) if k != self.node]
+        except Exception:
+            return None
+        fails = [f for f in fails if f is not None and not f["lost"]]
+        return min(fails, key=lambda f: f["time"]) if fails else None
+
+    def wait_news(self, timeout: float) -> dict | None:
+        end = time.monotonic() + timeout
+        while self.heard is None and time.monotonic() < end:
+            self.heard = self.news()
+            if self.heard is None:
+                time.sleep(0.2)
+        return self.heard
+
+    def watch(self, runner) -> None:
+        def run():
+            while not self._over.wait(0.2):
+                job = runner.job
+                if job is None or job.done():
+                    continue
+                news = self.news()
+                if news is not None and not job.done():
+                    self.heard = news
+                    os.kill(os.getpid(), signal.SIGTERM)  # the agent ends its workers with it
+                    return
+
+        self._thread = threading.Thread(target=run, name="meshviz-launch-nodes", daemon=True)
+        self._thread.start()
+
+    def finish(self, failed: bool, timeout: float = 5.0) -> None:
+        """Stop watching; say that this node is done. Node 0 of a failed job keeps its store served until every
+        other node has said so (at most ``timeout`` s): they read there what stopped the job."""
+        self._over.set()
+        if self._thread is not None:
+            self._thread.join(5.0)
+        if self.node != 0:
+            if failed:
+                self._say(_DONE + str(self.node), {})
+            return
+        end = time.monotonic() + timeout
+        keys = [_DONE + str(k) for k in range(1, self.nnodes)]
+        while failed and time.monotonic() < end:
+            try:
+                if self._call("check", keys):
+                    return
+            except Exception:
+                return
+            time.sleep(0.1)
+
+    def text(self, news: dict) -> list[str]:
+        """What to print of ``news`` on this node."""
+        if "lines" in news:
+            return [*news["lines"], f"node {news['node']} stopped the job at the roll-call: nothing could end that "
+                    "wait; the workers here were stopped"]
+        return [f"the worker with global rank {news['rank']} (node {news['node']}) failed first: {news['what']}; "
+                "the workers here stopped or lost their connection because of it"]
+
+
+def tell_nodes(line: NodeLine, job, first: int) -> dict | None:
+    """Say which of this node's workers failed first (``first``, of ``job``); returns what another node said
+    stopped the job when that explains this node's failure (its workers only lost their connection, or the other
+    failed earlier), waiting a few seconds for it; else None."""
+    from ..ranks.outcomes import exit_text
+    from .agent import _reported_at
+
+    f = job.failures[first]
+    said = f.error_file_data.get("message") if isinstance(f.error_file_data, dict) else None
+    what = str(said.get("message", "") if isinstance(said, dict) else said or "")
+    what = exit_text(f.exitcode) if what in ("", "<NONE>") else what  # torch's word for no error file
+    when = _reported_at(f, job.log_dir)
+    lost = f.exitcode == -signal.SIGTERM or looks_lost(what)  # SIGTERM: the agent ended it
+    line.say_failed(first, what, lost, when)
+    news = line.heard or (line.wait_news(3.0) if lost else line.news())
+    if news is not None and not lost and news.get("time", when) > when:
+        return None
+    return news
+
+
+def rendezvous_failure(e, config) -> str:
+    """What a rendezvous that timed out means: which node never arrived (node 0: the store never filled), or that
+    node 0's store never answered (the other nodes)."""
+    import re
+
+    master, node, nnodes = config.rdzv_endpoint, config.rdzv_configs["rank"], config.min_nodes
+    within = f"within {config.rdzv_configs['timeout']} s (MESHVIZ_RDZV_TIMEOUT)"
+    if node != 0:
+        return (f"node 0 (--rank 0) never served the rendezvous at {master} {within}: start it there, or check "
+                f"--master; {type(e).__name__}: {e}")
+    m = re.search(r"(\d+)/(\d+) clients joined", str(e))
+    if m and nnodes == 2:
+        missing = "node 1 (--rank 1) never arrived"
+    elif m:
+        missing = f"{nnodes - int(m.group(1))} of nodes 1..{nnodes - 1} never arrived"
+    else:
+        missing = f"not every one of nodes 1..{nnodes - 1} arrived"
+    return f"{missing} at the rendezvous at {master} (job {config.run_id}) {within}; {type(e).__name__}: {e}"

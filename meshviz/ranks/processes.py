@@ -12,6 +12,7 @@ from functools import partial
 
 from ..errors import RankError, RankOutcome
 from ..runtime import rendezvous
+from ..trace.status import RankStatus
 from . import outcomes as _outcomes
 from . import patches
 from .options import check_spawn_options
@@ -111,7 +112,8 @@ class RankProcesses:
         if self.hang_after is not None and self.n > 1:
             from ..runtime.watchdog import RollCallHost
 
-            self.host = RollCallHost(rendezvous.LOOPBACK, self.port, self.n, self.hang_after, dead=self.gone).start()
+            self.host = RollCallHost(rendezvous.LOOPBACK, self.port, self.n, self.hang_after,
+                                     dead=self.exited).start()
         self.job = SpawnContext(self, read_reports or self.torch_reports, stop_on_failure)
         return self.job
 
@@ -141,6 +143,32 @@ class RankProcesses:
             if not p.is_alive() and p.exitcode:
                 out[i] = exit_text(p.exitcode)
         return out
+
+    def exited(self) -> dict[int, str]:
+        """rank -> how its process ended, for every rank whose process ended (well or not): the roll-call need
+        not wait for their answers, which will not come."""
+        return {i: exit_text(p.exitcode) for i, p in enumerate(self.processes) if not p.is_alive()}
+
+    def relabel(self, rc):
+        """``rc`` with each rank whose process exited with code 0 shown as what it did: in the collective it failed
+        in, idle (its function returned), or dead (it raised), from what the job's ranks left; a rank that left
+        nothing stays dead."""
+        if rc is None or self.job is None:
+            return rc
+        clean = {s.rank for s in rc if s.state == "dead" and self.processes[s.rank].exitcode == 0}
+        if not clean:
+            return rc
+        reports, returned = self.job.left()
+        late = self.host.failed() if self.host is not None else {}  # ranks that failed while it was taken
+        over = []
+        for r in sorted(clean):
+            if r in late:
+                over.append(late[r])
+            elif r in reports:
+                over.append(RankStatus(r, "dead", note=f"it raised {reports[r][0]}"[:300]))
+            elif r in returned:
+                over.append(RankStatus(r, "idle", note="its function returned"))
+        return rc.merged(over) if over else rc
 
     @property
     def error_files(self) -> list[str]:
@@ -210,7 +238,7 @@ class RankProcesses:
 
     def blame(self):
         """The roll-call that explains a failure (before the others are ended: they still answer), or None."""
-        return self.host.blame() if self.host is not None else None
+        return self.relabel(self.host.blame()) if self.host is not None else None
 
     # -- what the ranks ended as ---------------------------------------------------------------------------------
     def outcomes(self, reports: dict[int, tuple[str, str | None, float]], values: dict[int, object] | None = None,

@@ -85,6 +85,10 @@ class Returns:
         self.queues = [ReturnQueue(self.folder, r, p) for r, p in enumerate(processes)]
         return self.queues
 
+    def returned(self) -> set[int]:
+        """The ranks that left a value (their function returned)."""
+        return {q.rank for q in self.queues if q._items or q._taken or os.path.exists(q._path)}
+
     def close(self) -> None:
         """Read what the ranks left, then remove the folder."""
         for q in self.queues:

@@ -30,6 +30,8 @@ class SpawnContext:
         self._results: tuple[dict, dict | None] | None = None
         self._deadline_s: float | None = None  # the wait that ran out, when one did
         self._deadline_rc = None  # the roll-call taken when the ranks still running at it were ended
+        self._failure_rc = None  # without stop_on_failure: the roll-call taken when a rank was first seen failing
+        self._exits = 0  # how many ranks had exited at the last look for a failure
         self._closed = False
         self.return_queues: list = []
         self.returns: Returns | None = None  # spawn's: closed with the job, the values read first
@@ -51,7 +53,9 @@ class SpawnContext:
                 if procs.host is not None:  # look at the roll-call a few times a second
                     left = 0.25 if left is None else min(left, 0.25)
                 procs.wait(left)
-                rc = None if procs.host is None else procs.host.unending()
+                rc = None if procs.host is None else procs.relabel(procs.host.unending())
+                if not self._stop_on_failure:
+                    self._look_for_failure()
                 if self._stop_on_failure and rc is not None:
                     # a mismatch, or ranks missing that returned: they would wait until the timeout
                     procs.terminate("hang")
@@ -71,6 +75,26 @@ class SpawnContext:
             raise
         self._close()
         return True
+
+    def _look_for_failure(self) -> None:
+        """Without stop_on_failure: once a rank is first seen failing, take the roll-call while the store still
+        serves (a peer left waiting in a collective for a rank that returned fails with a lost connection: the
+        roll-call says that the rank returned without entering it)."""
+        procs = self._procs
+        exits = len(procs.processes) - len(self.pending())
+        if self._failure_rc is not None or procs.host is None or exits == self._exits:
+            return
+        self._exits = exits
+        if procs.failed() or self._read()[0]:
+            self._failure_rc = procs.blame()
+
+    def left(self) -> tuple[dict, set]:
+        """(rank -> report for the ranks that raised, the ranks whose function returned), as they left them."""
+        reports, values = self._read()
+        returned = set(values or ())
+        if self.returns is not None:
+            returned |= self.returns.returned()
+        return reports, returned
 
     def _close(self) -> None:
         if not self._closed:
@@ -110,7 +134,8 @@ class SpawnContext:
             bad = reports or (len(values) < len(self.ranks) if values is not None else self._procs.failed())
             bad = bad or bool(self._procs.ended)  # ended by stop() or a deadline: no result
             if bad:
-                self._error = self._procs.rank_error(reports, values, self._deadline_s, self._deadline_rc)
+                self._error = self._procs.rank_error(reports, values, self._deadline_s,
+                                                     self._deadline_rc or self._failure_rc)
         return self._error
 
     def join(self, timeout: float | None = None) -> bool:
