@@ -15,7 +15,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from urllib.parse import quote
 
 import pytest
@@ -162,25 +162,66 @@ def _server(app: str):
         shutil.rmtree(state, ignore_errors=True)
 
 
-@contextmanager
-def _browser(width=1280, height=1000):
+def _api(base, token, path, method="GET"):
+    req = urllib.request.Request(f"{base}{path}", method=method, headers={"Authorization": f"token {token}"})
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        body = resp.read()
+    return json.loads(body) if body else None
+
+
+def _end_kernels(base, token):
+    """Shut down every session and kernel of the server: a test starts with none left from the one before."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(4) as pool:  # a kernel takes a second or two to end: all at once
+        list(pool.map(lambda s: _api(base, token, f"/api/sessions/{s['id']}", "DELETE"),
+                      _api(base, token, "/api/sessions")))
+        list(pool.map(lambda k: _api(base, token, f"/api/kernels/{k['id']}", "DELETE"),
+                      _api(base, token, "/api/kernels")))
+    assert not _api(base, token, "/api/kernels")
+
+
+@pytest.fixture(scope="module")
+def _lab_server():
+    with _server("lab") as server:
+        yield server
+
+
+@pytest.fixture
+def lab(_lab_server):
+    """The module's one JupyterLab server (a start and a stop each took seconds), with no kernel or session left
+    from another test; each test opens notebooks of its own."""
+    _end_kernels(*_lab_server)
+    yield _lab_server
+    _end_kernels(*_lab_server)
+
+
+@pytest.fixture(scope="module")
+def chromium():
+    """One headless Chromium for the module; each test browses in a fresh context of its own (no cookies, storage
+    or cache from another test)."""
+    _need()
     from playwright.sync_api import sync_playwright
 
-    profile = tempfile.mkdtemp(prefix="chromium-profile-")
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=ARGS)
+        try:
+            yield browser
+        finally:
+            browser.close()
+
+
+@contextmanager
+def _browser(chromium, width=1280, height=1000):
+    ctx = chromium.new_context(viewport={"width": width, "height": height})
     try:
-        with sync_playwright() as p:
-            ctx = p.chromium.launch_persistent_context(profile, executable_path=CHROMIUM, headless=True, args=ARGS,
-                                                       viewport={"width": width, "height": height})
-            page = ctx.pages[0] if ctx.pages else ctx.new_page()
-            page.set_default_timeout(90_000)
-            page.console_errors = []
-            page.on("console", lambda m: page.console_errors.append(m.text) if m.type == "error" else None)
-            try:
-                yield page
-            finally:
-                ctx.close()
+        page = ctx.new_page()
+        page.set_default_timeout(90_000)
+        page.console_errors = []
+        page.on("console", lambda m: page.console_errors.append(m.text) if m.type == "error" else None)
+        yield page
     finally:
-        shutil.rmtree(profile, ignore_errors=True)
+        ctx.close()
 
 
 KERNEL_IDLE = """() => { const w = window.jupyterapp && window.jupyterapp.shell.currentWidget;
@@ -271,9 +312,10 @@ def _check_views(dom, views):
     assert not dom["overflow"], dom["overflow"]
 
 
-def test_views_draw_at_their_size_with_nothing_under_them(request):
+def test_views_draw_at_their_size_with_nothing_under_them(lab, chromium):
     os.makedirs(ARTIFACTS, exist_ok=True)
-    with _server("lab") as (base, token), _browser() as page:
+    base, token = lab
+    with _browser(chromium) as page:
         _open(page, base, token, "lab", "widgets.ipynb")
         model = _run_all(page)
         assert model["views"] >= 4
@@ -306,11 +348,12 @@ def test_views_draw_at_their_size_with_nothing_under_them(request):
 
 
 @pytest.mark.parametrize("app", ["lab", "notebook"])
-def test_explorer_keeps_its_controls_on_screen(app):
+def test_explorer_keeps_its_controls_on_screen(app, chromium, request):
     """The explorer on a 4x4x4 and a 32x32 mesh, at 1920, 1280 (JupyterLab: the file browser open) and 900 px:
     the controls inside the window, uncut, the pictures beside them (below them at 900 px), nothing wider than the
     output area or the page; scrolling through the pictures leaves the controls in the window."""
-    with _server(app) as (base, token), _browser(1920) as page:
+    server = _server("notebook") if app == "notebook" else nullcontext(request.getfixturevalue("lab"))
+    with server as (base, token), _browser(chromium, 1920) as page:
         _open(page, base, token, app, "explorer.ipynb")
         _run_all(page)
         if app == "lab":
@@ -343,10 +386,11 @@ def test_explorer_keeps_its_controls_on_screen(app):
                 page.screenshot(path=os.path.join(ARTIFACTS, f"browser_explorer_{app}_1280.png"))
 
 
-def test_notebooks_widgets_show_only_themselves():
+def test_notebooks_widgets_show_only_themselves(lab, chromium):
     """The repo's quick start (ranks as threads) and explorer notebooks: every widget drawn at its own size, no
     repr line under any, nothing wider than the output area."""
-    with _server("lab") as (base, token), _browser() as page:
+    base, token = lab
+    with _browser(chromium) as page:
         for name in ("00_quickstart.ipynb", "10_explorer.ipynb"):
             _open(page, base, token, "lab", name)
             model = _run_all(page)
@@ -354,11 +398,12 @@ def test_notebooks_widgets_show_only_themselves():
 
 
 @pytest.mark.timeout(600)
-def test_what_if_notebook_draws_its_report():
+def test_what_if_notebook_draws_its_report(lab, chromium):
     """The what-if notebook (1,024 simulated ranks, then 4 real ones): its WhatIfView drawn at its own size with
     nothing under it and nothing wider than the output area; the view's picture is kept in artifacts/ (the README's
     docs/img/what_if.png is that picture)."""
-    with _server("lab") as (base, token), _browser() as page:
+    base, token = lab
+    with _browser(chromium) as page:
         _open(page, base, token, "lab", "13_what_if.ipynb")
         model = _run_all(page, timeout=480_000)
         assert model["views"] == 1, model["views"]
