@@ -144,6 +144,22 @@ class ShardDataloader:
         for batch in self._seeded(self.dataloader):
             yield self._shard(batch)
 
+    def first_batch(self):
+        """The first batch of a new pass, read without moving the loader on: the next pass's shuffle order and a
+        pass under way stay as they were (as Paddle's DistModel puts back its sampler's epoch after reading it)."""
+        epoch, under_way = self._epoch, self._next
+        generator = None if self._shuffled is None else self._shuffled.generator
+        rng = torch.random.get_rng_state()
+        batches = self._batches()
+        try:
+            return next(batches)
+        finally:
+            batches.close()
+            self._epoch, self._next = epoch, under_way
+            if self._shuffled is not None:
+                self._shuffled.generator = generator
+            torch.random.set_rng_state(rng)
+
     def __iter__(self):
         # as Paddle's: a new pass, which next(loader) continues (after a break, say)
         self._next = self._batches()

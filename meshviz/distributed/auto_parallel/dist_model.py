@@ -369,7 +369,7 @@ class DistModel:
         if mode in self._examples or self._examples:
             inputs, labels = self._examples.get(mode) or next(iter(self._examples.values()))
         elif self._loader is not None:
-            batch = next(iter(self._loader))
+            batch = prog.first_batch(self._loader)
             batch = list(batch.values()) if isinstance(batch, dict) else batch
             inputs, labels = split_feeds(list(batch) if isinstance(batch, (list, tuple)) else [batch], self._n_inputs,
                                          True)  # a loader's batch holds the labels: predict leaves them out below

@@ -125,6 +125,32 @@ def _merged(values: list):
     return torch.cat([v.reshape(1) if v.dim() == 0 else v for v in values])
 
 
+def _merged_rows(values: list):
+    """The micro-batches' dist values split along their rows, merged as one dist tensor whose blocks are each
+    rank's blocks in order: the whole batch's rows in their order (micro-batch i holds the i-th part of every
+    block, as Paddle's executor splits each rank's feed); None where they do not lie so."""
+    first = values[0]
+    alike = all(isinstance(v, DistTensor) and v.dim() and v.process_mesh == first.process_mesh
+                and list(v.placements) == list(first.placements) and v.shape[1:] == first.shape[1:] for v in values)
+    if len(values) < 2 or not alike:
+        return None
+    parts = 1
+    for axis, pl in enumerate(first.placements):
+        parts *= first.process_mesh.shape[axis] if pl == Shard(0) else 1
+    if parts == 1 or any(v.shape[0] % parts for v in values):
+        return None
+    local = torch.cat([v._local_value().detach() for v in values])
+    return make_dist(local, first.process_mesh, first.placements,
+                     [sum(int(v.shape[0]) for v in values)] + list(first.shape[1:]))
+
+
+def _fetch(values: list, each):
+    """Paddle's merged fetch of ``values`` as one tensor: dist values split along the rows merged rank by rank
+    (the batch's row order), else ``each`` value merged along the rows."""
+    rows = _merged_rows(values)
+    return rows.full_tensor() if rows is not None else _merged([each(v) for v in values])
+
+
 class Pipeline:
     """The micro-batch loop of one DistModel: every rank runs each micro-batch's forward (and backward) through
     the whole model in the schedule's order (its own stage's ops; the stages' transfers are the model's reshards),
@@ -190,7 +216,7 @@ class Pipeline:
         if mode == "predict":
             if not all(_held(o) for o in outs[0]):
                 return None
-            return {f"out{j}": dm._out(_merged([_global(mb[j]) for mb in outs])) for j in range(len(outs[0]))}
+            return {f"out{j}": dm._out(_fetch([mb[j].detach() for mb in outs], _global)) for j in range(len(outs[0]))}
         if not _held(losses[0]):
             return None
-        return dm._out(_merged([dm._global_loss(losses[i].detach()) for i in range(self.m)]))
+        return dm._out(_fetch([losses[i].detach() for i in range(self.m)], dm._global_loss))

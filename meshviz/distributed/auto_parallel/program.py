@@ -5,12 +5,13 @@ from __future__ import annotations
 import copy
 import dataclasses
 import inspect
+import types
 
 import torch
 import torch.nn as nn
 
-__all__ = ["Program", "shape_str", "meta_from_spec", "split_input_spec", "count_inputs", "split_feeds", "local_of",
-           "skeleton", "Rows", "row_split", "rows_as_dist", "check_shape", "check_piece"]
+__all__ = ["Program", "shape_str", "meta_from_spec", "split_input_spec", "count_inputs", "first_batch", "split_feeds",
+           "local_of", "skeleton", "Rows", "row_split", "rows_as_dist", "check_shape", "check_piece"]
 
 
 def shape_str(t) -> str:
@@ -79,6 +80,19 @@ def count_inputs(layer, inputs_spec):
                 return None
             n += 1
     return n or None
+
+
+def first_batch(loader):
+    """The loader's first batch, read without moving it on: torch's RNG (a shuffling sampler's seed) and a
+    shard_dataloader's epoch and pass under way stay as they were, so the batches training sees do not change."""
+    own = getattr(loader, "first_batch", None)
+    if callable(own):
+        return own()
+    rng = torch.random.get_rng_state()
+    try:
+        return next(iter(loader))
+    finally:
+        torch.random.set_rng_state(rng)
 
 
 def split_feeds(items: list, n, with_labels: bool):
@@ -202,9 +216,20 @@ def skeleton(layer):
     for b in layer.buffers():
         memo[id(b)] = torch.empty(b.shape, dtype=b.dtype, device="meta")
     try:
-        return copy.deepcopy(layer, memo)
+        serial = copy.deepcopy(layer, memo)
     except Exception:
         return None
+    for m in serial.modules():
+        # a function set as the forward (layer.forward = f) is no method of the copy: it would run the original
+        # layer, its data and its communication, on some ranks only
+        if "forward" in vars(m) and not isinstance(vars(m)["forward"], types.MethodType):
+            m.forward = _instance_forward
+    return serial
+
+
+def _instance_forward(*args, **kwargs):
+    raise RuntimeError("the layer's forward is a function set on the instance (layer.forward = f): it runs the "
+                       "original layer, not its copy on the meta device; define forward in the layer's class")
 
 
 class Program:
