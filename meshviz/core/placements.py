@@ -138,12 +138,13 @@ class Partial(Placement):
 
 
 _ORDER = r"(?:\s*,\s*(?:o|co_shard_order|shard_order)\s*=\s*(\d+))?"
-_PAT = re.compile(r"^\s*(?:S\((-?\d+)" + _ORDER + r"\)|Shard\((?:dim=)?(-?\d+)" + _ORDER + r"\)|(R|Replicate\(\))"
-                  r"|P\((\w+)\)|Partial\((?:reduce_type=)?([\w.]*)\))\s*$")
+_PAT = re.compile(r"^\s*(?:S\((-?\d+)" + _ORDER + r"\)|Shard\((?:dim=)?(-?\d+)" + _ORDER + r"\)"
+                  r"|(R|Replicate(?:\(\))?)|P(?:\((\w*)\))?|Partial(?:\((?:reduce_type=)?([\w.]*)\))?)\s*$")
 
 
 def parse_placement(text) -> Placement:
-    """Parse ``S(0)``, ``S(0,o=1)``, ``R``, ``P(sum)`` (or the long spellings) into a placement."""
+    """Parse ``S(0)``, ``S(0,o=1)``, ``R``, ``P(sum)`` (or the long spellings) into a placement; ``P``, ``P()``,
+    ``Partial`` and ``Partial()`` are ``P(sum)``, as Paddle's ``Partial()`` is."""
     if isinstance(text, Placement):
         return text
     m = _PAT.match(str(text))
@@ -156,7 +157,10 @@ def parse_placement(text) -> Placement:
     if r:
         return Replicate()
     red = p1 or (p2.split(".")[-1] if p2 else "sum")
-    return Partial(ReduceType.parse(red))
+    try:
+        return Partial(ReduceType.parse(red))
+    except ValueError as exc:
+        raise ValueError(f"cannot read placement {text!r}: {exc}") from None
 
 
 def placements_str(placements) -> str:

@@ -13,7 +13,7 @@ from .partial import commutes, nesting, partial_axes, partial_fill, summed
 from .placements import Partial, ReduceType, Replicate, Shard
 from .traffic import step_most
 
-__all__ = ["OPS", "Step", "Plan", "plan_reshard", "simulate", "apply_step", "initial_locals", "assemble"]
+__all__ = ["OPS", "Step", "Plan", "fmt_bytes", "plan_reshard", "simulate", "apply_step", "initial_locals", "assemble"]
 
 # operation -> what moves
 OPS = {
@@ -60,7 +60,7 @@ class Step:
             extra = f" dim {self.dim}"
         if self.reduce is not None:
             extra += f" {self.reduce.short}"
-        return f"{self.op:<14} {where}{extra}: {before} -> {after}, {_fmt_bytes(self.bytes)}/rank"
+        return f"{self.op:<14} {where}{extra}: {before} -> {after}, {fmt_bytes(self.bytes)}/rank"
 
     def __repr__(self) -> str:
         return f"Step({self.describe()})"
@@ -73,12 +73,15 @@ class Step:
         return self.mesh.axis_group_of(rank, self.axis) if self.mesh.contains(rank) else None
 
 
-def _fmt_bytes(n: float) -> str:
+def fmt_bytes(n: float) -> str:
+    """``n`` bytes in B, KiB, MiB or GiB; a count that rounds up to 1024 of a unit is given in the next one."""
+    n = float(n)
     for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        text = f"{n:.0f}" if unit == "B" else f"{n:.1f}"
+        if abs(float(text)) < 1024 or unit == "GiB":  # 1048575 B is 1.0 MiB, not 1024.0 KiB
+            return f"{text} {unit}"
         n /= 1024
-    return f"{n} B"
+    return f"{n} B"  # pragma: no cover
 
 
 @dataclass(frozen=True)
@@ -122,7 +125,8 @@ class Plan:
             head += f" (mesh {self.src_mesh.shape} -> {self.dst_mesh.shape})"
         lines = [head] + [f"  {i}. {s.describe()}" for i, s in enumerate(self.steps, 1)]  # step 1 of n, as drawn
         if not self.steps:
-            lines.append("  (nothing to do)")
+            lines.append("  (nothing to do)" if self.src_placements == self.dst_placements else
+                         "  (no communication: the layouts differ only along mesh axes of one rank)")
         return "\n".join(lines)
 
     def __repr__(self) -> str:
@@ -157,6 +161,8 @@ class _Builder:
         if isinstance(new, Shard):  # a new shard is the innermost chunk of its dim
             self.cur = with_nesting(self.cur, new.dim, shard_axes(self.cur, new.dim) + [axis])
         k = self.mesh.shape[axis]
+        if k == 1:  # a line of one rank holds the same block before and after: a new label, no step
+            return
         self.steps.append(_counted(
             Step(op, self.mesh, axis, before, tuple(self.cur), self.shape,
                  groups=tuple(self.mesh.axis_groups(axis)) if k > 1 or op != "slice" else (), **kw),
@@ -173,8 +179,31 @@ def _settle_and_reduce(b: _Builder, i: int, op: str, new, **kw) -> None:
     b.add(op, i, new, **kw)
 
 
+def _unit_axes_as(mesh, cur, dst) -> list:
+    """``cur`` with every mesh axis of one rank placed as in ``dst`` (the block is the same either way: a chunk of
+    one is the whole and a reduction of one summand is that summand), its shards nested where ``dst`` has them."""
+    unit = [i for i in range(mesh.ndim) if mesh.shape[i] == 1]
+    out = [Replicate() if i in unit and isinstance(dst[i], Shard) else (dst[i] if i in unit else p)
+           for i, p in enumerate(cur)]
+    for d in sorted({p.dim for p in [*cur, *dst] if isinstance(p, Shard)}):
+        real, tgt = shard_axes(out, d), shard_axes(dst, d)
+        nest: list[int] = []
+        r = 0
+        for t in tgt:  # the target's nesting as far as the real axes follow it, then the rest
+            if t in unit:
+                nest.append(t)
+            elif r < len(real) and real[r] == t:
+                nest.append(t)
+                r += 1
+            else:
+                break
+        nest += real[r:] + [a for a in tgt if a in unit and a not in nest]
+        out = with_nesting(out, d, nest)
+    return out
+
+
 def _plan_same_mesh(shape, mesh, src, dst, itemsize) -> list[Step]:
-    b = _Builder(shape, mesh, src, itemsize)
+    b = _Builder(shape, mesh, _unit_axes_as(mesh, src, dst), itemsize)
     n = mesh.ndim
     ndim = len(shape)
 
@@ -185,15 +214,16 @@ def _plan_same_mesh(shape, mesh, src, dst, itemsize) -> list[Step]:
             _settle_and_reduce(b, i, "all_reduce", Replicate(), reduce=c.reduce_type)
 
     # 2. Un-shard what the target does not keep, from the last tensor dim down, innermost mesh axis first.
+    #    Axes of one rank already sit as in the target (``_unit_axes_as``) and do not count in a nesting.
     for d in reversed(range(ndim)):
-        cur_axes = shard_axes(b.cur, d)
-        tgt_axes = shard_axes(dst, d)
+        cur_axes = _real(mesh, shard_axes(b.cur, d))
+        tgt_axes = _real(mesh, shard_axes(dst, d))
         keep = 0
         while keep < min(len(cur_axes), len(tgt_axes)) and cur_axes[keep] == tgt_axes[keep]:
             keep += 1
         for i in reversed(cur_axes[keep:]):
             t = dst[i]
-            if isinstance(t, Shard) and t.dim != d and _a2a_ok(b.cur, dst, i, t.dim):
+            if isinstance(t, Shard) and t.dim != d and _a2a_ok(mesh, b.cur, dst, i, t.dim):
                 b.add("all_to_all", i, Shard(t.dim), dim=d, dst_dim=t.dim)
             else:
                 b.add("all_gather", i, Replicate(), dim=d)
@@ -226,15 +256,28 @@ def _plan_same_mesh(shape, mesh, src, dst, itemsize) -> list[Step]:
                 b.add("zero_fill", i, t, reduce=t.reduce_type)
             else:
                 raise AssertionError(f"planner left axis {i} as {c}, target {t}")  # pragma: no cover
-    if tuple(b.cur) != tuple(dst):  # pragma: no cover
+    if tuple(_unit_axes_as(mesh, b.cur, dst)) != tuple(dst):  # pragma: no cover
         raise ValueError(f"cannot plan {list(src)} -> {list(dst)} on mesh {mesh.shape}: reached {b.cur}")
-    return b.steps
+    return _relabelled(b.steps, mesh, dst)
 
 
-def _a2a_ok(cur, dst, axis, b_dim) -> bool:
+def _relabelled(steps, mesh, dst) -> list[Step]:
+    """``steps`` with every mesh axis of one rank shown as ``dst`` has it: the steps it took there were dropped."""
+    if 1 not in mesh.shape:
+        return steps
+    return [replace(s, before=tuple(_unit_axes_as(mesh, s.before, dst)), after=tuple(_unit_axes_as(mesh, s.after, dst)))
+            for s in steps]
+
+
+def _real(mesh, axes) -> list[int]:
+    """``axes`` less those of one rank."""
+    return [a for a in axes if mesh.shape[a] > 1]
+
+
+def _a2a_ok(mesh, cur, dst, axis, b_dim) -> bool:
     """Can axis ``axis`` (innermost shard of its dim) switch to Shard(b_dim) by an all-to-all?"""
     tgt_b = shard_axes(dst, b_dim)
-    return axis in tgt_b and shard_axes(cur, b_dim) == tgt_b[:tgt_b.index(axis)]
+    return axis in tgt_b and _real(mesh, shard_axes(cur, b_dim)) == _real(mesh, tgt_b[:tgt_b.index(axis)])
 
 
 def plan_reshard(shape: Sequence[int], src_mesh: ProcessMesh, src_placements, dst_mesh: ProcessMesh | None = None,
@@ -277,7 +320,7 @@ def plan_reshard(shape: Sequence[int], src_mesh: ProcessMesh, src_placements, ds
         for i, p in enumerate(dst):
             if isinstance(p, Partial):
                 b.add("zero_fill", i, p, reduce=p.reduce_type)
-        steps += b.steps
+        steps += _relabelled(b.steps, dst_mesh, dst)
     return Plan(shape, itemsize, src_mesh, src, dst_mesh, dst, tuple(steps))
 
 

@@ -340,6 +340,8 @@ def run_plan(plan: Plan, local, rank: int, *, dtype=None, device=None, name=None
     dtype = dtype if dtype is not None else local.dtype
     device = device if device is not None else local.device
     check_runnable(plan, dtype)
+    if not plan.steps and not own and local is not None and plan.src_placements != plan.dst_placements:
+        local = local.clone()  # a relabel along mesh axes of one rank: the caller keeps its block
     ctx = rank_context.current()
     st = trace_state(ctx)
     if not st.sinks:

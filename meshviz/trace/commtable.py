@@ -7,6 +7,7 @@ from collections import defaultdict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+from ..core.planner import fmt_bytes
 from .payloads import Issued
 
 __all__ = ["CommRow", "CommTable", "comm_table", "TOP"]
@@ -83,13 +84,6 @@ def comm_table(events, cell=None) -> "CommTable":
     return CommTable(rows)
 
 
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"
-
 
 class CommTable(Sequence):
     """Rows of :class:`CommRow`; prints as a text table, shows as HTML in a notebook, ``meshviz.show`` draws it."""
@@ -118,7 +112,7 @@ class CommTable(Sequence):
 
     def cells(self) -> list[list[str]]:
         return [["" if r.cell is None else str(r.cell), r.module, r.phase, r.op, r.axis, str(r.count),
-                 _fmt_bytes(r.bytes), f"{1000 * r.seconds:.1f}"] for r in self.rows]
+                 fmt_bytes(r.bytes), f"{1000 * r.seconds:.1f}"] for r in self.rows]
 
     def text(self, times: bool = True) -> str:
         """The table as aligned text (``times=False`` leaves the measured milliseconds out)."""

@@ -51,7 +51,9 @@ def plan_table(plan) -> str:
                     f"<td>{html.escape(placements_str(s.before))} → {html.escape(placements_str(s.after))}</td>"
                     f"<td><code>{html.escape(_groups_text(s, 3))}</code></td><td>{fmt_bytes(s.bytes)}</td></tr>")
     if not rows:
-        rows.append('<tr><td colspan="6">nothing to do: the layouts are the same</td></tr>')
+        why = ("the layouts are the same" if plan.src_placements == plan.dst_placements else
+               "the layouts differ only along mesh axes of one rank, where every block stays as it is")
+        rows.append(f'<tr><td colspan="6">nothing to do, no communication: {why}</td></tr>')
     head = ("<tr><th>#</th><th>operation</th><th>mesh axis</th><th>placements</th><th>groups that talk</th>"
             "<th>bytes/rank</th></tr>")
     total = f"<p>total {fmt_bytes(plan.total_bytes)} received per rank (the busiest rank of each step)</p>"

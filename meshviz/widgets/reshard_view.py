@@ -101,6 +101,12 @@ def step_verb(step) -> str:
                                               dim=step.dim, dst_dim=step.dst_dim)
 
 
+def _nothing(plan) -> str:
+    if plan.src_placements == plan.dst_placements:
+        return "  nothing to do: the layouts are the same"
+    return "  no communication: the layouts differ only along mesh axes of one rank"
+
+
 class ReshardView(View):
     """``ReshardView(shape, src_mesh, src_placements, dst_mesh=None, dst_placements=..., value=None)``, or
     ``ReshardView(plan)``, or ``ReshardView(source=events_or_cluster)`` (follows ``reshard``/``reshard_step``).
@@ -302,7 +308,7 @@ class ReshardView(View):
         head = self._heading()
         if f == 0:
             lines = [("✓ " if i in self.ran else "  ") + step_caption(s, i, len(self.steps))
-                     for i, s in enumerate(self.steps)] or ["  nothing to do: the layouts are the same"]
+                     for i, s in enumerate(self.steps)] or [_nothing(self.plan)]
             rows = self._rows([(0, None, None)])
             w = self._width(rows, [(head, HEAD, None)] + [(ln, LABEL, "monospace") for ln in lines])
             steps = text_block(lines, LABEL, width=w, family="monospace", indent="      ")

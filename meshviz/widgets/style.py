@@ -9,6 +9,8 @@ import re
 import numpy as np
 from matplotlib import colormaps
 
+from ..core.planner import fmt_bytes
+
 __all__ = ["GREY", "EMPTY", "TICK", "LABEL", "TITLE", "HEAD", "block_colours", "fmt_bytes", "parse_ints",
            "parse_placements", "parse_ids"]
 
@@ -31,14 +33,6 @@ def block_colours(n: int) -> np.ndarray:
         out.append(colorsys.hsv_to_rgb(h, 0.45 + 0.25 * ((i // 7) % 2), 0.92 - 0.12 * ((i // 3) % 2)))
     return np.array(out)
 
-
-def fmt_bytes(n) -> str:
-    n = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"  # pragma: no cover
 
 
 def parse_ints(text) -> list[int]:

@@ -116,11 +116,12 @@ VALUE_FONT = 7.5
 
 def tensor_block(shape, blocks, colours, *, values=None, labels=None, faded=(), title=None, note=None,
                  max_w: float = 2.6, max_h: float = 2.6, title_lines: int = 1, max_numbers: int = 144,
-                 maxs: int = MAX_SAMPLES) -> Block:
+                 maxs: int = MAX_SAMPLES, title_w: float = 2.0) -> Block:
     """A tensor's index space (leading dims as rows, the last dim as columns) with ``blocks[k]`` filled with
     ``colours[k]``; its numbers in the cells when ``values`` (dense, NaN where unknown) is given and they fit,
     else ``labels[k]`` in block k where it fits. ``faded``: blocks drawn pale (the identity summands of a Partial).
-    ``note``: a red line under it. The block's ``mid`` is the middle of its axes."""
+    ``note``: a red line under it. ``title_w``: the inches a title may widen the block to (it wraps beyond). The
+    block's ``mid`` is the middle of its axes."""
     shape = tuple(int(s) for s in shape)
     rows, cols = _view_shape(shape)
     nd = len(shape)
@@ -155,7 +156,7 @@ def tensor_block(shape, blocks, colours, *, values=None, labels=None, faded=(), 
     bw = left + max(w, text_width(xlabel, LABEL)) + 0.06
     tlines: list[str] = []
     if title:
-        bw = max(bw, min(text_width(title, TITLE) + 0.02, max(bw, 2.0)))
+        bw = max(bw, min(text_width(title, TITLE) + 0.02, max(bw, title_w)))
         tlines = wrap(title, TITLE, bw - 0.02)
     nlines = max(len(tlines), title_lines if title else 0)
     top = nlines * line_height(TITLE) + (0.06 if nlines else 0.0) + over

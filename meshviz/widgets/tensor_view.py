@@ -200,13 +200,38 @@ def tensor_state_block(st: TensorState, *, world=None, groups_axis=None, mesh_ti
     eq = _slot("=", 12.0)
     shown = min(k, MAX_SUMMAND_PANELS)
     while True:
-        more = _slot(f"{sym} … {k - shown} more", TITLE) if k > shown else None
-        fixed = (shown - 1) * op.w + eq.w + (more.w if more else 0.0)
+        fixed = (shown - 1) * op.w + eq.w + (_more(sym, k, shown).w if k > shown else 0.0)
         pw = (budget - fixed) / (shown + 1)
         if pw >= 1.3 or shown <= 2:
             break
         shown -= 1
     pw = max(1.2, min(2.6, pw))
+    title_w = 2.0
+    row = _partial_row(st, mesh, gap, op, eq, sym, shown, pw, title_w)
+    # the estimate above leaves out the panels' margins and titles: while the row is too wide, titles wrap to the
+    # panels, then fewer summands are drawn, then the panels narrow
+    while row.w > max_w + 1e-6:
+        if title_w > pw:
+            title_w = pw
+        elif shown > 1:
+            shown -= 1
+        elif pw > 0.6:
+            pw = title_w = max(0.6, pw - 0.2)
+        else:
+            break
+        row = _partial_row(st, mesh, gap, op, eq, sym, shown, pw, title_w)
+    return row
+
+
+def _more(sym: str, k: int, shown: int) -> Block:
+    return _slot(f"{sym} … {k - shown} more", TITLE)
+
+
+def _partial_row(st: TensorState, mesh: Block, gap: float, op: Block, eq: Block, sym: str, shown: int, pw: float,
+                 title_w: float) -> Block:
+    """[mesh | summand 0 op summand 1 … = value], ``shown`` summands in panels of ``pw`` inches."""
+    cols = st.colours
+    k = len(st.summands)
     parts: list = [mesh, spacer(gap - 0.12)]
     for j in range(shown):
         holders = st.summand_ranks[j]
@@ -215,15 +240,15 @@ def tensor_state_block(st: TensorState, *, world=None, groups_axis=None, mesh_ti
         slabels = [_rank_list(st.summands[j].get(b, ())) for b in st.order]
         parts.append(tensor_block(st.shape, st.order, cols, values=st.dense(set(holders)), labels=slabels,
                                   faded=faded, title=f"summand {j}: ranks {_rank_list(holders, 4)}", max_w=pw,
-                                  max_h=2.6))
+                                  max_h=2.6, title_w=title_w))
         if j < shown - 1:
             parts.append(op)
     if k > shown:
-        parts.append(more)
+        parts.append(_more(sym, k, shown))
     parts.append(eq)
     title = f"{st.reduce} of the summands" if len(sym) > 1 else "reduced value"
     parts.append(tensor_block(st.shape, st.order, cols, values=st.value(), title=title, note=_empty_note(st),
-                              max_w=pw, max_h=2.6))
+                              max_w=pw, max_h=2.6, title_w=title_w))
     row = hstack(parts, gap=0.0, align="mid")
     row.mesh_w = mesh.w  # type: ignore[attr-defined]
     return row

@@ -28,13 +28,14 @@ def _recorded():
         for o in outs + [kept]:
             o._local.add_(1000)  # changed afterwards: the events keep the values they had
         a._local.add_(1000)
-    return me, [e.to_dict() for e in rec.events], [(id(e.values), id(e.local_shape)) for e in rec.events]
+    return me, [e.to_dict() for e in rec.events], [(id(e.values), id(e.local_shape)) for e in rec.events], \
+        kept._local_value().tolist()
 
 
 def test_events_hold_the_values_of_their_time_and_repeat_alike():
-    for me, events, ids in run_ranks(_recorded, 2, ranks="threads"):
-        first, second, kept = events[0:2], events[2:4], events[4:6]
-        assert [e["kind"] for e in events] == ["reshard", "reshard_step"] * 3
+    for me, events, ids, block in run_ranks(_recorded, 2, ranks="threads"):
+        first, second, kept = events[0:2], events[2:4], events[4:]
+        assert [e["kind"] for e in events] == ["reshard", "reshard_step"] * 2 + ["reshard"]  # no step along "one"
         assert [e["seq"] for e in events] == sorted(e["seq"] for e in events)
         assert first[0]["values"] == list(range(32 * me, 32 * me + 32))  # the block going in
         assert first[1]["values"] == [float(v) for v in range(64)]  # the block gathered
@@ -42,8 +43,8 @@ def test_events_hold_the_values_of_their_time_and_repeat_alike():
             assert {k: v for k, v in e1.items() if k not in ("seq", "plan_id", "start", "end")} == \
                    {k: v for k, v in e2.items() if k not in ("seq", "plan_id", "start", "end")}
         assert second[0]["plan_id"] == first[0]["plan_id"] + 1 == second[1]["plan_id"]
-        assert [e["placements_after"] for e in kept] == [["S(0)", "S(1)"]] * 2
-        assert kept[1]["values"] == kept[0]["values"] == list(range(32 * me, 32 * me + 32))
-        assert kept[1]["group"] == [me] and kept[1]["bytes"] == 0
+        assert kept[0]["placements_after"] == ["S(0)", "S(1)"]
+        assert kept[0]["values"] == list(range(32 * me, 32 * me + 32))
+        assert block == [[1000.0 + v for v in range(8 * r, 8 * r + 8)] for r in range(4 * me, 4 * me + 4)]
         values = [i for i, _ in ids]
         assert len(set(values)) == len(values)  # each event its own list of values

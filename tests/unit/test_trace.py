@@ -309,7 +309,7 @@ def test_a_traced_reshard_defers_its_events_with_the_values_of_their_time():
 
     def fn():
         dist.init_parallel_env()
-        mesh = dist.ProcessMesh([0], dim_names=["x"])
+        mesh = dist.ProcessMesh([0, 1], dim_names=["x"])  # a mesh of one rank would reshard with no step
         d = dist.shard_tensor(torch.arange(6.0).reshape(2, 3), mesh, [dist.Shard(0)])
         with trace.record() as rec:
             out = run_reshard(d, mesh, [dist.Replicate()])
@@ -319,10 +319,9 @@ def test_a_traced_reshard_defers_its_events_with_the_values_of_their_time():
             evs = rec.events
         return held, [(e.kind, e.values, e.local_shape) for e in evs]
 
-    [(held, evs)] = run_ranks(fn, 1)
+    [(held, evs), _] = run_ranks(fn, 2)
     assert held == 0
-    want = [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
-    assert evs == [("reshard", want, [2, 3]), ("reshard_step", want, [2, 3])]
+    assert evs == [("reshard", [0.0, 1.0, 2.0], [1, 3]), ("reshard_step", [0.0, 1.0, 2.0, 3.0, 4.0, 5.0], [2, 3])]
 
 
 def test_a_collective_after_a_traced_reshard_waits_behind_its_events():
@@ -363,7 +362,7 @@ def test_a_traced_reshard_names_the_users_line_it_ran_from():
 
     def fn():
         dist.init_parallel_env()
-        mesh = dist.ProcessMesh([0], dim_names=["x"])
+        mesh = dist.ProcessMesh([0, 1], dim_names=["x"])  # a mesh of one rank would reshard with no step
         d = dist.shard_tensor(torch.arange(6.0).reshape(2, 3), mesh, [dist.Shard(0)])
         w = dist.shard_tensor(torch.ones(2, 3, requires_grad=True), mesh, [dist.Shard(0)])
         lines = []
@@ -376,5 +375,5 @@ def test_a_traced_reshard_names_the_users_line_it_ran_from():
             run_reshard(d, mesh, [dist.Replicate()])
         return lines, [e.payload.where for e in rec.of_kind("reshard_step")]
 
-    [(lines, wheres)] = run_ranks(fn, 1)
-    assert wheres == [f"test_trace.py:{n} in fn()" for n in lines]
+    for lines, wheres in run_ranks(fn, 2):
+        assert wheres == [f"test_trace.py:{n} in fn()" for n in lines]
