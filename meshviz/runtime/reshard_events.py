@@ -254,7 +254,7 @@ def step_event(st, traced: Traced, me: int, i: int, local, t0, name, tensor_id, 
 def _step_read(p: list, k: int):
     traced, i, seq, t0, now, me, cell, name, tensor_id, plan_id, shape, dtype, what, code, lasti, module, backward \
         = p[k + 1:k + 18]
-    where = None if code is None else rollcall._place(code.co_filename, code.co_name, _line(code, lasti))
+    where = None if code is None else rollcall.place(code.co_filename, code.co_name, _line(code, lasti))
     return traced.steps[i].stamp_run(seq, t0, now, me, cell, name, tensor_id, plan_id, shape,
                                      _values(dtype, what), traced.step_payload(i, (where, module, backward)))
 
@@ -337,7 +337,7 @@ def _issued(f, rec) -> tuple:
         if internal is None:
             if len(known) >= 4096:
                 known.clear()
-            internal = known[name] = rollcall._internal(name)
+            internal = known[name] = rollcall.internal(name)
         if not internal:
             return code, f.f_lasti, module, backward  # its line is read when the event is made: that costs
         f = f.f_back

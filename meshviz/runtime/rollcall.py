@@ -17,7 +17,7 @@ import weakref
 from .. import rank_context
 from ..trace.status import RankStatus
 
-__all__ = ["Record", "current", "records", "snapshot", "where", "issuer", "reset"]
+__all__ = ["Record", "current", "records", "snapshot", "where", "issuer", "reset", "internal", "place"]
 
 _monotonic = time.monotonic
 
@@ -201,7 +201,8 @@ _INTERNAL: set = set()
 
 
 @functools.lru_cache(maxsize=4096)
-def _internal(filename: str) -> bool:
+def internal(filename: str) -> bool:
+    """Whether code in ``filename`` is meshviz's, torch's or the standard library's (not the user's)."""
     if filename.startswith(_PKG) or filename.startswith("<frozen"):
         return True
     if filename.startswith(_STDLIB) and not filename.startswith(_SITE):
@@ -215,13 +216,14 @@ def _internal(filename: str) -> bool:
 
 def _format(frame) -> str:
     code = frame.f_code  # keyed by its names: a code object hashes its constants, nested code included
-    return _place(code.co_filename, code.co_name, frame.f_lineno)
+    return place(code.co_filename, code.co_name, frame.f_lineno)
 
 
 @functools.lru_cache(maxsize=4096)
-def _place(fn: str, name: str, line: int) -> str:
-    place = f"line {line} of the cell" if _CELL.search(fn) else f"{os.path.basename(fn)}:{line}"
-    return place if name == "<module>" else f"{place} in {name}()"
+def place(fn: str, name: str, line: int) -> str:
+    """How a user reads a place in their code: a notebook cell's line, else file:line, and the function."""
+    at = f"line {line} of the cell" if _CELL.search(fn) else f"{os.path.basename(fn)}:{line}"
+    return at if name == "<module>" else f"{at} in {name}()"
 
 
 def where(frame=None) -> str | None:
@@ -229,7 +231,7 @@ def where(frame=None) -> str | None:
     standard library, as ``"line 3 of the cell"`` or ``"train.py:12 in step()"``."""
     f = sys._getframe(1) if frame is None else frame
     while f is not None:
-        if not _internal(f.f_code.co_filename):
+        if not internal(f.f_code.co_filename):
             return _format(f)
         f = f.f_back
     return None
