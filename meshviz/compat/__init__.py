@@ -23,7 +23,7 @@ __all__ = [
     "disabled_torch_function_impl", "make_wrapper_subclass", "TorchDispatchMode", "tree_map", "tree_flatten",
     "tree_unflatten",
     "flatten_dense_tensors", "unflatten_dense_tensors", "fake_tensor_type", "amp_unscale_",
-    "autograd_sequence_nr", "running_node", "in_backward",
+    "autograd_sequence_nr", "running_node", "in_backward", "will_run",
     # simulated ranks: tensors without storage
     "fake_tensor_mode_type", "fake_data_errors", "fresh_fake_outputs", "wrap_meta", "may_keep_values",
     "known_values", "clear_dtensor_caches", "empty_block", "FakeOps", "install_fake_ddp", "uninstall_fake_ddp",
@@ -136,8 +136,9 @@ def dtensor_from_local(local: torch.Tensor, device_mesh, placements: tuple, shap
     return DTensor(local, hit[1], requires_grad=False)
 
 
-# -- DTensor's sharding decisions (meshviz/compat/decisions.py) ------------------------------------------------
+# -- the autograd engine (meshviz/compat/autograd.py), DTensor's sharding decisions (meshviz/compat/decisions.py) --
 
+from .autograd import autograd_sequence_nr, in_backward, running_node, will_run  # noqa: E402
 from .decisions import (  # noqa: E402
     DTensorDecision,
     NoDTensorRule,
@@ -238,21 +239,6 @@ def fast_call(op, args, kwargs):
 def torch_function_modes() -> int:
     """How many torch function modes are on (``with torch.device(...)`` is one)."""
     return torch._C._len_torch_function_stack()
-
-
-# the number the next autograd node made on this thread gets: the nodes a stretch of forward made are numbered from
-# its value before to its value after (torch numbers nodes so to order the backward)
-autograd_sequence_nr = torch._C._autograd._get_sequence_nr
-
-
-def running_node():
-    """The autograd node whose backward runs now on this thread (None outside one: a backward's final callbacks)."""
-    return torch._C._current_autograd_node()
-
-
-def in_backward() -> bool:
-    """Whether a backward pass runs now on this thread (its nodes, their hooks, its final callbacks)."""
-    return torch._C._current_graph_task_id() != -1
 
 
 # -- simulated ranks: tensors without storage (meshviz/compat/simulated.py) ---------------------------------
@@ -408,6 +394,7 @@ def missing() -> list[str]:
             _attr("torch.distributed.tensor", "DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding"
                   ".cache_clear")),
         "autograd engine queue_callback": lambda: torch.autograd.Variable._execution_engine.queue_callback,
+        "torch._C._will_engine_execute_node": lambda: torch._C._will_engine_execute_node,
         "torch.distributed.pipelining.PipelineStage methods": _stage_methods,
         "torch.distributed.pipelining schedule actions": _action_fields,
         "ipyparallel AsyncResult._targets/_children": _ar_fields,

@@ -215,14 +215,7 @@ def _after_backward(out, fn) -> None:
 def reached_in_backward(p) -> bool:
     """Whether the backward under way runs ``p``'s gradient accumulator (as DDP's find_unused_parameters asks; True
     where torch cannot say)."""
-    return _will_run(get_gradient_edge(p).node)
-
-
-def _will_run(node) -> bool:
-    try:
-        return bool(torch._C._will_engine_execute_node(node))
-    except (AttributeError, AssertionError, RuntimeError):
-        return True
+    return compat.will_run(get_gradient_edge(p).node)
 
 
 def _reached_params(out) -> set:
