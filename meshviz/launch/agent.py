@@ -56,6 +56,22 @@ class TorchrunJob:
             own = [r for r, f in self.failures.items() if f.exitcode == -9]
         return own
 
+    def said(self, rank: int) -> str:
+        """What worker ``rank`` failed with: the exception line its error file holds ("ValueError: ..."), else how
+        its process ended ("exit code 3", "killed by SIGKILL")."""
+        f = self.failures[rank]
+        said = f.error_file_data.get("message") if isinstance(f.error_file_data, dict) else None
+        what = str(said.get("message", "") if isinstance(said, dict) else said or "")
+        return exit_text(f.exitcode) if what in ("", "<NONE>") else what  # torch's word for no error file
+
+    def gone(self) -> dict[int, str]:
+        """The workers that failed on their own, for a roll-call: rank -> how it ended and what it raised."""
+        out = {}
+        for r in self._own():
+            how, what = exit_text(self.failures[r].exitcode), self.said(r)
+            out[r] = how if what == how else f"{how}: {what}"
+        return out
+
     def exit_code(self) -> int:
         """The launcher's exit code, as Paddle's launch's: the exit code of the first worker, in local-rank order,
         that failed (a signal's as ``sys.exit`` gives it: 247 for SIGKILL); 0 when none failed. The workers the

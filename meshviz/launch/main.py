@@ -415,6 +415,8 @@ def _report_failure(args, job, host, logs, line=None) -> int:
 
     failed = job.failed()
     news = tell_nodes(line, job, failed[0]) if line is not None else None
+    if host is not None:
+        host.dead = job.gone  # a worker that raised before a collective its peers wait in is named with its error
     rc = host.blame() if host is not None and news is None else None
     if rc is not None and rc.blame():
         print("meshviz.launch: " + "\nmeshviz.launch: ".join(rc.blame()), file=sys.stderr)

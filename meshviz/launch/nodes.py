@@ -196,13 +196,10 @@ def tell_nodes(line: NodeLine, job, first: int) -> dict | None:
     """Say which of this node's workers failed first (``first``, of ``job``); returns what another node said
     stopped the job when that explains this node's failure (its workers only lost their connection, or the other
     failed earlier), waiting a few seconds for it; else None."""
-    from ..ranks.outcomes import exit_text
     from .agent import _reported_at
 
     f = job.failures[first]
-    said = f.error_file_data.get("message") if isinstance(f.error_file_data, dict) else None
-    what = str(said.get("message", "") if isinstance(said, dict) else said or "")
-    what = exit_text(f.exitcode) if what in ("", "<NONE>") else what  # torch's word for no error file
+    what = job.said(first)
     when = _reported_at(f, job.log_dir)
     lost = f.exitcode == -signal.SIGTERM or looks_lost(what)  # SIGTERM: the agent ended it
     line.say_failed(first, what, lost, when)

@@ -157,6 +157,30 @@ def test_a_hang_prints_the_roll_call_and_names_the_rank(tmp_path):
     assert waited and 0.5 <= float(waited.group(1)) < 600, err
 
 
+RAISES = textwrap.dedent("""
+    import time, torch
+    import meshviz.distributed as dist
+    dist.init_parallel_env()
+    t = torch.ones(4)
+    if dist.get_rank() == 1:
+        time.sleep(1.0)  # rank 0 waits in the all_reduce first
+        raise ValueError("failing on purpose")
+    dist.all_reduce(t)
+""")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_a_rank_that_raised_outside_a_collective_is_named_with_its_error_at_the_roll_call(tmp_path):
+    # it used to read "rank 1 never entered all_reduce #1 on group [0, 1] (it did not answer the roll-call)"
+    rc, out, err = _launch_hang(tmp_path, RAISES)
+    assert rc == 1
+    assert ("meshviz.launch: rank 1 never entered all_reduce #1 on group [0, 1]: it is dead (exit code 1: "
+            "ValueError: failing on purpose)\nmeshviz.launch: rank 0 waited in all_reduce #1 on group [0, 1] for ")\
+        in err, err[-3000:]
+    assert "meshviz.launch: the worker with global rank 1 failed; the others were stopped." in err, err[-3000:]
+
+
 OTHER_OP = textwrap.dedent("""
     import torch
     import meshviz.distributed as dist
