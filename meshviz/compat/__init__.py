@@ -18,7 +18,7 @@ __all__ = [
     "reset_group_count", "resolve_process_group", "device_mesh_without_backend", "dtensor_local", "dtensor_from_local",
     "dtensor_layout", "linear_keeps_split_batch_dims",
     # tensor subclasses and dispatch
-    "NoDTensorRule", "DTensorDecision", "dtensor_special_ops", "dtensor_decision", "is_mask_partial",
+    "NoDTensorRule", "DTensorDecision", "dtensor_special_ops", "dtensor_decision",
     "dtensor_converts_partial_kinds", "dispatch_modes_active", "fast_call", "torch_function_modes",
     "disabled_torch_function_impl", "make_wrapper_subclass", "TorchDispatchMode", "tree_map", "tree_flatten",
     "tree_unflatten",
@@ -146,14 +146,6 @@ from .decisions import (  # noqa: E402
     dtensor_layout,
     dtensor_special_ops,
 )
-
-
-def is_mask_partial(p) -> bool:
-    """A Partial that torch's row-sharded embedding leaves (``_MaskPartial``): its blocks still hold the rows of
-    indices another rank owns until they are masked."""
-    from torch.distributed.tensor.placement_types import _MaskPartial
-
-    return isinstance(p, _MaskPartial)
 
 
 def dtensor_converts_partial_kinds() -> bool:

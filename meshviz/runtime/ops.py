@@ -7,7 +7,6 @@ import time
 import torch
 import torch.distributed as tdist
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor import Partial as TPartial
 
 from .. import compat, trace
 from ..compat import TorchDispatchMode
@@ -290,7 +289,6 @@ def _torch_rule(func, args, kwargs, ref: DistTensor):
             mpl = plain_layout(x.placements) if func not in METADATA_OPS else None
             if mpl is not None and x.device_mesh is dm:
                 return new_dist(compat.dtensor_local(x), ref._pmesh, mpl, x.shape, x.stride(), dt=x)
-            x = _masks_applied(x)
             keep = ref._pl if func in METADATA_OPS else None
             return DistTensor(x, ref._pmesh if x.device_mesh is dm else None, placements=keep)
         return x
@@ -318,22 +316,6 @@ def _contiguous(x):
         return compat.dtensor_from_local(compat.dtensor_local(x).contiguous(), x.device_mesh, x.placements, x.shape,
                                          x.stride())
     return x
-
-
-def _masks_applied(x: DTensor) -> DTensor:
-    """torch's row-sharded embedding leaves a ``_MaskPartial`` whose blocks still hold the rows of indices
-    another rank owns (torch zeroes them only when it reduces); meshviz reads it as Partial(sum), so zero them
-    now: the Partial(sum) output Paddle's vocab-parallel embedding gives."""
-    masks = [p for p in x.placements if compat.is_mask_partial(p)]
-    if not masks:
-        return x
-    local = compat.dtensor_local(x).clone()
-    for p in masks:
-        if p.mask_buffer.data is not None:
-            p.mask_buffer.apply_mask(local)
-            p.mask_buffer.release_mask()
-    pl = [TPartial(p.reduce_op) if compat.is_mask_partial(p) else p for p in x.placements]
-    return compat.dtensor_from_local(local, x.device_mesh, tuple(pl), x.shape, x.stride())
 
 
 def _default_rule(d: Decision, func, args, kwargs, ref: DistTensor):

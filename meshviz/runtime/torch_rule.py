@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor import Replicate as TReplicate
 
 from .. import compat
 from ..core.layout import local_shape
@@ -65,13 +64,7 @@ def ask_torch(d: Decision, func, args, kwargs, dists) -> None:
     moves_self = d.inplace and got.wanted[0] is not None and current[0] is not None \
         and tuple(got.wanted[0]) != tuple(current[0])
     moves: list = []  # per dist input: the placements torch's rule lays it out in first, None where it stays
-    masked = any(compat.is_mask_partial(p) for w in got.wanted if w is not None for p in w)
     for t, want, now in zip(tensors, got.wanted, current):
-        if masked and want is not None:
-            # the embedding's indices: DTensor would move them on every mesh axis in one redistribute and may make
-            # the mask (R -> _MaskPartial) from the block it held before another axis's gather; meshviz's planner
-            # makes the other moves first, so DTensor's own step is only the local R -> _MaskPartial
-            want = tuple(TReplicate() if compat.is_mask_partial(p) else p for p in want)
         if want is None or now is None:
             if want is not None and isinstance(t, torch.Tensor) and any(not p.is_replicate() for p in want):
                 return _dtensor_runs(d, moves_self)  # a dense input torch would lay out otherwise
@@ -97,10 +90,6 @@ def ask_torch(d: Decision, func, args, kwargs, dists) -> None:
             outputs.append(None)
             continue
         tpl, shape, stride, dtype, layout = o
-        if any(compat.is_mask_partial(p) for p in tpl):
-            # torch's embedding mask: DTensor runs the op (it keeps the mask until meshviz applies it)
-            _merge_moves(d, moves)
-            return _dtensor_runs(d, moves_self)
         own = None if all(type(p) in PLAIN_PLACEMENTS for p in tpl) else layout  # _StridedShard: only torch names it
         outputs.append((tuple(from_torch_placements(tpl)), shape, stride, dtype, own))
     d.how, d.op, d.local_args, d.outputs, d.single = "local", got.op, got.local_args, outputs, got.single
@@ -108,10 +97,6 @@ def ask_torch(d: Decision, func, args, kwargs, dists) -> None:
     # torch's rule moves data: meshviz's planner makes those moves (its events, Paddle's collectives), then each
     # rank runs the op on its blocks; every call, the deciding one too, moves each input from its own layout
     # straight there
-    _merge_moves(d, moves)
-
-
-def _merge_moves(d: Decision, moves: list) -> None:
     if any(m is not None for m in moves):
         d.torch_moves = tuple(moves)
         before = d.moves or (None,) * len(moves)
