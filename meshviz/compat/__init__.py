@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import re
+import sys
 
 import torch
 import torch.distributed as tdist
@@ -20,8 +21,8 @@ __all__ = [
     # tensor subclasses and dispatch
     "NoDTensorRule", "DTensorDecision", "dtensor_special_ops", "dtensor_decision",
     "dtensor_converts_partial_kinds", "dispatch_modes_active", "fast_call", "torch_function_modes",
-    "disabled_torch_function_impl", "make_wrapper_subclass", "TorchDispatchMode", "tree_map", "tree_flatten",
-    "tree_unflatten",
+    "disabled_torch_function_impl", "make_wrapper_subclass", "compiling", "TorchDispatchMode", "tree_map",
+    "tree_flatten", "tree_unflatten",
     "flatten_dense_tensors", "unflatten_dense_tensors", "fake_tensor_type", "amp_unscale_",
     "autograd_sequence_nr", "running_node", "in_backward", "will_run",
     # simulated ranks: tensors without storage
@@ -228,6 +229,14 @@ def fast_call(op, args, kwargs):
     return op
 
 
+def compiling() -> bool:
+    """Whether this thread holds torch.compile's lock (Dynamo converting a frame, Inductor compiling it): another
+    rank thread calling a compiled function waits on that lock without handing the baton back."""
+    m = sys.modules.get("torch._dynamo.convert_frame")
+    lock = getattr(m, "compile_lock", None)
+    return lock is not None and lock._is_owned()
+
+
 def torch_function_modes() -> int:
     """How many torch function modes are on (``with torch.device(...)`` is one)."""
     return torch._C._len_torch_function_stack()
@@ -387,6 +396,8 @@ def missing() -> list[str]:
                   ".cache_clear")),
         "autograd engine queue_callback": lambda: torch.autograd.Variable._execution_engine.queue_callback,
         "torch._C._will_engine_execute_node": lambda: torch._C._will_engine_execute_node,
+        "torch._dynamo.convert_frame.compile_lock._is_owned": lambda: _attr(
+            "torch._dynamo.convert_frame", "compile_lock._is_owned"),
         "torch.distributed.pipelining.PipelineStage methods": _stage_methods,
         "torch.distributed.pipelining schedule actions": _action_fields,
         "ipyparallel AsyncResult._targets/_children": _ar_fields,

@@ -24,19 +24,20 @@ _installed = 0
 _install_lock = threading.Lock()
 _real_sleep = time.sleep
 _here = None  # meshviz.ranks.baton.here, once installed
+_compiling = None  # meshviz.compat.compiling, once installed
 _excepthook = sys.excepthook  # the process's, kept from rank threads' init_process_group
 
 
 def _sleep(seconds) -> None:
     b = _here()
-    if b is None:
+    if b is None or _compiling():  # a rank holding torch.compile's lock keeps the baton: the others would block on it
         return _real_sleep(seconds)
     b.nap(current().rank, seconds, _real_sleep)
 
 
 def install() -> None:
     """Patch the process for rank threads (counted: the patches stay until the last :func:`uninstall`)."""
-    global _installed, _here, _excepthook
+    global _installed, _here, _excepthook, _compiling
     from .. import compat
     from ..backends import threads as thread_backend
     from .baton import here
@@ -50,7 +51,7 @@ def install() -> None:
             compat.install_thread_worlds()
             compat.share_dtensor_decisions(rank_context.in_rank_thread)
             thread_backend.register()
-            _here = here
+            _here, _compiling = here, compat.compiling
             _excepthook = sys.excepthook
             time.sleep = _sleep
         _installed += 1
