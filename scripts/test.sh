@@ -8,8 +8,9 @@
 # environment from binder/ that is built from the start, beside the tests) and the newest release's notebooks.
 # Beside it, from as soon as .venv is made: every tier again on the oldest and then the newest supported torch
 # (MESHVIZ_TORCH_MATRIX, default "2.11.0 2.15.0"), each in its own venv kept between runs (scripts/torch_venv.sh),
-# all but the torch-free tests, the browser's, launch's and a Cluster's engines' (those check what JupyterLab draws
-# and meshviz's own process control, once; the Python they run runs on these releases in the other tiers), then
+# all but the torch-free tests, the browser's, launch's and those on a Cluster's engines (marked engines: they check
+# what JupyterLab draws and meshviz's own process control, once; the Python they run runs on these releases in the
+# other tiers, the hangs they name on spawn's and run_ranks' processes), then
 # three notebooks on .venv again with ipyparallel engines as ranks (a Cluster's default). The parts are split so
 # that both lines end at about the same time. One test run keeps under one core busy (it waits on ranks, kernels
 # and the browser), so two go side by side, never more (three made a 2-core machine late enough to fail timed
@@ -43,10 +44,10 @@ matrix() {  # every tier on each release of $MATRIX in turn (in $OUT/torch-V.sum
     venv=$(cat "$OUT/venv-$v.path")
     if [ "$v" = "$LAST" ]; then notebooks=; else notebooks=notebooks; fi
     # launch's agent and a Cluster's engines are meshviz's own process control, run once on .venv: torch enters
-    # them through gloo's start, which the gloo, rendezvous and hang tests run on every release
+    # them through gloo's start, which the gloo, rendezvous and spawn's hang tests run on every release
     if CUDA_VISIBLE_DEVICES= MESHVIZ_RANKS=threads "$venv/bin/python" -m pytest tests/unit tests/ranks \
-        tests/transport --ignore-glob='*/transport/test_launch*.py' --ignore=tests/transport/test_cluster.py \
-        $notebooks $NBVAL -m "not browser and not torch_free" -p no:cacheprovider -q --durations=10 \
+        tests/transport --ignore-glob='*/transport/test_launch*.py' \
+        $notebooks $NBVAL -m "not browser and not torch_free and not engines" -p no:cacheprovider -q --durations=10 \
         --junitxml="$OUT/torch-$v.xml" "$@" > "$OUT/torch-$v.log" 2>&1; then
       echo "torch $v: $(tail -n 1 "$OUT/torch-$v.log") (done at $(at))" > "$OUT/torch-$v.summary"
     else

@@ -17,7 +17,7 @@ from .. import cluster_checks as checks
 from .started import wait_for_files
 
 N = 3
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.slow, pytest.mark.engines, pytest.mark.timeout(240)]
 
 
 _PEER = ("import socket, sys\n"

@@ -39,6 +39,7 @@ def _timed_fail(cluster, code):
     return err, time.monotonic() - t0
 
 
+@pytest.mark.engines
 def test_a_raw_collective_one_engine_skips_is_named_first_at_the_roll_call(engines):
     """Rank 0 alone in tdist.all_reduce: engines waited the whole collective timeout, then named rank 0 (whose
     collective timed out) and not ranks 1 and 2, which never entered it; threads named those two at once."""
@@ -55,6 +56,7 @@ def test_a_raw_collective_one_engine_skips_is_named_first_at_the_roll_call(engin
     _all_reduce_works(engines)
 
 
+@pytest.mark.engines
 def test_a_raw_barrier_on_a_subgroup_names_the_member_that_skipped_it_not_the_outsider(engines):
     engines.execute("sub = tdist.new_group([0, 2])")
     err, took = _timed_fail(engines, "if r == 0:\n    tdist.barrier(group=sub)\n")
@@ -64,6 +66,7 @@ def test_a_raw_barrier_on_a_subgroup_names_the_member_that_skipped_it_not_the_ou
     _all_reduce_works(engines)
 
 
+@pytest.mark.engines
 def test_meshvizs_own_skipped_collective_ends_at_the_roll_call_too(engines):
     err, took = _timed_fail(engines, "t = torch.ones(4)\nif r != 1:\n    dist.all_reduce(t)\n")
     assert took < TIMEOUT / 2, str(err)
@@ -73,6 +76,7 @@ def test_meshvizs_own_skipped_collective_ends_at_the_roll_call_too(engines):
     _all_reduce_works(engines)
 
 
+@pytest.mark.engines
 def test_a_rank_late_to_a_raw_collective_is_waited_for(engines):
     """A rank still running (asleep) is no hang nothing can end: the cell ends well, with every rank's sum."""
     ar = engines.execute("x = torch.full((2,), float(r + 1))\nif r == 2:\n    time.sleep(2.5)\n"
@@ -84,12 +88,14 @@ def test_a_rank_late_to_a_raw_collective_is_waited_for(engines):
         line.endswith("rank 2 is running at line 3 of the cell: it never entered all_reduce"), line
 
 
+@pytest.mark.engines
 def test_the_roll_call_shows_an_engine_in_a_raw_collective_and_receive_until_the_peer_comes(engines):
     """A --noblock cell is left waiting (a later cell joins it); the roll-call shows the wait as on threads."""
     rollcall_shows_raw_waits(engines, 20)
     _all_reduce_works(engines)
 
 
+@pytest.mark.engines
 def test_a_rank_raising_while_the_others_sit_in_a_raw_barrier(engines):
     err, took = _timed_fail(engines, "if r == 1:\n    raise ValueError('one broke')\ntdist.barrier()\n")
     assert took < TIMEOUT / 2, str(err)
@@ -98,6 +104,7 @@ def test_a_rank_raising_while_the_others_sit_in_a_raw_barrier(engines):
     _all_reduce_works(engines)
 
 
+@pytest.mark.engines
 def test_an_interrupt_ends_a_raw_collective_and_names_the_ranks_it_stopped(engines):
     ar = engines.view.execute("x = torch.ones(1)\nif r == 0:\n    tdist.all_reduce(x)\n", block=False)
     mark = engines._mark()
@@ -114,6 +121,7 @@ def test_an_interrupt_ends_a_raw_collective_and_names_the_ranks_it_stopped(engin
     _all_reduce_works(engines)
 
 
+@pytest.mark.engines
 def test_a_restart_after_a_raw_hang_gives_a_working_cluster(engines):
     fails(engines, "x = torch.ones(2)\nif r == 0:\n    tdist.all_reduce(x)\n")
     engines.restart()

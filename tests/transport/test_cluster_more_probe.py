@@ -133,6 +133,7 @@ def test_a_thread_a_ranks_cell_starts_prints_into_that_ranks_output(threads, cap
     _all_reduce_works(threads)
 
 
+@pytest.mark.engines
 @pytest.mark.timeout(150)
 def test_engines_name_one_error_of_every_rank_a_system_exit_and_a_rank_that_exits():
     c = meshviz.Cluster(n=2, timeout=20)

@@ -104,6 +104,7 @@ def test_a_rank_that_keeps_the_turn_is_named_at_the_collective_timeout_on_thread
         c.stop()
 
 
+@pytest.mark.engines
 @pytest.mark.timeout(90)
 def test_an_exception_whose_str_raises_is_reported_at_once_on_engines():
     """On an engine the failure hook raised too: the peers waited for the collective timeout, the error blamed a

@@ -53,6 +53,7 @@ def _run(c, code):
     return info.value, time.monotonic() - t0
 
 
+@pytest.mark.engines
 def test_a_skipped_collective(cluster):
     err, took = _run(cluster, "t = torch.ones(4)\nif r == 0:\n    dist.all_reduce(t)\n")
     line = _first_rollcall(cluster).lines()[0]
@@ -66,6 +67,7 @@ def test_a_skipped_collective(cluster):
     _next_cell_works(cluster)
 
 
+@pytest.mark.engines
 def test_a_different_collective_at_the_same_sequence_number(cluster):
     """Without the gloo match check the roll-call spots it at hang_after and the cell fails then, not at the timeout;
     with the check (a Cluster's default) it fails before any data moves."""
@@ -97,6 +99,7 @@ def _set_checking(on):
     return match.set_checking(on)
 
 
+@pytest.mark.engines
 def test_a_shape_mismatch(cluster):
     """Gloo would end both processes; the match check names both ranks before any data moves."""
     err, took = _run(cluster, "t = torch.ones(4 if r == 0 else 8)\ndist.all_reduce(t)\n")
@@ -107,6 +110,7 @@ def test_a_shape_mismatch(cluster):
     _next_cell_works(cluster)
 
 
+@pytest.mark.engines
 def test_a_rank_stuck_in_a_python_loop(cluster):
     err, took = _run(cluster, "t = torch.ones(4)\nif r == 0:\n    dist.all_reduce(t)\nelse:\n    while True:\n"
                               "        time.sleep(0.01)\n")
@@ -119,6 +123,7 @@ def test_a_rank_stuck_in_a_python_loop(cluster):
     _next_cell_works(cluster)
 
 
+@pytest.mark.engines
 def test_status_while_hung_and_interrupt(cluster):
     mark = cluster._mark()  # before the cell goes: a rank may report before _finish starts waiting
     ar = cluster.view.execute("t = torch.ones(4)\nif r == 0:\n    dist.all_reduce(t)\n", block=False)
@@ -141,6 +146,7 @@ def test_status_while_hung_and_interrupt(cluster):
     _next_cell_works(cluster)
 
 
+@pytest.mark.engines
 def test_a_killed_engine(cluster):
     """Runs last: it breaks the shared cluster; restart() mends it."""
     mark = cluster._mark()
@@ -170,6 +176,7 @@ def test_a_killed_engine(cluster):
     _next_cell_works(cluster)
 
 
+@pytest.mark.engines
 def test_a_rank_that_will_not_stop_is_named_and_the_cluster_asks_for_a_restart(cluster, monkeypatch):
     """Rank 0 raises; rank 1 ignores the interrupt that should stop it and runs on. The cell ends (not hangs) once
     the collective timeout and STUCK_AFTER have passed since the abort, and the cluster asks for a restart."""
