@@ -14,6 +14,7 @@ import torch
 import torch.distributed as tdist
 
 from .. import compat, rank_context
+from ..compat.dynamo import eager_methods
 from .meetings import _InProcessGroup, _Meeting, _pieces, _put, _Recv, _reduce, _splits, _Work
 
 __all__ = ["BACKEND", "Scheduler", "ThreadComms", "ThreadGroup", "RankStopped", "observers", "watch_calls", "join",
@@ -175,6 +176,7 @@ class ThreadComms:
 
 # -- the process group -------------------------------------------------------------------------------------------
 
+@eager_methods  # run eagerly under torch.compile
 class ThreadGroup(_InProcessGroup):
     """One rank's handle on one group of a :class:`ThreadComms` (torch creates one per rank per group, as for
     gloo). Collectives meet by (group name, call number): every member must make the same calls in the same
