@@ -16,7 +16,7 @@ from .autograd import run_reshard
 from .dtensor import DistTensor, make_dist
 
 __all__ = ["written_args", "writing", "moved", "write_back", "ViewOf", "view_made", "write_through", "out_variant",
-           "into_out", "fresh", "wrote", "check_overlap", "run_whole"]
+           "into_out", "fresh", "wrote", "check_overlap", "run_whole", "check_reshape"]
 
 _WRITTEN: dict = {}
 # per thread (ranks as threads included): id of the caller's tensor, or of a copy laid out anew for the op ->
@@ -316,6 +316,29 @@ def into_out(func, args, kwargs, run, probe, redistribute):
     return outs[0] if len(names) == 1 else tuple(outs)
 
 
+# -- an in-place view op: its shape and strides are the dist tensor's own, fixed when it is made ---------------------
+
+_RESHAPES: dict = {}  # op -> whether it changes its first argument's shape or strides in place
+
+
+def check_reshape(func, self, args, kwargs, probe) -> None:
+    """``t_``, ``transpose_``, ``unsqueeze_``, ``squeeze_``, ``resize_``, ``as_strided_`` on a dist tensor raise on
+    every rank before anything moves where they would change its shape or strides (a dist tensor keeps those it was
+    made with: it would hold the new block under the old shape); one that keeps both (``squeeze_`` of a dim not of
+    size 1) runs."""
+    hit = _RESHAPES.get(func)
+    if hit is None:
+        hit = _RESHAPES[func] = torch.Tag.inplace_view in func.tags
+    if not hit:
+        return
+    out = probe(func, args, kwargs)
+    if isinstance(out, torch.Tensor) and (out.shape != self.shape or out.stride() != dtensor_module.contiguous_stride(
+            tuple(self.shape))):
+        raise ValueError(f"{func}: changes a dist tensor's shape or strides in place ({list(self.shape)} -> "
+                         f"{list(out.shape)}), which a dist tensor cannot; use the op that returns a new tensor "
+                         f"(t = t.t(), t = t.unsqueeze(0), t = t.reshape(...))")
+
+
 # -- an in-place op reading what it writes: refused where torch refuses, else run as one process runs it -----------
 
 _SAME_VIEW_SAFE = {torch.ops.aten.copy_.default}  # each element read before it is written, as a pointwise op
@@ -366,9 +389,6 @@ def check_overlap(func, written, reads, args, kwargs) -> bool:
     except RuntimeError as e:
         if "memory location" in str(e):
             raise ValueError(f"{func}: {str(e).splitlines()[0]}") from None
-    if torch.is_grad_enabled() and any(a.requires_grad for a in (written, *found)):
-        raise ValueError(f"{func}: the tensor it writes is also read through an overlapping view, which one process "
-                         f"runs in the order it writes; not supported with autograd: clone() what it reads first")
     return True
 
 

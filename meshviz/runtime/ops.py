@@ -56,6 +56,8 @@ def dispatch(func, args, kwargs):
             return out
     self = args[0] if args else None
     inplace = type(self) is DistTensor and writes_self(func)
+    if inplace:
+        op_writes.check_reshape(func, self, args, kwargs, probe)
     if fresh(args, kwargs, func if inplace else None):  # self read through an overlapping view: one process's order
         return op_writes.run_whole(func, args, kwargs, (self,), redistribute)
     before = (self._local, self._mpl) if inplace and self._mv_view is not None else None

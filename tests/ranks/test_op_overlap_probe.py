@@ -95,21 +95,6 @@ def test_an_overlapping_write_on_a_sub_mesh_leaves_the_other_ranks_empty():
     assert run_ranks(overlap_on_a_sub_mesh, 4) == [True] * 4
 
 
-def overlap_under_autograd():
-    dist, mesh = _setup([2])
-    x = torch.arange(16.0).reshape(4, 4) + 1
-    t = _place(dist, mesh, x.clone(), "S(1)").requires_grad_()
-    y = t * 1
-    with pytest.raises(ValueError, match="autograd"):
-        y[:, 1:].copy_(y[:, :-1])
-    _check(dist, mesh, y.detach(), x)
-    return True
-
-
-def test_an_overlapping_write_under_autograd_raises_on_every_rank():
-    assert run_ranks(overlap_under_autograd, 2) == [True] * 2
-
-
 _STRIDED = {"rows": ((2, 4), (4, 1), 4), "transposed": ((4, 4), (1, 4), 0), "overlapping windows": ((3, 3), (1, 1), 0),
             "one row": ((4,), (1,), 8), "columns": ((2, 2), (1, 4), 5)}
 
