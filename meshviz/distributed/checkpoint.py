@@ -179,20 +179,20 @@ def _resolve(what: str, path, unique_id, saving: bool):
 def _version(what: str, path, unique_id, process_group, saving: bool, problem=None, prints=None) -> str:
     """The directory of checkpoint ``unique_id`` (None: the newest, as Paddle; a first save makes 0), agreed by
     every rank of the group in one exchange: a rank's error (``problem``: one in its arguments), ranks naming
-    different ids, or plain tensors or values that differ across ranks (``prints``: :func:`_prints`) raise on all."""
+    different ids, or plain tensors, values or blocks differing across ranks (``prints``: :func:`_prints`) raise."""
     uid, err = _resolve(what, path, unique_id, saving)
-    got = [(uid, problem or err, prints or {})]
-    if tdist.is_initialized():
+    got = [(uid, problem or err, prints or {}, tdist.get_rank() if tdist.is_initialized() else 0)]
+    if tdist.is_initialized():  # each rank sends its global rank: the group's own numbering is not what errors name
         pg = _group(process_group)
         mine, got = got[0], [None] * tdist.get_world_size(pg)
         tdist.all_gather_object(got, mine, group=pg)
-    failed = [(r, e) for r, (_, e, _) in enumerate(got) if e is not None]
+    failed = [(r, e) for _, e, _, r in got if e is not None]
     if failed:
         r, e = failed[0]
         raise type(e)(f"{e} (rank {r})") if tdist.is_initialized() else e
-    if len({u for u, _, _ in got}) > 1:
-        raise ValueError(f"{what}: the ranks name different unique ids {[u for u, _, _ in got]}")
-    _check_plain(what, [p for _, _, p in got])
+    if len({g[0] for g in got}) > 1:
+        raise ValueError(f"{what}: the ranks name different unique ids {[g[0] for g in got]}")
+    _check_plain(what, [(r, p) for _, _, p, r in got])
     return _directory(path, uid)
 
 
@@ -255,15 +255,20 @@ def _saved_meta(path, unique_id):
 
 def _kind_problem(state_dict, meta):
     """A tensor in ``state_dict`` where the checkpoint holds a plain value (DCP would hand the value back in its
-    place, or fail once other tensors are loaded): the error to raise on every rank before anything is read."""
-    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+    place, or fail once other tensors are loaded), or a tensor of another dtype than the saved one (DCP would cast
+    it silently, float to int truncated): the error to raise on every rank before anything is read."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
-    bad = [k for k, v in _leaves(state_dict) if (isinstance(v, torch.Tensor) or _dtensor_of(v) is not None)
-           and isinstance(meta.get(k), BytesStorageMetadata)]
-    if not bad:
-        return None
-    return ValueError(f"load_state_dict: the checkpoint holds plain values, not tensors, under {_named(bad)}, "
-                      f"where the state_dict holds tensors")
+    tensors = [(k, v) for k, v in _leaves(state_dict) if isinstance(v, torch.Tensor) or _dtensor_of(v) is not None]
+    bad = [k for k, _ in tensors if isinstance(meta.get(k), BytesStorageMetadata)]
+    if bad:
+        return ValueError(f"load_state_dict: the checkpoint holds plain values, not tensors, under {_named(bad)}, "
+                          f"where the state_dict holds tensors")
+    cast = [f"{k} (saved {meta[k].properties.dtype}, here {v.dtype})" for k, v in tensors
+            if isinstance(meta.get(k), TensorStorageMetadata) and meta[k].properties.dtype != v.dtype]
+    return ValueError(f"load_state_dict: the state_dict's tensors have other dtypes than the saved ones under "
+                      f"{_named(cast)}; load into tensors of the saved dtypes and cast them after (t.copy_(loaded))"
+                      ) if cast else None
 
 
 def _missing_fresh_states(state_dict, saved) -> list:
@@ -302,9 +307,14 @@ def _canon(value):
 
 def _prints(state_dict) -> dict:
     """Key (dotted, as DCP names it) -> (shape, dtype, checksum) of each plain (not dist) tensor in ``state_dict``,
-    and (None, type, checksum) of each plain value of Python's own types."""
+    and (None, type, checksum) of each plain value of Python's own types; (key, offsets, sizes) -> (shape, dtype,
+    checksum) of this rank's block of each dist tensor not Partial (ranks that hold one block must hold one value)."""
     found: dict = {}
     for key, obj in _leaves(state_dict):
+        dt = _dtensor_of(obj)
+        if dt is not None and not _is_partial(obj) and compat.dtensor_local(dt).numel():
+            chunk = dt.__create_chunk_list__()[0]
+            obj, key = compat.dtensor_local(dt), (key, tuple(chunk.offsets), tuple(chunk.sizes))
         if isinstance(obj, torch.Tensor) and _dtensor_of(obj) is None:
             try:
                 found[key] = [tuple(obj.shape), str(obj.dtype), _checksum(obj)]
@@ -320,13 +330,13 @@ def _prints(state_dict) -> dict:
 
 
 def _check_plain(what: str, prints: list) -> None:
-    """Refuse plain tensors or values that differ across ranks under one key: a checkpoint keeps one copy of each
-    (a replicated value), so the others' values would be lost, or fail to load."""
+    """Refuse plain tensors or values, or a dist tensor's block, that differ across the ranks holding them under one
+    key: a checkpoint keeps one copy of each (a replicated value), so the others' values would be lost."""
     seen: dict = {}
-    for rank, p in enumerate(prints):
+    for rank, p in prints:
         for k, v in p.items():
             seen.setdefault(k, {})[rank] = v
-    bad = sorted(k for k, by in seen.items() if len(set(by.values())) > 1)
+    bad = sorted((k for k, by in seen.items() if len(set(by.values())) > 1), key=str)
     if not bad:
         return
 
@@ -336,8 +346,17 @@ def _check_plain(what: str, prints: list) -> None:
             shown = ", ".join(f"{'a plain value' if s is None else list(s)} on rank {r}" for r, s in shapes.items())
             return f"{k!r} (shapes {shown})"
         kinds = "types" if None in shapes.values() else "dtypes"
-        return f"{k!r} ({kinds if len({v[1] for v in seen[k].values()}) > 1 else 'values'} differ)"
+        differ = f"{kinds if len({v[1] for v in seen[k].values()}) > 1 else 'values'} differ"
+        where = "" if isinstance(k, str) else f": the block at {list(k[1])}, ranks {[*seen[k]]}"
+        return f"{k if isinstance(k, str) else k[0]!r} ({differ}{where})"
 
+    if all(not isinstance(k, str) for k in bad):
+        raise ValueError(
+            f"{what}: dist tensors' blocks differ across the ranks that hold them under {', '.join(map(why, bad[:4]))}"
+            f"{' and more' if len(bad) > 4 else ''}; a checkpoint keeps one copy of each block, so the others would "
+            f"be lost. Give each mesh's tensor a key of its own (pipeline stages that all name one 'layers.0.weight'), "
+            f"or make the blocks equal (dist.dtensor_from_local of unequal blocks as Replicate: Shard or Partial)")
+    bad = [k for k in bad if isinstance(k, str)]
     more = f" and {len(bad) - 4} more" if len(bad) > 4 else ""
     raise ValueError(
         f"{what}: plain (not distributed) tensors or values differ across ranks under "
@@ -349,13 +368,14 @@ def _check_plain(what: str, prints: list) -> None:
         f"group_sharded_parallel's optimizer states are dist tensors at level 'p_g_os' only")
 
 
-def _plain_error(e, what: str, path) -> Exception:
+def _plain_error(e, what: str, path, pg=None) -> Exception:
     """DCP's CheckpointException (a BaseException whose text is every rank's traceback) as one exception, raised
-    on every rank: the first failure's type, each distinct cause once with the ranks it came from."""
+    on every rank: the first failure's type, each distinct cause once with the ranks it came from (``pg``'s
+    ranks, as DCP numbers them, named by their global ranks)."""
     causes: dict = {}
     for rank, failure in sorted(e.failures.items()):
         exc = failure[0] if isinstance(failure, tuple) else failure
-        causes.setdefault((type(exc), str(exc)), []).append(rank)
+        causes.setdefault((type(exc), str(exc)), []).append(rank if pg is None else tdist.get_global_rank(pg, rank))
     msg = f"{what}({str(path)!r}): " + "; ".join(
         f"{text} (rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))})" for (_, text), rs in causes.items())
     kind = next(iter(causes))[0] if causes else RuntimeError
@@ -372,7 +392,7 @@ def _dcp(what: str, path, fn, *args, **kwargs) -> None:
         try:
             fn(*args, **kwargs)
         except dcp.CheckpointException as e:
-            raise _plain_error(e, what, path) from e
+            raise _plain_error(e, what, path, kwargs.get("process_group")) from e
 
 
 def _state_dict_problem(what: str, state_dict):
@@ -447,11 +467,11 @@ def load_state_dict(state_dict: dict, path: str, process_group=None, coordinator
     The values in ``state_dict`` say where the data goes: a dist tensor gets its own block whatever mesh and
     placements it was saved with (a Partial one the value where ``shard_tensor`` would put it); a plain tensor
     gets the whole value; a tuple is replaced by one of its type holding the loaded values. ``unique_id``: the
-    version (None: the newest). A key the checkpoint lacks, a shape other than the saved one, a tensor where it
-    holds a plain value, or a tensor not initialized (``LazyGuard``) raises on every rank before anything is read;
-    keys it holds that ``state_dict`` lacks are named in a warning, as Paddle's "Unexpected keys" (e.g. a torch
-    optimizer's states: it has none to load into before its first step). ``offload`` changes nothing here: each
-    block is read into the tensor that holds it; nor do ``mw_name_compatibility``, ``worker_groups`` and
+    version (None: the newest). A key the checkpoint lacks, a shape or dtype other than the saved one, a tensor
+    where it holds a plain value, or a tensor not initialized (``LazyGuard``) raises on every rank before anything
+    is read; keys it holds that ``state_dict`` lacks are named in a warning, as Paddle's "Unexpected keys" (e.g. a
+    torch optimizer's states: it has none to load into before its first step). ``offload`` changes nothing here:
+    each block is read into the tensor that holds it; nor do ``mw_name_compatibility``, ``worker_groups`` and
     ``comm_method`` (each rank reads its blocks from the files). ``safetensors`` and ``aoa_config`` raise
     ``NotImplementedError`` on every rank.
     """

@@ -7,6 +7,7 @@ import os
 import torch
 
 from ...runtime.devices import full_tensor
+from ...runtime.zero.group import gather_object
 from .group_sharded import resolve_group, sharding_group_of
 from .optimizer import GroupShardedOptimizer
 
@@ -19,7 +20,8 @@ OPT_FILE = "model.pdopt"
 def save_group_sharded_model(model, output, optimizer=None):
     """Write the full model (``output/model.pdmodel``) and optimizer (``output/model.pdopt``) with torch.save.
 
-    Every rank of the sharding group calls it (it gathers); the group's first rank writes. The files hold
+    Every rank of the sharding group calls it (it gathers); the group's first rank writes, and a failure to write
+    raises on every rank. The files hold
     plain tensors: ``model.load_state_dict(torch.load(".../model.pdmodel"))`` on an unwrapped model, and
     ``opt.load_state_dict(torch.load(".../model.pdopt"))`` on its unwrapped optimizer.
     """
@@ -37,10 +39,20 @@ def save_group_sharded_model(model, output, optimizer=None):
         v = full_tensor(v)
         sd[k] = v.detach().cpu().clone()
     osd = optimizer.full_state_dict() if optimizer is not None else None
+    failed = None
     if grp.rank == 0:
-        os.makedirs(output, exist_ok=True)
-        torch.save(sd, os.path.join(output, MODEL_FILE))
-        if osd is not None:
-            torch.save(osd, os.path.join(output, OPT_FILE))
-    if grp.size > 1:
-        grp.barrier()
+        try:
+            os.makedirs(output, exist_ok=True)
+            torch.save(sd, os.path.join(output, MODEL_FILE))
+            if osd is not None:
+                torch.save(osd, os.path.join(output, OPT_FILE))
+        except Exception as e:  # the others would wait for it: every rank raises instead
+            failed = (type(e), f"save_group_sharded_model: rank {grp.ranks[0]} could not write {output!r}: {e}")
+    failed = gather_object(failed, grp)[0]  # also the barrier: the files are there when any rank returns
+    if failed is not None:
+        kind, msg = failed
+        try:
+            error = kind(msg)
+        except Exception:  # a type whose constructor takes other arguments
+            error = RuntimeError(msg)
+        raise error
