@@ -157,6 +157,8 @@ class PipelineLayer(nn.Module):
     ``fleet``'s hybrid group (or of ``topology``); with ``num_virtual_pipeline_stages = v > 1`` the layers are cut
     into ``num_stages * v`` parts and stage ``s`` holds parts ``s, s + num_stages, ...`` (interleaved).
     Calling the layer runs this rank's stage (chunk ``chunk_id`` for v > 1); with one stage it is the model.
+    ``loss_fn(output, label)``: the pipeline's loss, or a list of them (Paddle's: each computed, the one
+    ``train_batch(loss_fn_idx=...)`` names backpropagated); kept as a list in ``_loss_fn``, as Paddle keeps it.
     meshviz also accepts ``seg_method='uniform'`` with v > 1 (Paddle requires ``'layer:...'`` there).
     """
 
@@ -171,6 +173,10 @@ class PipelineLayer(nn.Module):
         v = 1 if num_virtual_pipeline_stages is None else num_virtual_pipeline_stages
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"PipelineLayer: num_virtual_pipeline_stages must be a positive int, got {v!r}")
+        fns = loss_fn if isinstance(loss_fn, list) else [loss_fn]
+        if not fns or (not all(callable(f) for f in fns) and fns != [None]):
+            raise TypeError(f"PipelineLayer: loss_fn must be a callable loss_fn(output, label), a list of them, or "
+                            f"None, got {loss_fn!r}")
         if isinstance(recompute_interval, bool) or not isinstance(recompute_interval, int) or recompute_interval < 0:
             raise ValueError(f"PipelineLayer: recompute_interval must be an int >= 0, got {recompute_interval!r}")
         world = get_world_size() if is_initialized() else 1
@@ -199,7 +205,7 @@ class PipelineLayer(nn.Module):
         self._num_stages = pp
         self._stage_id = stage_id
         self._num_virtual_pipeline_stages = v
-        self._loss_fn = loss_fn
+        self._loss_fn = fns  # a list, as Paddle's: PipelineParallel's loss_fn_idx picks the one to backpropagate
         self._recompute_interval = recompute_interval
         self.recompute_ctx = recompute_ctx
         self._layers_desc = layers

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from ...runtime.agree import same_on_every_rank
 from ...runtime.devices import device, place_module
 from ...runtime.pipeline import SCHEDULE_MODES, ActivationMeter, PipelineEngine, check_pipeline_config, resolve_schedule
 from .layers import PipelineLayer
@@ -68,12 +69,19 @@ class PipelineParallel(nn.Module):
         self._hcg = hcg
         self._strategy = strategy
         micro_batch_size, accumulate_steps = int(cfg["micro_batch_size"]), int(cfg["accumulate_steps"])
+        mode = cfg.get("schedule_mode", "1F1B")
+        # ranks set up differently wait on each other forever, or cut the layers differently and leave some out
+        same_on_every_rank("PipelineParallel", {
+            "micro_batch_size": micro_batch_size, "accumulate_steps": accumulate_steps,
+            "schedule_mode": mode.lower() if isinstance(mode, str) else mode,
+            "num_virtual_pipeline_stages": layers.get_num_virtual_stages(), "layers": len(layers._layers_desc),
+            "segment_parts": list(layers.segment_parts)})
         line = next(ln for ln in hcg.topology().get_comm_list("pipe") if hcg.get_global_rank() in ln)
         self._engine = PipelineEngine(
             layers._chunks, layers.virtual_stages, group=hcg.get_pipe_parallel_group(), ranks=line,
             stage_id=hcg.get_stage_id(), num_stages=p, num_virtual_stages=layers.get_num_virtual_stages(),
             micro_batch_size=micro_batch_size, accumulate_steps=accumulate_steps,
-            schedule_mode=cfg.get("schedule_mode", "1F1B"), device=device(), loss_fn=layers._loss_fn,
+            schedule_mode=mode, device=device(), loss_fn=layers._loss_fn,
             stage_meta=layers.meta_forward)
         self._opt_wrappers: dict = {}
         from ..parallel import sync_params_buffers
@@ -132,24 +140,40 @@ class PipelineParallel(nn.Module):
         return self._engine.schedule_order(pipe_rank)
 
     # -- Paddle API ----------------------------------------------------------------------------------
-    def train_batch(self, data, optimizer, lr_scheduler=None, scaler=None):
+    def _check_loss_fn(self, loss_fn_idx, what: str) -> None:
+        fns = self._layers._loss_fn
+        if isinstance(loss_fn_idx, bool) or not isinstance(loss_fn_idx, int) or not 0 <= loss_fn_idx < len(fns):
+            raise ValueError(f"{what}: loss_fn_idx={loss_fn_idx!r}, but the PipelineLayer has {len(fns)} loss "
+                             f"function(s)")
+        if fns[loss_fn_idx] is None:
+            raise ValueError(f"{what}: the PipelineLayer has no loss_fn")
+
+    def train_batch(self, data, optimizer, lr_scheduler=None, scaler=None, loss_fn_idx=0,
+                    return_micro_batch_loss=False):
         """One pipelined step: forward/backward every micro-batch, sum shared-weight grads, optimizer step.
 
         ``optimizer`` may be a torch optimizer; it is wrapped as ``fleet.distributed_optimizer`` would (Paddle
-        requires the wrapped one), so gradients are averaged over the data-parallel group before the step.
+        requires the wrapped one), so gradients are averaged over the data-parallel group before the step. Returns
+        the mean micro loss (``return_micro_batch_loss``: each micro loss, divided by accumulate_steps, as Paddle's)
+        on every stage; with a list of loss functions, a list of those, ``loss_fn_idx`` naming the one whose
+        gradients are taken.
         """
         from ..fleet.optimizer import HybridParallelOptimizer
 
+        self._check_loss_fn(loss_fn_idx, "train_batch")
         inputs, labels = self._engine.check_data(data, need_labels=True)
-        if self._layers._loss_fn is None:
-            raise ValueError("train_batch: the PipelineLayer has no loss_fn")
         if not isinstance(optimizer, HybridParallelOptimizer):
-            optimizer = self._opt_wrappers.setdefault(
-                id(optimizer), HybridParallelOptimizer(optimizer, self._hcg, self._strategy))
+            # wrapped once: with sharding, wrapping again would drop the optimizer's state and its other parameters
+            kept = self._opt_wrappers.get(id(optimizer))
+            if kept is None or kept[0] is not optimizer:
+                kept = self._opt_wrappers[id(optimizer)] = (
+                    optimizer, HybridParallelOptimizer(optimizer, self._hcg, self._strategy))
+            optimizer = kept[1]
         self._layers.train()
-        loss = self._engine.forward_backward(inputs, labels, scaler)
+        loss = self._engine.forward_backward(inputs, labels, scaler, loss_fn_idx)
         self._layers.allreduce_shared_weight_gradients()
-        out, task = self._engine.reduce_loss(loss)  # overlaps the optimizer step
+        per_micro = bool(return_micro_batch_loss)
+        buf, task = self._engine.reduce_loss(loss, per_micro)  # overlaps the optimizer step
         if scaler is not None:
             scaler.step(optimizer)
             scaler.update()
@@ -160,16 +184,17 @@ class PipelineParallel(nn.Module):
             lr_scheduler.step()
         task.wait()
         self._engine.end_step()
-        return out
+        return self._engine.loss_value(buf, per_micro)
 
-    def eval_batch(self, data, compute_loss=False):
+    def eval_batch(self, data, compute_loss=False, loss_fn_idx=0):
         """Forward every micro-batch (FThenB order, no backward). With ``compute_loss`` the mean micro loss on
-        every stage; without, the last stage's list of micro-batch outputs (other stages: an empty list)."""
+        every stage (a list of them with a list of loss functions); without, the last stage's list of micro-batch
+        outputs (other stages: an empty list)."""
+        if compute_loss:
+            self._check_loss_fn(loss_fn_idx, "eval_batch(compute_loss=True)")
         inputs, labels = self._engine.check_data(data, need_labels=compute_loss)
-        if compute_loss and self._layers._loss_fn is None:
-            raise ValueError("eval_batch(compute_loss=True): the PipelineLayer has no loss_fn")
         self._layers.eval()
-        return self._engine.forward_only(inputs, labels, compute_loss)
+        return self._engine.forward_only(inputs, labels, compute_loss, loss_fn_idx)
 
     def forward(self, *inputs, **kwargs):
         """This rank's stage on its own (chunk 0), as Paddle's wrapper calls its layers."""

@@ -29,6 +29,7 @@ _CLASSES = {
 }
 _SINGLE = ("ScheduleGPipe", "Schedule1F1B")
 _PHASE = {"F": "F", "B": "B", "I": "B", "W": "W"}  # torch action letter -> event phase
+_LOSS_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)  # the broadcast loss's dtype code
 
 
 def _schedule_class(name: str):
@@ -124,11 +125,12 @@ class PipelineEngine:
     ``group``: the pipe group (a runtime Group); ``ranks``: the global rank of every pipe position, in stage order;
     ``stage_id`` of ``num_stages``, each holding ``num_virtual_stages`` chunks; a batch holds ``accumulate_steps``
     micro-batches of ``micro_batch_size`` rows; ``schedule_mode`` one of :data:`SCHEDULE_MODES`; ``device`` where
-    the stage computes; ``loss_fn(output, label)`` of one micro-batch; ``stage_meta(virtual_stage, inputs)``: that
-    stage's outputs for meta-tensor inputs, on any rank (simulated ranks need it with virtual stages). Each micro
-    loss is divided by accumulate_steps before its backward, so the gradients accumulated over the micro-batches are
-    those of the mean loss. Emits ``compute`` / ``send`` / ``recv`` events per block and transfer
-    (:class:`TracedStage`) and a ``mark`` (op ``pipeline_step``) per step; ``step`` counts the steps run.
+    the stage computes; ``loss_fn(output, label)`` of one micro-batch (or a list of them, :class:`MicroLoss`);
+    ``stage_meta(virtual_stage, inputs)``: that stage's outputs for meta-tensor inputs, on any rank (simulated ranks
+    need it with virtual stages). Each micro loss is divided by accumulate_steps before its backward, so the
+    gradients accumulated over the micro-batches are those of the mean loss. Emits ``compute`` / ``send`` /
+    ``recv`` events per block and transfer (:class:`TracedStage`) and a ``mark`` (op ``pipeline_step``) per step;
+    ``step`` counts the steps run.
     """
 
     def __init__(self, chunks, virtual_stages, *, group, ranks, stage_id: int, num_stages: int,
@@ -252,41 +254,59 @@ class PipelineEngine:
                  tensors=(buf,), peers={"src": src}, src=src, traced=False))
         return int(buf.item())
 
-    def forward_backward(self, inputs, labels, scaler=None) -> MicroLoss:
+    def forward_backward(self, inputs, labels, scaler=None, loss_fn_idx: int = 0) -> MicroLoss:
         """Run the train schedule over the micro-batches of one batch; the gradients accumulate in the chunks'
-        parameters. ``scaler.scale`` is applied to each micro loss when given. Returns the micro losses."""
+        parameters (of loss function ``loss_fn_idx``'s loss). ``scaler.scale`` is applied to each micro loss when
+        given. Returns the micro losses."""
         sched, _, loss = self._build("train", True, self._shape_key(inputs))
-        loss.scaler = scaler
+        loss.scaler, loss.index = scaler, loss_fn_idx
         self._run(sched, loss, inputs, labels, eval_mode=False)
         return loss
 
-    def reduce_loss(self, loss: MicroLoss) -> tuple[torch.Tensor, Task]:
-        """Start broadcasting the summed micro losses from the last stage; returns (0-d tensor, task to wait)."""
+    def reduce_loss(self, loss: MicroLoss, per_micro: bool = False) -> tuple[torch.Tensor, Task]:
+        """Start broadcasting the summed micro losses (``per_micro``: each micro-batch's) of every loss function
+        from the last stage; returns (the buffer, the task to wait), :meth:`loss_value` reads the buffer. The
+        buffer is float64 whatever the loss's dtype, which its last element names, so every stage sends and
+        receives as many bytes (a last stage's float64 or bfloat16 loss made the stages' broadcasts differ)."""
+        cols = self.accumulate_steps if per_micro else 1
+        buf = torch.zeros(len(loss.loss_fns) * cols + 1, dtype=torch.float64)
         if self.is_last_stage and loss.values:
-            total = torch.stack([loss.values[k] for k in sorted(loss.values)]).sum()
-        else:
-            total = torch.zeros(())
-        buf = total.detach().to(self.device, copy=True).reshape(1)  # broadcast from this rank's device
+            per_fn = [torch.stack([loss.values[k][i] for k in sorted(loss.values)]) for i in range(len(loss.loss_fns))]
+            vals = torch.stack([v if per_micro else v.sum() for v in per_fn])
+            buf[:-1] = vals.detach().reshape(-1).to(torch.float64)
+            buf[-1] = _LOSS_DTYPES.index(vals.dtype) if vals.dtype in _LOSS_DTYPES else 0
+        buf = buf.to(self.device)  # broadcast from this rank's device
         src = self.ranks[-1]
         task = run(Call(CollectiveOp.BROADCAST, self.group,
                         lambda g: tdist.broadcast(buf, src, group=g.process_group, async_op=True),
                         tensors=(buf,), peers={"src": src}, sync_op=False, src=src))
-        return buf.reshape(()), task
+        return buf, task
+
+    def loss_value(self, buf: torch.Tensor, per_micro: bool = False):
+        """The loss :meth:`reduce_loss` broadcast (after its task): a 0-d tensor (``per_micro``: one value per
+        micro-batch) in the last stage's loss dtype, or a list of them, one per loss function, as Paddle's."""
+        code = 0 if tdist.get_backend(self.group.process_group) == "simulated" else int(buf[-1].item())
+        vals = buf[:-1].to(_LOSS_DTYPES[code]).reshape(-1, self.accumulate_steps if per_micro else 1)
+        out = [v if per_micro else v.reshape(()) for v in vals]
+        return out[0] if len(out) == 1 else out
 
     def end_step(self) -> None:
         self.step += 1
 
-    def forward_only(self, inputs, labels, compute_loss: bool):
+    def forward_only(self, inputs, labels, compute_loss: bool, loss_fn_idx: int = 0, per_micro: bool = False):
         """Forward every micro-batch (FThenB order, no backward), then end the step. With ``compute_loss`` the
-        mean micro loss on every stage; without, the last stage's list of micro-batch outputs (else [])."""
+        mean micro loss on every stage (:meth:`loss_value`); without, the last stage's list of micro-batch outputs
+        (else [])."""
         sched, stages, loss = self._build("eval", bool(compute_loss), self._shape_key(inputs))
+        if loss is not None:
+            loss.index = loss_fn_idx
         with torch.no_grad():
             self._run(sched, loss, inputs, labels, eval_mode=True)
         self.end_step()
         if compute_loss:
-            out, task = self.reduce_loss(loss)
+            buf, task = self.reduce_loss(loss, per_micro)
             task.wait()
-            return out
+            return self.loss_value(buf, per_micro)
         last = [s for s in stages if s.is_last]
         if not last:
             return []

@@ -57,27 +57,38 @@ class ActivationMeter:
 class MicroLoss:
     """torch's loss_fn(output, target): the target is the micro-batch index; the label is looked up here.
 
-    Each micro loss is divided by the number of micro-batches before its backward, as Paddle does, so the
-    gradients accumulated over the micro-batches are those of the mean loss; the values before the scaler's
-    scaling are kept for the returned loss.
+    ``loss_fns``: one loss function or, as Paddle's PipelineLayer takes, a list of them: each is computed and kept,
+    only ``loss_fns[index]`` is backpropagated. Each micro loss is divided by the number of micro-batches before its
+    backward, as Paddle does, so the gradients accumulated over the micro-batches are those of the mean loss; the
+    values before the scaler's scaling are kept for the returned loss.
     """
 
-    def __init__(self, loss_fn, n: int):
-        self.loss_fn = loss_fn
+    def __init__(self, loss_fns, n: int):
+        self.loss_fns = list(loss_fns) if isinstance(loss_fns, (list, tuple)) else [loss_fns]
         self.n = n
+        self.index = 0
         self.labels = None
         self.scaler = None
-        self.values: dict = {}  # micro-batch -> loss (torch may call once more to infer shapes on a first step)
+        # micro-batch -> each loss function's loss (torch may call once more to infer shapes on a first step)
+        self.values: dict = {}
 
     def __call__(self, output, index):
         k = int(index.reshape(-1)[0])
-        loss = self.loss_fn(output, self.labels[k])
-        if not isinstance(loss, torch.Tensor):
-            raise TypeError(f"the pipeline's loss_fn returned a {type(loss).__name__}: it must return one tensor "
-                            f"(as Paddle's pipeline requires), the loss of micro-batch {k}")
-        if loss.numel() != 1:
-            raise ValueError(f"the pipeline's loss_fn returned a tensor of shape {list(loss.shape)} for micro-batch "
-                             f"{k}: it must return one value (reduce a per-sample loss, e.g. with .mean())")
-        loss = loss / self.n
-        self.values[k] = loss.detach()
-        return self.scaler.scale(loss) if self.scaler is not None else loss
+        many = len(self.loss_fns) > 1
+        kept, out = [], None
+        for i, fn in enumerate(self.loss_fns):
+            name = f"loss_fn[{i}]" if many else "loss_fn"
+            loss = fn(output, self.labels[k])
+            if not isinstance(loss, torch.Tensor):
+                raise TypeError(f"the pipeline's {name} returned a {type(loss).__name__}: it must return one tensor "
+                                f"(as Paddle's pipeline requires), the loss of micro-batch {k}")
+            if loss.numel() != 1:
+                raise ValueError(f"the pipeline's {name} returned a tensor of shape {list(loss.shape)} for "
+                                 f"micro-batch {k}: it must return one value (reduce a per-sample loss, e.g. with "
+                                 f".mean())")
+            loss = loss / self.n
+            kept.append(loss.detach().reshape(()))
+            if i == self.index:
+                out = loss
+        self.values[k] = kept
+        return self.scaler.scale(out) if self.scaler is not None else out
