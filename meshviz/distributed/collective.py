@@ -14,6 +14,7 @@ from ..runtime.dtensor import DistTensor
 from ..runtime.groups import Group
 from ..runtime.world import get_rank
 from .group_api import destroy_process_group, get_backend, get_group, is_available, needs_init, new_group
+from .object_collective import all_gather_object, broadcast_object_list, scatter_object_list
 
 __all__ = [
     "ReduceOp", "Group", "new_group", "get_group", "get_backend", "is_available", "destroy_process_group",
@@ -60,12 +61,6 @@ def _no_partial(what: str, *tensors) -> None:
                     f"{what} got a dist tensor with placements {x.placements}: its blocks are summands, which a "
                     f"collective would leave read as Partial. Use dist.reshard(t, t.process_mesh, [dist.Replicate()"
                     f", ...]) for their sum on every rank, or dist.dtensor_to_local(t) for this rank's summand")
-
-
-def _check_avg(what: str, rt: ReduceType, t: torch.Tensor) -> None:
-    if rt is ReduceType.kRedAvg and t.dtype is torch.bool:
-        raise ValueError(f"{what}: ReduceOp.AVG of a bool tensor has no value; use MIN (all) or MAX (any), or a "
-                         f"number dtype")
 
 
 def _dense(t: torch.Tensor):
@@ -116,7 +111,7 @@ def all_reduce(tensor, op=ReduceOp.SUM, group=None, sync_op=True):
     _no_partial("all_reduce", tensor)
     rt = _check_op(op)
     t = local(tensor)
-    _check_avg("all_reduce", rt, t)
+    comm.check_reduce("all_reduce", rt, t)
     g = groups.resolve(group)
     top, finish = reduction(rt, g)
     buf, back = _dense(t)
@@ -132,7 +127,7 @@ def reduce(tensor, dst=0, op=ReduceOp.SUM, group=None, sync_op=True):
     _no_partial("reduce", tensor)
     rt = _check_op(op)
     t = local(tensor)
-    _check_avg("reduce", rt, t)
+    comm.check_reduce("reduce", rt, t)
     g = groups.resolve(group)
     top, finish = reduction(rt, g)
     mine = tdist.get_rank() == dst
@@ -193,31 +188,6 @@ def _all_gather_into(out: torch.Tensor, t: torch.Tensor, g: Group, sync_op: bool
 
 
 @needs_init
-def all_gather_object(object_list, obj, group=None):
-    """Append every member's picklable ``obj`` to ``object_list``, in group order."""
-    g = groups.resolve(group)
-    if not isinstance(object_list, list):
-        raise TypeError("all_gather_object: object_list must be a list")
-    out = [None] * g.nranks
-    run(Call(CollectiveOp.ALL_GATHER_OBJECT, g, lambda g: tdist.all_gather_object(out, obj, group=g.process_group),
-             nbytes=0))
-    if g.is_member():
-        object_list.extend(out)
-    return None
-
-
-@needs_init
-def broadcast_object_list(object_list, src=0, group=None):
-    """Replace ``object_list``'s items with global rank ``src``'s."""
-    if not isinstance(object_list, list):
-        raise TypeError(f"broadcast_object_list: object_list must be a list, got {type(object_list).__name__}")
-    run(Call(CollectiveOp.BROADCAST_OBJECT_LIST, group,
-             lambda g: tdist.broadcast_object_list(object_list, src=src, group=g.process_group),
-             nbytes=0, peers={"src": src}, src=src))
-    return None
-
-
-@needs_init
 def scatter(tensor, tensor_list=None, src=0, group=None, sync_op=True):
     """Global rank ``src`` sends ``tensor_list[i]`` to the group's i-th member, received into ``tensor`` (a tensor for
     ``tensor_list``, Paddle's tensor form, holds the pieces one after another)."""
@@ -244,29 +214,6 @@ def scatter(tensor, tensor_list=None, src=0, group=None, sync_op=True):
 
 
 @needs_init
-def scatter_object_list(out_object_list, in_object_list=None, src=0, group=None):
-    """Global rank ``src`` sends ``in_object_list[i]`` (picklable) to the group's i-th member; every member's
-    ``out_object_list`` then holds just its object, as in Paddle."""
-    g = groups.resolve(group)
-    if not isinstance(out_object_list, list):
-        raise TypeError("scatter_object_list: out_object_list must be a list")
-    if tdist.get_rank() == src and g.is_member() and (in_object_list is None or len(in_object_list) != g.nranks):
-        n = None if in_object_list is None else len(in_object_list)
-        raise ValueError(f"scatter_object_list: src rank needs an in_object_list of {g.nranks} objects, got {n}")
-    out = [None]
-
-    def start(g):
-        ins = list(in_object_list) if tdist.get_rank() == src else None
-        tdist.scatter_object_list(out, ins, src=src, group=g.process_group)
-
-    run(Call(CollectiveOp.SCATTER_OBJECT_LIST, g, start, nbytes=0, peers={"src": src}, src=src))
-    if g.is_member():
-        out_object_list.clear()
-        out_object_list.append(out[0])
-    return None
-
-
-@needs_init
 def gather(tensor, gather_list=None, dst=0, group=None, sync_op=True):
     """Collect every member's ``tensor`` into ``gather_list`` on global rank ``dst`` (filled in when empty)."""
     _no_partial("gather", tensor, gather_list or [])
@@ -282,8 +229,11 @@ def gather(tensor, gather_list=None, dst=0, group=None, sync_op=True):
             raise ValueError(f"gather: gather_list has {len(gather_list)} tensors for a group of {g.nranks}")
         _check_like("gather: gather_list", gather_list, t)
         lst = [local(x) for x in gather_list]
+    src = t.contiguous()
+    if src.is_complex():  # gloo's gather has no complex dtypes: their real views
+        src, lst = torch.view_as_real(src), lst and [torch.view_as_real(x) for x in lst]
     return run(Call(CollectiveOp.GATHER, g,
-                    lambda g: tdist.gather(t.contiguous(), lst, dst=dst, group=g.process_group, async_op=True),
+                    lambda g: tdist.gather(src, lst, dst=dst, group=g.process_group, async_op=True),
                     tensors=(t,), peers={"dst": dst}, sync_op=sync_op, dst=dst))
 
 
@@ -294,7 +244,7 @@ def reduce_scatter(tensor, tensor_list, op=ReduceOp.SUM, group=None, sync_op=Tru
     _no_partial("reduce_scatter", tensor, tensor_list)
     rt = _check_op(op)
     t = local(tensor)
-    _check_avg("reduce_scatter", rt, t)
+    comm.check_reduce("reduce_scatter", rt, t)
     g = groups.resolve(group)
     if isinstance(tensor_list, torch.Tensor):
         tensor_list = _pieces("reduce_scatter", tensor_list, t, g.nranks)
@@ -345,8 +295,10 @@ def alltoall(out_tensor_list, in_tensor_list, group=None, sync_op=True):
         return work
 
     got = sum(tensor_bytes(x) for i, x in enumerate(local(o) for o in out_tensor_list or ins) if i != g.rank)
+    agree = comm.counts_agree("alltoall", [x.numel() for x in ins], [local(o).numel() for o in out_tensor_list or ins],
+                         "elements")
     return run(Call(CollectiveOp.ALLTOALL, g, start, tensors=ins, sync_op=sync_op, then=lambda: done[0](),
-                    recv_bytes=got))
+                    recv_bytes=got), (*comm.CHECKS, agree))
 
 
 @needs_init
@@ -378,10 +330,14 @@ def alltoall_single(out_tensor, in_tensor, in_split_sizes=None, out_split_sizes=
     else:
         own = list(out_split_sizes)[g.rank] if g.rank >= 0 else 0
     got = (rows - own) * (tensor_bytes(t_out) // rows if rows else 0)
+    sizes = [[t.shape[0] // g.nranks] * g.nranks if s is None else list(s) for s, t in
+             ((in_split_sizes, t_in), (out_split_sizes, t_out))]
+    agree = comm.counts_agree("alltoall_single", [k * (t_in[0].numel() if len(t_in) else 0) for k in sizes[0]],
+                         [k * (t_out[0].numel() if len(t_out) else 0) for k in sizes[1]], "elements")
     return run(Call(CollectiveOp.ALLTOALL_SINGLE, g, lambda g: tdist.all_to_all_single(
         buf, src, None if out_split_sizes is None else list(out_split_sizes),
         None if in_split_sizes is None else list(in_split_sizes), group=g.process_group, async_op=True),
-        tensors=(t_in,), sync_op=sync_op, then=back, recv_bytes=got))
+        tensors=(t_in,), sync_op=sync_op, then=back, recv_bytes=got), (*comm.CHECKS, agree))
 
 
 # -- point to point -----------------------------------------------------------------------------

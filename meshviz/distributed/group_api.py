@@ -40,8 +40,9 @@ def _int_ranks(given) -> list[int]:
 
 
 @needs_init
-def new_group(ranks=None, backend=None, timeout=None) -> Group:
-    """A group over ``ranks`` (sorted, like Paddle); every rank of the world must call it, in the same order."""
+def new_group(ranks=None, backend=None, timeout=None, nccl_comm_init_option=0, nccl_config=None) -> Group:
+    """A group over ``ranks`` (sorted, like Paddle); every rank of the world must call it, in the same order.
+    ``nccl_comm_init_option`` and ``nccl_config`` (Paddle's NCCL tuning) are accepted and left to torch's defaults."""
     world = tdist.get_world_size()
     ranks = list(range(world)) if ranks is None else _int_ranks(ranks)
     if not ranks:

@@ -22,7 +22,7 @@ from .match import CollectiveMismatch, check_match, checking
 __all__ = ["torch_reduce_op", "dtensor_reduce_op", "from_dtensor_reduce_op", "reduction", "divide_", "Task",
            "CollectiveOp", "Call", "Check", "membership", "on_devices", "matching", "CHECKS", "INSIDE", "run",
            "check_peer", "peer_names", "local", "tensor_bytes", "passed_sizes", "received_bytes", "all_to_all_flat",
-           "all_reduce_mean_", "FUSE_BYTES"]
+           "all_reduce_mean_", "FUSE_BYTES", "check_reduce", "counts_agree"]
 
 # -- reduce ops ------------------------------------------------------------------------------------------------
 
@@ -64,10 +64,14 @@ def _native_avg(pg) -> bool:
 
 
 def divide_(t: torch.Tensor, n: int) -> torch.Tensor:
-    """``t /= n`` in place, keeping the dtype: integers round toward zero, as Paddle's divide and NCCL's AVG do."""
-    if t.is_floating_point() or t.is_complex():
-        return t.div_(n)
-    return t.div_(n, rounding_mode="trunc")
+    """``t /= n`` in place, keeping the dtype: integers round toward zero, as Paddle's divide and NCCL's AVG do.
+    Autograd does not record it, as it records no collective: a parameter is averaged in place as Paddle's."""
+    d = t.detach()
+    if d.is_floating_point() or d.is_complex():
+        d.div_(n)
+    else:
+        d.div_(n, rounding_mode="trunc")
+    return t
 
 
 def reduction(rt, group: Group):
@@ -78,6 +82,18 @@ def reduction(rt, group: Group):
         n = group.nranks
         return tdist.ReduceOp.SUM, (lambda t: divide_(t, n))
     return _TORCH_OPS[rt], None
+
+
+def check_reduce(what: str, rt, t: torch.Tensor) -> None:
+    """Refuse, on every rank before communicating, a reduction the dtype has no value for."""
+    rt = ReduceType(rt)
+    if rt is ReduceType.kRedAvg and t.dtype is torch.bool:
+        raise ValueError(f"{what}: ReduceOp.AVG of a bool tensor has no value; use MIN (all) or MAX (any), or a "
+                         f"number dtype")
+    if t.is_complex() and rt in (ReduceType.kRedMax, ReduceType.kRedMin, ReduceType.kRedProd):
+        # complex numbers have no order, and the backends reduce a complex tensor as its real and imaginary parts
+        raise ValueError(f"{what}: ReduceOp.{rt.short.upper()} of a {str(t.dtype).replace('torch.', '')} tensor is "
+                         f"not supported (the backends reduce its real and imaginary parts apart); use SUM or AVG")
 
 
 # -- tasks -----------------------------------------------------------------------------------------------------
@@ -294,6 +310,31 @@ def matching(call: Call, g: Group, seq: int | None) -> bool:
         check_match(g, call.op.value, seq, call.tensors, call.src if call.src is not None else call.dst,
                     call.reduce_op)
     return True
+
+
+def counts_agree(what: str, sends, recvs, unit: str) -> Check:
+    """A check for an all-to-all (appended to CHECKS): with :func:`match.checking` on, every member's ``sends[j]``
+    (the ``unit``s it sends the group's j-th member) is what that member's ``recvs`` expects from it; else each
+    member raises CollectiveMismatch naming both, before any data moves (gloo would abort the process)."""
+
+    def check(call: Call, g: Group, seq: int | None) -> bool:
+        n = g.nranks
+        if not checking() or n < 2 or g.backend not in ("gloo", "threads"):
+            return True
+        out = torch.empty(n * 2 * n, dtype=torch.int64)
+        compat.all_gather_single(out, torch.tensor([*sends, *recvs], dtype=torch.int64), group=g.process_group)
+        rows = out.view(n, 2 * n).tolist()
+        bad = [(i, j) for i in range(n) for j in range(n) if rows[i][j] != rows[j][n + i]]
+        if bad:
+            i, j = bad[0]
+            a, b = g.ranks[i], g.ranks[j]
+            more = f" (and {len(bad) - 1} more pair{'s' * (len(bad) > 2)})" if len(bad) > 1 else ""
+            raise CollectiveMismatch(
+                f"mismatch at #{seq} on group {list(g.ranks)}: in {what}, rank {a} sends rank {b} {rows[i][j]} {unit}, "
+                f"but rank {b} expects {rows[j][n + i]} from it{more}", sorted({g.ranks[k] for p in bad for k in p}))
+        return True
+
+    return check
 
 
 CHECKS: tuple[Check, ...] = (membership, on_devices, matching)
