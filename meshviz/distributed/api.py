@@ -349,7 +349,10 @@ def local_map(func, out_placements, in_placements=None, process_mesh=None, resha
                 locals_.append(a)
                 stand_ins.append(a)
         if mesh is None:
-            raise ValueError("local_map needs a process_mesh when no input is a dist tensor")
+            if any(p is not None for p in out_placements):
+                raise ValueError("local_map needs a process_mesh when no input is a dist tensor and an output is "
+                                 "placed (an out_placements entry is not None)")
+            return func(*args, **kwargs)  # as Paddle's: nothing to place, the outputs as func gives them
         outside = not mesh.contains(_rank())
         blocks = stand_ins if outside else locals_
         known = {(tuple(blocks[i].shape), tuple(a.placements)): tuple(a.shape) for i, a in reversed(known.items())}

@@ -41,41 +41,43 @@ __all__ = [
 # -- shard_layer --------------------------------------------------------------------------------------------
 
 
-def _holders(layer: torch.nn.Module) -> dict:
-    """id(parameter) -> (the parameter, every ``(sublayer, name, qualified name)`` that holds it)."""
+def _holders(layer: torch.nn.Module, kind: str = "_parameters") -> dict:
+    """id(tensor) -> (the parameter or buffer, every ``(sublayer, name, qualified name)`` that holds it);
+    ``kind``: ``"_parameters"`` or ``"_buffers"``."""
     out: dict = {}
     for mod_name, mod in layer.named_modules():
-        for pname, p in mod._parameters.items():
+        for pname, p in getattr(mod, kind).items():
             if p is not None:
                 out.setdefault(id(p), (p, []))[1].append((mod, pname, f"{mod_name}.{pname}" if mod_name else pname))
     return out
 
 
-def _keep_ties(held: dict) -> None:
+def _keep_ties(held: dict, kind: str = "_parameters") -> None:
     """A parameter two sublayers held before ``shard_fn`` ran (an embedding tied to the output layer) stays one
     parameter: the dist parameter ``shard_fn`` put in one holder goes to the holders it left alone (Paddle 3.3.1
-    makes each holder a parameter of its own, each stepped on its own gradient)."""
+    makes each holder a parameter of its own, each stepped on its own gradient). A shared buffer stays one too."""
+    what, tied = ("parameter", "tied weights") if kind == "_parameters" else ("buffer", "shared")
     for p, where in held.values():
         if len(where) < 2:
             continue
-        now = [m._parameters.get(n) for m, n, _ in where]
+        now = [getattr(m, kind).get(n) for m, n, _ in where]
         made = {id(q): q for q in now if isinstance(q, DistTensor) and q is not p}
         if not made:
             continue
         first = next(iter(made.values()))
         if any(q.process_mesh != first.process_mesh or list(q.placements) != list(first.placements)
                for q in made.values()):
-            raise ValueError(f"shard_layer: {[q for _, _, q in where]} are one parameter (tied weights), and "
+            raise ValueError(f"shard_layer: {[q for _, _, q in where]} are one {what} ({tied}), and "
                              f"shard_fn placed it in more than one way: "
                              f"{sorted({repr(list(q.placements)) for q in made.values()})}; place it once (a tied "
-                             f"parameter is one tensor)")
+                             f"{what} is one tensor)")
         for (m, n, _), q in zip(where, now):
             if q is p or id(q) in made:
-                m._parameters[n] = first
+                getattr(m, kind)[n] = first
 
 
 def _replicate_rest(layer: torch.nn.Module, mesh: ProcessMesh) -> None:
-    done: dict = {}  # id(dense parameter) -> its dist parameter: a tied one stays one
+    done: dict = {}  # id(dense parameter or buffer) -> its dist tensor: a tied (shared) one stays one
     for mod_name, mod in layer.named_modules():
         for pname, p in list(mod._parameters.items()):
             if p is None:
@@ -90,15 +92,18 @@ def _replicate_rest(layer: torch.nn.Module, mesh: ProcessMesh) -> None:
                 p.name = f"{mod_name}.{pname}" if mod_name else pname
         for bname, b in list(mod.named_buffers(recurse=False)):
             if b is not None and not isinstance(b, DistTensor):
-                mod._buffers[bname] = shard_tensor(b, mesh, [Replicate()] * mesh.ndim)
+                new = done.get(id(b))
+                if new is None:
+                    new = done[id(b)] = shard_tensor(b, mesh, [Replicate()] * mesh.ndim)
+                mod._buffers[bname] = new
 
 
 def shard_layer(layer: torch.nn.Module, process_mesh: ProcessMesh, shard_fn=None, input_fn=None, output_fn=None):
     """Convert every parameter and buffer of ``layer`` to a dist tensor on ``process_mesh``.
 
     ``shard_fn(name, sublayer, mesh)`` runs for every sub-layer (itself included) and may shard its parameters;
-    whatever it leaves dense becomes Replicate. ``input_fn(inputs, mesh)`` / ``output_fn(outputs, mesh)`` run
-    before / after ``forward``.
+    whatever it leaves dense becomes Replicate. A parameter or buffer several sub-layers share stays one tensor.
+    ``input_fn(inputs, mesh)`` / ``output_fn(outputs, mesh)`` run before / after ``forward``.
     """
     if not isinstance(layer, torch.nn.Module):
         raise ValueError(f"shard_layer expects an nn.Module, got {type(layer).__name__}")
@@ -112,10 +117,11 @@ def shard_layer(layer: torch.nn.Module, process_mesh: ProcessMesh, shard_fn=None
     kept = [(m, dict(m._parameters), dict(m._buffers)) for m in layer.modules()]
     try:
         if shard_fn is not None:
-            held = _holders(layer)
+            held = {kind: _holders(layer, kind) for kind in ("_parameters", "_buffers")}
             for name, sub in list(layer.named_modules()):
                 shard_fn(name, sub, process_mesh)
-            _keep_ties(held)
+            for kind, tied in held.items():
+                _keep_ties(tied, kind)
         _replicate_rest(layer, process_mesh)
     except BaseException:
         for m, params, buffers in kept:
