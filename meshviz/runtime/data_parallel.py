@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import torch
 import torch.distributed as tdist
 from torch import nn
 from torch.autograd import Variable
+from torch.autograd.function import BackwardCFunction
 from torch.autograd.graph import get_gradient_edge
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -30,10 +32,10 @@ class DataParallelEngine:
     where that set changed since the last one (a layer frozen or unfrozen after the wrap, on every rank alike), the
     reducer is built again over the new set, without a broadcast. With nothing to train there is no DDP (``ddp`` is
     None): the replicas are made equal at the wrap. Without ``find_unused_parameters``, as Paddle's reducer, the first
-    synced forward looks for parameters its loss cannot use: where some rank has one, DDP is built again to search
-    for them at every backward from that one on (a gradient averaged with zeros from the ranks that did not use it,
-    none where no rank did); where none has, nothing changes (one that goes unused later raises at the end of that
-    backward).
+    synced forward looks for parameters its loss cannot use: where some rank has one (and no_sync() steps came
+    before none), DDP is built again to search for them at every backward from that one on (a gradient averaged with
+    zeros from the ranks that did not use it, none where no rank did); else nothing changes: a rank that leaves one
+    out sends its zeros for it at the end of that backward (see :func:`_check_after_backward`).
     """
 
     def __init__(self, module: nn.Module, g: Group, bucket_mb, first_bucket_mb, find_unused_parameters=False):
@@ -47,6 +49,7 @@ class DataParallelEngine:
         self.accumulated = False  # a forward inside no_sync() since the last synced one
         self.sync = True  # False inside no_sync()
         self.ddp = None
+        self.seen = None  # where a custom Function may hide parameters: those whose gradient came this backward
         self.params = list(module.parameters())  # the set DDP was given: a changed flag is read from these alone
         self.flags = [p.requires_grad for p in self.params]
         self.trained = _trained(module)
@@ -116,38 +119,48 @@ class DataParallelEngine:
             return self.module(*inputs, **kwargs)
         self.ddp.require_backward_grad_sync = self.sync
         out = self.ddp(*inputs, **kwargs)
-        if torch.is_grad_enabled() and not self.sync:
-            self.accumulated = True
-        elif torch.is_grad_enabled():
-            if self.probe:
-                self._probe(out)
-            self.accumulated = False
-            # DDP's bucket all-reduces bypass the comm layer (its C++ hook): a rank blocked in the backward that
-            # follows is shown as inside them on this group
-            rollcall.current().begin_region("all_reduce", self.key, "DataParallel gradients")
-            if not self.find:
-                _check_after_backward(self.ddp, out)
+        if torch.is_grad_enabled():
+            self._after_forward(out)
         return out
+
+    @torch.compiler.disable  # a collective and the rank's bookkeeping: eager in a compiled model too
+    def _after_forward(self, out) -> None:
+        if not self.sync:
+            self.accumulated = True
+            return
+        if self.probe:
+            self._probe(out)
+        self.accumulated = False
+        if self.seen is not None:
+            self.seen.clear()
+        # DDP's bucket all-reduces bypass the comm layer (its C++ hook): a rank blocked in the backward that
+        # follows is shown as inside them on this group
+        rollcall.current().begin_region("all_reduce", self.key, "DataParallel gradients")
+        if not self.find:
+            _check_after_backward(self.ddp, out, self.module, self.seen)
 
     def _probe(self, out) -> None:
         """The first synced forward: where ``out`` leaves a parameter DDP averages unused on some rank (one MAX
-        all-reduce of a flag, untraced as DDP's own search), DDP is built again to search for unused parameters,
-        this backward included."""
+        all-reduce of flags, untraced as DDP's own search), DDP is built again to search for unused parameters,
+        this backward included; not after no_sync() steps, nor where a custom autograd Function may hide some."""
         self.probe = False
-        reached = _reached_params(out)
-        flag = torch.tensor([any(i not in reached for i in self.trained), self.accumulated], dtype=torch.uint8,
-                            device=self.params[0].device)
+        reached, hidden = _reached_params(out)
+        flag = torch.tensor([any(i not in reached for i in self.trained), self.accumulated, hidden],
+                            dtype=torch.uint8, device=self.params[0].device)
         run(Call(CollectiveOp.ALL_REDUCE, self.group,
                  lambda g: tdist.all_reduce(flag, op=tdist.ReduceOp.MAX, group=g.process_group, async_op=True),
                  tensors=(flag,), traced=False, name="DataParallel.find_unused", reduce_op="max"))
-        unused, accumulated = flag.tolist()
-        if not unused:
+        unused, accumulated, hidden = flag.tolist()
+        if hidden:  # the autograd graph cannot say which parameters a backward reaches: their gradients can
+            self.seen = set()
+            for p in self.params:
+                if p.requires_grad:
+                    p.register_post_accumulate_grad_hook(lambda p, seen=self.seen: seen.add(id(p)))
+        # the reducer there is stays where one built now would not know what the no_sync() backwards used, or where
+        # a custom autograd Function (a reentrant checkpoint) may use parameters its inputs do not show; the end
+        # of each backward then sends what a rank left unreduced (_check_after_backward)
+        if not unused or accumulated or hidden:
             return
-        if accumulated:  # a reducer built now would not know what the no_sync() backwards used
-            raise RuntimeError(
-                "DataParallel: a parameter that requires a gradient takes no part in the loss of the first synced "
-                "step on some rank, after steps inside no_sync(): its gradients would not be averaged. Pass "
-                "find_unused_parameters=True to DataParallel, or freeze the parameter")
         self.find = True
         self.ddp.reducer._remove_autograd_hooks()
         self._install(self._build(False))
@@ -171,32 +184,59 @@ class DataParallelEngine:
 _ABSENT = object()
 
 
-def _check_after_backward(ddp, out) -> None:
-    """Raise at the end of a backward through ``out`` that left a bucket unreduced (a parameter that requires a
-    gradient, used in the first synced step, not used in the loss now, or used only inside ``no_sync``), not at
-    the next forward as DDP does: by then the optimizer has stepped on gradients that were never averaged."""
+def _check_after_backward(ddp, out, module, seen=None) -> None:
+    """At the end of a backward through ``out`` that left a bucket unreduced on this rank (a parameter DDP averages,
+    used in the first synced step, took no part in the loss now, or only inside ``no_sync``), send this rank's zeros
+    for it (its accumulated gradient where it has one), as DDP's ``find_unused_parameters`` does: the ranks that
+    used it wait in that bucket's all-reduce, and know nothing of this rank. Where the average is zero and this rank
+    had no gradient, no rank used it (a rank that did would have to have a gradient of exactly zero): its gradient
+    is dropped, as one process keeps none. ``seen``: the ids of the parameters whose gradient this backward
+    accumulated, where the autograd graph does not show them all (None: it does)."""
 
     def check():
         try:
             ddp.reducer._check_reducer_finalized()
+            return
         except RuntimeError as e:
+            error = e
+        trained = set(_trained(module))
+        unused = [p for p in module.parameters() if id(p) in trained
+                  and (id(p) not in seen if seen is not None else not reached_in_backward(p))]
+        had = [p.grad is not None for p in unused]
+        if unused:
+            try:
+                torch.autograd.backward(unused, [torch.zeros_like(p) for p in unused])  # runs DDP's hooks on them
+            except RuntimeError as e:  # DDP refuses one it has had: a custom Function's own backward used it
+                raise RuntimeError(
+                    "DataParallel: this rank's loss left a parameter out while a custom autograd Function (such as "
+                    "a reentrant checkpoint: recompute(..., use_reentrant=True)) used others where the autograd graph "
+                    "does not show them, so the parameters to send zeros for are unknown; use use_reentrant=False. "
+                    f"torch DDP: {e}") from None
+        try:
+            ddp.reducer._check_reducer_finalized()
+        except RuntimeError:
             raise RuntimeError(
                 "DataParallel: the backward ended with gradients not averaged: a parameter that requires a "
-                "gradient took no part in the loss on this rank (or only inside no_sync()), where the first synced "
-                "step used every one on every rank (so unused ones are not searched for). Pass "
-                f"find_unused_parameters=True to DataParallel, or freeze the parameter. torch DDP: {e}") from None
+                "gradient took no part in the loss on this rank (or only inside no_sync()), and torch could not say "
+                "which. Pass find_unused_parameters=True to DataParallel, or freeze the parameter. "
+                f"torch DDP: {error}") from None
+        for p, h in zip(unused, had):
+            if not h and not p.grad.any():
+                p.grad = None
 
     _after_backward(out, check)
 
 
 def tensors_in(out) -> list:
-    """The tensors in ``out`` (nested lists, tuples and dicts), in order, as DDP looks for them."""
+    """The tensors in ``out`` (nested lists, tuples, dicts and dataclasses), in order, as DDP looks for them."""
     if isinstance(out, torch.Tensor):
         return [out]
     if isinstance(out, (list, tuple)):
         return [t for v in out for t in tensors_in(v)]
     if isinstance(out, dict):
         return [t for v in out.values() for t in tensors_in(v)]
+    if dataclasses.is_dataclass(out) and not isinstance(out, type):
+        return [t for f in dataclasses.fields(out) for t in tensors_in(getattr(out, f.name))]
     return []
 
 
@@ -218,21 +258,23 @@ def reached_in_backward(p) -> bool:
     return compat.will_run(get_gradient_edge(p).node)
 
 
-def _reached_params(out) -> set:
-    """The ids of the leaves (parameters) the autograd graph of the tensors in ``out`` reaches."""
+def _reached_params(out) -> tuple:
+    """The ids of the leaves (parameters) the autograd graph of the tensors in ``out`` reaches, and whether it holds a
+    custom autograd Function's node, whose backward may reach parameters no edge shows (a reentrant checkpoint)."""
     leaves = {id(t) for t in tensors_in(out) if t.grad_fn is None and t.requires_grad}
     # ``seen`` keeps each node's Python object alive: one let go may come back as another object at the same id
-    stack, seen = [t.grad_fn for t in tensors_in(out) if t.grad_fn is not None], {}
+    stack, seen, hidden = [t.grad_fn for t in tensors_in(out) if t.grad_fn is not None], {}, False
     while stack:
         node = stack.pop()
         if id(node) in seen:
             continue
         seen[id(node)] = node
+        hidden = hidden or isinstance(node, BackwardCFunction)
         var = getattr(node, "variable", None)
         if var is not None:
             leaves.add(id(var))
         stack.extend(fn for fn, _ in node.next_functions if fn is not None)
-    return leaves
+    return leaves, hidden
 
 
 def _named_tensors(module: nn.Module) -> list:

@@ -256,16 +256,11 @@ def _used_only_in_no_sync(find_unused):
 
 
 @pytest.mark.timeout(60)
-def test_a_parameter_used_only_inside_no_sync_raises_at_the_synced_backward_or_is_averaged():
-    """b used in the no_sync micro-batch only: without find_unused_parameters the synced backward itself raises on
-    every rank (DDP would leave every gradient of b's bucket unaveraged, and raise only at the next forward, after
-    the optimizer step); with it the accumulated sums are averaged."""
-    for out in run_ranks(_used_only_in_no_sync, 2, False, timeout=50):
-        # the first synced step finds b unused after no_sync() steps: it raises at that forward, before any gradient
-        assert isinstance(out, str) and out.startswith(
-            "DataParallel: a parameter that requires a gradient takes no part in the loss of the first synced step")
-        assert "find_unused_parameters=True" in out
-    res = run_ranks(_used_only_in_no_sync, 2, True, timeout=50)
+@pytest.mark.parametrize("find_unused", [False, True])
+def test_a_parameter_used_only_inside_no_sync_is_averaged(find_unused):
+    """b used in the no_sync micro-batch only: its accumulated sums are averaged, with find_unused_parameters and
+    without (then the end of the synced backward sends them; the first synced step used to raise at its forward)."""
+    res = run_ranks(_used_only_in_no_sync, 2, find_unused, timeout=50)
     torch.manual_seed(0)
     net = _Net()
     sum(_loss(net, r, 0) + _loss(net, r, 1, use_b=False) for r in range(2)).div(2).backward()
