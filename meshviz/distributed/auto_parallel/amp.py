@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 import torch.nn as nn
@@ -10,7 +11,7 @@ from torch.overrides import TorchFunctionMode
 
 from ... import compat
 
-__all__ = ["PureLowPrecision", "amp_dtype", "pure_low_precision", "autocast", "OpLists", "check_lists"]
+__all__ = ["PureLowPrecision", "amp_dtype", "pure_low_precision", "autocast", "OpLists", "check_lists", "LossScaling"]
 
 # Paddle's op names (legacy and current) -> the names of the torch functions that run that op
 _ALIASES = {
@@ -138,3 +139,31 @@ class PureLowPrecision:
     @staticmethod
     def _functional(layer, params, inputs):
         return torch.func.functional_call(layer, params, inputs)
+
+
+class LossScaling:
+    """How DistModel's float16 loss scale moves, as Paddle's ``update_loss_scaling``: times ``decr_ratio`` (not below
+    1) after ``decr_every_n_nan_or_inf`` steps in a row that saw inf/nan, times ``incr_ratio`` (while finite) after
+    ``incr_every_n_steps`` clean steps in a row. Torch's GradScaler backs off at every such step."""
+
+    def __init__(self, amp):
+        self.incr, self.decr = float(amp.incr_ratio), float(amp.decr_ratio)
+        self.every, self.decr_every = int(amp.incr_every_n_steps), int(amp.decr_every_n_nan_or_inf)
+        self.good = self.bad = 0
+
+    def step(self, scaler, optimizer) -> None:
+        """``scaler.step(optimizer)`` (skipped on inf/nan, agreed over the ranks), then the scale's update."""
+        scaler.step(optimizer)
+        found = any(bool(v.item()) for st in scaler._per_optimizer_states.values()
+                    for v in st["found_inf_per_device"].values())
+        scale = scaler.get_scale()
+        if found:
+            self.good, self.bad = 0, self.bad + 1
+            if self.bad == self.decr_every:
+                scale, self.bad = max(scale * self.decr, 1.0), 0
+        else:
+            self.good, self.bad = self.good + 1, 0
+            if self.good == self.every:
+                grown, self.good = scale * self.incr, 0
+                scale = grown if math.isfinite(grown) else scale
+        scaler.update(float(scale))

@@ -14,7 +14,7 @@ from ...runtime.zero import create_states
 from ..api import is_dist_tensor
 from ..collective import all_gather_object, all_reduce, broadcast
 from . import program as prog
-from .amp import PureLowPrecision, amp_dtype, autocast, check_lists, pure_low_precision
+from .amp import LossScaling, PureLowPrecision, amp_dtype, autocast, check_lists, pure_low_precision
 from .pipeline_schedule import Pipeline
 from .program import Program, count_inputs, local_of, meta_from_spec, shape_str, skeleton, split_feeds, split_input_spec
 from .recorder import DispatchRecorder, graph_from_records
@@ -38,8 +38,8 @@ class DistModel:
 
     ``train()``: ``__call__(inputs..., labels...)`` runs forward, backward and (every ``k_steps`` calls) the
     optimizer, and returns the loss. ``eval()``: returns the loss. ``predict()``: ``__call__(inputs...)``
-    returns ``{"out0": ..., "out1": ...}`` (a dist-tensor output as its global value). With
-    ``strategy.return_numpy`` (Paddle's default) values come back as numpy arrays, else as torch tensors. On
+    returns ``{"out0": ..., "out1": ...}`` (a dist-tensor output as its global value). With ``return_numpy``
+    (Paddle's default) values come back as numpy arrays in their dtype (bfloat16 as float32), else tensors. On
     more than one rank with plain (not dist) parameters the ranks train as data parallel: parameters start from
     rank 0, each rank feeds its own part of the batch, gradients are averaged, and the loss returned is the mean
     over the ranks (the loss of the whole batch). A loss per sample (not a scalar) trains on the gradient of its
@@ -112,6 +112,7 @@ class DistModel:
             self._dp = bool(plain)
         self._device_type = next((p.device.type for p in layer.parameters()), "cpu")
         self._o2 = PureLowPrecision(layer, amp_dtype(amp.dtype), strategy.fused_passes.enable) if o2 else None
+        self._scaling = LossScaling(amp)
         if amp.enable and str(amp.dtype) == "float16" and amp.use_dynamic_loss_scaling and optimizer is not None:
             self._scaler = torch.amp.GradScaler(
                 self._device_type, init_scale=float(amp.init_loss_scaling), growth_factor=float(amp.incr_ratio),
@@ -267,8 +268,7 @@ class DistModel:
             # different parameters still pack the same buffers
             average_gradients([p for p in self._layer.parameters() if not (_is_dist(p) or _is_dist(p.grad))], None)
         if self._scaler is not None:
-            self._scaler.step(self._optimizer)
-            self._scaler.update()
+            self._scaling.step(self._scaler, self._optimizer)
         else:
             self._optimizer.step()
         self._optimizer.zero_grad()
@@ -285,7 +285,7 @@ class DistModel:
                 parts: list = []
                 all_gather_object(parts, loss.detach().cpu())
                 return torch.cat(parts).to(loss.device)
-            loss = loss.detach().float().clone()
+            loss = loss.detach().to(torch.promote_types(loss.dtype, torch.float32)).clone()
             all_reduce(loss)
             return loss / _world()
         return loss
@@ -293,8 +293,8 @@ class DistModel:
     def _out(self, t, local=False):
         if _is_dist(t):
             t = t._local_value() if (local and hasattr(t, "_local_value")) else t.full_tensor()
-        t = t.detach()
-        return t.float().cpu().numpy() if self._strategy.return_numpy else t
+        t = t.detach()  # a numpy array in the tensor's own dtype, as Paddle fetches it (numpy has no bfloat16)
+        return (t.float() if t.dtype == torch.bfloat16 else t).cpu().numpy() if self._strategy.return_numpy else t
 
     # programs ---------------------------------------------------------------------------------------------
     def _local_names(self) -> dict:
@@ -433,11 +433,7 @@ class DistModel:
         # loaded into this dict (dist.load_state_dict) then reaches the optimizer
         create_states(self._optimizer, self._layer.parameters())
         by_id = {id(p): n for n, p in self._layer.named_parameters()}
-        out = {}
-        for p, st in self._optimizer.state.items():
-            for k, v in st.items():
-                out[f"{by_id.get(id(p), '?')}.{k}"] = v
-        return out
+        return {f"{by_id.get(id(p), '?')}.{k}": v for p, st in self._optimizer.state.items() for k, v in st.items()}
 
     def set_state_dict(self, state_dict: dict) -> None:
         """Load values (as ``state_dict`` gives them) into the layer's parameters and the optimizer. Every key is
@@ -464,6 +460,8 @@ class DistModel:
                 raise ValueError(f"set_state_dict: unknown key {key!r}")
             states.setdefault(index[pname], {})[skey] = v
         by_index = list(self._layer.parameters())
+        if states and not self._sharded:  # made first, as state_dict() makes them (and load_full_state_dict does):
+            create_states(self._optimizer, by_index)  # the states not given read as before any step, as Paddle's
         for i, st_in in states.items():
             for skey, v in st_in.items():
                 if self._sharded:  # the same check on every rank: the piece's whole shape, not this rank's shard

@@ -182,10 +182,15 @@ def rows_as_dist(out, rows: Rows):
 
 
 def check_shape(key, value, own) -> None:
-    """ValueError naming ``key`` (before anything is written) when ``value`` cannot be loaded into tensor ``own``."""
+    """ValueError naming ``key`` (before anything is written) when ``value`` cannot be loaded into tensor ``own``:
+    another shape, or a dist tensor on another mesh (Paddle would load its local block as this rank's)."""
     if torch.is_tensor(own) and (not torch.is_tensor(value) or value.shape != own.shape):
         got = list(value.shape) if torch.is_tensor(value) else type(value).__name__
         raise ValueError(f"set_state_dict: {key} has shape {list(own.shape)}, got {got}")
+    mesh, got = getattr(own, "process_mesh", None), getattr(value, "process_mesh", None)
+    if mesh is not None and got is not None and got != mesh:
+        raise ValueError(f"set_state_dict: {key} lies on {mesh}, got a dist tensor on {got}: dist.reshard it onto "
+                         f"{mesh} first")
 
 
 def check_piece(key, value, piece) -> None:
