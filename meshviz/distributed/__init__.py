@@ -97,6 +97,7 @@ from . import auto_parallel
 from .auto_parallel import LocalLayer, get_mesh, set_mesh, to_distributed
 from .auto_parallel.intermediate import (
     ColWiseParallel,
+    ConvParallel,
     PrepareLayerInput,
     PrepareLayerOutput,
     RowWiseParallel,
@@ -110,4 +111,4 @@ from .auto_parallel.intermediate import (
 
 __all__ += ["auto_parallel", "parallelize", "ColWiseParallel", "RowWiseParallel", "SequenceParallelBegin",
             "SequenceParallelEnd", "SequenceParallelEnable", "SequenceParallelDisable", "PrepareLayerInput",
-            "PrepareLayerOutput", "SplitPoint", "set_mesh", "get_mesh", "LocalLayer", "to_distributed"]
+            "PrepareLayerOutput", "SplitPoint", "set_mesh", "get_mesh", "LocalLayer", "to_distributed", "ConvParallel"]

@@ -52,6 +52,28 @@ def tree_map(fn, tree):
 register("default", aten.as_strided.default, why="strides name places in the whole tensor's storage")(None)
 
 
+@register("local", aten.convolution.default, aten.convolution_backward.default)
+def _conv_local(args, kwargs):
+    """convolution and its backward, Paddle's conv rule without its ring convolution: the batch dim stays split
+    (along the axes that split every batch input there), the rest made whole, the weight and bias whole; each rank
+    convolves its own rows, the weight's and bias's gradients Partial along those axes. (torch's handler convolves
+    the blocks of a split channel, height or width dim as if whole and calls the result whole; torch 2.11 calls the
+    weight's gradient Partial on every axis, which doubles it for a whole input.)"""
+    forward = len(args) == 9
+    batch = args[:1] if forward else args[:2]
+    dists = [(any(a is b for b in batch), a) for a in args[:3] if isinstance(a, TensorSpec)]
+    if not dists:
+        return None
+    keep = [all(isinstance(a, TensorSpec) and a.placements[axis] == Shard(0) for a in batch)
+            for axis in range(dists[0][1].mesh.ndim)]
+    split = [Shard(0) if k else Replicate() for k in keep]
+    want = tuple(split if is_batch else [Replicate()] * len(keep) for is_batch, _ in dists)
+    if forward:
+        return Strategy(want, (split,))
+    summed_up = [Partial() if k else Replicate() for k in keep]
+    return Strategy(want, (split, summed_up, summed_up))
+
+
 @canonical(aten.as_strided.default)
 def _strided_whole(args, kwargs):
     """``as_strided`` runs on the whole tensor (Paddle's default rule), where that is its storage: a tensor that is

@@ -59,7 +59,9 @@ class _Gather(torch.autograd.Function):
         unit = ctx.unit
         todo = [i for i, g in enumerate(grads) if isinstance(g, DistTensor)]
         moved = run_reshards([grads[i] for i in todo], [unit.params[i].placements for i in todo], own=True)
-        out: list = list(grads)
+        # an output the forward left unused gets autograd's plain zeros: its parameter took no gradient (None, as
+        # in one process, so the optimizer skips it), not a plain tensor the step cannot lay out
+        out: list = [None] * len(grads)
         for i, g in zip(todo, moved):
             out[i] = g
         return (None, *out)

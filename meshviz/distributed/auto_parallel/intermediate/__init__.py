@@ -1,5 +1,6 @@
 """Paddle 3's intermediate parallel API: `dist.parallelize` with tensor, sequence, pipeline and data parallel plans."""
 
+from .conv_parallel import ConvParallel
 from .parallelize import parallelize, parallelize_model, parallelize_optimizer
 from .pipeline_parallel import SplitPoint
 from .tensor_parallel import (
@@ -15,7 +16,7 @@ from .tensor_parallel import (
 )
 
 __all__ = [
-    "parallelize", "parallelize_model", "parallelize_optimizer", "SplitPoint", "PlanBase",
+    "parallelize", "parallelize_model", "parallelize_optimizer", "SplitPoint", "PlanBase", "ConvParallel",
     "ColWiseParallel", "RowWiseParallel", "PrepareLayerInput", "PrepareLayerOutput",
     "SequenceParallelBegin", "SequenceParallelEnd", "SequenceParallelEnable", "SequenceParallelDisable",
 ]

@@ -13,6 +13,7 @@ from ....runtime.world import init_parallel_env
 from ....runtime.zero import Zero, check_elementwise, gather_per_unit, laid_out_states
 from ...api import reshard, shard_tensor
 from ..interface import _state, get_mesh, set_mesh
+from .conv_parallel import ConvParallel
 from .parallel_base import param_holders, remap_optimizer, shard_all_params
 from .pipeline_parallel import (
     assign_stages,
@@ -117,6 +118,8 @@ class _Prepared:
             for key, plans, params in found:
                 used.add(key)
                 for p in plans:
+                    if isinstance(p, ConvParallel):
+                        p.check_layer(layer, name)
                     if isinstance(p, _ShardParams):
                         placed = p.param_placements(layer, smesh, params, name)
                         self.split_ids.update(id(getattr(layer, pname)) for pname in placed)
