@@ -178,15 +178,35 @@ class Layout:
     def fill(self, coord) -> str:
         return partial_fill(self.placements, coord)
 
+    def block_list(self) -> list:
+        """Every coordinate's block, in ``coords()`` order: the nested ceil chunks of :func:`local_block`, worked out
+        a mesh axis at a time for all coordinates together (a 65,536-rank mesh in a fraction of a second)."""
+        mshape = tuple(self.mesh.shape)
+        bounds = []
+        for d, n in enumerate(self.shape):
+            lo, hi = np.zeros(mshape, dtype=np.int64), np.full(mshape, n, dtype=np.int64)
+            for axis in shard_axes(self.placements, d):
+                k = mshape[axis]
+                at = np.arange(k, dtype=np.int64).reshape([k if a == axis else 1 for a in range(len(mshape))])
+                length = hi - lo
+                size = -(-length // k)
+                a = np.minimum(at * size, length)
+                lo, hi = lo + a, lo + np.minimum(a + size, length)
+            bounds.append(list(zip(np.broadcast_to(lo, mshape).ravel().tolist(),
+                                   np.broadcast_to(hi, mshape).ravel().tolist())))
+        if not bounds:
+            return [()] * int(np.prod(mshape))
+        return list(zip(*bounds))
+
     def blocks(self) -> dict:
         """rank -> block, for every rank of the mesh."""
-        return {self.mesh.rank_at(c): self.block(c) for c in self.coords()}
+        return dict(zip(self.mesh.ids.ravel().tolist(), self.block_list()))
 
     def owners(self) -> dict:
         """block -> ranks holding it (mesh order); Partial summands share a block with their partners."""
         out: dict = {}
-        for c in self.coords():
-            out.setdefault(self.block(c), []).append(self.mesh.rank_at(c))
+        for r, blk in zip(self.mesh.ids.ravel().tolist(), self.block_list()):
+            out.setdefault(blk, []).append(r)
         return out
 
     def is_partial(self) -> bool:

@@ -46,13 +46,18 @@ def parse_ints(text) -> list[int]:
         raise ValueError(f"expected integers such as '2,4', got {text!r}") from None
 
 
+# a module before a placement's name, as Paddle code writes it: "dist.", "paddle.distributed."
+_MODULE = re.compile(r"(?<![\w.])(?:[A-Za-z_]\w*\.)+(?=(?:Shard|Replicate|Partial)\b)")
+
+
 def parse_placements(text) -> list:
-    """``"S(0), R"`` or ``"[P(sum), S(1)]"`` or a sequence -> placements."""
+    """``"S(0), R"`` or ``"[P(sum), S(1)]"`` or a sequence -> placements; Paddle's code spelling
+    ``"[dist.Shard(0), dist.Replicate()]"`` reads as well."""
     from ..core import parse_placement
 
     if isinstance(text, (list, tuple)):
         return [parse_placement(p) for p in text]
-    s = str(text).strip().strip("[]")
+    s = _MODULE.sub("", str(text)).strip().strip("[]")
     items = [t for t in re.findall(r"[A-Za-z]+(?:\([^)]*\))?", s)]
     if not items:
         raise ValueError(f"no placements in {text!r}; write e.g. 'S(0), R'")

@@ -94,8 +94,6 @@ def tensor_state(shape, mesh, placements, value=None, locals=None) -> TensorStat
     mesh = as_mesh(mesh)
     placements = [parse_placement(p) for p in placements]
     lay = layout(shape, mesh, placements)
-    owners = lay.owners()
-    order = sorted(owners)
     paxes = [i for i, p in enumerate(lay.placements) if isinstance(p, Partial)]
     psizes = [mesh.shape[i] for i in paxes]
     k = int(np.prod(psizes)) if paxes else 1
@@ -103,15 +101,21 @@ def tensor_state(shape, mesh, placements, value=None, locals=None) -> TensorStat
     summand_ranks = [[] for _ in range(k)]
     fills = {}
     empty = []
-    for c in np.ndindex(*mesh.shape):
-        r = mesh.rank_at(c)
-        blk = lay.block(c)
-        j = int(np.ravel_multi_index([c[i] for i in paxes], psizes)) if paxes else 0
+    owners: dict = {}
+    fill_at: dict = {}  # a rank's fill depends only on its coordinate along the Partial axes
+    # every coordinate's block at once, in mesh order (one block at a time took seconds at 65,536 ranks)
+    for c, r, blk in zip(np.ndindex(*mesh.shape), mesh.ids.ravel().tolist(), lay.block_list()):
+        owners.setdefault(blk, []).append(r)
+        at = tuple(c[i] for i in paxes)
+        j = int(np.ravel_multi_index(at, psizes)) if paxes else 0
         summands[j].setdefault(blk, []).append(r)
         summand_ranks[j].append(r)
-        fills[r] = lay.fill(c)
+        if at not in fill_at:
+            fill_at[at] = lay.fill(c)
+        fills[r] = fill_at[at]
         if any(a >= b for a, b in blk):
             empty.append(r)
+    order = sorted(owners)
     reduce = None
     if paxes:
         kinds = {lay.placements[i].reduce_type.short for i in paxes}
