@@ -137,6 +137,10 @@ class HybridParallelOptimizer(Zero):
         return self._inner_opt.state_dict()
 
     def set_state_dict(self, state_dict):
+        """Load ``state_dict()``'s output; with sharding also the whole model's optimizer state (a one-process
+        optimizer's ``state_dict()``), of which this rank loads its own parameters' part, as Paddle's."""
+        if self._sharding is not None:
+            state_dict = self._sharding.local_state(state_dict)
         return self._inner_opt.load_state_dict(state_dict)
 
     load_state_dict = set_state_dict

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import weakref
+import zlib
 
 import torch.distributed as tdist
 import torch.nn as nn
@@ -108,22 +109,46 @@ def group_sharded_parallel(
     every rank of both groups. Its ranks must hold the same place in their own sharding groups (the same shards).
     ``exclude_layer`` (p_g_os): layers, by class name or ``id(layer)``, whose own parameters stay whole.
     """
-    names = _validate(model, optimizer, level, scaler, segment_size, buffer_max_size, grad_clip, offload, dp_group,
-                      exclude_layer)
-    check_elementwise(optimizer, "group_sharded_parallel")
+    running = tdist.is_initialized()
+    refused = None
+    try:
+        names = _validate(model, optimizer, level, scaler, segment_size, buffer_max_size, grad_clip, offload,
+                          dp_group, exclude_layer)
+        check_elementwise(optimizer, "group_sharded_parallel")
+    except ValueError as e:
+        if not running:  # before the process group starts: every rank runs the same checks
+            raise
+        refused, names = e, {}
     init_parallel_env()
     grp = resolve_group(group)
-    dp = _resolve_dp_group(dp_group, grp)
-    settings = {"level": level, "offload": bool(offload), "sync_buffers": bool(sync_buffers),
-                "segment_size": segment_size, "dp_group size": 1 if dp is None else dp.size}
-    same_on_every_rank("group_sharded_parallel", settings, grp.pg, grp.ranks)
+    dp = None
+    try:
+        dp = _resolve_dp_group(dp_group, grp)
+    except ValueError as e:
+        refused = refused or e
+    excluded = _excluded_params(model, exclude_layer, names) if level == "p_g_os" and refused is None else set()
+    clip = grad_clip or getattr(optimizer, "_grad_clip", None)
+    clip = "None" if clip is None else f"{type(clip).__name__}({getattr(clip, 'clip_norm', '')})"
+    # what the ranks' collectives follow from: where one rank differs, the others would wait in another collective;
+    # a rank whose arguments were refused takes part too, so that every rank raises, not that one alone
+    settings = {"arguments accepted (a refusing rank raises why)": refused is None, "level": level,
+                "offload": bool(offload), "sync_buffers": bool(sync_buffers), "segment_size": segment_size,
+                "dp_group size": 1 if dp is None else dp.size, "buffer_max_size": buffer_max_size,
+                "grad_clip": clip, "exclude_layer": ", ".join(sorted(excluded)) or "none",
+                **_layout(model, optimizer, names)}
+    try:
+        same_on_every_rank("group_sharded_parallel", settings, grp.pg, grp.ranks)
+    except ValueError:
+        if refused is None:
+            raise
+    if refused is not None:
+        raise refused
     if dp is not None:  # a dp peer steps the same shards: it must hold the same place in a group of the same size
         same_on_every_rank("group_sharded_parallel (over dp_group)",
                            {**settings, "sharding group size": grp.size, "place in the sharding group": grp.rank},
                            dp.pg, dp.ranks)
     dev = device()
     place_module(model, "group_sharded_parallel")  # a CPU model on a GPU rank moves to the GPU, as in Paddle
-    excluded = _excluded_params(model, exclude_layer, names) if level == "p_g_os" else set()
     # ``is True``: a torch tensor's own ``is_distributed`` is a method
     split = {n for n, p in model.named_parameters() if getattr(p, "is_distributed", False) is True}
     no_clip = {n for n, p in model.named_parameters() if getattr(p, "need_clip", True) is False}
@@ -136,6 +161,28 @@ def group_sharded_parallel(
     optimizer._meshviz_sharded = True  # its param_groups hold this rank's shards now, not the model's parameters
     _GROUP_OF[model] = grp
     return model, opt, make_scaler(scaler, grp, dev.type)
+
+
+def _layout(model, optimizer, names: dict) -> dict:
+    """Checksums of the model's parameters and buffers and of the optimizer's parameter groups, from which the
+    shards, and so every collective, follow; each names what it covers where the ranks' differ."""
+    def crc(v) -> int:
+        return zlib.crc32(repr(v).encode())
+
+    keys = ("parameter and buffer names and shapes (checksum)", "parameter and buffer dtypes (checksum)",
+            "parameters that require grad (checksum)", "optimizer parameter groups and order (checksum)")
+    try:
+        names = names or {id(p): n for n, p in model.named_parameters()}
+        tensors = list(model.named_parameters()) + list(model.named_buffers())
+        group_of = {id(p): gi for gi, g in enumerate(optimizer.param_groups) for p in g["params"]}
+        return dict(zip(keys, (
+            crc([(n, tuple(t.shape)) for n, t in tensors]),
+            crc([str(t.dtype) for _, t in tensors]),
+            crc([n for n, p in model.named_parameters() if p.requires_grad]),
+            crc([(names.get(id(p)), group_of[id(p)]) for g in optimizer.param_groups for p in g["params"]]),
+        )))
+    except (AttributeError, KeyError, TypeError):  # a model or optimizer this rank refused: placeholders
+        return dict.fromkeys(keys, 0)
 
 
 def _resolve_dp_group(dp_group, grp: ShardingGroup) -> ShardingGroup | None:

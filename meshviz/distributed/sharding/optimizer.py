@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from ...runtime.zero import FlatZero, create_states
+import torch
+
+from ...runtime.zero import FlatZero, create_states, gather_object
 
 __all__ = ["GroupShardedOptimizer"]
 
@@ -46,4 +48,52 @@ class GroupShardedOptimizer(FlatZero):
         return self._inner_opt.state_dict()
 
     def load_state_dict(self, state):
-        self._inner_opt.load_state_dict(state)
+        """Load this rank's shard (what ``state_dict()`` gave), or the whole model's optimizer state in the unwrapped
+        optimizer's format (``save_group_sharded_model``'s ``model.pdopt``, a one-process optimizer's
+        ``state_dict()``), of which each rank loads its part, hyperparameters included (as torch's
+        ``load_state_dict``). Collective: every rank of the group calls it, with states of one format."""
+        whole = self._whole_format(state)
+        kinds = set(gather_object(whole, self._group)) - {None}
+        if len(kinds) > 1:
+            raise ValueError(f"{type(self).__name__}.load_state_dict: some ranks of the group {self._group.ranks} were "
+                             f"given the whole model's optimizer state and others their own shard's; give every rank "
+                             f"the same kind")
+        # foreach / fused stay as sharding set them (one foreach call cannot mix FSDP's DTensors with whole tensors)
+        kernels = [{k: g[k] for k in ("foreach", "fused") if k in g} for g in self._inner_opt.param_groups]
+        if True not in kinds:
+            self._inner_opt.load_state_dict(state)
+        else:
+            groups = state["param_groups"]
+            for mine, saved in zip(self._inner_opt.param_groups, groups):
+                mine.update({k: v for k, v in saved.items() if k != "params"})
+            at = {i: n for n, i in enumerate(j for g in groups for j in g["params"])}  # saved index -> slot
+            self.load_full_state_dict({at.get(k, k): v for k, v in state["state"].items()})
+        for g, kept in zip(self._inner_opt.param_groups, kernels):
+            g.update(kept)
+
+    set_state_dict = load_state_dict  # Paddle's name
+
+    def _whole_format(self, state) -> bool | None:
+        """Whether ``state`` is the whole model's (True), this rank's shard's (False) or either, read alike (None:
+        every piece this rank holds is whole here, in the same order)."""
+        if not isinstance(state, dict) or not isinstance(state.get("param_groups"), list) or "state" not in state:
+            raise TypeError(f"{type(self).__name__}.load_state_dict: expected an optimizer state dict "
+                            f"({{'state': ..., 'param_groups': [...]}}), got {type(state).__name__}")
+        counts = [len(g.get("params", ())) for g in state["param_groups"]]
+        whole = [sum(s.group_index == gi for s in self._slots) for gi in range(len(self._inner_opt.param_groups))]
+        mine = [len(g["params"]) for g in self._inner_opt.param_groups]
+        if counts != whole:
+            return False
+        if counts != mine:
+            return True
+        at = {i: n for n, i in enumerate(j for g in state["param_groups"] for j in g["params"])}
+        for key, st in state["state"].items():
+            if at.get(key) is None or not isinstance(st, dict):
+                continue
+            s = self._slots[at[key]]
+            for v in st.values():
+                if not torch.is_tensor(v) or v.dim() == 0 or hasattr(v, "to_local"):
+                    continue
+                if s.piece.mode == "fsdp" or (s.piece.mode == "slice" and s.hi - s.lo != s.piece.numel):
+                    return v.numel() == s.piece.numel  # a plain tensor of the whole parameter
+        return None

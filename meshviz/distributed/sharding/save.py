@@ -23,7 +23,8 @@ def save_group_sharded_model(model, output, optimizer=None):
     Every rank of the sharding group calls it (it gathers); the group's first rank writes, and a failure to write
     raises on every rank. The files hold
     plain tensors: ``model.load_state_dict(torch.load(".../model.pdmodel"))`` on an unwrapped model, and
-    ``opt.load_state_dict(torch.load(".../model.pdopt"))`` on its unwrapped optimizer.
+    ``opt.load_state_dict(torch.load(".../model.pdopt"))`` on its unwrapped optimizer, or (every rank) on the one
+    ``group_sharded_parallel`` returned (``set_state_dict`` too), where each rank loads its part.
     """
     if os.path.isfile(output):
         raise ValueError(f"save_group_sharded_model: output ({output}) must be a directory, not a file")

@@ -24,9 +24,35 @@ class OwnerZero(Zero):
         self.params = [p for g in inner.param_groups for p in g["params"]]
         owners = owners_by_size([p.numel() for p in self.params], grp.size)
         self.owner = {id(p): o for p, o in zip(self.params, owners)}
-        inner.state.clear()
+        self._group_sizes = [len(g["params"]) for g in inner.param_groups]
+        # an optimizer that has stepped keeps the states of the parameters this rank steps (Paddle keeps their
+        # accumulators); the others' go
+        for p in [q for q in inner.state if self.owner.get(id(q)) != grp.rank]:
+            del inner.state[p]
         for g in inner.param_groups:
             g["params"] = [p for p in g["params"] if self.owner[id(p)] == grp.rank]
+
+    def local_state(self, state):
+        """``state`` in the unwrapped optimizer's format for every parameter (a one-process optimizer's
+        ``state_dict()``) cut down to the parameters this rank steps, as Paddle's ``set_state_dict`` keeps its own
+        parameters' entries; this rank's own ``state_dict()`` (or anything else) is returned as it is."""
+        groups = state.get("param_groups") if isinstance(state, dict) else None
+        if not isinstance(groups, list) or not isinstance(state.get("state"), dict):
+            return state
+        mine = [len(g["params"]) for g in self._inner_opt.param_groups]
+        if [len(g.get("params", ())) for g in groups] != self._group_sizes or mine == self._group_sizes:
+            return state
+        params, kept_state, out_groups, new = iter(self.params), {}, [], 0
+        for g in groups:
+            first = new
+            for i in g["params"]:
+                if self.owner[id(next(params))] != self._group.rank:
+                    continue
+                if i in state["state"]:
+                    kept_state[new] = state["state"][i]
+                new += 1
+            out_groups.append({**g, "params": list(range(first, new))})
+        return {"state": kept_state, "param_groups": out_groups}
 
     def grad_params(self) -> list:
         return list(self.params)
