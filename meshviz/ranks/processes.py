@@ -207,6 +207,18 @@ class RankProcesses:
     def running(self) -> list[int]:
         return [i for i in range(self.nprocs) if i not in self._seen]
 
+    def stranded(self) -> list[int]:
+        """Ranks whose process exited without reaching the rendezvous while a rank still running reached it: that
+        rank waits in ``init_parallel_env`` for them until the timeout, though they can no longer come."""
+        if not self._seen or self.store is None:
+            return []
+        try:
+            came = rendezvous.arrived(self.store, self.nprocs)
+        except Exception:  # the store is closing: nothing more to learn from it
+            return []
+        gone = [r for r in sorted(self._seen) if not came[r]]
+        return gone if gone and any(came[r] for r in self.running()) else []
+
     def terminate(self, why: str = "stopped", grace: float = 10.0) -> None:
         """End every rank still running (SIGTERM, then SIGKILL after ``grace`` seconds); their outcome is ``why``:
         ``"stopped"`` (a rank failed), ``"hang"`` (a wait nothing ends), ``"running"`` (the deadline) or ``"stop"``."""
@@ -274,12 +286,16 @@ class RankProcesses:
         return outcomes
 
     def rank_error(self, reports: dict[int, tuple[str, str | None, float]], values: dict[int, object] | None = None,
-                   deadline_s: float | None = None, rollcall=None) -> RankError:
+                   deadline_s: float | None = None, rollcall=None, stranded=()) -> RankError:
         """The RankError for this run (:func:`meshviz.ranks.outcomes.rank_error`), with what only this runner
         knows: who reached the rendezvous, the order the ranks' exits were seen in (a rank that died without a
         report before one that raised in the same instant, which most likely lost its connection to it, then
-        the earliest report), and which ranks sat inside a collective (``rollcall``)."""
+        the earliest report), and which ranks sat inside a collective (``rollcall``). ``stranded``: the ranks that
+        left without joining (:meth:`stranded`), named as the cause (not a rank ended before it reached the
+        rendezvous because of them)."""
         outcomes = self.outcomes(reports, values, deadline_s)
+        if stranded:
+            return _outcomes.rank_error(outcomes, [tuple(stranded)])
         first = sorted(
             (r for r in self._seen if outcomes[r].status in ("error", "died") and r not in self.ended),
             key=lambda r: (self._seen[r], outcomes[r].status == "error", reports.get(r, (0, 0, 0.0))[2]),
@@ -348,19 +364,21 @@ def spawn(func, args=(), nprocs: int = -1, join: bool = True, daemon: bool = Fal
 
     ``nprocs=-1`` uses one process per GPU, or 2 on a CPU-only machine. If one rank raises or dies, the others are
     stopped and a :class:`RankError` names that rank (and any rank that never reached the rendezvous) with its
-    traceback. ``options``: ``backend`` (``"gloo"``, ``"nccl"``; ``"auto"`` or None: meshviz picks, as Paddle's
-    default), ``devices`` (``"auto"``, ``"cpu"``, ``"cuda"`` or GPU ids; Paddle's ``gpus="0,1"`` too),
-    ``timeout`` (seconds), ``trace`` (a JSONL path, ``{rank}`` filled in), ``threads`` (torch threads per rank,
-    default 1), ``start_method`` (default ``"forkserver"``: ranks forked from a server that imported torch once;
-    ``"fork"`` for a function a new process cannot import by name), ``hang_after`` (seconds a rank may wait in one
-    collective before the roll-call is printed to stderr, default 5; None: no watchdog), ``check_collectives``
-    (compare op, shapes and dtypes before each collective on gloo, default off); Paddle's ``print_config`` is
-    accepted and ignored (its deprecated options warned about), ``ips`` may name this machine; any other name
-    raises ValueError, as in Paddle. Each rank gets torch's variables and Paddle's spawn's (PADDLE_TRAINER_ID,
-    PADDLE_TRAINERS_NUM, PADDLE_TRAINER_ENDPOINTS, PADDLE_CURRENT_ENDPOINT, PADDLE_DISTRI_BACKEND, and a GPU rank
-    FLAGS_selected_gpus). Returns the joined :class:`SpawnContext`, as Paddle (``join=False``: at once). When a
-    collective times out, the error names the ranks that never entered it;
-    where every rank missing from it has returned (or died), it says so at the roll-call, without waiting.
+    traceback; so too, at once, a rank that returned without joining the process group the others joined.
+    ``options``: ``backend`` (``"gloo"``, ``"nccl"``; ``"auto"`` or None: meshviz picks, as Paddle's default),
+    ``devices`` (``"auto"``, ``"cpu"``, ``"cuda"`` or GPU ids; Paddle's ``gpus="0,1"`` too), ``timeout`` (seconds),
+    ``trace`` (a JSONL path, ``{rank}`` filled in), ``threads`` (torch threads per rank, default 1),
+    ``start_method`` (default ``"forkserver"``: ranks forked from a server that imported torch once; ``"fork"`` for
+    a function a new process cannot import by name), ``hang_after`` (seconds a rank may wait in one collective
+    before the roll-call is printed to stderr, default 5; None: no watchdog), ``check_collectives`` (compare op,
+    shapes and dtypes before each collective on gloo, default off); Paddle's ``print_config`` is accepted and
+    ignored (its deprecated options warned about), ``ips`` may name this machine; any other name raises
+    ValueError, as in Paddle, and so does a bad value of meshviz's own, before any rank starts. Each rank gets
+    torch's variables and Paddle's spawn's (PADDLE_TRAINER_ID, PADDLE_TRAINERS_NUM, PADDLE_TRAINER_ENDPOINTS,
+    PADDLE_CURRENT_ENDPOINT, PADDLE_DISTRI_BACKEND, and a GPU rank FLAGS_selected_gpus). Returns the joined
+    :class:`SpawnContext`, as Paddle (``join=False``: at once). When a collective times out, the error names the
+    ranks that never entered it; where every rank missing from it has returned (or died), it says so at the
+    roll-call, without waiting.
 
     Ranks and GPUs are counted before any process starts (:func:`meshviz.core.devices.plan_devices`): one GPU per
     rank with NCCL when there are enough; otherwise, unless ``devices``/``backend`` insist on GPUs, every rank runs
@@ -375,6 +393,13 @@ def spawn(func, args=(), nprocs: int = -1, join: bool = True, daemon: bool = Fal
     from ..runtime.watchdog import DEFAULT_HANG_AFTER
     from ..runtime.world import DEFAULT_TIMEOUT_S
 
+    if not callable(func):  # else every rank would start, and fail calling it
+        raise TypeError(f"spawn: func must be a function, got {type(func).__name__}")
+    try:
+        args = tuple(args)
+    except TypeError:
+        raise TypeError(f"spawn: args must be a tuple or list of func's arguments, got {type(args).__name__}") \
+            from None
     if isinstance(nprocs, bool) or not isinstance(nprocs, int) or (nprocs < 1 and nprocs != -1):
         raise ValueError(f"spawn: nprocs must be a positive int or -1, got {nprocs!r}")
     check_spawn_options(options)
@@ -406,7 +431,7 @@ def spawn(func, args=(), nprocs: int = -1, join: bool = True, daemon: bool = Fal
     rank_envs = [_with_selected_gpu(rank_env(plan, r), plan, r) for r in range(nprocs)]
     procs = RankProcesses(nprocs, timeout, method, daemon, hang_after=hang_after).start()
     returns = Returns()
-    ctx = procs.submit(partial(_spawn_entry, port=procs.port, func=func, args=tuple(args), world=nprocs, env=env,
+    ctx = procs.submit(partial(_spawn_entry, port=procs.port, func=func, args=args, world=nprocs, env=env,
                                rank_envs=rank_envs, returns=returns.folder))
     ctx.returns, ctx.return_queues = returns, returns.watch(ctx.processes)
     if not join:

@@ -50,7 +50,8 @@ class SpawnContext:
         try:
             while not self._closed and not procs.done():
                 left = None if deadline is None else max(0.0, deadline - time.monotonic())
-                if procs.host is not None:  # look at the roll-call a few times a second
+                if procs.host is not None or len(procs.running()) < procs.n:
+                    # a few times a second: the roll-call, and whether a rank that exited strands the others
                     left = 0.25 if left is None else min(left, 0.25)
                 procs.wait(left)
                 rc = None if procs.host is None else procs.relabel(procs.host.unending())
@@ -65,6 +66,11 @@ class SpawnContext:
                     rc = procs.blame()  # before the others are ended: they still answer the roll-call
                     procs.terminate()
                     self._error = procs.rank_error(self.results()[0], rollcall=rc)
+                    break
+                gone = procs.stranded() if self._stop_on_failure else []
+                if gone:  # a rank left without joining: the ones that joined would wait for it until the timeout
+                    procs.terminate()
+                    self._error = procs.rank_error(self.results()[0], stranded=gone)
                     break
                 if deadline is not None and time.monotonic() >= deadline and not procs.done():
                     self._deadline_s = timeout

@@ -61,8 +61,22 @@ def _env_int(*names, default=None):
     for n in names:
         v = _getenv(n)
         if v not in (None, ""):
-            return int(v)
+            try:
+                return int(v)
+            except ValueError:
+                raise ValueError(f"the environment variable {n}={v!r} is not an int") from None
     return default
+
+
+def _check_place(rank: int, world: int) -> None:
+    """ValueError, before any rendezvous, when this rank's number does not fit the world (else rank 0 is waited
+    for, or the others wait for a rank that never comes, until the timeout)."""
+    rname = next((n for n in ("RANK", "PADDLE_TRAINER_ID") if _getenv(n)), "RANK")
+    wname = next((n for n in ("WORLD_SIZE", "PADDLE_TRAINERS_NUM") if _getenv(n)), "WORLD_SIZE")
+    if world < 1:
+        raise ValueError(f"init_parallel_env: {wname}={world}: the number of ranks must be at least 1")
+    if not 0 <= rank < world:
+        raise ValueError(f"init_parallel_env: {rname}={rank} with {wname}={world}: a rank is one of 0..{world - 1}")
 
 
 def _paddle_env_as_torch() -> None:
@@ -145,9 +159,10 @@ def set_up(backend: str | None = None, timeout: float | None = None) -> None:
     if initialized and st.set_up_for is not None and st.set_up_for is tdist.group.WORLD:
         return  # every shard_tensor / reshard asks: once set up, nothing to do
     if not initialized:
-        _paddle_env_as_torch()
         rank = _env_int("RANK", "PADDLE_TRAINER_ID", default=0)
         world = _env_int("WORLD_SIZE", "PADDLE_TRAINERS_NUM", default=1)
+        _check_place(rank, world)
+        _paddle_env_as_torch()
         os.environ.setdefault("MASTER_ADDR", rendezvous.LOOPBACK)
         reservation = None
         if "MASTER_PORT" not in os.environ:
