@@ -289,7 +289,8 @@ def test_spawn_names_a_rank_that_never_joins():
     assert str(err).startswith("rank 2 never joined the process group (it returned without joining)")
     by = {o.rank: o for o in err.outcomes}
     assert by[2].status == "ok" and by[2].arrived is False
-    assert by[0].arrived and by[1].arrived and {by[0].status, by[1].status} <= {"error", "stopped"}
+    # spawn ends the others once one of them waits in the rendezvous for rank 2: the other may not have come yet
+    assert (by[0].arrived or by[1].arrived) and {by[0].status, by[1].status} <= {"error", "stopped"}
 
 
 @pytest.mark.slow
