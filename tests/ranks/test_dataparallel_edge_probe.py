@@ -3,6 +3,7 @@ returns a dataclass, a reentrant checkpoint."""
 
 import contextlib
 import dataclasses
+import functools
 
 import pytest
 import torch
@@ -108,22 +109,39 @@ def _dataclass_loss(model, r, step, use_b):
     return nn.functional.mse_loss(model(x, use_b=use_b).pred, y)
 
 
-def _dataclass_output(skip_at):
+def _skipping_b(make_model, loss, skip_at):
+    """Three DataParallel steps, rank 1 leaving b out of its loss at step ``skip_at``: each step's gradients."""
     import meshviz.distributed as dist
 
     dist.init_parallel_env()
     r = dist.get_rank()
     torch.manual_seed(r)
-    net = _DataclassNet()
-    dp = dist.DataParallel(net)
-    opt = _sgd(net.parameters())
+    model = make_model()
+    dp = dist.DataParallel(model)
+    opt = _sgd(model.parameters())
     out = []
     for step in range(3):
-        _dataclass_loss(dp, r, step, use_b=not (r == 1 and step == skip_at)).backward()
-        out.append(_grads(net))
+        loss(dp, r, step, use_b=not (r == 1 and step == skip_at)).backward()
+        out.append(_grads(model))
         opt.step()
         opt.zero_grad(set_to_none=True)
     return out
+
+
+def _check_skipping_b(make_model, loss, skip_at):
+    """:func:`_skipping_b` on 2 rank threads against one process stepping on the mean of both ranks' losses."""
+    res = run_ranks(_skipping_b, 2, make_model, loss, skip_at, timeout=50)
+    torch.manual_seed(0)
+    model = make_model()
+    opt = _sgd(model.parameters())
+    for step in range(3):
+        sum(loss(model, r, step, use_b=not (r == 1 and step == skip_at)) for r in range(2)).div(2).backward()
+        for r in range(2):
+            for k, p in model.named_parameters():
+                torch.testing.assert_close(res[r][step][k], p.grad, rtol=1e-5, atol=1e-6,
+                                           msg=lambda m: f"{r} {step} {k}: {m}")
+        opt.step()
+        opt.zero_grad(set_to_none=True)
 
 
 @pytest.mark.timeout(60)
@@ -133,18 +151,7 @@ def test_a_model_that_returns_a_dataclass_trains_as_one_process(skip_at):
     b left out of rank 1's loss at the first synced step (0) or later (1). The first synced forward used to find no
     tensor in the output, take every parameter for unused and build DDP again to search for them: the backward
     then raised DDP's "Expected to mark a variable ready only once" on every rank."""
-    res = run_ranks(_dataclass_output, 2, skip_at, timeout=50)
-    torch.manual_seed(0)
-    net = _DataclassNet()
-    opt = _sgd(net.parameters())
-    for step in range(3):
-        sum(_dataclass_loss(net, r, step, use_b=not (r == 1 and step == skip_at)) for r in range(2)).div(2).backward()
-        for r in range(2):
-            for k, p in net.named_parameters():
-                torch.testing.assert_close(res[r][step][k], p.grad, rtol=1e-5, atol=1e-6,
-                                           msg=lambda m: f"{r} {step} {k}: {m}")
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+    _check_skipping_b(_DataclassNet, _dataclass_loss, skip_at)
 
 
 # -- a reentrant checkpoint (recompute with use_reentrant=True, Paddle's default) --------------------------------
@@ -170,24 +177,6 @@ class _Recomputed(nn.Module):
         return self.net.c(h)
 
 
-def _reentrant(skip_at, plain):
-    import meshviz.distributed as dist
-
-    dist.init_parallel_env()
-    r = dist.get_rank()
-    torch.manual_seed(r)
-    model = _Recomputed(plain)
-    dp = dist.DataParallel(model)
-    opt = _sgd(model.parameters())
-    out = []
-    for step in range(3):
-        _loss(dp, r, step, use_b=not (r == 1 and step == skip_at)).backward()
-        out.append(_grads(model))
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    return out
-
-
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("plain", [False, True])
 @pytest.mark.parametrize("skip_at", [None, 0, 1])
@@ -197,15 +186,4 @@ def test_a_reentrant_checkpoint_trains_as_one_process(skip_at, plain):
     "Expected to mark a variable ready only once" on every rank. Now the reducer stays (as torch DDP trains such a
     model), and a layer rank 1 leaves out, at the first synced step or later, inside the checkpoint or outside it
     (plain), is averaged with its zeros."""
-    res = run_ranks(_reentrant, 2, skip_at, plain, timeout=50)
-    torch.manual_seed(0)
-    model = _Recomputed(plain)
-    opt = _sgd(model.parameters())
-    for step in range(3):
-        sum(_loss(model, r, step, use_b=not (r == 1 and step == skip_at)) for r in range(2)).div(2).backward()
-        for r in range(2):
-            for k, p in model.named_parameters():
-                torch.testing.assert_close(res[r][step][k], p.grad, rtol=1e-5, atol=1e-6,
-                                           msg=lambda m: f"{r} {step} {k}: {m}")
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+    _check_skipping_b(functools.partial(_Recomputed, plain), _loss, skip_at)

@@ -66,7 +66,7 @@ class GroupShardedOptimizer(FlatZero):
             groups = state["param_groups"]
             for mine, saved in zip(self._inner_opt.param_groups, groups):
                 mine.update({k: v for k, v in saved.items() if k != "params"})
-            at = {i: n for n, i in enumerate(j for g in groups for j in g["params"])}  # saved index -> slot
+            at = _slot_of(groups)
             self.load_full_state_dict({at.get(k, k): v for k, v in state["state"].items()})
         for g, kept in zip(self._inner_opt.param_groups, kernels):
             g.update(kept)
@@ -86,7 +86,7 @@ class GroupShardedOptimizer(FlatZero):
             return False
         if counts != mine:
             return True
-        at = {i: n for n, i in enumerate(j for g in state["param_groups"] for j in g["params"])}
+        at = _slot_of(state["param_groups"])
         for key, st in state["state"].items():
             if at.get(key) is None or not isinstance(st, dict):
                 continue
@@ -97,3 +97,8 @@ class GroupShardedOptimizer(FlatZero):
                 if s.piece.mode == "fsdp" or (s.piece.mode == "slice" and s.hi - s.lo != s.piece.numel):
                     return v.numel() == s.piece.numel  # a plain tensor of the whole parameter
         return None
+
+
+def _slot_of(groups) -> dict:
+    """A saved state's parameter index -> its place in the order of ``groups``' parameters (the slots' order)."""
+    return {i: n for n, i in enumerate(j for g in groups for j in g["params"])}
