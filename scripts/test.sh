@@ -8,7 +8,7 @@
 # environment from binder/ that is built from the start, beside the tests) and the newest release's notebooks.
 # Beside it, from as soon as .venv is made: every tier again on the oldest and then the newest supported torch
 # (MESHVIZ_TORCH_MATRIX, default "2.11.0 2.15.0"), each in its own venv kept between runs (scripts/torch_venv.sh),
-# all but the torch-free tests, the browser's, launch's and those on a Cluster's engines (marked engines: they check
+# all but the torch-free tests, the browser's, launch's and those on a Cluster's engines (marked launch, engines: they check
 # what JupyterLab draws and meshviz's own process control, once; the Python they run runs on these releases in the
 # other tiers, the hangs they name on spawn's and run_ranks' processes), then
 # three notebooks on .venv again with ipyparallel engines as ranks (a Cluster's default). The parts are split so
@@ -43,11 +43,11 @@ matrix() {  # every tier on each release of $MATRIX in turn (in $OUT/torch-V.sum
     fi
     venv=$(cat "$OUT/venv-$v.path")
     if [ "$v" = "$LAST" ]; then notebooks=; else notebooks=notebooks; fi
-    # launch's agent and a Cluster's engines are meshviz's own process control, run once on .venv: torch enters
-    # them through gloo's start, which the gloo, rendezvous and spawn's hang tests run on every release
+    # launch and a Cluster's engines are meshviz's own process control, run once on .venv: torch enters them
+    # through gloo's start, which the gloo, rendezvous and spawn's hang tests run on every release
     if CUDA_VISIBLE_DEVICES= MESHVIZ_RANKS=threads "$venv/bin/python" -m pytest tests/unit tests/ranks \
-        tests/transport --ignore-glob='*/transport/test_launch*.py' \
-        $notebooks $NBVAL -m "not browser and not torch_free and not engines" -p no:cacheprovider -q --durations=10 \
+        tests/transport $notebooks $NBVAL -m "not browser and not torch_free and not engines and not launch" \
+        -p no:cacheprovider -q --durations=10 \
         --junitxml="$OUT/torch-$v.xml" "$@" > "$OUT/torch-$v.log" 2>&1; then
       echo "torch $v: $(tail -n 1 "$OUT/torch-$v.log") (done at $(at))" > "$OUT/torch-$v.summary"
     else

@@ -24,6 +24,9 @@ def _has_gpu() -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
+    for item in items:  # launch's own files; tests elsewhere that start it are marked where they are
+        if item.path.name.startswith("test_launch"):
+            item.add_marker(pytest.mark.launch)
     if any("gpu" in item.keywords for item in items) and not _has_gpu():
         skip = pytest.mark.skip(reason="needs a CUDA GPU")
         for item in items:

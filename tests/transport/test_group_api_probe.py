@@ -127,6 +127,7 @@ def _gone(pid: int, timeout: float = 10.0) -> bool:
 
 
 @pytest.mark.slow
+@pytest.mark.launch
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_a_signal_to_the_launcher_exits_with_its_number_and_stops_the_workers(sig, tmp_path):

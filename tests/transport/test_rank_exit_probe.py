@@ -118,6 +118,7 @@ def _two_nodes(tmp_path, bad, how, nproc=1):
     return [p.returncode for p in procs], errs, time.monotonic() - t0
 
 
+@pytest.mark.launch
 @pytest.mark.timeout(150)
 def test_node_1_says_that_node_0_stopped_the_job_at_the_roll_call(tmp_path):
     # rank 1 (node 1) finished its script without entering the all_reduce rank 0 waits in: node 0's roll-call
@@ -130,6 +131,7 @@ def test_node_1_says_that_node_0_stopped_the_job_at_the_roll_call(tmp_path):
     assert took < 90, took
 
 
+@pytest.mark.launch
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("bad, how, what", [(0, "raise", "ValueError: failing on purpose"),
                                             (3, "kill", "killed by SIGKILL")])
