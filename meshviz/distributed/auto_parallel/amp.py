@@ -144,26 +144,71 @@ class PureLowPrecision:
 class LossScaling:
     """How DistModel's float16 loss scale moves, as Paddle's ``update_loss_scaling``: times ``decr_ratio`` (not below
     1) after ``decr_every_n_nan_or_inf`` steps in a row that saw inf/nan, times ``incr_ratio`` (while finite) after
-    ``incr_every_n_steps`` clean steps in a row. Torch's GradScaler backs off at every such step."""
+    ``incr_every_n_steps`` clean steps in a row. Torch's GradScaler backs off at every such step. The scale and the
+    counters are tensors under Paddle's names (``tensors()``): a checkpoint loaded into them in place
+    (``dist.load_state_dict``) reaches the scaler at the next step."""
+
+    KEYS = ("loss_scaling_0", "num_good_steps_0", "num_bad_steps_0")  # Paddle's names for them
 
     def __init__(self, amp):
         self.incr, self.decr = float(amp.incr_ratio), float(amp.decr_ratio)
         self.every, self.decr_every = int(amp.incr_every_n_steps), int(amp.decr_every_n_nan_or_inf)
-        self.good = self.bad = 0
+        self.scale = torch.tensor([float(amp.init_loss_scaling)], dtype=torch.float32)
+        self.good = torch.zeros(1, dtype=torch.int32)
+        self.bad = torch.zeros(1, dtype=torch.int32)
+
+    def tensors(self) -> dict:
+        return dict(zip(self.KEYS, (self.scale, self.good, self.bad)))
+
+    @staticmethod
+    def value_of(key, v):
+        """``v`` (a one-element tensor, dist tensor, array or number) as a number; ValueError naming ``key``
+        otherwise."""
+        if hasattr(v, "full_tensor"):
+            v = v.full_tensor()
+        elif not torch.is_tensor(v) and hasattr(v, "__array__"):  # numpy, as Paddle's program takes
+            v = torch.as_tensor(v)
+        if torch.is_tensor(v) and v.numel() == 1:
+            v = v.item()
+        scale = key == "loss_scaling_0"
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or \
+                (v <= 0 if scale else (v != int(v) or v < 0)):
+            what = "positive number" if scale else "count"
+            raise ValueError(f"set_state_dict: {key} takes one {what} (a tensor of shape [1], as state_dict gives), "
+                             f"got {v!r}")
+        return v
+
+    def load(self, values: dict, scaler) -> None:
+        """Set the scale and counters from ``values`` (as ``value_of`` gives them) and the scaler's scale."""
+        for key, t in self.tensors().items():
+            if key in values:
+                t.fill_(values[key])
+        self.sync(scaler)
+
+    def sync(self, scaler) -> None:
+        """The scaler's scale set to ``self.scale`` where they differ (a checkpoint was loaded into it)."""
+        want = float(self.scale)
+        if scaler.get_scale() != want:
+            state = scaler.state_dict()
+            state["scale"] = want
+            scaler.load_state_dict(state)
 
     def step(self, scaler, optimizer) -> None:
         """``scaler.step(optimizer)`` (skipped on inf/nan, agreed over the ranks), then the scale's update."""
         scaler.step(optimizer)
         found = any(bool(v.item()) for st in scaler._per_optimizer_states.values()
                     for v in st["found_inf_per_device"].values())
-        scale = scaler.get_scale()
+        scale, good, bad = scaler.get_scale(), int(self.good), int(self.bad)
         if found:
-            self.good, self.bad = 0, self.bad + 1
-            if self.bad == self.decr_every:
-                scale, self.bad = max(scale * self.decr, 1.0), 0
+            good, bad = 0, bad + 1
+            if bad == self.decr_every:
+                scale, bad = max(scale * self.decr, 1.0), 0
         else:
-            self.good, self.bad = self.good + 1, 0
-            if self.good == self.every:
-                grown, self.good = scale * self.incr, 0
+            good, bad = good + 1, 0
+            if good == self.every:
+                grown, good = scale * self.incr, 0
                 scale = grown if math.isfinite(grown) else scale
         scaler.update(float(scale))
+        self.scale.fill_(scale)
+        self.good.fill_(good)
+        self.bad.fill_(bad)

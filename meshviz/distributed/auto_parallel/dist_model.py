@@ -10,9 +10,9 @@ from torch.distributed.tensor import DTensor
 from ... import compat, trace
 from ...core.sharding import STAGES
 from ...runtime.data_parallel import average_gradients
-from ...runtime.zero import create_states
 from ..api import is_dist_tensor
 from ..collective import all_gather_object, all_reduce, broadcast
+from . import model_state
 from . import program as prog
 from .amp import LossScaling, PureLowPrecision, amp_dtype, autocast, check_lists, pure_low_precision
 from .pipeline_schedule import Pipeline
@@ -37,16 +37,17 @@ class DistModel:
     """A layer, loss and optimizer as one step function per mode (Paddle's DistModel; use ``to_static``).
 
     ``train()``: ``__call__(inputs..., labels...)`` runs forward, backward and (every ``k_steps`` calls) the
-    optimizer, and returns the loss. ``eval()``: returns the loss. ``predict()``: ``__call__(inputs...)``
-    returns ``{"out0": ..., "out1": ...}`` (a dist-tensor output as its global value). With ``return_numpy``
-    (Paddle's default) values come back as numpy arrays in their dtype (bfloat16 as float32), else tensors. On
-    more than one rank with plain (not dist) parameters the ranks train as data parallel: parameters start from
-    rank 0, each rank feeds its own part of the batch, gradients are averaged, and the loss returned is the mean
-    over the ranks (the loss of the whole batch). A loss per sample (not a scalar) trains on the gradient of its
-    sum over the whole batch and comes back as every sample's loss (data parallel ranks' in rank order), as Paddle's.
-    With ``strategy.sharding`` fed dist batches (``shard_dataloader``'s) each rank runs its rows of the inputs and
-    the loss is the whole batch's, as one process's on it. With ``strategy.pipeline`` each call runs the batch as
-    micro-batches through the stages' meshes (``pipeline_schedule.Pipeline``).
+    optimizer, and returns the loss: one tensor, ``loss(*outputs, *labels)`` as Paddle's (a model's outputs spread).
+    ``eval()``: returns the loss. ``predict()``: ``__call__(inputs...)`` returns ``{"out0": ..., "out1": ...}`` (a
+    dist-tensor output as its global value). With ``return_numpy`` (Paddle's default) values come back as numpy
+    arrays in their dtype (bfloat16 as float32), else tensors. On more than one rank with plain (not dist)
+    parameters the ranks train as data parallel: parameters start from rank 0, each rank feeds its own part of the
+    batch, gradients are averaged, and the loss returned is the mean over the ranks (the loss of the whole batch). A
+    loss per sample (not a scalar) trains on the gradient of its sum over the whole batch and comes back as every
+    sample's loss (data parallel ranks' in rank order), as Paddle's. With ``strategy.sharding`` fed dist batches
+    (``shard_dataloader``'s) each rank runs its rows of the inputs and the loss is the whole batch's, as one
+    process's on it. With ``strategy.pipeline`` each call runs the batch as micro-batches through the stages' meshes
+    (``pipeline_schedule.Pipeline``).
     """
 
     def __init__(self, layer, loader=None, loss=None, optimizer=None, strategy=None, input_spec=None):
@@ -233,7 +234,7 @@ class DistModel:
             return {f"out{i}": self._out(o) for i, o in enumerate(outs)}
         if self._mode == "eval":
             with torch.no_grad(), self._autocast():
-                loss = self._loss(self._run(inputs), *labels)
+                loss = self._loss_of(self._run(inputs), labels)
             return self._out(self._global_loss(loss))
         loss = self._train_loss(inputs, labels)
         self._backward(loss, self._k, self._avg)
@@ -242,9 +243,19 @@ class DistModel:
             self._update()
         return self._out(self._global_loss(loss.detach()))
 
+    def _loss_of(self, out, labels):
+        """The loss of the forward's ``out``, as Paddle's ``loss(*outputs, *labels)``: a model's outputs (a tuple or
+        list) come as arguments of their own. ValueError (every rank runs the same loss) unless it is one tensor."""
+        loss = self._loss(*(list(out) if isinstance(out, (tuple, list)) else [out]), *labels)
+        if not isinstance(loss, torch.Tensor):
+            what = f"{type(loss).__name__} of {len(loss)}" if isinstance(loss, (tuple, list)) else type(loss).__name__
+            raise ValueError(f"DistModel: the loss must return one tensor, the loss to train on (Paddle's loss is "
+                             f"one value), got a {what}")
+        return loss
+
     def _train_loss(self, inputs, labels):
         with self._autocast():
-            loss = self._loss(self._run(inputs), *labels)
+            loss = self._loss_of(self._run(inputs), labels)
         if self._o2 is not None and loss.is_floating_point():
             loss = loss.float()  # O2's loss in float32, as Paddle's
         return loss
@@ -259,6 +270,7 @@ class DistModel:
         if self._rows is not None:  # the ranks' gradients are averaged: each block's counts once in their sum
             scaled = scaled * self._rows.parts
         if self._scaler is not None:
+            self._scaling.sync(self._scaler)  # a scale loaded into state_dict()'s tensor in place
             scaled = self._scaler.scale(scaled)
         scaled.backward()
 
@@ -335,7 +347,7 @@ class DistModel:
             out = torch.func.functional_call(layer, params, tuple(inputs))
             if mode == "predict":
                 return out
-            loss = loss_fn(out, *labels)
+            loss = loss_fn(*(list(out) if isinstance(out, (tuple, list)) else [out]), *labels)
             if mode == "eval":
                 return loss
             trained = [p for p in params.values() if p.requires_grad]
@@ -413,76 +425,14 @@ class DistModel:
 
     # state ------------------------------------------------------------------------------------------------
     def state_dict(self, mode="all") -> dict:
-        """'param': the layer's state dict; 'opt': optimizer states as ``{param}.{state}`` keys; 'all': both."""
-        if mode not in ("all", "param", "opt"):
-            raise ValueError(f"state_dict: mode must be 'all', 'param' or 'opt', got {mode!r}")
-        out = {}
-        if mode in ("all", "param"):
-            out.update(self._layer.state_dict())
-        if mode in ("all", "opt") and self._optimizer is not None:
-            out.update(self._opt_state())
-        return out
-
-    def _opt_state(self) -> dict:
-        if self._sharded:
-            create_states(self._optimizer, self._optimizer.grad_params())
-            full = self._optimizer.full_state_dict()
-            order = [pc.name for pc in self._optimizer.ownership]
-            return {f"{order[i]}.{k}": v for i, st in full["state"].items() for k, v in st.items()}
-        # before training the states are made first, as Paddle's program holds them from its start: a checkpoint
-        # loaded into this dict (dist.load_state_dict) then reaches the optimizer
-        create_states(self._optimizer, self._layer.parameters())
-        by_id = {id(p): n for n, p in self._layer.named_parameters()}
-        return {f"{by_id.get(id(p), '?')}.{k}": v for p, st in self._optimizer.state.items() for k, v in st.items()}
+        """'param': the layer's state dict; 'opt': optimizer states as ``{param}.{state}`` keys (and, under float16's
+        dynamic loss scaling, Paddle's ``loss_scaling_0``, ``num_good_steps_0``, ``num_bad_steps_0``); 'all': both."""
+        return model_state.state_dict(self, mode)
 
     def set_state_dict(self, state_dict: dict) -> None:
-        """Load values (as ``state_dict`` gives them) into the layer's parameters and the optimizer. Every key is
-        checked before anything is written."""
-        if not isinstance(state_dict, dict):
-            raise TypeError(f"set_state_dict: expected a dict (as state_dict gives), got {type(state_dict).__name__}")
-        own = self._layer.state_dict()
-        params = {k: v for k, v in state_dict.items() if k in own}
-        for k, v in params.items():
-            if _is_dist(own[k]) and not _is_dist(v):
-                raise ValueError(f"set_state_dict: {k} is a dist tensor; pass a dist tensor for it")
-            prog.check_shape(k, v, own[k])
-        rest = {k: v for k, v in state_dict.items() if k not in own}
-        if rest and self._optimizer is None:
-            raise ValueError(f"set_state_dict: unknown keys {sorted(rest)[:5]} (no optimizer to load them into)")
-        # optimizer keys are "{parameter}.{state}": a sharded optimizer names its parameters as its pieces
-        names = [pc.name for pc in self._optimizer.ownership] if self._sharded else \
-            [n for n, _ in self._layer.named_parameters()] if rest else []
-        index = {n: i for i, n in enumerate(names)}
-        states: dict = {}
-        for key, v in rest.items():
-            pname, _, skey = key.rpartition(".")
-            if pname not in index:
-                raise ValueError(f"set_state_dict: unknown key {key!r}")
-            states.setdefault(index[pname], {})[skey] = v
-        by_index = list(self._layer.parameters())
-        if states and not self._sharded:  # made first, as state_dict() makes them (and load_full_state_dict does):
-            create_states(self._optimizer, by_index)  # the states not given read as before any step, as Paddle's
-        for i, st_in in states.items():
-            for skey, v in st_in.items():
-                if self._sharded:  # the same check on every rank: the piece's whole shape, not this rank's shard
-                    prog.check_piece(f"{names[i]}.{skey}", v, self._optimizer.ownership[i])
-                else:
-                    prog.check_shape(f"{names[i]}.{skey}", v, self._optimizer.state.get(by_index[i], {}).get(skey))
-        with torch.no_grad():
-            for k, v in params.items():
-                own[k].copy_(v)
-        if not states:
-            return
-        if self._sharded:
-            self._optimizer.load_full_state_dict(states)
-            return
-        for i, st_in in states.items():
-            st = self._optimizer.state[by_index[i]]
-            for skey, v in st_in.items():
-                if torch.is_tensor(st.get(skey)):
-                    st[skey].copy_(v)
-                else:
-                    st[skey] = v.clone() if torch.is_tensor(v) else v
+        """Load values (as ``state_dict`` gives them) into the layer's parameters, the optimizer and the loss scale.
+        Every key is checked before anything is written (an unknown one raises ``ValueError``)."""
+        model_state.set_state_dict(self, state_dict)
 
 
 def to_static(layer, loader=None, loss=None, optimizer=None, strategy=None, input_spec=None):

@@ -206,7 +206,7 @@ class Pipeline:
                 with torch.no_grad(), dm._autocast():
                     got = dm._run(micro_in[i])
                     if mode == "eval":
-                        losses[i] = dm._loss(got, *micro_lb[i])
+                        losses[i] = dm._loss_of(got, micro_lb[i])
                     else:
                         outs.append(_outputs(got))
             self._emit(phase, i, t0)
