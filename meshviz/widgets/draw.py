@@ -200,7 +200,7 @@ def mesh_block(mesh, cell_rgb=None, *, hatched=(), devices=None, groups_axis=Non
                 # above the reach of the y label, which a title wider than its grid would cross
                 sheet.text(px + gw / 2, py - over - 0.03, titles[k], TITLE, ha="center", va="bottom")
             cross = []
-            for (i, j), r in np.ndenumerate(ids2):
+            for (i, j), r in np.ndenumerate(ids2) if labels or (hatched and total <= 4096) else ():
                 s = labels.get(int(r))
                 if s is not None:
                     panel.text(j, i, s, fs, ha="center", va="center", color="black")

@@ -7,14 +7,15 @@ import time
 
 import numpy as np
 
-from ..core import ProcessMesh, plan_reshard
+from ..core import ProcessMesh, Replicate, plan_reshard
+from ..core.layout import normalize_placements
 from ..core.placements import placements_str
 from .base import STATIC_DPI, fig_png, image_box, set_image
 from .mesh_view import MeshView
 from .reshard_view import ReshardView, _groups_text
-from .style import fmt_bytes, parse_ids, parse_ints, parse_placements
+from .style import _nesting, fmt_bytes, parse_ids, parse_ints, parse_placements
 
-__all__ = ["Explorer", "explore", "plan_table"]
+__all__ = ["Explorer", "explore", "plan_table", "target_mesh", "check_cross_mesh"]
 
 _FIELDS = [  # (parameter, label, a hint under the field)
     ("mesh_shape", "mesh shape", ""),
@@ -23,7 +24,7 @@ _FIELDS = [  # (parameter, label, a hint under the field)
     ("shape", "tensor shape", ""),
     ("src", "source", "e.g. S(0), R, P(sum): one per axis"),
     ("dst", "target", ""),
-    ("target_ids", "target ids", "blank: the same mesh; else another one"),
+    ("target_ids", "target ids", "blank: the same mesh; else one of its shape, or a slice of it"),
 ]
 _PLACEHOLDER = {"ids": "0..n-1", "target_ids": "same mesh"}
 MESH_W = 5.4  # inches the explorer's mesh picture takes (518 px): beside the controls at 1280 px
@@ -37,6 +38,86 @@ _CSS = """<style>
 .meshviz-plan { overflow-x: auto; max-width: 100%; }
 .meshviz-stale { opacity: 0.35; filter: grayscale(1); pointer-events: none; }
 </style>"""
+
+
+def _x(shape) -> str:
+    return " x ".join(map(str, shape))
+
+
+def _slice_of(big: ProcessMesh, small: ProcessMesh) -> int | None:
+    """The axis of ``big`` that ``small`` is one slice of (Paddle's sub mesh: the sliced axis kept as 1 or dropped),
+    or None."""
+    for ax in range(big.ndim):
+        if big.shape[ax] == 1:
+            continue
+        for i in range(big.shape[ax]):
+            cut = np.take(big.ids, [i], axis=ax)
+            if small.ids.shape in (cut.shape, np.squeeze(cut, ax).shape) and np.array_equal(cut.ravel(),
+                                                                                          small.ids.ravel()):
+                return ax
+    return None
+
+
+def target_mesh(text, src: ProcessMesh) -> ProcessMesh:
+    """The explorer's target mesh from its ids: 'reversed' or 'range', or a flat list of as many ids, take the
+    source's shape; a nested list is its own shape, a flat list of another count a 1-D mesh. Axis names: the
+    source's, less the one a slice of it drops (a new axis of a mesh the source is a slice of: 'd<i>')."""
+    s = str(text).strip().lower() if not isinstance(text, (list, tuple, np.ndarray)) else None
+    if s in ("range", "arange", "reversed"):
+        return ProcessMesh(parse_ids(text, src.shape), src.dim_names)
+    nested = _nesting(text)
+    n = len(np.asarray(text).ravel()) if s is None else len(parse_ints(text))
+    shape = nested if len(nested) > 1 else (list(src.shape) if n == src.size else [n])
+    ids = parse_ids(text, shape)
+    names = list(src.dim_names)
+    if ids.ndim == src.ndim - 1:
+        ax = _slice_of(src, ProcessMesh(ids))
+        names = [d for i, d in enumerate(names) if i != ax] if ax is not None else None
+    elif ids.ndim == src.ndim + 1:
+        ax = _slice_of(ProcessMesh(ids), src)
+        if ax is not None:
+            fresh = next(f"d{ax}{'_' * k}" for k in range(len(names) + 1) if f"d{ax}{'_' * k}" not in names)
+            names = names[:ax] + [fresh] + names[ax:]
+        else:
+            names = None
+    elif ids.ndim != src.ndim:
+        names = None
+    return ProcessMesh(ids, names)
+
+
+def check_cross_mesh(shape, src_mesh: ProcessMesh, src, dst_mesh: ProcessMesh, dst) -> None:
+    """ValueError unless Paddle reshards between these meshes of different shapes: from a mesh to one slice of it
+    (Replicate along the sliced axis), from a slice to the whole (Replicate along that axis on the target), or
+    between a 1-D mesh and a single rank (Replicate on the single rank's side)."""
+    src = normalize_placements(shape, src_mesh, src)
+    dst = normalize_placements(shape, dst_mesh, dst)
+    one_d = src_mesh.ndim == 1 and dst_mesh.ndim == 1
+    if one_d and dst_mesh.size == 1 and all(isinstance(p, Replicate) for p in dst):
+        return  # a 1-D mesh gathered onto one rank
+    if one_d and src_mesh.size == 1 and all(isinstance(p, Replicate) for p in src):
+        return  # one rank's tensor spread over a 1-D mesh
+    ax = _slice_of(src_mesh, dst_mesh)
+    if ax is not None:
+        if isinstance(src[ax], Replicate):
+            return
+        raise ValueError(f"Paddle reshards to a slice of the mesh only from Replicate along the sliced axis "
+                         f"{src_mesh.dim_names[ax]}; the source is {placements_str([src[ax]])} there: "
+                         f"make it R first")
+    ax = _slice_of(dst_mesh, src_mesh)
+    if ax is not None:
+        if isinstance(dst[ax], Replicate):
+            return
+        raise ValueError(f"Paddle reshards from a slice of the mesh only to Replicate along the axis it grows "
+                         f"{dst_mesh.dim_names[ax]}; the target is {placements_str([dst[ax]])} there")
+    if one_d and 1 in (src_mesh.size, dst_mesh.size):
+        side = "target" if dst_mesh.size == 1 else "source"
+        raise ValueError(f"Paddle reshards between a 1-D mesh and a single rank only with the single rank's "
+                         f"placements Replicate; the {side} is {placements_str(dst if side == 'target' else src)}")
+    example = str(src_mesh.ids[0].tolist()).replace(" ", "") if src_mesh.ndim > 1 else f"[{src_mesh.process_ids[0]}]"
+    raise ValueError(f"process ids {str(dst_mesh.ids.tolist()).replace(' ', '')} are {_x(dst_mesh.shape)}, the "
+                     f"mesh shape is {_x(src_mesh.shape)}: Paddle reshards between meshes of one shape, from a mesh "
+                     f"to one slice of it along an axis (such as {example}) and back, or between a 1-D mesh and a "
+                     f"single rank")
 
 
 def plan_table(plan) -> str:
@@ -96,14 +177,16 @@ class Explorer:
             mesh = ProcessMesh(parse_ids(p["ids"], mshape), names)
             tgt = mesh
             if str(p.get("target_ids") or "").strip():
-                tgt = ProcessMesh(parse_ids(p["target_ids"], mshape), mesh.dim_names)
+                tgt = target_mesh(p["target_ids"], mesh)
             shape = parse_ints(p["shape"])
             if any(n < 0 for n in shape):
                 raise ValueError(f"tensor shape must be sizes of 0 or more, got {p['shape']!r}")
             if int(p["itemsize"]) < 1:
                 raise ValueError(f"bytes per element must be 1 or more, got {p['itemsize']!r}")
-            plan = plan_reshard(shape, mesh, parse_placements(p["src"]), tgt, parse_placements(p["dst"]),
-                                int(p["itemsize"]))
+            src, dst = parse_placements(p["src"]), parse_placements(p["dst"])
+            if tgt.shape != mesh.shape:
+                check_cross_mesh(shape, mesh, src, tgt, dst)
+            plan = plan_reshard(shape, mesh, src, tgt, dst, int(p["itemsize"]))
         except (ValueError, TypeError, OverflowError) as exc:
             self.error = str(exc)
             self._show()

@@ -9,9 +9,10 @@ from .marks import fit_label, index_labels, x_margin, y_margin
 from .sheet import DPI, MIN_FONT, Block, Panel, index_ticks, line_height, text_size, text_width, wrap
 from .style import EMPTY, LABEL, TICK, TITLE
 
-__all__ = ["tensor_block", "block_image", "MAX_SAMPLES", "VALUE_FONT"]
+__all__ = ["tensor_block", "block_image", "MAX_SAMPLES", "MAX_LABELLED", "VALUE_FONT"]
 
 MAX_SAMPLES = 384  # pixels per side a tensor picture samples at most
+MAX_LABELLED = 24  # blocks a picture names (their ranks in them) at most
 
 
 def _samples(n: int, maxs: int):
@@ -44,7 +45,16 @@ def block_image(shape, blocks, maxs: int = MAX_SAMPLES):
             img[:] = 0
         return img, xedges, yedges
     lead = shape[:-1]
-    rmulti = np.unravel_index(ri, lead) if lead else ()
+    if len(lead) <= 1:  # each block a rectangle of the sampled rows and columns: two searches per block
+        blk = np.asarray(blocks, dtype=np.int64).reshape(len(blocks), len(shape), 2)
+        (r0, r1) = (np.searchsorted(ri, blk[:, 0, 0]), np.searchsorted(ri, blk[:, 0, 1])) if lead else \
+            (np.zeros(len(blk), dtype=np.int64), np.full(len(blk), len(ri)))
+        c0, c1 = np.searchsorted(ci, blk[:, -1, 0]), np.searchsorted(ci, blk[:, -1, 1])
+        live = (blk[:, :, 0] < blk[:, :, 1]).all(axis=1) & (r0 < r1) & (c0 < c1)
+        for k in np.flatnonzero(live).tolist():
+            img[r0[k]:r1[k], c0[k]:c1[k]] = k
+        return img, xedges, yedges
+    rmulti = np.unravel_index(ri, lead)
     for k, blk in enumerate(blocks):
         if any(a >= b for a, b in blk):
             continue
@@ -186,7 +196,7 @@ def tensor_block(shape, blocks, colours, *, values=None, labels=None, faded=(), 
                 for j, s in enumerate(row):
                     if s:
                         panel.text(j + 0.5, i + 0.5, s, VALUE_FONT, ha="center", va="center")
-        elif labels is not None and len(blocks) <= 24:
+        elif labels is not None and len(blocks) <= MAX_LABELLED:
             ys = (yedges[:-1] + yedges[1:]) / 2
             xs = (xedges[:-1] + xedges[1:]) / 2
             for k, lab in enumerate(labels):

@@ -15,6 +15,7 @@ from .draw import MAX_W, mesh_block, tensor_block
 from .mesh_view import as_mesh
 from .sheet import Block, hstack, spacer, text_block, text_size, text_width, vstack
 from .style import GREY, HEAD, TITLE, block_colours
+from .tensor_draw import MAX_LABELLED
 
 __all__ = ["TensorView", "TensorState", "tensor_state", "tensor_state_block"]
 
@@ -38,6 +39,7 @@ class TensorState:
     locals: dict | None = None  # rank -> numpy local value
     reduce: str | None = None  # 'sum', 'max', ... or 'mixed'
     empty: list = field(default_factory=list)  # ranks holding an empty block
+    index: np.ndarray | None = field(default=None, repr=False)  # each coordinate's position in ``order`` (mesh order)
 
     @property
     def colours(self) -> np.ndarray:
@@ -54,15 +56,20 @@ class TensorState:
         """Mesh-shaped colours: each cell the colour of its block (pale for identity summands)."""
         mesh = world or self.mesh
         cols = self.colours
+        ranks = mesh.ids.ravel().tolist()
+        if self.index is not None and mesh == self.mesh:
+            rgb = cols[self.index] if len(cols) else np.broadcast_to(GREY, (len(ranks), 3)).copy()
+            pale = np.fromiter((self.fills.get(r, "value") != "value" for r in ranks), bool, len(ranks))
+            rgb[pale] = rgb[pale] * 0.3 + 0.7
+            return rgb.reshape(tuple(mesh.shape) + (3,))
         idx = {b: i for i, b in enumerate(self.order)}
         of = self.rank_block()
-        rgb = np.broadcast_to(GREY, tuple(mesh.shape) + (3,)).copy()
-        for c in np.ndindex(*mesh.shape):
-            r = mesh.rank_at(c)
+        rgb = np.broadcast_to(GREY, (len(ranks), 3)).copy()
+        for i, r in enumerate(ranks):
             if r in of:
                 col = cols[idx[of[r]]]
-                rgb[c] = col if self.fills.get(r, "value") == "value" else col * 0.3 + 0.7
-        return rgb
+                rgb[i] = col if self.fills.get(r, "value") == "value" else col * 0.3 + 0.7
+        return rgb.reshape(tuple(mesh.shape) + (3,))
 
     def dense(self, ranks=None) -> np.ndarray | None:
         """The global picture built from the values of ``ranks`` (default: the first holder of each block)."""
@@ -89,6 +96,35 @@ class TensorState:
             return None
 
 
+def _grouped(key: np.ndarray, ranks: np.ndarray) -> tuple[list, list]:
+    """(the distinct keys in order of first appearance, the ranks of each in mesh order) for one key per rank."""
+    if not len(key):
+        return [], []
+    perm = np.argsort(key, kind="stable")  # stable: a key's ranks stay in mesh order
+    sk = key[perm]
+    starts = np.flatnonzero(np.concatenate(([True], sk[1:] != sk[:-1])))
+    seen = np.argsort(perm[starts], kind="stable")  # the keys by their first rank
+    rs = ranks[perm].tolist()
+    ends = np.append(starts[1:], len(sk))
+    groups = [tuple(rs[a:b]) for a, b in zip(starts[seen].tolist(), ends[seen].tolist())]
+    return sk[starts][seen].tolist(), groups
+
+
+def _block_keys(flat: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(the distinct rows of ``flat`` sorted as their tuples sort, each row's index among them)."""
+    if not flat.shape[1]:
+        return np.zeros((1, 0), dtype=np.int64), np.zeros(len(flat), dtype=np.int64)
+    radix = flat.max(axis=0).astype(object) + 1  # one integer per row when they fit in 63 bits: a faster sort
+    if np.prod(radix) < 2**62:
+        key = np.zeros(len(flat), dtype=np.int64)
+        for c in range(flat.shape[1]):
+            key = key * int(radix[c]) + flat[:, c]
+        _, first, index = np.unique(key, return_index=True, return_inverse=True)
+        return flat[first], index.ravel()
+    uniq, index = np.unique(flat, axis=0, return_inverse=True)
+    return uniq, index.ravel()
+
+
 def tensor_state(shape, mesh, placements, value=None, locals=None) -> TensorState:
     """Compute what to draw for ``shape`` laid out on ``mesh`` with ``placements`` (from the core's layout)."""
     mesh = as_mesh(mesh)
@@ -97,25 +133,37 @@ def tensor_state(shape, mesh, placements, value=None, locals=None) -> TensorStat
     paxes = [i for i, p in enumerate(lay.placements) if isinstance(p, Partial)]
     psizes = [mesh.shape[i] for i in paxes]
     k = int(np.prod(psizes)) if paxes else 1
-    summands = [dict() for _ in range(k)]
-    summand_ranks = [[] for _ in range(k)]
-    fills = {}
-    empty = []
-    owners: dict = {}
-    fill_at: dict = {}  # a rank's fill depends only on its coordinate along the Partial axes
-    # every coordinate's block at once, in mesh order (one block at a time took seconds at 65,536 ranks)
-    for c, r, blk in zip(np.ndindex(*mesh.shape), mesh.ids.ravel().tolist(), lay.block_list()):
-        owners.setdefault(blk, []).append(r)
-        at = tuple(c[i] for i in paxes)
-        j = int(np.ravel_multi_index(at, psizes)) if paxes else 0
-        summands[j].setdefault(blk, []).append(r)
-        summand_ranks[j].append(r)
-        if at not in fill_at:
-            fill_at[at] = lay.fill(c)
-        fills[r] = fill_at[at]
-        if any(a >= b for a, b in blk):
-            empty.append(r)
-    order = sorted(owners)
+    ids = mesh.ids.ravel()
+    ranks = ids.tolist()
+    n = len(ranks)
+    # every coordinate at once, numpy-wide (a loop over the ranks took seconds per picture at 65,536 ranks)
+    flat = lay.bounds().reshape(n, -1)
+    uniq, index = _block_keys(flat)
+    order = [tuple(zip(row[0::2], row[1::2])) for row in uniq.tolist()]
+    firsts, owner_groups = _grouped(index, ids)
+    blocks = {order[u]: g for u, g in zip(firsts, owner_groups)}
+    coords = np.unravel_index(np.arange(n), tuple(mesh.shape)) if n else ()
+    j = np.ravel_multi_index([coords[i] for i in paxes], psizes) if paxes else np.zeros(n, dtype=np.int64)
+    summand_ranks: list = [[] for _ in range(k)]
+    summands: list = [dict() for _ in range(k)]
+    if k == 1:
+        summand_ranks[0], summands[0] = list(ranks), dict(blocks)
+    else:
+        js, groups = _grouped(j, ids)
+        for jj, g in zip(js, groups):
+            summand_ranks[jj] = list(g)
+        keys, groups = _grouped(j * len(order) + index, ids)
+        for key, g in zip(keys, groups):
+            summands[key // len(order)][order[key % len(order)]] = g
+    # a dense tensor's fill depends only on which Partial axes a rank is off coordinate 0 of (partial_fill)
+    off = sum(((coords[i] != 0).astype(np.int64) << t for t, i in enumerate(paxes)), np.zeros(n, dtype=np.int64))
+    kinds_at, first_at = np.unique(off, return_index=True)
+    fill_of = [""] * (1 << len(paxes))
+    for kk, i in zip(kinds_at.tolist(), first_at.tolist()):
+        fill_of[kk] = lay.fill(tuple(int(c[i]) for c in coords))
+    fills = dict(zip(ranks, np.asarray(fill_of, dtype=object)[off].tolist()))
+    b3 = flat.reshape(n, -1, 2)
+    empty = ids[(b3[:, :, 0] >= b3[:, :, 1]).any(axis=1)].tolist()
     reduce = None
     if paxes:
         kinds = {lay.placements[i].reduce_type.short for i in paxes}
@@ -127,9 +175,8 @@ def tensor_state(shape, mesh, placements, value=None, locals=None) -> TensorStat
         if value.size <= MAX_VALUE_NUMEL and mesh.size <= 1024:
             locals = {mesh.rank_at(c): dense_to_local(value, mesh, lay.placements, c)
                       for c in np.ndindex(*mesh.shape)}
-    return TensorState(lay.shape, mesh, lay.placements, order, {b: tuple(r) for b, r in owners.items()},
-                       [{b: tuple(r) for b, r in s.items()} for s in summands], summand_ranks, fills, locals,
-                       reduce, empty)
+    return TensorState(lay.shape, mesh, lay.placements, order, blocks, summands, summand_ranks, fills, locals,
+                       reduce, empty, index)
 
 
 def _rank_list(ranks, limit=6) -> str:
@@ -190,7 +237,7 @@ def tensor_state_block(st: TensorState, *, world=None, groups_axis=None, mesh_ti
         mesh = Block(mesh_w, mesh.h, mesh.paint, mesh.mid)
     gap = 0.3
     budget = max_w - mesh.w - gap
-    labels = [_rank_list(st.blocks[b]) for b in st.order]
+    labels = [_rank_list(st.blocks[b]) for b in st.order] if len(st.order) <= MAX_LABELLED else None
     if not st.is_partial:
         panel = tensor_block(st.shape, st.order, cols, values=st.dense(), labels=labels, note=_empty_note(st),
                              max_w=max(1.2, min(3.4, budget)), max_h=2.8)
@@ -241,7 +288,7 @@ def _partial_row(st: TensorState, mesh: Block, gap: float, op: Block, eq: Block,
         holders = st.summand_ranks[j]
         faded = [i for i, b in enumerate(st.order)
                  if all(st.fills.get(r) != "value" for r in st.summands[j].get(b, ()))]
-        slabels = [_rank_list(st.summands[j].get(b, ())) for b in st.order]
+        slabels = [_rank_list(st.summands[j].get(b, ())) for b in st.order] if len(st.order) <= MAX_LABELLED else None
         parts.append(tensor_block(st.shape, st.order, cols, values=st.dense(set(holders)), labels=slabels,
                                   faded=faded, title=f"summand {j}: ranks {_rank_list(holders, 4)}", max_w=pw,
                                   max_h=2.6, title_w=title_w))
