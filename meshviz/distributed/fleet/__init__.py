@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch import nn
 
@@ -10,7 +12,7 @@ from ...runtime.agree import same_on_every_rank
 from ...runtime.world import get_rank, get_world_size, init_parallel_env
 from ..collective import barrier
 from . import topology  # noqa: F401  (fleet.topology, as in Paddle)
-from .optimizer import HybridParallelOptimizer
+from .optimizer import HybridParallelOptimizer, check_sharding_layout
 from .state import FleetState, current, hybrid_group
 from .strategy import DistributedStrategy
 from .topology import AXIS_NAMES, CommunicateTopology, HybridCommunicateGroup, ParallelMode
@@ -121,6 +123,9 @@ class Fleet:
             return _pipeline_model(model, hcg, strategy)
         if get_world_size() == 1:
             return model
+        if isinstance(model, nn.Module):
+            self._model = weakref.ref(model)
+        check_sharding_layout("fleet.distributed_model", hcg, model)  # before the broadcasts below
         place_module(model, "fleet.distributed_model")  # a CPU model on a GPU rank moves to the GPU, as in Paddle
         if mode == ParallelMode.DATA_PARALLEL:
             return DataParallel(

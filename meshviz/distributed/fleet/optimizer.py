@@ -7,12 +7,29 @@ import warnings
 import torch
 import torch.distributed as tdist
 
+from ...runtime.agree import same_on_every_rank
 from ...runtime.devices import device
-from ...runtime.zero import OwnerZero, ShardingGroup, Zero
+from ...runtime.zero import OwnerZero, ShardingGroup, Zero, layout_settings
+from .state import current
 from .topology import ParallelMode
 from .utils.hybrid_parallel_util import sync_dp_sep_grads
 
-__all__ = ["HybridParallelOptimizer"]
+__all__ = ["HybridParallelOptimizer", "check_sharding_layout"]
+
+
+def check_sharding_layout(who: str, hcg, model=None, optimizer=None) -> None:
+    """With sharding > 1: raise ValueError on every rank of each sharding group, then of each data-parallel group,
+    where their ranks' parameters (names, shapes, dtypes, which require grad) or the optimizer's parameter groups
+    and order differ, as ``group_sharded_parallel`` checks them: the owners, and so every reduce and broadcast,
+    follow from them."""
+    if hcg is None or hcg.get_sharding_parallel_world_size() < 2:
+        return
+    settings = layout_settings(model, optimizer)
+    groups = [hcg.get_sharding_parallel_group()]
+    if hcg.get_data_parallel_world_size() > 1:
+        groups.append(hcg.get_data_parallel_group())
+    for g in groups:
+        same_on_every_rank(who, settings, g.process_group, g.ranks)
 
 
 def _agree_grads(sharding) -> None:
@@ -27,6 +44,18 @@ def _agree_grads(sharding) -> None:
     for p, somewhere in zip(params, flags.tolist()):
         if somewhere and p.grad is None:
             p.grad = torch.zeros_like(p)
+
+
+def _model_of(optimizer):
+    """The model ``fleet.distributed_model`` got last where it holds every parameter of ``optimizer`` (None
+    elsewhere): its names say which parameter stands where."""
+    ref = current()._model
+    model = ref() if ref is not None else None
+    try:
+        held = {id(p) for p in model.parameters()} if model is not None else set()
+        return model if all(id(p) in held for g in optimizer.param_groups for p in g["params"]) else None
+    except (AttributeError, KeyError, TypeError):
+        return None
 
 
 class HybridParallelOptimizer(Zero):
@@ -53,6 +82,7 @@ class HybridParallelOptimizer(Zero):
         self._strategy = strategy
         self._sharding = None
         if hcg is not None and hcg.get_sharding_parallel_world_size() > 1:
+            check_sharding_layout("fleet.distributed_optimizer", hcg, _model_of(optimizer), optimizer)
             self._sharding = OwnerZero(optimizer, ShardingGroup(hcg.get_sharding_parallel_group()))
             self.level = self._sharding.level
             self._step_supports_amp_scaling = True  # torch's GradScaler then passes itself to step, on every rank

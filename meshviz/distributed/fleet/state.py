@@ -8,10 +8,11 @@ __all__ = ["FleetState", "FLEET", "current", "hybrid_group", "configured"]
 
 
 class FleetState:
-    __slots__ = ("_hcg", "_topology", "_strategy", "_built")
+    __slots__ = ("_hcg", "_topology", "_strategy", "_built", "_model")
 
     def __init__(self):
         self._hcg = self._topology = self._strategy = None
+        self._model = None  # a weak reference to the model distributed_model got last (its parameters' names)
         self._built = None  # the HybridCommunicateGroup this rank built last (fleet.init's or not)
 
 

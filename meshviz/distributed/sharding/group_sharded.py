@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import weakref
-import zlib
 
 import torch.distributed as tdist
 import torch.nn as nn
@@ -14,7 +13,7 @@ from ...runtime.agree import same_on_every_rank
 from ...runtime.devices import place_module
 from ...runtime.groups import resolve
 from ...runtime.world import device, init_parallel_env
-from ...runtime.zero import ShardingGroup, check_elementwise
+from ...runtime.zero import ShardingGroup, check_elementwise, layout_settings
 from .optimizer import GroupShardedOptimizer
 from .scaler import make_scaler
 
@@ -116,10 +115,15 @@ def group_sharded_parallel(
                           dp_group, exclude_layer)
         check_elementwise(optimizer, "group_sharded_parallel")
     except ValueError as e:
-        if not running:  # before the process group starts: every rank runs the same checks
+        if not running and level not in LEVELS:  # a level that is none: before any communication
             raise
         refused, names = e, {}
-    init_parallel_env()
+    try:  # also where this rank refused: the others would wait for it in the settings check below
+        init_parallel_env()
+    except Exception:
+        if refused is None:
+            raise
+        raise refused from None  # what was wrong with the arguments says more than the start that failed
     grp = resolve_group(group)
     dp = None
     try:
@@ -135,7 +139,7 @@ def group_sharded_parallel(
                 "offload": bool(offload), "sync_buffers": bool(sync_buffers), "segment_size": segment_size,
                 "dp_group size": 1 if dp is None else dp.size, "buffer_max_size": buffer_max_size,
                 "grad_clip": clip, "exclude_layer": ", ".join(sorted(excluded)) or "none",
-                **_layout(model, optimizer, names)}
+                **layout_settings(model, optimizer, names)}
     try:
         same_on_every_rank("group_sharded_parallel", settings, grp.pg, grp.ranks)
     except ValueError:
@@ -161,28 +165,6 @@ def group_sharded_parallel(
     optimizer._meshviz_sharded = True  # its param_groups hold this rank's shards now, not the model's parameters
     _GROUP_OF[model] = grp
     return model, opt, make_scaler(scaler, grp, dev.type)
-
-
-def _layout(model, optimizer, names: dict) -> dict:
-    """Checksums of the model's parameters and buffers and of the optimizer's parameter groups, from which the
-    shards, and so every collective, follow; each names what it covers where the ranks' differ."""
-    def crc(v) -> int:
-        return zlib.crc32(repr(v).encode())
-
-    keys = ("parameter and buffer names and shapes (checksum)", "parameter and buffer dtypes (checksum)",
-            "parameters that require grad (checksum)", "optimizer parameter groups and order (checksum)")
-    try:
-        names = names or {id(p): n for n, p in model.named_parameters()}
-        tensors = list(model.named_parameters()) + list(model.named_buffers())
-        group_of = {id(p): gi for gi, g in enumerate(optimizer.param_groups) for p in g["params"]}
-        return dict(zip(keys, (
-            crc([(n, tuple(t.shape)) for n, t in tensors]),
-            crc([str(t.dtype) for _, t in tensors]),
-            crc([n for n, p in model.named_parameters() if p.requires_grad]),
-            crc([(names.get(id(p)), group_of[id(p)]) for g in optimizer.param_groups for p in g["params"]]),
-        )))
-    except (AttributeError, KeyError, TypeError):  # a model or optimizer this rank refused: placeholders
-        return dict.fromkeys(keys, 0)
 
 
 def _resolve_dp_group(dp_group, grp: ShardingGroup) -> ShardingGroup | None:

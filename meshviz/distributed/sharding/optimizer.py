@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ...runtime.zero import FlatZero, create_states, gather_object
+from ...trace.status import name_ranks
 
 __all__ = ["GroupShardedOptimizer"]
 
@@ -52,8 +53,18 @@ class GroupShardedOptimizer(FlatZero):
         optimizer's format (``save_group_sharded_model``'s ``model.pdopt``, a one-process optimizer's
         ``state_dict()``), of which each rank loads its part, hyperparameters included (as torch's
         ``load_state_dict``). Collective: every rank of the group calls it, with states of one format."""
-        whole = self._whole_format(state)
-        kinds = set(gather_object(whole, self._group)) - {None}
+        try:
+            whole, refused = self._whole_format(state), None
+        except (TypeError, ValueError) as e:  # said on every rank, not here alone: the others would wait for it
+            whole, refused = "refused", e
+        said = gather_object(whole, self._group)
+        if refused is not None:
+            raise refused
+        if "refused" in said:
+            ranks = name_ranks([r for r, k in zip(self._group.ranks, said) if k == "refused"])
+            raise ValueError(f"{type(self).__name__}.load_state_dict: {ranks} of the group {self._group.ranks} "
+                             f"refused the state given there (each says why); nothing was loaded")
+        kinds = set(said) - {None}
         if len(kinds) > 1:
             raise ValueError(f"{type(self).__name__}.load_state_dict: some ranks of the group {self._group.ranks} were "
                              f"given the whole model's optimizer state and others their own shard's; give every rank "
@@ -82,6 +93,9 @@ class GroupShardedOptimizer(FlatZero):
         counts = [len(g.get("params", ())) for g in state["param_groups"]]
         whole = [sum(s.group_index == gi for s in self._slots) for gi in range(len(self._inner_opt.param_groups))]
         mine = [len(g["params"]) for g in self._inner_opt.param_groups]
+        if counts != whole and counts != mine:
+            raise ValueError(f"{type(self).__name__}.load_state_dict: the state's parameter groups hold {counts} "
+                             f"parameters; this rank's shard's hold {mine} and the whole model's {whole}")
         if counts != whole:
             return False
         if counts != mine:

@@ -6,6 +6,7 @@ import os
 
 import torch
 
+from ...runtime.agree import same_on_every_rank
 from ...runtime.devices import full_tensor
 from ...runtime.zero.group import gather_object
 from .group_sharded import resolve_group, sharding_group_of
@@ -20,21 +21,35 @@ OPT_FILE = "model.pdopt"
 def save_group_sharded_model(model, output, optimizer=None):
     """Write the full model (``output/model.pdmodel``) and optimizer (``output/model.pdopt``) with torch.save.
 
-    Every rank of the sharding group calls it (it gathers); the group's first rank writes, and a failure to write
-    raises on every rank. The files hold
+    Every rank of the sharding group calls it (it gathers), each with or each without the optimizer; the group's
+    first rank writes, and a failure to write, or an argument one rank refuses, raises on every rank. The files hold
     plain tensors: ``model.load_state_dict(torch.load(".../model.pdmodel"))`` on an unwrapped model, and
     ``opt.load_state_dict(torch.load(".../model.pdopt"))`` on its unwrapped optimizer, or (every rank) on the one
     ``group_sharded_parallel`` returned (``set_state_dict`` too), where each rank loads its part.
     """
+    refused = None
     if os.path.isfile(output):
-        raise ValueError(f"save_group_sharded_model: output ({output}) must be a directory, not a file")
-    if optimizer is not None and not isinstance(optimizer, GroupShardedOptimizer):
-        raise ValueError("save_group_sharded_model: optimizer must be the one group_sharded_parallel returned")
+        refused = ValueError(f"save_group_sharded_model: output ({output}) must be a directory, not a file")
+    elif optimizer is not None and not isinstance(optimizer, GroupShardedOptimizer):
+        refused = ValueError("save_group_sharded_model: optimizer must be the one group_sharded_parallel returned")
     own = sharding_group_of(model)  # without the optimizer, the model's own group (one of several, say) writes
-    if optimizer is not None and own is not None and own.ranks != optimizer._group.ranks:
-        raise ValueError(f"save_group_sharded_model: the model was sharded over ranks {own.ranks} and the optimizer "
-                         f"over {optimizer._group.ranks}; pass the optimizer group_sharded_parallel returned with it")
-    grp = optimizer._group if optimizer is not None else own if own is not None else resolve_group(None)
+    if refused is None and optimizer is not None and own is not None and own.ranks != optimizer._group.ranks:
+        refused = ValueError(f"save_group_sharded_model: the model was sharded over ranks {own.ranks} and the "
+                             f"optimizer over {optimizer._group.ranks}; pass the optimizer group_sharded_parallel "
+                             f"returned with it")
+    grp = own if own is not None else optimizer._group if refused is None and optimizer is not None else \
+        resolve_group(None)
+    # a rank that refused, or that gathers no optimizer where the others do, would leave them waiting in the
+    # gathers below: every rank raises, before any
+    settings = {"arguments accepted (a refusing rank raises why)": refused is None,
+                "optimizer given": optimizer is not None}
+    try:
+        same_on_every_rank("save_group_sharded_model", settings, grp.pg, grp.ranks)
+    except ValueError:
+        if refused is None:
+            raise
+    if refused is not None:
+        raise refused
     sd = {}
     for k, v in model.state_dict().items():
         v = full_tensor(v)
