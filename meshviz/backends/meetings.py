@@ -180,6 +180,10 @@ def _reduce(tensors: list, rop):
 
 
 def _put(dst: torch.Tensor, src: torch.Tensor) -> None:
+    if dst.is_sparse:  # a sparse copy_ resizes the tensor it is called on: a detached alias would take the result
+        with torch.no_grad():
+            dst.copy_(src)
+        return
     dst.detach().copy_(src)  # detach: c10d's signatures do not tell autograd about the write
 
 

@@ -24,7 +24,7 @@ __all__ = [
     "disabled_torch_function_impl", "make_wrapper_subclass", "compiling", "TorchDispatchMode", "tree_map",
     "tree_flatten", "tree_unflatten",
     "flatten_dense_tensors", "unflatten_dense_tensors", "fake_tensor_type", "amp_unscale_",
-    "autograd_sequence_nr", "running_node", "in_backward", "will_run",
+    "autograd_sequence_nr", "running_node", "in_backward", "will_run", "graph_task_id", "is_ddp_sink",
     # simulated ranks: tensors without storage
     "fake_tensor_mode_type", "fake_data_errors", "fresh_fake_outputs", "wrap_meta", "may_keep_values",
     "known_values", "clear_dtensor_caches", "empty_block", "FakeOps", "install_fake_ddp", "uninstall_fake_ddp",
@@ -139,7 +139,7 @@ def dtensor_from_local(local: torch.Tensor, device_mesh, placements: tuple, shap
 
 # -- the autograd engine (meshviz/compat/autograd.py), DTensor's sharding decisions (meshviz/compat/decisions.py) --
 
-from .autograd import autograd_sequence_nr, in_backward, running_node, will_run  # noqa: E402
+from .autograd import autograd_sequence_nr, graph_task_id, in_backward, is_ddp_sink, running_node, will_run  # noqa: E402
 from .decisions import (  # noqa: E402
     DTensorDecision,
     NoDTensorRule,

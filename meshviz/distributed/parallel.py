@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import torch
@@ -66,6 +67,23 @@ class DataParallel(nn.Module):
         engine = DataParallelEngine(layers, g, comm_buffer_size, last_comm_buffer_size, find_unused_parameters)
         # kept out of the module tree: keys stay free of a prefix
         object.__setattr__(self, "_engine", engine)
+
+    def __deepcopy__(self, memo):
+        """A copy of the wrapped layer, data-parallel over the same group (an EMA model deep-copies the model it
+        follows, often on one rank only): nothing is sent at the copy; a forward that records a gradient builds its
+        reducer. The copy's parameters keep the marks DataParallel reads (``no_sync``)."""
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        shared = ("_engine", "group")  # a process group cannot be copied: the copy uses this one
+        state = copy.deepcopy({k: v for k, v in self.__dict__.items() if k not in shared}, memo)
+        new.__dict__.update(state, group=self.group)
+        for (_, p), (_, q) in zip(self._layers.named_parameters(), new._layers.named_parameters()):
+            if hasattr(p, "no_sync") and not hasattr(q, "no_sync"):
+                q.no_sync = p.no_sync
+        e = self._engine
+        object.__setattr__(new, "_engine", DataParallelEngine(new._layers, e.group, e.bucket_mb, e.first_bucket_mb,
+                                                              e.find_unused_parameters, lazy=True))
+        return new
 
     @property
     def _ddp(self):

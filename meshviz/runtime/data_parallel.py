@@ -35,24 +35,32 @@ class DataParallelEngine:
     synced forward looks for parameters its loss cannot use: where some rank has one (and no_sync() steps came
     before none), DDP is built again to search for them at every backward from that one on (a gradient averaged with
     zeros from the ranks that did not use it, none where no rank did); else nothing changes: a rank that leaves one
-    out sends its zeros for it at the end of that backward (see :func:`_check_after_backward`).
+    out sends its zeros for it at the end of that backward (see :func:`_check_after_backward`). With
+    ``find_unused_parameters``, where that forward runs a custom autograd Function (a reentrant checkpoint) on some
+    rank, those zeros replace DDP's search, which cannot see the Function's parameters.
     """
 
-    def __init__(self, module: nn.Module, g: Group, bucket_mb, first_bucket_mb, find_unused_parameters=False):
+    def __init__(self, module: nn.Module, g: Group, bucket_mb, first_bucket_mb, find_unused_parameters=False,
+                 lazy=False):
         self.module = module
         self.group = g
         self.key = tuple(g.ranks)
         self.bucket_mb, self.first_bucket_mb = bucket_mb, first_bucket_mb
         self.find_unused_parameters = find_unused_parameters
         self.find = find_unused_parameters  # whether DDP searches for unused parameters at every backward
-        self.probe = not self.find  # whether the next synced forward looks for them
+        self.probe = True  # whether the next synced forward looks for them (and for hidden ones)
         self.accumulated = False  # a forward inside no_sync() since the last synced one
         self.sync = True  # False inside no_sync()
-        self.ddp = None
+        self.ddp = self.retired = None
         self.seen = None  # where a custom Function may hide parameters: those whose gradient came this backward
         self.params = list(module.parameters())  # the set DDP was given: a changed flag is read from these alone
         self.flags = [p.requires_grad for p in self.params]
         self.trained = _trained(module)
+        # ``lazy``: a copy of replicas already equal (a deep copy, which one rank may make alone): no collective
+        # until its first forward that records a gradient builds the reducer
+        self.lazy = lazy
+        if lazy:
+            return
         if not self.trained:
             broadcast_params_buffers(module, g)
             return
@@ -109,11 +117,20 @@ class DataParallelEngine:
         if self.ddp is not None:
             self.ddp.reducer._remove_autograd_hooks()
         self.trained, self.ddp = now, None
-        self.find, self.probe = self.find_unused_parameters, not self.find_unused_parameters  # looked at again
+        self.find, self.probe = self.find_unused_parameters, True  # looked at again
         if now:
             self._install(self._build(False))
 
     def forward(self, *inputs, **kwargs):
+        self.retired = None
+        if self.lazy:
+            if not torch.is_grad_enabled():
+                return self.module(*inputs, **kwargs)
+            self.lazy = False
+            self.flags = [p.requires_grad for p in self.params]
+            self.trained = _trained(self.module)
+            if self.trained:
+                self._install(self._build(False))
         self._refresh()
         if self.ddp is None:
             return self.module(*inputs, **kwargs)
@@ -137,12 +154,15 @@ class DataParallelEngine:
         # follows is shown as inside them on this group
         rollcall.current().begin_region("all_reduce", self.key, "DataParallel gradients")
         if not self.find:
-            _check_after_backward(self.ddp, out, self.module, self.seen)
+            _check_after_backward(self.ddp, out, self.module, self.group, self.seen)
 
     def _probe(self, out) -> None:
         """The first synced forward: where ``out`` leaves a parameter DDP averages unused on some rank (one MAX
         all-reduce of flags, untraced as DDP's own search), DDP is built again to search for unused parameters,
-        this backward included; not after no_sync() steps, nor where a custom autograd Function may hide some."""
+        this backward included; not after no_sync() steps, nor where a custom autograd Function may hide some.
+        With ``find_unused_parameters``, where such a Function runs on some rank, DDP's search, which cannot see
+        its parameters (it would take them for unused, then raise when the Function's backward reaches them), is
+        replaced by the end-of-backward zeros of :func:`_check_after_backward`, whose gradients are the same."""
         self.probe = False
         reached, hidden = _reached_params(out)
         flag = torch.tensor([any(i not in reached for i in self.trained), self.accumulated, hidden],
@@ -151,18 +171,19 @@ class DataParallelEngine:
                  lambda g: tdist.all_reduce(flag, op=tdist.ReduceOp.MAX, group=g.process_group, async_op=True),
                  tensors=(flag,), traced=False, name="DataParallel.find_unused", reduce_op="max"))
         unused, accumulated, hidden = flag.tolist()
-        if hidden:  # the autograd graph cannot say which parameters a backward reaches: their gradients can
-            self.seen = set()
+        if hidden and self.seen is None:  # the autograd graph cannot say which parameters a backward reaches:
+            self.seen = set()  # their gradients can
             for p in self.params:
                 if p.requires_grad:
                     p.register_post_accumulate_grad_hook(lambda p, seen=self.seen: seen.add(id(p)))
         # the reducer there is stays where one built now would not know what the no_sync() backwards used, or where
         # a custom autograd Function (a reentrant checkpoint) may use parameters its inputs do not show; the end
         # of each backward then sends what a rank left unreduced (_check_after_backward)
-        if not unused or accumulated or hidden:
+        if not (hidden if self.find else unused and not accumulated and not hidden):
             return
-        self.find = True
+        self.find = not self.find
         self.ddp.reducer._remove_autograd_hooks()
+        self.retired = self.ddp  # its output's backward (DDP's _DDPSink) reads it through a weak reference
         self._install(self._build(False))
         self.ddp.require_backward_grad_sync = True
         self.ddp.reducer.prepare_for_backward(tensors_in(out))  # what DDP's forward does with them
@@ -184,47 +205,89 @@ class DataParallelEngine:
 _ABSENT = object()
 
 
-def _check_after_backward(ddp, out, module, seen=None) -> None:
+def _check_after_backward(ddp, out, module, g, seen=None) -> None:
     """At the end of a backward through ``out`` that left a bucket unreduced on this rank (a parameter DDP averages,
     used in the first synced step, took no part in the loss now, or only inside ``no_sync``), send this rank's zeros
     for it (its accumulated gradient where it has one), as DDP's ``find_unused_parameters`` does: the ranks that
-    used it wait in that bucket's all-reduce, and know nothing of this rank. Where the average is zero and this rank
-    had no gradient, no rank used it (a rank that did would have to have a gradient of exactly zero): its gradient
-    is dropped, as one process keeps none. ``seen``: the ids of the parameters whose gradient this backward
-    accumulated, where the autograd graph does not show them all (None: it does)."""
+    used it wait in that bucket's all-reduce, and know nothing of this rank. Then, on every rank, settle the averaged
+    gradients that are exactly zero (see :func:`_drop_unused`). ``seen``: the ids of the parameters whose gradient
+    this backward accumulated, where the autograd graph does not show them all (None: it does)."""
 
     def check():
-        try:
-            ddp.reducer._check_reducer_finalized()
-            return
-        except RuntimeError as e:
-            error = e
         trained = set(_trained(module))
-        unused = [p for p in module.parameters() if id(p) in trained
-                  and (id(p) not in seen if seen is not None else not reached_in_backward(p))]
-        had = [p.grad is not None for p in unused]
-        if unused:
-            try:
-                torch.autograd.backward(unused, [torch.zeros_like(p) for p in unused])  # runs DDP's hooks on them
-            except RuntimeError as e:  # DDP refuses one it has had: a custom Function's own backward used it
-                raise RuntimeError(
-                    "DataParallel: this rank's loss left a parameter out while a custom autograd Function (such as "
-                    "a reentrant checkpoint: recompute(..., use_reentrant=True)) used others where the autograd graph "
-                    "does not show them, so the parameters to send zeros for are unknown; use use_reentrant=False. "
-                    f"torch DDP: {e}") from None
         try:
             ddp.reducer._check_reducer_finalized()
-        except RuntimeError:
-            raise RuntimeError(
-                "DataParallel: the backward ended with gradients not averaged: a parameter that requires a "
-                "gradient took no part in the loss on this rank (or only inside no_sync()), and torch could not say "
-                "which. Pass find_unused_parameters=True to DataParallel, or freeze the parameter. "
-                f"torch DDP: {error}") from None
-        for p, h in zip(unused, had):
-            if not h and not p.grad.any():
-                p.grad = None
+            left = set()  # a finalized reducer: every parameter it averages was used here
+        except RuntimeError as e:
+            left = _send_zeros(ddp, module, trained, seen, e)
+        _drop_unused([p for n, p in module.named_parameters() if id(p) in trained
+                      and n not in ddp.parameters_to_ignore], left, g)
 
     _after_backward(out, check)
+
+
+def _send_zeros(ddp, module, trained, seen, error) -> set:
+    """Send zeros (or the accumulated gradient) for the parameters this rank's backward left out; the ids of those
+    that had no gradient here."""
+    unused = [p for p in module.parameters() if id(p) in trained
+              and (id(p) not in seen if seen is not None else not reached_in_backward(p))]
+    left = {id(p) for p in unused if p.grad is None}
+    if unused:
+        try:
+            torch.autograd.backward(unused, [torch.zeros_like(p) for p in unused])  # runs DDP's hooks on them
+        except RuntimeError as e:  # DDP refuses one it has had: a custom Function's own backward used it
+            raise RuntimeError(
+                "DataParallel: this rank's loss left a parameter out while a custom autograd Function (such as "
+                "a reentrant checkpoint: recompute(..., use_reentrant=True)) used others where the autograd graph "
+                "does not show them, so the parameters to send zeros for are unknown; use use_reentrant=False. "
+                f"torch DDP: {e}") from None
+    try:
+        ddp.reducer._check_reducer_finalized()
+    except RuntimeError:
+        raise RuntimeError(
+            "DataParallel: the backward ended with gradients not averaged: a parameter that requires a "
+            "gradient took no part in the loss on this rank (or only inside no_sync()), and torch could not say "
+            "which. Pass find_unused_parameters=True to DataParallel, or freeze the parameter. "
+            f"torch DDP: {error}") from None
+    return left
+
+
+def _drop_unused(params, left, g) -> None:
+    """Drop the averaged gradient of each parameter in ``params`` that no rank used, as one process keeps none.
+
+    Every rank holds the same averaged gradients, so every rank finds the same ones zero (:func:`_all_zero`): only
+    those can be unused everywhere (a rank that left one out sent zeros), yet a rank may have used one with a
+    gradient of exactly zero, and then one process keeps its zeros. One MAX all-reduce of "used here" flags
+    (``left``: the ids this rank left out with no gradient) decides, on every rank alike, and only where some
+    averaged gradient is zero."""
+    params = [p for p in params if p.grad is not None]  # after DDP's finalize, all of them on every rank
+    if not params:
+        return
+    grads = [p.grad for p in params]
+    zero = [p for p, z in zip(params, _all_zero(grads)) if z]
+    if not zero:
+        return
+    flag = torch.tensor([id(p) not in left for p in zero], dtype=torch.uint8, device=zero[0].device)
+    run(Call(CollectiveOp.ALL_REDUCE, g,
+             lambda g: tdist.all_reduce(flag, op=tdist.ReduceOp.MAX, group=g.process_group, async_op=True),
+             tensors=(flag,), traced=False, name="DataParallel.find_unused", reduce_op="max"))
+    for p, used in zip(zero, flag.tolist()):
+        if not used:
+            p.grad = None
+
+
+def _all_zero(grads) -> list:
+    """Whether each of ``grads`` may be all zeros: a 2-norm of zero (all zeros, or values whose squares underflow,
+    which costs the caller only its flags' all-reduce); one pass over the dense ones and one read back for all,
+    the per-gradient answers read only where some is zero."""
+    dense = [i for i, t in enumerate(grads) if t.layout == torch.strided]
+    flags = torch.zeros(len(grads), dtype=torch.bool, device=grads[0].device)
+    if dense:  # its inf-norm and any() are 10x slower on CPU
+        flags[dense] = torch.stack(torch._foreach_norm([grads[i] for i in dense])).eq(0).to(flags.device)
+    for i, t in enumerate(grads):
+        if t.layout != torch.strided:
+            flags[i] = ~t.coalesce().values().any()
+    return flags.tolist() if bool(flags.any()) else [False] * len(grads)
 
 
 def tensors_in(out) -> list:
@@ -241,11 +304,15 @@ def tensors_in(out) -> list:
 
 
 def _after_backward(out, fn) -> None:
-    """Run ``fn`` at the end of each backward through a tensor in ``out`` (once per such tensor), after DDP's own
-    finalize, which is queued during the backward."""
+    """Run ``fn`` at the end of each backward through tensors in ``out`` (once, whichever of them it reaches: ranks
+    whose losses use different ones run it alike), after DDP's own finalize, which is queued during the backward."""
+    last = [None]  # the backward (autograd graph task) it was queued for
 
     def hook(grad):
-        Variable._execution_engine.queue_callback(lambda: Variable._execution_engine.queue_callback(fn))
+        task = compat.graph_task_id()
+        if task != last[0]:
+            last[0] = task
+            Variable._execution_engine.queue_callback(lambda: Variable._execution_engine.queue_callback(fn))
 
     for t in tensors_in(out):
         if t.requires_grad and t.grad_fn is not None:  # a hook on a leaf (a parameter) would outlive the step
@@ -269,7 +336,8 @@ def _reached_params(out) -> tuple:
         if id(node) in seen:
             continue
         seen[id(node)] = node
-        hidden = hidden or isinstance(node, BackwardCFunction)
+        # DDP's own Function on the outputs (with find_unused_parameters) hides nothing
+        hidden = hidden or isinstance(node, BackwardCFunction) and not compat.is_ddp_sink(node)
         var = getattr(node, "variable", None)
         if var is not None:
             leaves.add(id(var))
