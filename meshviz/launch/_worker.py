@@ -36,12 +36,17 @@ def main() -> None:
     sys.argv = [script] + args
     path = os.path.abspath(script)
     sys.path.insert(0, os.path.dirname(path))
+    from meshviz.launch.leavers import say_left
+
     try:
         _run(path)
     except BaseException as e:
         if not (isinstance(e, SystemExit) and e.code in (0, None)):
             _report(e)
+        else:
+            say_left()
         raise
+    say_left()
     from meshviz.runtime.world import exit_quietly
 
     exit_quietly(0, note="its script finished")

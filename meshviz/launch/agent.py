@@ -10,6 +10,7 @@ import threading
 
 from ..errors import RankError, RankOutcome
 from ..ranks.outcomes import error_of, exit_text
+from .ending import Ending, grace
 
 __all__ = ["Torchrun", "TorchrunJob", "STOPPED"]
 
@@ -29,6 +30,7 @@ class TorchrunJob:
         self.exception: BaseException | None = None  # the agent's ChildFailedError, when a worker failed
         self.interrupted: str | None = None  # the signal ("SIGINT", ...) that made the agent stop every worker
         self.log_dir: str | None = None  # where workerlog.<local rank> is, when the launcher keeps the logs
+        self.killed: dict[int, str] = {}  # the workers that outlived the signal's grace: rank -> when killed
         self._done = threading.Event()
 
     def done(self) -> bool:
@@ -82,6 +84,15 @@ class TorchrunJob:
             return 0
         code = self.failures[min(own)].exitcode % 256
         return code or 1
+
+    def killed_text(self) -> str:
+        """The workers the launcher killed after a signal (they did not end on it), as "; rank 1 did not end on
+        SIGTERM: killed (SIGKILL) after 30 s", or ""."""
+        if not self.killed:
+            return ""
+        ranks = sorted(self.killed)
+        who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+        return f"; {who} did not end on {self.interrupted}: killed (SIGKILL) {self.killed[ranks[0]]}"
 
     def outcomes(self) -> list[RankOutcome]:
         if not self.done():
@@ -164,8 +175,12 @@ class Torchrun:
         job = self.job = TorchrunJob(self.ranks)
         main = threading.current_thread() is threading.main_thread()
         handlers = {s: signal.getsignal(s) for s in _AGENT_SIGNALS} if main else {}
+        ending = Ending(grace())
+        if main and getattr(self.config, "shutdown_timeout", None) is not None:  # torch's own kill after ending's
+            self.config.shutdown_timeout = int(ending.grace_s) + 10
         try:
-            elastic_launch(self.config, entrypoint=self.entrypoint)(*args)
+            with ending:
+                elastic_launch(self.config, entrypoint=self.entrypoint)(*args)
         except ChildFailedError as e:
             job.failures = dict(e.failures)
             job.exception = e
@@ -175,6 +190,7 @@ class Torchrun:
             job.interrupted = "SIGINT"
         finally:
             job.log_dir = getattr(getattr(self.config, "logs_specs", None), "root_log_dir", None)  # the last attempt's
+            job.killed = dict(ending.killed)
             for s, handler in handlers.items():
                 signal.signal(s, handler)
             job._done.set()

@@ -311,9 +311,8 @@ def _banner(args, config, plan=None) -> str:
     placed = None if plan is None else f"{', '.join(plan.devices)} ({plan.backend})"
     rows = [("nnodes", config.min_nodes), ("nproc_per_node", config.nproc_per_node), ("node rank",
             config.rdzv_configs["rank"]), ("master", config.rdzv_endpoint), ("devices", args.devices),
-            ("workers on", placed),
-            ("log_dir", args.log_dir), ("log_overwrite", args.log_overwrite), ("max_restart", config.max_restarts),
-            ("job_id", config.run_id),
+            ("workers on", placed), ("log_dir", args.log_dir), ("log_overwrite", args.log_overwrite),
+            ("max_restart", config.max_restarts), ("job_id", config.run_id),
             ("training_script", args.training_script), ("training_script_args", args.training_script_args)]
     lines = ["-----------  Configuration Arguments -----------"]
     lines += [f"{k}: {v}" for k, v in rows]
@@ -324,6 +323,7 @@ def _banner(args, config, plan=None) -> str:
 def launch(argv=None) -> int:
     """Parse ``argv``, start the local workers, wait; returns the exit code (0 when every worker succeeded)."""
     from .agent import Torchrun
+    from .leavers import Leavers
     from .nodes import rendezvous_failure
 
     args = None
@@ -353,6 +353,7 @@ def launch(argv=None) -> int:
     runner = Torchrun(config, entrypoint=sys.executable)
     line = _node_line(config, runner)
     hung, over = _stop_when_hung(host, runner, line) if host is not None else ([], None)
+    leavers = Leavers(config.rdzv_endpoint, config.min_nodes * plan.n, config.min_nodes).watch(runner)
     from torch.distributed import DistNetworkError, DistStoreError
 
     try:
@@ -364,13 +365,16 @@ def launch(argv=None) -> int:
             return 1
         finally:
             logs.stop()
+            leavers.stop()
+        if leavers.left:
+            return leavers.report(args)
         if hung:
             return _report_hang(args, hung[0])
         if job.interrupted is not None and line is not None and line.heard is not None:
             print("meshviz.launch: " + "\nmeshviz.launch: ".join(line.text(line.heard)), file=sys.stderr)
             return 1
         if job.interrupted is not None:
-            print(f"meshviz.launch: {job.interrupted}: the workers were stopped", file=sys.stderr, flush=True)
+            print(f"meshviz.launch: {job.interrupted}: the workers were stopped{job.killed_text()}", file=sys.stderr)
             return signal.Signals[job.interrupted].value  # the signal's number, as Paddle's launch exits (2, 15)
         if job.exception is not None:
             return _report_failure(args, job, host, logs, line)
@@ -378,7 +382,7 @@ def launch(argv=None) -> int:
         if over is not None:
             over.set()
         if line is not None:  # node 0 of a failed job serves the store until the other nodes have read it
-            line.finish(failed=bool(hung) or line.heard is not None or (
+            line.finish(failed=bool(hung or leavers.left) or line.heard is not None or (
                 runner.job is not None and runner.job.exception is not None))
         if host is not None:
             host.stop()

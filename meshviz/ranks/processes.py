@@ -20,7 +20,7 @@ from .outcomes import exit_text, read_report
 from .returns import Returns, put_return
 from .spawn_context import SpawnContext
 
-__all__ = ["spawn", "SpawnContext", "RankProcesses", "DEFAULT_START_METHOD"]
+__all__ = ["spawn", "SpawnContext", "RankProcesses", "DEFAULT_START_METHOD", "stranded"]
 
 DEFAULT_START_METHOD = "forkserver"  # ranks forked from one server that imported torch once (not re-imported per rank)
 # what the fork server imports before forking any rank: torch and what meshviz's ranks import from it (most of a
@@ -216,8 +216,7 @@ class RankProcesses:
             came = rendezvous.arrived(self.store, self.nprocs)
         except Exception:  # the store is closing: nothing more to learn from it
             return []
-        gone = [r for r in sorted(self._seen) if not came[r]]
-        return gone if gone and any(came[r] for r in self.running()) else []
+        return stranded(came, self._seen, self.running())
 
     def terminate(self, why: str = "stopped", grace: float = 10.0) -> None:
         """End every rank still running (SIGTERM, then SIGKILL after ``grace`` seconds); their outcome is ``why``:
@@ -304,6 +303,13 @@ class RankProcesses:
         stopped = tuple(r for r, why in sorted(self.ended.items()) if why == "stop")
         return _outcomes.rank_error(outcomes, first or ([stopped] if stopped else []), inside=inside,
                                     rollcall=rollcall)
+
+
+def stranded(came: list[bool], exited, running) -> list[int]:
+    """The ranks of ``exited`` that never reached the rendezvous (``came[r]`` False) while a rank of ``running``
+    did: that rank waits for them in ``init_parallel_env`` until the timeout. Spawn's rule, and the launcher's."""
+    gone = [r for r in sorted(exited) if not came[r]]
+    return gone if gone and any(came[r] for r in running) else []
 
 
 def _call(index, fn):

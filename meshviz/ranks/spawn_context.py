@@ -44,7 +44,8 @@ class SpawnContext:
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait for every rank (at most ``timeout`` seconds; with ``stop_on_failure`` the others are ended once
-        one fails); True once all have ended, well or not."""
+        one fails, and always once one left without joining the process group the others joined); True once all
+        have ended, well or not."""
         deadline = None if timeout is None else time.monotonic() + timeout
         procs = self._procs
         try:
@@ -67,7 +68,7 @@ class SpawnContext:
                     procs.terminate()
                     self._error = procs.rank_error(self.results()[0], rollcall=rc)
                     break
-                gone = procs.stranded() if self._stop_on_failure else []
+                gone = procs.stranded()  # with or without stop_on_failure: those that joined cannot go on
                 if gone:  # a rank left without joining: the ones that joined would wait for it until the timeout
                     procs.terminate()
                     self._error = procs.rank_error(self.results()[0], stranded=gone)

@@ -1,0 +1,99 @@
+"""After a signal to the launcher, the workers still running past the grace (or at a second signal) are killed."""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import socket
+import threading
+import time
+
+__all__ = ["Ending", "grace"]
+
+# the signals torch's agent stops its workers on (it sends them the same one, then waits for them)
+_SIGNALS = {int(getattr(signal, n)): n for n in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT") if hasattr(signal, n)}
+
+
+def grace() -> float:
+    """Seconds the workers get to end after a signal to the launcher: torch's ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``
+    (default 30, as torch's agent), on every torch (torch 2.11's agent has no such setting)."""
+    try:
+        return max(0.0, float(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30")))
+    except ValueError:
+        return 30.0
+
+
+class Ending:
+    """Around the agent's run, in the main thread: sees each signal the agent takes (through the wakeup file
+    descriptor Python writes a signal's number to); from the first, the workers still running ``grace_s`` seconds
+    later, or at once at a second signal (Paddle's launch ends them so too), are killed with their process groups
+    (what they started goes too). ``killed``: global rank -> when it was killed ("after 30 s", "at a second
+    signal")."""
+
+    def __init__(self, grace_s: float):
+        self.grace_s = grace_s
+        self.killed: dict[int, str] = {}
+        self.first: str | None = None
+        self._stopped = threading.Event()
+        self._old = None
+        self._pair: tuple[socket.socket, socket.socket] | None = None
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> Ending:
+        if threading.current_thread() is not threading.main_thread():
+            return self  # only the main thread takes signals (and sets the wakeup descriptor)
+        r, w = socket.socketpair()
+        r.setblocking(False)
+        w.setblocking(False)
+        self._pair = (r, w)
+        self._old = signal.set_wakeup_fd(w.fileno(), warn_on_full_buffer=False)
+        self._thread = threading.Thread(target=self._run, name="meshviz-launch-ending", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._pair is None:
+            return
+        signal.set_wakeup_fd(self._old if self._old is not None else -1)
+        self._stopped.set()
+        self._thread.join(2.0)
+        for s in self._pair:
+            s.close()
+
+    def _run(self) -> None:
+        r = self._pair[0]
+        got, since = 0, None
+        while not self._stopped.is_set():
+            left = 0.2 if since is None else min(0.2, max(0.0, since + self.grace_s - time.monotonic()))
+            if select.select([r], [], [], left)[0]:
+                try:
+                    data = r.recv(64)
+                except OSError:
+                    data = b""
+                for b in data:
+                    if b in _SIGNALS:
+                        got += 1
+                        if since is None:
+                            since, self.first = time.monotonic(), _SIGNALS[b]
+            if since is not None and (got > 1 or time.monotonic() >= since + self.grace_s):
+                self._kill("at a second signal" if got > 1 else f"after {self.grace_s:g} s")
+                got, since = 0, None  # a worker started later (a restart) gets its own grace
+
+    def _kill(self, when: str) -> None:
+        """SIGKILL to every worker still running (the children of this process: the agent's), and what it started."""
+        import psutil
+
+        for child in psutil.Process().children():
+            try:
+                if child.status() == psutil.STATUS_ZOMBIE:
+                    continue
+                rank = int(child.environ().get("RANK", "-1"))
+                if os.getpgid(child.pid) == child.pid:  # the agent starts each worker in a session of its own
+                    os.killpg(child.pid, signal.SIGKILL)
+                else:
+                    child.kill()
+            except (psutil.Error, OSError, ValueError):
+                continue
+            if rank >= 0:
+                self.killed[rank] = when
