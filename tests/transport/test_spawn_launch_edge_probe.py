@@ -38,13 +38,13 @@ def _leaves_before_joining(leaver: int, how: str, stamp: str):
 @pytest.mark.parametrize("how", ["return", "raise"])
 def test_run_ranks_processes_end_at_once_when_a_rank_leaves_without_joining(how, tmp_path):
     """Rank 2 returns (or raises) before init_parallel_env: ranks 0 and 1, which joined, waited the whole
-    collective timeout (15 s) for it before the error came."""
+    collective timeout (30 s here) for it before the error came."""
     stamp = str(tmp_path / "left")
     with pytest.raises(RankError) as info:
-        run_ranks(_leaves_before_joining, 3, 2, how, stamp, timeout=40, collective_timeout=15, ranks="processes")
+        run_ranks(_leaves_before_joining, 3, 2, how, stamp, timeout=60, collective_timeout=30, ranks="processes")
     took = time.time() - float(open(stamp).read())
     err = info.value
-    assert took < 12, f"took {took:.1f} s: the ranks that joined waited for the one that had left"
+    assert took < 20, f"took {took:.1f} s: the ranks that joined waited for the one that had left"
     assert err.ranks == [2], str(err)
     lead = ("rank 2 never joined the process group (it returned without joining)" if how == "return"
             else "rank 2 raised ValueError: leaving on purpose")
@@ -87,6 +87,7 @@ def _launch(tmp_path, script: str, nproc: int, **env):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize("leaver, how", [(1, "exit"), (0, "end")])
 def test_launch_ends_the_workers_at_once_when_one_leaves_without_joining(tmp_path, leaver, how):
     """A worker whose script ends (or calls sys.exit(0)) before init_parallel_env: the workers that joined
@@ -104,7 +105,7 @@ def test_launch_ends_the_workers_at_once_when_one_leaves_without_joining(tmp_pat
     assert f"meshviz.launch: rank {leaver} never joined the process group (it returned without joining) (rank " \
            f"{other} stopped because of it)" in err, err[-3000:]
     assert p.returncode == 1, err[-3000:]
-    assert took < 12, f"took {took:.1f} s after the worker left: the others waited for it"
+    assert took < 20, f"took {took:.1f} s after the worker left: the others waited for it"
 
 
 IGNORES_SIGTERM = textwrap.dedent("""
@@ -133,6 +134,7 @@ def _alive(pids) -> list[int]:
     return out
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize("signals, env", [(1, {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "3"}), (2, {})],
                          ids=["grace-3s", "second-signal"])
 def test_sigterm_to_the_launcher_kills_a_worker_that_ignores_it_and_names_it(tmp_path, signals, env):
@@ -159,13 +161,14 @@ def test_sigterm_to_the_launcher_kills_a_worker_that_ignores_it_and_names_it(tmp
     when = "after 3 s" if signals == 1 else "at a second signal"
     assert f"meshviz.launch: SIGTERM: the workers were stopped; rank 1 did not end on SIGTERM: killed (SIGKILL) " \
            f"{when}" in err, err[-3000:]
-    assert took < 8, f"took {took:.1f} s to end the workers"
+    assert took < 15, f"took {took:.1f} s to end the workers"
     deadline = time.monotonic() + 5
     while _alive(pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not _alive(pids), f"left running: {_alive(pids)} of {pids}"
 
 
+@pytest.mark.launch
 def test_every_node_names_the_worker_that_left_without_joining(tmp_path):
     """Two nodes of one worker each; node 1's worker exits 0 before init_parallel_env: node 0's worker waited the
     timeout for it, and node 1's agent waited at torch's exit barrier for node 0."""
@@ -192,4 +195,4 @@ def test_every_node_names_the_worker_that_left_without_joining(tmp_path):
         assert "meshviz.launch: rank 1 never joined the process group (it returned without joining) (rank 0 stopped " \
                "because of it)" in err, err[-3000:]
     assert [p.returncode for p in procs] == [1, 1], errs
-    assert took < 12, f"took {took:.1f} s after the worker left"
+    assert took < 20, f"took {took:.1f} s after the worker left"
