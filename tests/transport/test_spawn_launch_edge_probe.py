@@ -50,7 +50,8 @@ def test_run_ranks_processes_end_at_once_when_a_rank_leaves_without_joining(how,
             else "rank 2 raised ValueError: leaving on purpose")
     assert str(err).startswith(lead), str(err)
     by = {o.rank: o for o in err.outcomes}
-    assert by[2].arrived is False and by[0].arrived and by[1].arrived
+    # the run ends once one of them waits for rank 2: the other may not have reached the rendezvous yet
+    assert by[2].arrived is False and (by[0].arrived or by[1].arrived)
     assert by[0].status == by[1].status == "stopped"
 
 
