@@ -278,16 +278,22 @@ def _drop_unused(params, left, g) -> None:
 
 def _all_zero(grads) -> list:
     """Whether each of ``grads`` may be all zeros: a 2-norm of zero (all zeros, or values whose squares underflow,
-    which costs the caller only its flags' all-reduce); one pass over the dense ones and one read back for all,
-    the per-gradient answers read only where some is zero."""
-    dense = [i for i, t in enumerate(grads) if t.layout == torch.strided]
-    flags = torch.zeros(len(grads), dtype=torch.bool, device=grads[0].device)
-    if dense:  # its inf-norm and any() are 10x slower on CPU
-        flags[dense] = torch.stack(torch._foreach_norm([grads[i] for i in dense])).eq(0).to(flags.device)
-    for i, t in enumerate(grads):
-        if t.layout != torch.strided:
-            flags[i] = ~t.coalesce().values().any()
-    return flags.tolist() if bool(flags.any()) else [False] * len(grads)
+    which costs the caller only its flags' all-reduce). Each gradient's first value is looked at first, all in one
+    read back: only those whose first value is zero (rare once training runs) are passed over whole."""
+    maybe = [i for i, t in enumerate(grads) if t.layout != torch.strided or not t.numel()]
+    dense = [i for i, t in enumerate(grads) if t.layout == torch.strided and t.numel()]
+    if dense:
+        first = torch.stack([grads[i][(0,) * grads[i].dim()] for i in dense]).eq(0)
+        if bool(first.any()):
+            maybe += [dense[k] for k in first.nonzero().flatten().tolist()]
+    flags = [False] * len(grads)
+    whole = [i for i in maybe if grads[i].layout == torch.strided]
+    for i, norm in zip(whole, torch._foreach_norm([grads[i] for i in whole]) if whole else ()):
+        flags[i] = bool(norm == 0)
+    for i in maybe:
+        if grads[i].layout != torch.strided:
+            flags[i] = not bool(grads[i].coalesce().values().any())
+    return flags
 
 
 def tensors_in(out) -> list:
