@@ -9,7 +9,7 @@ import torch
 from .. import compat
 from ..trace.status import name_ranks
 
-__all__ = ["same_on_every_rank"]
+__all__ = ["same_on_every_rank", "same_or_refused"]
 
 
 def _code(v) -> int:
@@ -48,3 +48,18 @@ def same_on_every_rank(who: str, settings: dict, pg=None, ranks=None) -> None:
     parts = [f"{name_ranks(rs)}: " + ", ".join(shown(i, row[i]) for i in differ) for row, rs in kinds.items()]
     raise ValueError(f"{who}: the ranks were given different settings (every rank needs the same): "
                      + "; ".join(parts))
+
+
+def same_or_refused(who: str, settings: dict, refused: Exception | None, pg=None, ranks=None) -> dict:
+    """:func:`same_on_every_rank`, where this rank may have refused its arguments (``refused``: its own error, None
+    where it accepted them): that rank takes part too, so the others raise naming it rather than wait for it in a
+    later collective, and it raises its own error. Returns the settings compared (with the "arguments accepted" one)."""
+    settings = {"arguments accepted (a refusing rank raises why)": refused is None, **settings}
+    try:
+        same_on_every_rank(who, settings, pg, ranks)
+    except ValueError:
+        if refused is None:
+            raise
+    if refused is not None:
+        raise refused
+    return settings

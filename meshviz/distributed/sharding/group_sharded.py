@@ -9,7 +9,7 @@ import torch.nn as nn
 
 from ...core.sharding import LEVELS
 from ...nn import ClipGradByGlobalNorm, fleet_mp_group
-from ...runtime.agree import same_on_every_rank
+from ...runtime.agree import same_on_every_rank, same_or_refused
 from ...runtime.devices import place_module
 from ...runtime.groups import resolve
 from ...runtime.world import device, init_parallel_env
@@ -135,18 +135,11 @@ def group_sharded_parallel(
     clip = "None" if clip is None else f"{type(clip).__name__}({getattr(clip, 'clip_norm', '')})"
     # what the ranks' collectives follow from: where one rank differs, the others would wait in another collective;
     # a rank whose arguments were refused takes part too, so that every rank raises, not that one alone
-    settings = {"arguments accepted (a refusing rank raises why)": refused is None, "level": level,
-                "offload": bool(offload), "sync_buffers": bool(sync_buffers), "segment_size": segment_size,
-                "dp_group size": 1 if dp is None else dp.size, "buffer_max_size": buffer_max_size,
-                "grad_clip": clip, "exclude_layer": ", ".join(sorted(excluded)) or "none",
-                **layout_settings(model, optimizer, names)}
-    try:
-        same_on_every_rank("group_sharded_parallel", settings, grp.pg, grp.ranks)
-    except ValueError:
-        if refused is None:
-            raise
-    if refused is not None:
-        raise refused
+    settings = same_or_refused("group_sharded_parallel", {
+        "level": level, "offload": bool(offload), "sync_buffers": bool(sync_buffers), "segment_size": segment_size,
+        "dp_group size": 1 if dp is None else dp.size, "buffer_max_size": buffer_max_size, "grad_clip": clip,
+        "exclude_layer": ", ".join(sorted(excluded)) or "none", **layout_settings(model, optimizer, names)},
+        refused, grp.pg, grp.ranks)
     if dp is not None:  # a dp peer steps the same shards: it must hold the same place in a group of the same size
         same_on_every_rank("group_sharded_parallel (over dp_group)",
                            {**settings, "sharding group size": grp.size, "place in the sharding group": grp.rank},

@@ -6,7 +6,7 @@ import os
 
 import torch
 
-from ...runtime.agree import same_on_every_rank
+from ...runtime.agree import same_or_refused
 from ...runtime.devices import full_tensor
 from ...runtime.zero.group import gather_object
 from .group_sharded import resolve_group, sharding_group_of
@@ -41,15 +41,8 @@ def save_group_sharded_model(model, output, optimizer=None):
         resolve_group(None)
     # a rank that refused, or that gathers no optimizer where the others do, would leave them waiting in the
     # gathers below: every rank raises, before any
-    settings = {"arguments accepted (a refusing rank raises why)": refused is None,
-                "optimizer given": optimizer is not None}
-    try:
-        same_on_every_rank("save_group_sharded_model", settings, grp.pg, grp.ranks)
-    except ValueError:
-        if refused is None:
-            raise
-    if refused is not None:
-        raise refused
+    same_or_refused("save_group_sharded_model", {"optimizer given": optimizer is not None}, refused, grp.pg,
+                    grp.ranks)
     sd = {}
     for k, v in model.state_dict().items():
         v = full_tensor(v)
