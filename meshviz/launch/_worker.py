@@ -3,6 +3,7 @@
 import json
 import os
 import runpy
+import signal
 import sys
 import zipfile
 
@@ -10,6 +11,11 @@ import zipfile
 def main() -> None:
     script, args = sys.argv[1], sys.argv[2:]
     local = int(os.environ.get("LOCAL_RANK", "0"))
+    _end_with_the_launcher()
+    # this run's keys on the agent's store (a restart's are apart from the run's before)
+    from meshviz.runtime.rendezvous import ATTEMPT
+
+    os.environ[ATTEMPT] = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     for name in ("MESHVIZ_LAUNCH_RANK_ENV", "MESHVIZ_LAUNCH_PADDLE_ENV"):
         rank_envs = os.environ.get(name)
         if rank_envs:  # this worker's device and Paddle's variables, decided by the launcher before it started
@@ -50,6 +56,25 @@ def main() -> None:
     from meshviz.runtime.world import exit_quietly
 
     exit_quietly(0, note="its script finished")
+
+
+def _end_with_the_launcher() -> None:
+    """On Linux, have the kernel kill this worker when the launcher that started it dies (a SIGKILL to it leaves
+    nobody to end its workers, which would wait in a collective until the timeout, or run on); ends now when the
+    launcher is already gone. Only when the launcher started it from its main thread (``MESHVIZ_LAUNCH_PID``):
+    the signal comes when the starting thread ends."""
+    parent = os.environ.pop("MESHVIZ_LAUNCH_PID", "")
+    if not parent or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    try:
+        if ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0) != 0:  # PR_SET_PDEATHSIG
+            return
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != int(parent):  # it died before the line above
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _tell_nodes(local: int, rank: int) -> None:

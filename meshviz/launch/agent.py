@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -31,10 +32,22 @@ class TorchrunJob:
         self.interrupted: str | None = None  # the signal ("SIGINT", ...) that made the agent stop every worker
         self.log_dir: str | None = None  # where workerlog.<local rank> is, when the launcher keeps the logs
         self.killed: dict[int, str] = {}  # the workers that outlived the signal's grace: rank -> when killed
+        self.attempt = 0  # the agent's run of the workers (a restart is the next)
+        self.workers = None  # that run's workers: the agent's process context (local rank -> handler)
         self._done = threading.Event()
 
     def done(self) -> bool:
         return self._done.is_set()
+
+    def exited_well(self) -> tuple[int, list[int]]:
+        """(the agent's run, the global ranks of its workers that exited with code 0 so far), as the agent saw
+        them exit (it reaps them a few times a second)."""
+        attempt, workers = self.attempt, self.workers
+        out = []
+        for local, handler in dict(getattr(workers, "subprocess_handlers", None) or {}).items():
+            if handler.proc.returncode == 0:
+                out.append(int(workers.envs[local].get("RANK", local)))
+        return attempt, out
 
     def wait(self, timeout: float | None = None) -> bool:
         return self._done.wait(timeout)
@@ -92,7 +105,7 @@ class TorchrunJob:
             return ""
         ranks = sorted(self.killed)
         who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
-        return f"; {who} did not end on {self.interrupted}: killed (SIGKILL) {self.killed[ranks[0]]}"
+        return f"; {who} did not end on {self.interrupted or 'SIGTERM'}: killed (SIGKILL) {self.killed[ranks[0]]}"
 
     def outcomes(self) -> list[RankOutcome]:
         if not self.done():
@@ -139,6 +152,40 @@ def _reported_at(failure, log_dir: str | None = None) -> float:
     return -1.0
 
 
+@contextlib.contextmanager
+def _watched(job: TorchrunJob, ending: Ending):
+    """While the agent runs: each run of its workers kept in ``job`` (the launcher's watches see which exited),
+    the workers told the launcher's pid when it starts them from its main thread (they end with it), and the
+    agent's own ending of the workers once one failed given the grace of :class:`Ending` (torch waits 30 s for a
+    worker that ignores SIGTERM)."""
+    from torch.distributed.elastic.agent.server import local_elastic_agent as agent
+
+    real = agent.start_processes
+
+    def start_processes(*args, **kwargs):
+        if threading.current_thread() is threading.main_thread():
+            for env in (kwargs.get("envs") or {}).values():
+                env["MESHVIZ_LAUNCH_PID"] = str(os.getpid())
+        workers = real(*args, **kwargs)
+        envs = getattr(workers, "envs", None) or {}
+        job.attempt = int(next(iter(envs.values()), {}).get("TORCHELASTIC_RESTART_COUNT", job.attempt))
+        job.workers = workers
+        close = workers.close
+
+        def graced_close(death_sig=None, timeout=30):
+            with ending.graced():
+                close(death_sig, timeout)
+
+        workers.close = graced_close
+        return workers
+
+    agent.start_processes = start_processes
+    try:
+        yield
+    finally:
+        agent.start_processes = real
+
+
 class Torchrun:
     """The ``"torchrun"`` Runner: torchrun's elastic agent (``config``, a ``LaunchConfig``) starting this node's
     ``n`` workers. One-shot: ``submit(args)`` runs ``entrypoint args...`` on every worker, in the calling thread
@@ -179,7 +226,7 @@ class Torchrun:
         if main and getattr(self.config, "shutdown_timeout", None) is not None:  # torch's own kill after ending's
             self.config.shutdown_timeout = int(ending.grace_s) + 10
         try:
-            with ending:
+            with ending, _watched(job, ending):
                 elastic_launch(self.config, entrypoint=self.entrypoint)(*args)
         except ChildFailedError as e:
             job.failures = dict(e.failures)

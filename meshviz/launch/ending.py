@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import signal
@@ -28,14 +29,16 @@ class Ending:
     """Around the agent's run, in the main thread: sees each signal the agent takes (through the wakeup file
     descriptor Python writes a signal's number to); from the first, the workers still running ``grace_s`` seconds
     later, or at once at a second signal (Paddle's launch ends them so too), are killed with their process groups
-    (what they started goes too). ``killed``: global rank -> when it was killed ("after 30 s", "at a second
-    signal")."""
+    (what they started goes too). So too while the agent ends the workers on its own (:meth:`graced`: one failed).
+    ``killed``: global rank -> when it was killed ("after 30 s", "at a second signal")."""
 
     def __init__(self, grace_s: float):
         self.grace_s = grace_s
         self.killed: dict[int, str] = {}
         self.first: str | None = None
         self._stopped = threading.Event()
+        self._lock = threading.Lock()
+        self._got, self._since = 0, None  # signals seen, and when the grace began (None: no ending under way)
         self._old = None
         self._pair: tuple[socket.socket, socket.socket] | None = None
         self._thread: threading.Thread | None = None
@@ -61,10 +64,26 @@ class Ending:
         for s in self._pair:
             s.close()
 
+    @contextlib.contextmanager
+    def graced(self):
+        """Around the agent's ending of the workers (SIGTERM, then torch waits 30 s): the grace runs from here,
+        as after a signal; it is called off when the ending is over before it ran out (unless a signal came)."""
+        with self._lock:
+            mine = self._since is None and self._pair is not None
+            if mine:
+                self._since = time.monotonic()
+        try:
+            yield
+        finally:
+            with self._lock:
+                if mine and self._got == 0:
+                    self._since = None
+
     def _run(self) -> None:
         r = self._pair[0]
-        got, since = 0, None
         while not self._stopped.is_set():
+            with self._lock:
+                since = self._since
             left = 0.2 if since is None else min(0.2, max(0.0, since + self.grace_s - time.monotonic()))
             if select.select([r], [], [], left)[0]:
                 try:
@@ -73,12 +92,16 @@ class Ending:
                     data = b""
                 for b in data:
                     if b in _SIGNALS:
-                        got += 1
-                        if since is None:
-                            since, self.first = time.monotonic(), _SIGNALS[b]
+                        with self._lock:
+                            self._got += 1
+                            if self._since is None:
+                                self._since, self.first = time.monotonic(), _SIGNALS[b]
+            with self._lock:
+                got, since = self._got, self._since
             if since is not None and (got > 1 or time.monotonic() >= since + self.grace_s):
                 self._kill("at a second signal" if got > 1 else f"after {self.grace_s:g} s")
-                got, since = 0, None  # a worker started later (a restart) gets its own grace
+                with self._lock:
+                    self._got, self._since = 0, None  # a worker started later (a restart) gets its own grace
 
     def _kill(self, when: str) -> None:
         """SIGKILL to every worker still running (the children of this process: the agent's), and what it started."""

@@ -26,13 +26,17 @@ def say_left() -> None:
     if tdist is not None and tdist.is_available() and tdist.is_initialized():
         return
     try:
-        from ..runtime.rendezvous import connect_store
+        from ..runtime.rendezvous import attempt_store, connect_store
 
         store = connect_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), None, 2.0)
-        store.set(_LEFT + os.environ["RANK"], "1")
-        store.add(_COUNT, 1)
+        _mark(attempt_store(store), int(os.environ["RANK"]))
     except Exception:  # the store is gone: nobody is left to wait for this worker
         pass
+
+
+def _mark(store, rank: int) -> None:
+    store.set(_LEFT + str(rank), "1")
+    store.add(_COUNT, 1)
 
 
 class Leavers:
@@ -44,6 +48,7 @@ class Leavers:
         self.master, self.world, self.nnodes = master, world, nnodes
         self.left: list[int] = []
         self.came: list[bool] = []
+        self._marked: set[tuple[int, int]] = set()  # (run, rank): this node's workers seen exited with code 0
         self._store = None
         self._over = threading.Event()
         self._thread: threading.Thread | None = None
@@ -65,7 +70,7 @@ class Leavers:
             if job is None or job.done():
                 continue
             try:
-                gone = self._look()
+                gone = self._look(job)
             except Exception:
                 continue
             if gone and not job.done() and not self._over.is_set():
@@ -73,7 +78,7 @@ class Leavers:
                 os.kill(os.getpid(), signal.SIGTERM)
                 return
 
-    def _look(self) -> list[int]:
+    def _look(self, job) -> list[int]:
         from ..ranks.processes import stranded
         from ..runtime import rendezvous
 
@@ -82,15 +87,34 @@ class Leavers:
             # nobody serves there yet: fail now, not after a client's retries
             socket.create_connection((host, int(port)), timeout=1.0).close()
             self._store = rendezvous.connect_store(host, int(port), None, 2.0)
-        if int(self._store.add(_COUNT, 0)) == 0:
+        attempt, exited = job.exited_well()
+        store = rendezvous.attempt_store(self._store, attempt)  # this run's keys, not a run's before
+        if exited:
+            self._mark_quiet(store, attempt, exited)
+        if int(store.add(_COUNT, 0)) == 0:
             return []
         if self.nnodes > 1:
             from .nodes import world
 
             self.world = world(self._store, self.nnodes) or self.world
-        said = [r for r in range(self.world) if self._store.check([_LEFT + str(r)])]
-        self.came = rendezvous.arrived(self._store, self.world)
+        said = [r for r in range(self.world) if store.check([_LEFT + str(r)])]
+        self.came = rendezvous.arrived(store, self.world)
         return stranded(self.came, said, [r for r in range(self.world) if r not in said])
+
+    def _mark_quiet(self, store, attempt: int, exited: list[int]) -> None:
+        """Say for this node's workers that exited with code 0 without joining and without saying so that they
+        left (``os._exit(0)`` skips :func:`say_left`, and so does a program run as it is): the agent saw them
+        exit, and the other nodes read it here."""
+        from ..runtime import rendezvous
+
+        new = [r for r in exited if (attempt, r) not in self._marked]
+        if not new:
+            return
+        came = rendezvous.arrived(store, max(self.world, max(new) + 1))
+        for r in new:
+            if not came[r] and not store.check([_LEFT + str(r)]):
+                _mark(store, r)
+            self._marked.add((attempt, r))
 
     def report(self, args) -> int:
         """Say which workers left without joining (RankError's words, as spawn's) and that the others were stopped;

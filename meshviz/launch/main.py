@@ -412,15 +412,15 @@ def _print_overrides(args) -> None:
 
 
 def _report_failure(args, job, host, logs, line=None) -> int:
-    """Say which workers failed (the agent stopped the others), the roll-call's diagnosis and their logs' tails;
-    on several nodes, the worker of another node that failed first when this node's only lost their connection;
-    returns the exit code of the job (see :meth:`~meshviz.launch.agent.TorchrunJob.exit_code`)."""
+    """Say which workers failed (the agent stopped the others), the roll-call's diagnosis and their logs' tails (on
+    several nodes, another node's worker that failed first where this node's lost their connection); the exit code."""
     from .nodes import tell_nodes
 
     failed = job.failed()
     news = tell_nodes(line, job, failed[0]) if line is not None else None
     if host is not None:
-        host.dead = job.gone  # a worker that raised before a collective its peers wait in is named with its error
+        # a worker that raised before a collective its peers wait in is named with its error; the stopped never answer
+        host.dead, host.ended = job.gone, lambda: job.ranks
     rc = host.blame() if host is not None and news is None else None
     if rc is not None and rc.blame():
         print("meshviz.launch: " + "\nmeshviz.launch: ".join(rc.blame()), file=sys.stderr)
@@ -430,8 +430,8 @@ def _report_failure(args, job, host, logs, line=None) -> int:
     if news is not None:
         print("meshviz.launch: " + "\nmeshviz.launch: ".join(line.text(news)) + f". {logs_at}", file=sys.stderr)
     else:
-        print(f"meshviz.launch: the worker with global rank {failed[0]} failed{after}; the others were stopped. "
-              f"{logs_at}", file=sys.stderr)
+        print(f"meshviz.launch: the worker with global rank {failed[0]} failed{after}; the others were stopped"
+              f"{job.killed_text()}. {logs_at}", file=sys.stderr)
     for rank in failed:
         f = job.failures[rank]
         path = os.path.join(args.log_dir, f"workerlog.{f.local_rank}")

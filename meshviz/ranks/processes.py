@@ -94,9 +94,9 @@ class RankProcesses:
 
         self.start()
         if _start_method(self.start_method) == "forkserver":
-            entry, args = _with_environ, (dict(os.environ), fn)
+            entry, args = _with_environ, (dict(os.environ), fn, _me())
         else:
-            entry, args = _call, (fn,)
+            entry, args = _call, (fn, _me())
         reservation, self._reservation = self._reservation, None
         try:
             self._ctx = mp.start_processes(entry, args=args, nprocs=self.n, join=False, daemon=self.daemon,
@@ -312,10 +312,41 @@ def stranded(came: list[bool], exited, running) -> list[int]:
     return gone if gone and any(came[r] for r in running) else []
 
 
-def _call(index, fn):
+def _me() -> tuple[int, float]:
+    import psutil
+
+    return os.getpid(), psutil.Process().create_time()
+
+
+def _end_with(parent: tuple[int, float]) -> None:
+    """End this rank (SIGKILL) once the process that started it is gone (killed: nobody is left to end the ranks,
+    which would wait in a collective until the timeout, or run on); a forked rank's parent is the fork server,
+    which outlives it, so the starting process is watched by its pid and start time, once a second."""
+    import threading
+
+    import psutil
+
+    def watch():
+        while True:
+            try:
+                p = psutil.Process(parent[0])
+                if abs(p.create_time() - parent[1]) < 0.5 and p.status() != psutil.STATUS_ZOMBIE:
+                    time.sleep(1.0)
+                    continue
+            except psutil.Error:
+                pass
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="meshviz-parent-watch", daemon=True).start()
+
+
+def _call(index, fn, parent=None):
     # a parent started in the background (nohup, `cmd &` without job control) ignores SIGINT, and its children
     # inherit that: interrupt() must still reach the rank
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    if parent is not None:
+        _end_with(parent)
+    os.environ.pop(rendezvous.ATTEMPT, None)  # a launched worker's run: not this rank's, whose store is this job's
     try:
         fn(index)
     except KeyboardInterrupt as e:
@@ -324,12 +355,12 @@ def _call(index, fn):
         raise RuntimeError(f"rank {index} was interrupted (KeyboardInterrupt)") from e
 
 
-def _with_environ(index, environ, fn):
+def _with_environ(index, environ, fn, parent=None):
     """A forked rank's start: this process's environment as it is now (the fork server's is the one it had when
     the server started), then ``fn(index)`` as a spawned rank would run it."""
     os.environ.clear()
     os.environ.update(environ)
-    _call(index, fn)
+    _call(index, fn, parent)
 
 
 def _spawn_entry(index, port, func, args, world, env, rank_envs=None, returns=None):

@@ -22,12 +22,15 @@ __all__ = [
     "mark_arrived",
     "arrived",
     "never_arrived",
+    "attempt_store",
     "HOSTED",
+    "ATTEMPT",
 ]
 
 LOOPBACK = "127.0.0.1"
 HOSTED = "TORCHELASTIC_USE_AGENT_STORE"  # torch's name for "the store is served elsewhere: every rank is a client"
 _ARRIVED = "meshviz/arrived/{}"
+ATTEMPT = "MESHVIZ_LAUNCH_ATTEMPT"  # a launched worker's restart count: its keys on the agent's store are that run's
 
 
 class PortReservation:
@@ -138,7 +141,7 @@ def process_group_store(rank: int, world: int, host: str, port: int, timeout, re
     - Otherwise (several machines): torch's own rendezvous.
     """
     if os.environ.get(HOSTED, "") == "True":
-        store = connect_store(host, port, world, timeout)
+        store = attempt_store(connect_store(host, port, world, timeout))
     elif reservation is not None:
         if rank == 0:
             store = serve_store(reservation, world, timeout)
@@ -228,6 +231,18 @@ def is_loopback(addr: str) -> bool:
 def loopback_ifname() -> str:
     """The loopback interface's name, for ``GLOO_SOCKET_IFNAME``: gloo's sockets then stay on this machine."""
     return "lo0" if sys.platform == "darwin" else "lo"
+
+
+def attempt_store(store, attempt: str | int | None = None):
+    """``store`` as one run of a launched job sees it: its keys under that run's prefix (``attempt``, default
+    ``MESHVIZ_LAUNCH_ATTEMPT``), so that a restart (``--max_restart``) on the same agent store never reads what the
+    run before left there (gloo's addresses, arrivals, leave markers); ``store`` itself outside a launched job."""
+    attempt = os.environ.get(ATTEMPT, "") if attempt is None else str(attempt)
+    if attempt == "":
+        return store
+    import torch.distributed as tdist
+
+    return tdist.PrefixStore(f"meshviz/attempt/{attempt}", store)
 
 
 def mark_arrived(store, rank: int) -> None:
