@@ -197,6 +197,7 @@ class RollCallHost:
         self.hang_after = hang_after
         self.out = out
         self.dead = dead or (lambda: {})
+        self.ended = None  # ranks known to have ended besides dead()'s (a launch's stopped workers): never answer
         self.rollcalls: list[RollCall] = []
         self.mismatch: RollCall | None = None  # the first roll-call that found ranks in different collectives
         self.stuck: RollCall | None = None  # the first where ranks wait for ranks that are done (RollCall.stuck)
@@ -269,19 +270,25 @@ class RollCallHost:
             pass
 
     def collect(self, n: int, timeout: float = 1.5) -> RollCall:
-        """The answers to roll-call ``n``: every rank that answered within ``timeout`` s, the dead ones as dead."""
+        """The answers to roll-call ``n``: every rank that answered within ``timeout`` s, the dead ones as dead.
+        The wait ends early once every rank yet to answer has ended: its answer will not come."""
         store = self._connect()
         dead = self.dead()
         want = [r for r in range(self.world) if r not in dead]
         got: dict = {}
         deadline = time.monotonic() + timeout
+        last = False
         while True:
             for r in want:
                 if r not in got and store.check([_key("ans", n, r)]):
                     got[r] = json.loads(store.get(_key("ans", n, r)))
-            if len(got) == len(want) or time.monotonic() > deadline:
+            if len(got) == len(want) or last or time.monotonic() > deadline:
                 break
-            time.sleep(0.02)
+            # a rank that ended while asked (a failing run's others exit at once) stays unknown, as at the deadline;
+            # the answers are read once more after, for one that answered just before it ended
+            last = not set(want) - set(got) - set(self.dead()) - set(self.ended() if self.ended else ())
+            if not last:
+                time.sleep(0.02)
         out = []
         for r in range(self.world):
             if r in dead:
@@ -321,10 +328,10 @@ class RollCallHost:
     def blame(self) -> RollCall | None:
         """The roll-call that explains a failed run: the last one printed (else one taken now), with each rank that
         failed inside a collective shown there and the dead ranks as dead."""
-        failed = self.failed()
         base = self.rollcalls[-1] if self.rollcalls else self.ask()
         if base is None:
             return None
+        failed = self.failed()  # after the roll-call: a rank that ended while asked left its collective there
         by = base.by_rank()
         over = []
         for r, s in failed.items():
