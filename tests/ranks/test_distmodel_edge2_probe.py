@@ -123,7 +123,7 @@ def test_float16_loss_scale_and_counters_resume_as_the_uninterrupted_run(how, sp
 def test_the_loss_scale_is_an_optimizer_state_only_under_float16_dynamic_scaling():
     net = Net()
     dm = to_static(net, None, nn.MSELoss(), torch.optim.SGD(net.parameters(), lr=0.1), Strategy({"amp": AMP}))
-    assert set(dm.state_dict("opt")) == {"loss_scaling_0", "num_good_steps_0", "num_bad_steps_0"}
+    assert set(dm.state_dict("opt")) == {"loss_scaling_0", "num_good_steps_0", "num_bad_steps_0", "learning_rate_0"}
     assert not set(dm.state_dict("param")) & {"loss_scaling_0", "num_good_steps_0", "num_bad_steps_0"}
     bf16 = to_static(net, None, nn.MSELoss(), torch.optim.SGD(net.parameters(), lr=0.1),
                      Strategy({"amp": dict(AMP, dtype="bfloat16")}))

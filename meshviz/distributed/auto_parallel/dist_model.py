@@ -100,6 +100,7 @@ class DistModel:
         self._sharded = False
         self._dp = False
         self._rows = None
+        self._lrs = None  # model_state.LearningRates: Paddle's learning_rate_0
 
         if world > 1:
             from ...runtime.devices import place_module
@@ -253,9 +254,13 @@ class DistModel:
                              f"one value), got a {what}")
         return loss
 
-    def _train_loss(self, inputs, labels):
+    def _train_loss(self, inputs, labels, ran=None):
+        """The training loss of a micro-batch; ``ran`` (a list) gets True once the forward has run."""
         with self._autocast():
-            loss = self._loss_of(self._run(inputs), labels)
+            out = self._run(inputs)
+            if ran is not None:
+                ran.append(True)
+            loss = self._loss_of(out, labels)
         if self._o2 is not None and loss.is_floating_point():
             loss = loss.float()  # O2's loss in float32, as Paddle's
         return loss
@@ -275,6 +280,9 @@ class DistModel:
         scaled.backward()
 
     def _update(self):
+        lrs = model_state.learning_rates(self)
+        if lrs is not None:
+            lrs.sync()  # a rate loaded into state_dict()'s learning_rate_0 in place
         if self._dp:
             # every dense parameter, a rank without its gradient counting zeros: ranks whose branches used
             # different parameters still pack the same buffers
@@ -426,7 +434,8 @@ class DistModel:
     # state ------------------------------------------------------------------------------------------------
     def state_dict(self, mode="all") -> dict:
         """'param': the layer's state dict; 'opt': optimizer states as ``{param}.{state}`` keys (and, under float16's
-        dynamic loss scaling, Paddle's ``loss_scaling_0``, ``num_good_steps_0``, ``num_bad_steps_0``); 'all': both."""
+        dynamic loss scaling, Paddle's ``loss_scaling_0``, ``num_good_steps_0``, ``num_bad_steps_0``); 'all': both.
+        Paddle's ``learning_rate_0``, the next step's rate, is in 'opt', or in 'param' under a torch LR scheduler."""
         return model_state.state_dict(self, mode)
 
     def set_state_dict(self, state_dict: dict) -> None:
