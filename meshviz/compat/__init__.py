@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import re
 import sys
@@ -53,13 +54,23 @@ _c10d = tdist.distributed_c10d
 _SORT_RANKS = "sort_ranks" in inspect.signature(tdist.new_group).parameters  # new in torch 2.12/2.13
 
 
+def _world_timeout():
+    """The default process group's timeout (None where unknown): torch gives a new group 30 minutes on gloo."""
+    pg = _c10d._get_default_group() if tdist.is_initialized() else None
+    for dev in () if pg is None else (pg.bound_device_id, torch.device("cpu"), torch.device("cuda")):
+        with contextlib.suppress(Exception):  # no backend for that device, or one without options
+            return pg._get_backend(dev).options._timeout
+    return None
+
+
 def new_group_in_order(ranks, timeout=None, backend=None):
     """A process group whose group rank i is ``ranks[i]`` (torch's ``new_group`` sorts them).
 
     Every rank of the world calls it; a non-member gets ``GroupMember.NON_GROUP_MEMBER``. Where ``new_group``
-    has no ``sort_ranks`` (torch 2.11), this is its body without the sort.
+    has no ``sort_ranks`` (torch 2.11), this is its body without the sort. ``timeout`` None: the world's.
     """
     ranks = [int(r) for r in ranks]
+    timeout = timeout or _world_timeout()  # a group one rank makes alone fails then, not in 30 minutes
     if _SORT_RANKS:
         return tdist.new_group(ranks, timeout=timeout, backend=backend, sort_ranks=False)
     default_pg = _c10d._get_default_group()

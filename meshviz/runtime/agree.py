@@ -7,9 +7,11 @@ import zlib
 import torch
 
 from .. import compat
+from ..rank_context import current as rank_context
+from ..rank_context import getenv
 from ..trace.status import name_ranks
 
-__all__ = ["same_on_every_rank", "same_or_refused"]
+__all__ = ["same_on_every_rank", "same_or_refused", "alone"]
 
 
 def _code(v) -> int:
@@ -63,3 +65,12 @@ def same_or_refused(who: str, settings: dict, refused: Exception | None, pg=None
     if refused is not None:
         raise refused
     return settings
+
+
+def alone() -> bool:
+    """Whether no other rank can wait for this one: no process group started, and none to join but one of this
+    process alone (not a rank thread, no WORLD_SIZE above 1). A refusal there may raise before starting one."""
+    import torch.distributed as tdist
+
+    size = getenv("WORLD_SIZE") or getenv("PADDLE_TRAINERS_NUM") or "1"
+    return not tdist.is_initialized() and rank_context().init is None and size.strip() == "1"

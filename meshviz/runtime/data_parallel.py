@@ -160,9 +160,10 @@ class DataParallelEngine:
         """The first synced forward: where ``out`` leaves a parameter DDP averages unused on some rank (one MAX
         all-reduce of flags, untraced as DDP's own search), DDP is built again to search for unused parameters,
         this backward included; not after no_sync() steps, nor where a custom autograd Function may hide some.
-        With ``find_unused_parameters``, where such a Function runs on some rank, DDP's search, which cannot see
-        its parameters (it would take them for unused, then raise when the Function's backward reaches them), is
-        replaced by the end-of-backward zeros of :func:`_check_after_backward`, whose gradients are the same."""
+        While DDP searches (``find_unused_parameters``, or after that), where such a Function runs on some rank,
+        at this synced forward or a later one, DDP's search, which cannot see its parameters (it would take them
+        for unused, then raise when the Function's backward reaches them), is replaced by the end-of-backward zeros
+        of :func:`_check_after_backward`, whose gradients are the same."""
         self.probe = False
         reached, hidden = _reached_params(out)
         flag = torch.tensor([any(i not in reached for i in self.trained), self.accumulated, hidden],
@@ -179,9 +180,12 @@ class DataParallelEngine:
         # the reducer there is stays where one built now would not know what the no_sync() backwards used, or where
         # a custom autograd Function (a reentrant checkpoint) may use parameters its inputs do not show; the end
         # of each backward then sends what a rank left unreduced (_check_after_backward)
-        if not (hidden if self.find else unused and not accumulated and not hidden):
+        switch = hidden if self.find else unused and not accumulated and not hidden
+        self.find = self.find != switch
+        # DDP's search cannot see a custom Function that a later forward runs first: while it searches, each looks
+        self.probe = self.find
+        if not switch:
             return
-        self.find = not self.find
         self.ddp.reducer._remove_autograd_hooks()
         self.retired = self.ddp  # its output's backward (DDP's _DDPSink) reads it through a weak reference
         self._install(self._build(False))

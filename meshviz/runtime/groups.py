@@ -9,6 +9,7 @@ import torch.distributed as tdist
 
 from .. import compat, rank_context
 from ..core.mesh import ProcessMesh
+from . import rollcall
 from .group_type import Group
 from .world import get_world_size, global_group, set_up
 
@@ -99,9 +100,25 @@ def group_for_ranks(ranks) -> "tdist.ProcessGroup | None":
         if len(ranks) == get_world_size() and ranks == tuple(range(len(ranks))):
             pg = tdist.group.WORLD
         else:
-            pg = compat.new_group_in_order(ranks)
+            pg = _new_group(ranks)
         _state().by_ranks[ranks] = pg if pg not in (None, tdist.GroupMember.NON_GROUP_MEMBER) else None
     return _state().by_ranks[ranks]
+
+
+def _new_group(ranks: tuple):
+    """``compat.new_group_in_order``, shown by the roll-call as a wait on the world; where the others do not come
+    (they make other groups, or none), it fails after the collective timeout saying so."""
+    rec = rollcall.current()
+    prev = rec.enter("new_group", tuple(range(get_world_size())), counted=False)
+    try:
+        return compat.new_group_in_order(ranks)
+    except RuntimeError as e:
+        raise RuntimeError(
+            f"making the process group over ranks {list(ranks)} failed: every rank of the world makes the same groups "
+            f"in the same order (a ProcessMesh or new_group given other ranks, or used, on some ranks only, waits "
+            f"for the others until the timeout); torch: {e}") from None
+    finally:
+        rec.leave(prev)
 
 
 def line_group(ranks) -> Group:

@@ -243,7 +243,9 @@ def test_unknown_level_raises_on_every_rank_before_communication():
     for msg, initialised in res:
         assert msg is not None and "'p_g'" in msg
         assert "'os'" in msg and "'os_g'" in msg and "'p_g_os'" in msg
-        assert not initialised  # raised before the process group even started
+        # the process group starts all the same: a rank alone with a bad level must be able to tell the others
+        # (tests/ranks/test_hang_refusals_probe.py); no data moves
+        assert initialised
 
 
 def _levels_per_rank():

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from ...rank_context import getenv
-from ...runtime.agree import same_on_every_rank
+from ...runtime.agree import alone, same_or_refused
 from ...runtime.world import get_rank, get_world_size, init_parallel_env
 from ..collective import barrier
 from . import topology  # noqa: F401  (fleet.topology, as in Paddle)
@@ -49,31 +49,38 @@ class Fleet:
         """Start the process group and build the hybrid topology from ``strategy.hybrid_configs``.
 
         Only collective mode exists here. The degrees must multiply to the world size (``dp_degree=-1``: the
-        rest). Raises ValueError on every rank, before communicating, when they do not.
+        rest). Where they do not, or the ranks' configs differ, or one rank refuses its arguments, every rank
+        raises before anything but one settings check (the refusing rank its own error, the others ValueError
+        naming it).
         """
-        if not is_collective:
-            raise ValueError("fleet.init: only collective mode (is_collective=True) is supported")
-        if strategy is None:
-            strategy = DistributedStrategy()
-        if not isinstance(strategy, DistributedStrategy):
-            raise TypeError(f"fleet.init: strategy must be a DistributedStrategy, got {type(strategy).__name__}")
+        refused, degrees, order = None, dict.fromkeys(_DEGREES, 0), []
+        try:
+            if not is_collective:
+                raise ValueError("fleet.init: only collective mode (is_collective=True) is supported")
+            if strategy is None:
+                strategy = DistributedStrategy()
+            if not isinstance(strategy, DistributedStrategy):
+                raise TypeError(f"fleet.init: strategy must be a DistributedStrategy, got {type(strategy).__name__}")
+            h = strategy.hybrid_configs
+            degrees, order = {k: h[f"{k}_degree"] for k in _DEGREES}, list(h["order"])
+        except (TypeError, ValueError) as e:
+            if alone():  # no other rank can wait for this one: before starting a process group
+                raise
+            refused = e
+        try:  # also where this rank refused: the others would wait for it in the check below
+            init_parallel_env()
+        except Exception:
+            if refused is None:
+                raise
+            raise refused from None
+        if refused is None:
+            try:
+                degrees = _resolved(degrees, get_world_size())
+            except ValueError as e:
+                refused = e
+        # a rank that refused takes part too, so that every rank raises, naming it, not that one alone
+        same_or_refused("fleet.init: hybrid_configs", {**degrees, "order": order}, refused)
         self._strategy = strategy
-        init_parallel_env()
-        world = get_world_size()
-        h = strategy.hybrid_configs
-        degrees = {k: h[f"{k}_degree"] for k in _DEGREES}
-        order = list(h["order"])
-        others = degrees["pp"] * degrees["sharding"] * degrees["mp"] * degrees["sep"]
-        if degrees["dp"] == -1:
-            if world % others:
-                raise ValueError(f"fleet.init: world size {world} is not divisible by pp*sharding*mp*sep = {others}")
-            degrees["dp"] = world // others
-        if degrees["dp"] * others != world:
-            raise ValueError(
-                f"fleet.init: dp_degree*pp_degree*sharding_degree*mp_degree*sep_degree = "
-                f"{degrees['dp']}*{degrees['pp']}*{degrees['sharding']}*{degrees['mp']}*{degrees['sep']} = "
-                f"{degrees['dp'] * others}, but the world has {world} ranks")
-        same_on_every_rank("fleet.init: hybrid_configs", {**degrees, "order": order})
         for axis in ("sep", "cp"):  # Paddle's topology always has them (size 1 unless set), before mp by default
             if axis not in order:
                 order.insert(order.index("mp"), axis)
@@ -171,6 +178,22 @@ class Fleet:
 
     def barrier_worker(self) -> None:
         barrier()
+
+
+def _resolved(degrees: dict, world: int) -> dict:
+    """The degrees with ``dp_degree=-1`` resolved; ValueError where they do not multiply to ``world``."""
+    degrees = dict(degrees)
+    others = degrees["pp"] * degrees["sharding"] * degrees["mp"] * degrees["sep"]
+    if degrees["dp"] == -1:
+        if world % others:
+            raise ValueError(f"fleet.init: world size {world} is not divisible by pp*sharding*mp*sep = {others}")
+        degrees["dp"] = world // others
+    if degrees["dp"] * others != world:
+        raise ValueError(
+            f"fleet.init: dp_degree*pp_degree*sharding_degree*mp_degree*sep_degree = "
+            f"{degrees['dp']}*{degrees['pp']}*{degrees['sharding']}*{degrees['mp']}*{degrees['sep']} = "
+            f"{degrees['dp'] * others}, but the world has {world} ranks")
+    return degrees
 
 
 def _broadcast_inputs(model: nn.Module, hcg, strategy) -> None:

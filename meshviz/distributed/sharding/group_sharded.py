@@ -9,7 +9,7 @@ import torch.nn as nn
 
 from ...core.sharding import LEVELS
 from ...nn import ClipGradByGlobalNorm, fleet_mp_group
-from ...runtime.agree import same_on_every_rank, same_or_refused
+from ...runtime.agree import alone, same_on_every_rank, same_or_refused
 from ...runtime.devices import place_module
 from ...runtime.groups import resolve
 from ...runtime.world import device, init_parallel_env
@@ -108,14 +108,13 @@ def group_sharded_parallel(
     every rank of both groups. Its ranks must hold the same place in their own sharding groups (the same shards).
     ``exclude_layer`` (p_g_os): layers, by class name or ``id(layer)``, whose own parameters stay whole.
     """
-    running = tdist.is_initialized()
     refused = None
     try:
         names = _validate(model, optimizer, level, scaler, segment_size, buffer_max_size, grad_clip, offload,
                           dp_group, exclude_layer)
         check_elementwise(optimizer, "group_sharded_parallel")
     except ValueError as e:
-        if not running and level not in LEVELS:  # a level that is none: before any communication
+        if alone():  # no other rank can wait for this one: before starting a process group
             raise
         refused, names = e, {}
     try:  # also where this rank refused: the others would wait for it in the settings check below
