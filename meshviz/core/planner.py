@@ -7,7 +7,8 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from .layout import Layout, chunk, local_block, normalize_placements, shard_axes, with_nesting
+from .crossmesh import cross_moves, kept_partials, midway
+from .layout import chunk, local_block, normalize_placements, shard_axes, with_nesting
 from .mesh import ProcessMesh
 from .partial import commutes, nesting, partial_axes, partial_fill, summed
 from .placements import Partial, ReduceType, Replicate, Shard
@@ -283,10 +284,11 @@ def _a2a_ok(mesh, cur, dst, axis, b_dim) -> bool:
 def plan_reshard(shape: Sequence[int], src_mesh: ProcessMesh, src_placements, dst_mesh: ProcessMesh | None = None,
                  dst_placements=None, itemsize: int = 4) -> Plan:
     """Plan a reshard. Same mesh: per-axis collectives in the order README.md's "How a reshard is planned" gives.
-    Other mesh of the same shape: reshard on the source, then send/recv between ranks at the same coordinate. Other
-    shape: reduce the source's Partial axes, send each target rank its block from a source rank whose block holds it
-    (a local copy where that is the target itself; where no single block holds one, the source replicates first),
-    then fill Partial axes on the target.
+    Other mesh of the same shape: reshard on the source, send/recv between ranks at the same coordinate, reshard on
+    the target (:func:`_same_shape`). Other shape: reduce the source's Partial axes that do not travel as they are
+    (:func:`~meshviz.core.crossmesh.kept_partials`), send each target rank its block (and summand) from a source
+    rank whose block holds it (a local copy where that is the target itself; where no single block holds one, the
+    source replicates first), then fill the target's other Partial axes.
     """
     shape = tuple(int(s) for s in shape)
     if any(s < 0 for s in shape) or itemsize < 0:
@@ -300,72 +302,43 @@ def plan_reshard(shape: Sequence[int], src_mesh: ProcessMesh, src_placements, ds
     if src_mesh == dst_mesh or (src_mesh.shape == dst_mesh.shape and src_mesh.process_ids == dst_mesh.process_ids):
         steps = _plan_same_mesh(shape, src_mesh, src, dst, itemsize)
     elif src_mesh.shape == dst_mesh.shape:
-        steps = _plan_same_mesh(shape, src_mesh, src, dst, itemsize)
-        pairs = tuple(zip(src_mesh.process_ids, dst_mesh.process_ids))
-        steps.append(_counted(Step("send_recv", src_mesh, None, dst, dst, shape, groups=pairs, target_mesh=dst_mesh),
-                              itemsize))
+        steps = _same_shape(shape, src_mesh, src, dst_mesh, dst, itemsize)
     else:
-        dense_dst = tuple(summed(dst))
-        pre = tuple(Replicate() if isinstance(p, Partial) else p for p in src)
-        moves = _cross_moves(shape, src_mesh, pre, dst_mesh, dense_dst)
+        pairs = kept_partials(src_mesh, src, dst_mesh, dst)
+        kept_src, kept_dst = [s for s, _ in pairs], [t for _, t in pairs]
+        pre = tuple(Replicate() if isinstance(p, Partial) and i not in kept_src else p for i, p in enumerate(src))
+        mid = tuple(Replicate() if isinstance(p, Partial) and i not in kept_dst else p for i, p in enumerate(dst))
+        moves = cross_moves(shape, src_mesh, pre, dst_mesh, mid, pairs)
         if moves is None:  # a target block no single source block holds: replicate on the source first
-            pre = tuple(Replicate() for _ in range(src_mesh.ndim))
-            moves = _cross_moves(shape, src_mesh, pre, dst_mesh, dense_dst)
+            pre = tuple(p if i in kept_src else Replicate() for i, p in enumerate(src))
+            moves = cross_moves(shape, src_mesh, pre, dst_mesh, mid, pairs)
         steps = _plan_same_mesh(shape, src_mesh, src, pre, itemsize)
-        steps.append(_counted(Step("send_recv", src_mesh, None, pre, dense_dst, shape, groups=moves[0],
+        steps.append(_counted(Step("send_recv", src_mesh, None, pre, mid, shape, groups=moves[0],
                                    target_mesh=dst_mesh, blocks=moves[1]), itemsize))
-        b = _Builder(shape, dst_mesh, dense_dst, itemsize)
+        b = _Builder(shape, dst_mesh, mid, itemsize)
         for i, p in enumerate(dst):
-            if isinstance(p, Partial):
+            if isinstance(p, Partial) and i not in kept_dst:
                 b.add("zero_fill", i, p, reduce=p.reduce_type)
         steps += _relabelled(b.steps, dst_mesh, dst)
     return Plan(shape, itemsize, src_mesh, src, dst_mesh, dst, tuple(steps))
 
 
-def _cross_moves(shape, src_mesh, pre, dst_mesh, dense_dst):
-    """For each target coordinate (mesh order), a source rank whose block under ``pre`` holds its whole target block,
-    and that block's slice of the source's block: ((src, dst) pairs, slices), or None when some target block lies
-    in no single source block. Taken first: the target itself (a local copy); then a source one target axis away
-    (Paddle's pairing from a slice of the target mesh); then the next source in turn (spreading the sends); then the
-    first that holds it. Each choice is made for every target at once."""
-    src_ids, dst_ids = np.asarray(src_mesh.process_ids), dst_mesh.ids
-    have = Layout(shape, src_mesh, pre).bounds()  # (source, dim, (start, stop)), in src_ids order
-    want = Layout(shape, dst_mesh, dense_dst).bounds()  # (target, dim, (start, stop)), in dst_mesh order
-    full = want[:, :, 1] > want[:, :, 0]  # an empty dim is a slice of any block
-    order = np.argsort(src_ids)
-    pos = np.minimum(np.searchsorted(src_ids, dst_ids, sorter=order), len(src_ids) - 1)
-    idx = np.where(src_ids[order[pos]] == dst_ids, order[pos], -1)  # target mesh coordinate -> its source index
-    pick = np.full(len(want), -1)
-    for cand in _tries(idx, len(src_ids)):  # cand: a source index per target (-1: none)
-        h = have[np.maximum(cand, 0)]
-        ok = (pick < 0) & (cand >= 0) & np.all(~full | ((h[..., 0] <= want[..., 0]) & (want[..., 1] <= h[..., 1])), 1)
-        pick[ok] = cand[ok]
-        if (pick >= 0).all():
-            break
-    rest = np.flatnonzero(pick < 0)  # the first source that holds it, some targets at a time, replicas once
-    blocks, first = np.unique(have.reshape(len(have), -1), axis=0, return_index=True) if rest.size else (have, 0)
-    b, step = blocks.reshape(len(blocks), -1, 2)[None], max(1, (1 << 22) // max(1, blocks.size))
-    for js in (rest[at:at + step] for at in range(0, len(rest), step)):
-        held = np.all(~full[js, None] | ((b[..., 0] <= want[js, None, :, 0]) & (want[js, None, :, 1] <= b[..., 1])), 2)
-        if not held.any(axis=1).all():
-            return None
-        pick[js] = np.where(held, first[None, :], len(have)).min(axis=1)
-    rel = np.where(full[:, :, None], want - have[pick][:, :, :1], 0)
-    pairs = tuple(zip(src_ids[pick].tolist(), dst_ids.ravel().tolist()))
-    return pairs, tuple(tuple(map(tuple, r)) for r in rel.tolist())
-
-
-def _tries(idx, n):
-    """The sources :func:`_cross_moves` tries in turn, each an array of a source index per target (-1: none): the
-    target itself; along each axis, the ranks of every slice of the target mesh wholly in the source; the next in
-    turn."""
-    yield idx.ravel()
-    inside = idx >= 0
-    for a in range(idx.ndim if idx.ndim > 1 else 0):  # (a 1-D mesh's slices are single ranks)
-        whole = inside.all(axis=tuple(b for b in range(idx.ndim) if b != a))
-        for k in np.flatnonzero(whole) if not whole.all() else ():
-            yield np.broadcast_to(np.take(idx, [k], axis=a), idx.shape).ravel()
-    yield np.arange(idx.size) % n
+def _same_shape(shape, src_mesh, src, dst_mesh, dst, itemsize) -> list[Step]:
+    """Between meshes of one shape: reshard on the source to a layout, send/recv between ranks at the same
+    coordinate, reshard on the target. The layout is the target's (Paddle's N-D order: all on the source, then
+    send) unless :func:`~meshviz.core.crossmesh.midway` (what shrinks on the source, the rest on the target, as
+    Paddle's 1-D ``SToRReshardFunctionCrossMesh`` sends the shards and gathers on the target) moves fewer bytes."""
+    pairs = tuple(zip(src_mesh.process_ids, dst_mesh.process_ids))
+    best = None
+    for via in (dst, midway(shape, src, dst)):
+        via = normalize_placements(shape, src_mesh, via)
+        steps = _plan_same_mesh(shape, src_mesh, src, via, itemsize)
+        steps.append(_counted(Step("send_recv", src_mesh, None, via, via, shape, groups=pairs, target_mesh=dst_mesh),
+                              itemsize))
+        steps += _plan_same_mesh(shape, dst_mesh, via, dst, itemsize)
+        if best is None or sum(s.bytes for s in steps) < sum(s.bytes for s in best):
+            best = steps
+    return best
 
 
 # -- simulation on numpy (one process, any mesh size) -------------------------------------------------

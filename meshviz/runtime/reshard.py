@@ -332,6 +332,9 @@ def run_step(step: Step, local, rank: int, dtype, device, fresh: bool = False):
     raise ValueError(f"unknown step {step.op}")
 
 
+_GROUPED = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")  # steps on a mesh line's group
+
+
 def run_plan(plan: Plan, local, rank: int, *, dtype=None, device=None, name=None, tensor_id=None,
              own: bool = False):
     """Run every step of ``plan`` on this rank, emitting one ``reshard_step`` event per step it took part in (its
@@ -340,6 +343,8 @@ def run_plan(plan: Plan, local, rank: int, *, dtype=None, device=None, name=None
     dtype = dtype if dtype is not None else local.dtype
     device = device if device is not None else local.device
     check_runnable(plan, dtype)
+    if plan.cross_mesh and any(s.op in _GROUPED and s.mesh == plan.dst_mesh for s in plan.steps):
+        groups.mesh_groups(plan.dst_mesh)  # collectives after the send: every rank makes their groups, in one order
     if not plan.steps and not own and local is not None and plan.src_placements != plan.dst_placements:
         local = local.clone()  # a relabel along mesh axes of one rank: the caller keeps its block
     ctx = rank_context.current()
