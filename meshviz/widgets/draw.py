@@ -95,10 +95,12 @@ def _split_panels(mesh, cell_rgb, max_facets: int, max_w: float):
 
 
 def mesh_block(mesh, cell_rgb=None, *, hatched=(), devices=None, groups_axis=None, title=None, text_extra=None,
-               max_w: float = MAX_W, max_facets: int = MAX_FACETS) -> Block:
+               max_w: float = MAX_W, max_facets: int = MAX_FACETS, notes=()) -> Block:
     """The mesh as a grid of cells (faceted over leading axes beyond two), ids (and ``devices``, ``text_extra``)
     in the cells when they fit, ``title`` above, wrapped; facets beyond ``max_facets`` summarized on a line below.
-    A row of ranks too long for cells of ``MIN_CELL`` is wrapped into rows, each labelled with its first index."""
+    A row of ranks too long for cells of ``MIN_CELL`` is wrapped into rows, each labelled with its first index.
+    ``notes``: {rank or None: a line said below}; a line keyed by a rank is left out where that rank's cell shows
+    its ``text_extra`` (the line says for every cell what the cells, too small or too many, cannot)."""
     ids = mesh.ids
     names = mesh.dim_names
     n_all = int(np.prod(ids.shape[:-2])) if ids.ndim > 2 else 1
@@ -216,7 +218,7 @@ def mesh_block(mesh, cell_rgb=None, *, hatched=(), devices=None, groups_axis=Non
                 _draw_groups(panel, 1, 0, 1, length - per * (rows - 1), at=rows - 1, line=line)
 
     parts.append(Block(grid_w, grid_h, paint_grid, mid=None))
-    notes = []
+    notes = [line for r, line in dict(notes).items() if r is None or r not in labels or r not in (text_extra or ())]
     if groups_axis is not None and ((ids.ndim > 2 and groups_axis < ids.ndim - 2) or (split and groups_axis != along)):
         notes.append("groups: the same cell across panels")
     if common:

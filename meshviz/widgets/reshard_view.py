@@ -47,27 +47,37 @@ def _png(fig) -> bytes:
     canvas = FigureCanvasAgg(fig)
     canvas.draw()
     size = canvas.get_width_height()
-    im = Image.frombuffer("RGBA", size, canvas.buffer_rgba(), "raw", "RGBA", 0, 1).convert("RGB")
-    rgb = np.asarray(im, dtype=np.int64)
-    colours, where, counts = np.unique((rgb[..., 0] << 16) | (rgb[..., 1] << 8) | rgb[..., 2], return_inverse=True,
-                                       return_counts=True)
+    rgba = np.frombuffer(canvas.buffer_rgba(), dtype="<u4")  # R, G, B, A bytes: R the low byte
+    key = ((rgba & 0xFF) << 16) | (rgba & 0xFF00) | ((rgba >> 16) & 0xFF)  # 0xRRGGBB
+    # counted by a sort of the pixels: an inverse index per pixel (np.unique's return_inverse, an argsort of
+    # millions of pixels) was most of a 65,536-rank picture's time; a table from colour to palette index maps them
+    colours, counts = np.unique(key, return_counts=True)
     order = np.argsort(-counts, kind="stable")
     out = io.BytesIO()
-    if len(colours) > 256 and counts[order[_EXACT]] * 1000 >= counts.sum():
-        im.save(out, "PNG")
+    big = len(colours) > 256
+    if big and counts[order[_EXACT]] * 1000 >= counts.sum():
+        _rgb_image(canvas, size).save(out, "PNG")
         return out.getvalue()
-    unpacked = np.stack([colours >> 16, (colours >> 8) & 255, colours & 255], 1)
-    palette = unpacked[order[:_EXACT]] if len(colours) > 256 else unpacked
-    if len(colours) > 256:  # the text's edges: the octree's colours for them, each pixel its nearest in the palette
+    unpacked = np.stack([colours >> 16, (colours >> 8) & 255, colours & 255], 1).astype(np.int64)
+    palette = unpacked[order[:_EXACT]] if big else unpacked
+    if big:  # the text's edges: the octree's colours for them, each pixel its nearest in the palette
+        im = _rgb_image(canvas, size)
         rest = np.asarray((im.quantize(256 - _EXACT, method=_FASTOCTREE).getpalette() or [])[: 3 * (256 - _EXACT)])
         palette = np.concatenate([palette, rest.reshape(-1, 3)])
     u, q = unpacked.astype(np.float32), palette.astype(np.float32)  # squared distances, exact ones 0
     nearest = np.argmin((q * q).sum(1)[None, :] - 2 * u @ q.T, axis=1)  # (|u|^2 is the same along a row)
-    index = nearest[where.reshape(-1)].astype(np.uint8).reshape(size[1], size[0])
-    picture = Image.frombytes("P", size, index.tobytes())
+    table = np.empty(1 << 24, dtype=np.uint8)  # (pages never written are never touched)
+    table[colours] = nearest
+    picture = Image.frombytes("P", size, table[key].tobytes())
     picture.putpalette(palette.astype(np.uint8).ravel().tolist())
     picture.save(out, "PNG")
     return out.getvalue()
+
+
+def _rgb_image(canvas, size):
+    from PIL import Image
+
+    return Image.frombuffer("RGBA", size, canvas.buffer_rgba(), "raw", "RGBA", 0, 1).convert("RGB")
 
 
 def _line(g) -> str:

@@ -221,6 +221,17 @@ def _empty_note(st: TensorState) -> str | None:
     return f"empty blocks on {n} ranks: {listed}"
 
 
+def _pale_note(st: TensorState) -> str | None:
+    """What the pale cells hold, said under a mesh whose cells are too small (or too many) to say it each."""
+    kinds = list(st.fills.values())
+    zeros, ones = kinds.count("zero"), kinds.count("one")
+    if not zeros + ones:
+        return None
+    held = ", ".join(f"{_count(n, 'rank')} {'hold' if n != 1 else 'holds'} {what}"
+                     for n, what in ((zeros, "zeros"), (ones, "ones")) if n)
+    return f"pale cells: {held} (an identity of the reduction)"
+
+
 def tensor_state_block(st: TensorState, *, world=None, groups_axis=None, mesh_title=None, text_extra=None,
                        max_w: float = 10.0, mesh_w: float | None = None) -> Block:
     """[mesh | blocks], or for a Partial [mesh | summand + summand ... = value], side by side within ``max_w``
@@ -231,8 +242,11 @@ def tensor_state_block(st: TensorState, *, world=None, groups_axis=None, mesh_ti
         if st.mesh.size <= 64 else {}
     for r, t in (text_extra or {}).items():
         extra[r] = (extra[r] + " " + t) if r in extra else t
+    pale = _pale_note(st)
+    told = next((r for r, f in st.fills.items() if f != "value"), None) if st.mesh.size <= 64 else None
     mesh = mesh_block(world or st.mesh, st.cell_rgb(world), hatched=hatched, groups_axis=groups_axis,
-                      title=mesh_title, text_extra=extra or None, max_w=min(4.2, max_w / 2))
+                      title=mesh_title, text_extra=extra or None, max_w=min(4.2, max_w / 2),
+                      notes={told: pale} if pale else ())
     if mesh_w is not None and mesh_w > mesh.w:
         mesh = Block(mesh_w, mesh.h, mesh.paint, mesh.mid)
     gap = 0.3

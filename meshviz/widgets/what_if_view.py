@@ -10,8 +10,8 @@ from matplotlib.colors import Normalize
 
 from ..trace.commtable import TOP
 from .base import View
-from .draw import MAX_W, legend_block, mesh_block
-from .sheet import Block, Panel, elide, hstack, line_height, text_block, text_width, vstack
+from .draw import MAX_W, ids_text, legend_block, mesh_block
+from .sheet import MIN_FONT, Block, Panel, elide, hstack, line_height, text_block, text_width, vstack
 from .style import HEAD, LABEL, TICK, TITLE, block_colours
 
 __all__ = ["WhatIfView", "PARTS", "by_module"]
@@ -53,10 +53,17 @@ class WhatIfView(View):
 
     def peaks(self) -> np.ndarray:
         """Each mesh cell's peak bytes (the mesh's shape)."""
-        out = np.zeros(self.grid.shape)
-        for c in np.ndindex(*self.grid.shape):
-            out[c] = self.report.per_rank[self.grid.rank_at(c)]["peak"]
-        return out
+        per = self.report.per_rank
+        ranks = np.fromiter(per, dtype=np.int64, count=len(per))
+        peak = np.fromiter((v["peak"] for v in per.values()), dtype=float, count=len(per))
+        order = np.argsort(ranks)
+        ranks, peak = np.append(ranks[order], -1), np.append(peak[order], 0.0)  # (-1: where an id is past them all)
+        ids = np.asarray(self.grid.ids, dtype=np.int64)
+        at = np.searchsorted(ranks[:-1], ids)
+        missing = ranks[at] != ids
+        if missing.any():
+            raise KeyError(int(ids[missing].flat[0]))  # as the report's own lookup of a rank it does not have
+        return peak[at]
 
     def set_rank(self, rank: int) -> None:
         if int(rank) not in self.report.per_rank:
@@ -77,11 +84,36 @@ class WhatIfView(View):
         text = {r: _gb(self.report.per_rank[r]["peak"]) for r in self.grid.process_ids} \
             if self.grid.size <= 16 else None
         mesh = mesh_block(self.grid, rgb, hatched=self.over(), text_extra=text, max_w=MAX_W, max_facets=_FACETS)
+        hidden = self._hidden_note(peaks)
+        if hidden:
+            mesh = vstack([mesh, text_block(hidden, MIN_FONT, width=max(mesh.w, 2.2), color="#a00")], gap=0.04)
         top = hstack([self._breakdown_block(), self._scale_block(hi)], gap=0.4)
         comm = self._comm_block()
         width = max(top.w, mesh.w, comm.w)
         head = text_block(title, HEAD, width=max(min(text_width(title, HEAD), MAX_W), min(width, MAX_W)))
         return vstack([head, top, mesh, comm], gap=0.18)
+
+    def _hidden_note(self, peaks) -> str | None:
+        """What the panels left out of a mesh of more than ``_FACETS`` panels hold that the picture is about: the
+        ranks over the limit (none hatched where all are left out) and the rank whose bytes are shown."""
+        ids = self.grid.ids
+        if ids.ndim <= 2 or int(np.prod(ids.shape[:-2])) <= _FACETS:
+            return None
+        per = int(ids.shape[-2] * ids.shape[-1])
+        left_out = ids.reshape(-1, per)[_FACETS:]
+        out_peaks = peaks.reshape(-1, per)[_FACETS:]
+        said = []
+        if self.limit is not None:
+            over = np.sort(left_out[out_peaks > self.limit])
+            if len(over):
+                listed = ids_text(over) if len(over) <= 8 else ids_text(over).split(" (")[0]
+                said.append(f"{len(over)} of the {int((peaks > self.limit).sum())} ranks over the limit {listed}")
+        if bool((left_out == self.rank).any()):
+            said.append(f"rank {self.rank}, whose bytes are shown above")
+        if not said:
+            return None
+        return f"in the {len(left_out)} panels not drawn (peaks up to {_gb(float(out_peaks.max()))}): " + \
+            "; ".join(said)
 
     def _heading(self) -> str:
         r = self.report
