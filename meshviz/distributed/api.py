@@ -20,7 +20,7 @@ from ..runtime.autograd import place as place_dense
 from ..runtime.autograd import reshard as reshard_fn
 from ..runtime.devices import device
 from ..runtime.dtensor import DistTensor, make_dist
-from ..runtime.match import checking
+from ..runtime.match import called_as, checking
 from ..runtime.world import init_parallel_env
 from ..trace.status import name_ranks
 
@@ -288,10 +288,12 @@ def reshard(dist_tensor, mesh: ProcessMesh, placements: Sequence):
     pl = _check(mesh, placements, tuple(dist_tensor.shape))
     groups.mesh_groups(dist_tensor.process_mesh)
     groups.mesh_groups(mesh)
-    if dist_tensor.requires_grad and torch.is_grad_enabled():
-        out = reshard_fn(dist_tensor, mesh, pl)
-    else:
-        out = run_reshard(dist_tensor, mesh, pl, dist_tensor.name)
+    with called_as(lambda: f"reshard to {list(pl)} on {mesh!r} (from {list(dist_tensor.placements)} on "
+                           f"{dist_tensor.process_mesh!r})"):
+        if dist_tensor.requires_grad and torch.is_grad_enabled():
+            out = reshard_fn(dist_tensor, mesh, pl)
+        else:
+            out = run_reshard(dist_tensor, mesh, pl, dist_tensor.name)
     out.name = dist_tensor.name
     return out
 

@@ -9,6 +9,7 @@ import torch
 from ..core.layout import chunk
 from ..core.mesh import ProcessMesh
 from ..core.placements import Replicate, Shard
+from ..runtime.agree import alone, same_or_refused
 from ..runtime.devices import device
 from ..runtime.dtensor import DistTensor
 from ..runtime.world import init_parallel_env
@@ -22,6 +23,25 @@ class ShardDataloader:
 
     def __init__(self, dataloader, meshes, input_keys=None, shard_dims=None, is_dataset_splitted=False,
                  dense_tensor_idx=None):
+        try:
+            self._set_up(dataloader, meshes, input_keys, shard_dims, is_dataset_splitted, dense_tensor_idx)
+            refused = None
+        except ValueError as e:
+            refused = e
+            if alone():
+                raise
+        init_parallel_env()
+        # once, at set-up, on every rank (a refusing one too, so none waits for it): a rank whose loader or meshes
+        # differ would split another batch, its rows lost or taken twice
+        batches = getattr(dataloader, "batch_sampler", None)
+        size = getattr(batches, "batch_size", getattr(dataloader, "batch_size", None))
+        same_or_refused("shard_dataloader", {
+            "batch_size": size if isinstance(size, int) else repr(size), "batches": _batch_count(dataloader),
+            "drop_last": getattr(batches, "drop_last", getattr(dataloader, "drop_last", None)),
+            "meshes": repr(meshes), "shard_dims": repr(shard_dims), "is_dataset_splitted": bool(is_dataset_splitted),
+            "input_keys": repr(input_keys)}, refused)
+
+    def _set_up(self, dataloader, meshes, input_keys, shard_dims, is_dataset_splitted, dense_tensor_idx) -> None:
         meshes = list(meshes) if isinstance(meshes, (list, tuple)) else [meshes]
         if not meshes or not all(isinstance(m, ProcessMesh) or (isinstance(m, (list, tuple)) and m and all(
                 isinstance(s, ProcessMesh) for s in m)) for m in meshes):
@@ -298,6 +318,13 @@ def _own_rows(value, cut):
         per_row = cut and _per_row(value) and len(value) == cut[1]
         return _like(value, value[cut[0]] if per_row else [_own_rows(v, cut) for v in value])
     return value
+
+
+def _batch_count(loader):
+    try:
+        return len(loader)
+    except TypeError:  # an iterable dataset's loader has no length
+        return None
 
 
 def _sampler_of(loader):

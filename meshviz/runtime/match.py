@@ -10,6 +10,7 @@ collective (bench/README.md); NCCL groups are not checked (a mismatch there hang
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import zlib
@@ -17,9 +18,9 @@ import zlib
 import torch
 
 from .. import rank_context
-from ..trace.status import SHAPED_OPS, RankStatus, RollCall
+from ..trace.status import SHAPED_OPS, RankStatus, RollCall, name_ranks
 
-__all__ = ["CollectiveMismatch", "checking", "set_checking", "check_match", "fingerprint"]
+__all__ = ["CollectiveMismatch", "checking", "set_checking", "check_match", "fingerprint", "called_as"]
 
 _SLOTS = 16
 _MAX_DIMS = 6
@@ -48,6 +49,7 @@ class CollectiveMismatch(RuntimeError):
 @dataclasses.dataclass
 class MatchState:
     on: bool | None = None  # None: not chosen on this rank
+    call: tuple[int, str] | None = None  # the API call whose collectives run now: (checksum, text), see called_as
 
 
 MATCH = rank_context.slot("match", MatchState)
@@ -74,6 +76,29 @@ def set_checking(on: bool) -> bool:
     old = checking()
     _state().on = bool(on)
     return old
+
+
+_FREE = contextlib.nullcontext()
+
+
+def called_as(what):
+    """While the block runs, the collectives this rank checks carry ``what()`` (the API call and the arguments every
+    rank must pass alike, e.g. a reshard's mesh and placements), so ranks that pass different ones raise
+    :class:`CollectiveMismatch` rather than run the same collectives to different ends. Free when checking is off."""
+    return _Called(what) if checking() else _FREE
+
+
+class _Called:
+    def __init__(self, what):
+        self.what, self.old = what, None
+
+    def __enter__(self):
+        state = _state()
+        text = self.what()
+        self.old, state.call = state.call, (zlib.crc32(text.encode()), text)
+
+    def __exit__(self, *exc):
+        _state().call = self.old
 
 
 def _code(name, table) -> int:
@@ -104,6 +129,8 @@ def fingerprint(op: str, seq: int, tensors=(), root=None, reduce: str | None = N
     fp[12] = zlib.crc32(repr([(_dtype(t), tuple(t.shape)) for t in ts]).encode())
     fp[13] = -1 if root is None else int(root)
     fp[14] = -1 if reduce is None else _code(reduce, _REDUCES)
+    call = _state().call
+    fp[15] = 0 if call is None else call[0]
     return fp
 
 
@@ -124,7 +151,7 @@ def _status(rank: int, op: str, fp: list[int], reduce: bool = False, root: bool 
 
 
 def _differs(op: str, a: list[int], b: list[int]) -> bool:
-    if a[:2] != b[:2] or a[13] != b[13] or a[14] != b[14]:  # seq, op, root (an object broadcast's too), reduce op
+    if a[:2] != b[:2] or a[13:16] != b[13:16]:  # seq, op, root (an object broadcast's too), reduce op, API call
         return True
     if op in SHAPED_OPS:
         return a[12] != b[12]
@@ -149,6 +176,9 @@ def check_match(g, op: str, seq: int, tensors=(), root=None, reduce: str | None 
     me = rows[g.rank]
     if not any(_differs(op, me, r) for r in rows):
         return
+    calls = [r[:15] + [0] for r in rows]
+    if not any(_differs(op, calls[g.rank], r) for r in calls):  # only the API calls' arguments differ
+        raise CollectiveMismatch(_calls_differ(g, seq, rows), list(g.ranks))
     counts: dict = {}
     for r in rows:
         counts.setdefault(tuple(r), 0)
@@ -168,3 +198,16 @@ def check_match(g, op: str, seq: int, tensors=(), root=None, reduce: str | None 
         line = f"mismatch on group {list(g.ranks)}: " + "; ".join(
             f"rank {s.rank} entered {s.op} #{s.seq}" for s in statuses)
     raise CollectiveMismatch(line, odd)
+
+
+def _calls_differ(g, seq: int, rows) -> str:
+    """The line for members that run the same collective for API calls given different arguments."""
+    mine = rows[g.rank][15]
+    call = _state().call
+    kinds: dict = {}
+    for rank, r in zip(g.ranks, rows):
+        kinds.setdefault(r[15], []).append(rank)
+    parts = [f"{name_ranks(rs)}: " + (call[1] if code == mine and call else "a collective of no such call" if code == 0
+                                      else "other arguments") for code, rs in kinds.items()]
+    return (f"mismatch at #{seq} on group {list(g.ranks)}: the ranks made the same collective for calls given "
+            f"different arguments (every rank needs the same): " + "; ".join(parts))
