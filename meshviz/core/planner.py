@@ -329,7 +329,7 @@ def _same_shape(shape, src_mesh, src, dst_mesh, dst, itemsize) -> list[Step]:
     send) unless :func:`~meshviz.core.crossmesh.midway` (what shrinks on the source, the rest on the target, as
     Paddle's 1-D ``SToRReshardFunctionCrossMesh`` sends the shards and gathers on the target) moves fewer bytes."""
     pairs = tuple(zip(src_mesh.process_ids, dst_mesh.process_ids))
-    best = None
+    best: list[Step] | None = None
     for via in (dst, midway(shape, src, dst)):
         via = normalize_placements(shape, src_mesh, via)
         steps = _plan_same_mesh(shape, src_mesh, src, via, itemsize)
@@ -338,6 +338,7 @@ def _same_shape(shape, src_mesh, src, dst_mesh, dst, itemsize) -> list[Step]:
         steps += _plan_same_mesh(shape, dst_mesh, via, dst, itemsize)
         if best is None or sum(s.bytes for s in steps) < sum(s.bytes for s in best):
             best = steps
+    assert best is not None
     return best
 
 
