@@ -11,7 +11,7 @@ import threading
 
 from ..errors import RankError, RankOutcome
 from ..ranks.outcomes import error_of, exit_text
-from .ending import Ending, grace
+from .ending import Ending, end_leftovers, grace
 
 __all__ = ["Torchrun", "TorchrunJob", "STOPPED"]
 
@@ -157,7 +157,7 @@ def _watched(job: TorchrunJob, ending: Ending):
     """While the agent runs: each run of its workers kept in ``job`` (the launcher's watches see which exited),
     the workers told the launcher's pid when it starts them from its main thread (they end with it), and the
     agent's own ending of the workers once one failed given the grace of :class:`Ending` (torch waits 30 s for a
-    worker that ignores SIGTERM)."""
+    worker that ignores SIGTERM), what a failed worker started ended with the others (:func:`end_leftovers`)."""
     from torch.distributed.elastic.agent.server import local_elastic_agent as agent
 
     real = agent.start_processes
@@ -166,14 +166,15 @@ def _watched(job: TorchrunJob, ending: Ending):
         if threading.current_thread() is threading.main_thread():
             for env in (kwargs.get("envs") or {}).values():
                 env["MESHVIZ_LAUNCH_PID"] = str(os.getpid())
-        workers = real(*args, **kwargs)
-        envs = getattr(workers, "envs", None) or {}
+        envs = kwargs.get("envs") or {}  # the run's number known before its workers ask for a roll-call
         job.attempt = int(next(iter(envs.values()), {}).get("TORCHELASTIC_RESTART_COUNT", job.attempt))
+        workers = real(*args, **kwargs)
         job.workers = workers
         close = workers.close
 
         def graced_close(death_sig=None, timeout=30):
             with ending.graced():
+                end_leftovers(workers, death_sig or signal.SIGTERM)  # torch signals only the workers still running
                 close(death_sig, timeout)
 
         workers.close = graced_close

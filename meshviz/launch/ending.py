@@ -10,10 +10,36 @@ import socket
 import threading
 import time
 
-__all__ = ["Ending", "grace"]
+__all__ = ["Ending", "end_leftovers", "grace"]
 
 # the signals torch's agent stops its workers on (it sends them the same one, then waits for them)
 _SIGNALS = {int(getattr(signal, n)): n for n in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT") if hasattr(signal, n)}
+
+
+def end_leftovers(workers, sig) -> list[int]:
+    """When a worker of ``workers`` (torch's process context) failed: ``sig`` to what each failed worker started
+    and left running, its process group (torch starts each worker in a session of its own; its ``close`` signals
+    the groups of the workers still running only, as Paddle's launch). Returns the groups signalled."""
+    out: list[int] = []
+    if not hasattr(os, "killpg"):
+        return out
+    for handler in dict(getattr(workers, "subprocess_handlers", None) or {}).values():
+        pid, code = handler.proc.pid, handler.proc.poll()
+        if code in (None, 0):
+            continue
+        try:
+            os.kill(pid, 0)
+            continue  # the worker is reaped: a process of that number now is another's, and so is its group
+        except ProcessLookupError:
+            pass
+        except OSError:
+            continue
+        try:
+            os.killpg(pid, sig)  # the number stays taken while the group has members: they are the worker's
+            out.append(pid)
+        except OSError:
+            pass  # nothing left there
+    return out
 
 
 def grace() -> float:

@@ -349,8 +349,8 @@ def launch(argv=None) -> int:
         print(f"meshviz.launch: {plan.notice}", file=sys.stderr, flush=True)
     os.environ.update(env)
     logs = LogCopier(config.logs_specs.raw_dir, args.log_dir, plan.n, args.log_overwrite).start()
-    host = _rollcall_host(args, config)
     runner = Torchrun(config, entrypoint=sys.executable)
+    host = _rollcall_host(args, config, runner)
     line = _node_line(config, runner)
     hung, over = _stop_when_hung(host, runner, line) if host is not None else ([], None)
     leavers = Leavers(config.rdzv_endpoint, config.min_nodes * plan.n, config.min_nodes).watch(runner)
@@ -484,7 +484,7 @@ def _node_line(config, runner):
     return line
 
 
-def _rollcall_host(args, config):
+def _rollcall_host(args, config, runner):
     """On node 0, the thread that prints the roll-call when a worker has waited ``--hang_after`` seconds in a
     collective (it reads the agent's store, which may come up a moment later). None elsewhere or when off."""
     if args.hang_after <= 0 or config.rdzv_configs["rank"] != 0:
@@ -492,7 +492,7 @@ def _rollcall_host(args, config):
     from .nodes import rollcall_host
 
     host, _, port = config.rdzv_endpoint.rpartition(":")
-    return rollcall_host(host, int(port), config.min_nodes, config.nproc_per_node, args.hang_after)
+    return rollcall_host(host, int(port), config.min_nodes, config.nproc_per_node, args.hang_after, runner)
 
 
 def main(argv=None) -> None:

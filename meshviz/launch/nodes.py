@@ -55,9 +55,9 @@ def ips_endpoints(spec: str, per_node: list[int]) -> list[str]:
     return [e for ip, n in zip(d["ips"], per_node) for e in paddle_endpoints(ip, d["start_port"], n)]
 
 
-def rollcall_host(host: str, port: int, nnodes: int, nproc: int, hang_after: float):
+def rollcall_host(host: str, port: int, nnodes: int, nproc: int, hang_after: float, runner=None):
     """Node 0's roll-call host for a launched job: its world is the sum of the nodes' workers once they have said
-    their numbers (``nnodes * nproc`` until then)."""
+    their numbers (``nnodes * nproc`` until then); it follows ``runner``'s restarts (each run's keys are its own)."""
     from ..runtime.watchdog import RollCallHost
 
     class _LaunchRollCall(RollCallHost):
@@ -66,7 +66,10 @@ def rollcall_host(host: str, port: int, nnodes: int, nproc: int, hang_after: flo
                 self.world = world(self._connect(), nnodes) or self.world
             return super().collect(n, timeout)
 
-    return _LaunchRollCall(host, port, nnodes * nproc, hang_after, wait_for_store=60.0).start()
+    def attempt() -> int:
+        return runner.job.attempt if runner is not None and runner.job is not None else 0
+
+    return _LaunchRollCall(host, port, nnodes * nproc, hang_after, wait_for_store=60.0, attempt=attempt).start()
 
 
 _VERDICT = "meshviz/launch/stopped"  # node 0's roll-call found a wait nothing can end: {"node", "lines"}

@@ -6,7 +6,8 @@ communication); once the rank has waited ``hang_after`` seconds in one collectiv
 setting ``ask/<n>`` on the store. The answerer sits in a blocking store wait for that key and then writes the
 rank's record to ``ans/<n>/<rank>``. Whoever serves the store (spawn's parent, launch's agent process, else rank
 0) also waits for ``ask/<n>``, gathers the answers and prints the roll-call. A collective that raises writes the
-rank's record to ``failed/<rank>``, so the error can say which collective each rank failed in.
+rank's record to ``failed/<rank>``, so the error can say which collective each rank failed in. In a launched job
+these keys are each run's (``rendezvous.attempt_store``): a restart never reads what the run before left.
 """
 
 from __future__ import annotations
@@ -44,6 +45,13 @@ def _client(host: str, port: int, timeout: float = 30.0):
     return connect_store(host, port, None, timeout)
 
 
+def _run_view(store, attempt=None):
+    """``store`` as this run of a launched job sees it (``attempt``: the run's number, default this process's)."""
+    from .rendezvous import attempt_store
+
+    return attempt_store(store, attempt)
+
+
 @dataclass(frozen=True)
 class Ask:
     """What ``ask/<n>`` holds: a roll-call asked by ``rank`` (-1: the host itself) that waited in collective ``op``
@@ -77,8 +85,8 @@ class _RankWatch:
         self.rank = rank
         self.world = world
         self.hang_after = hang_after
-        self._writer = _client(host, port, 5.0)
-        self._waiter = _client(host, port)
+        self._writer = _run_view(_client(host, port, 5.0))
+        self._waiter = _run_view(_client(host, port))
         self._lock = threading.Lock()
         self._announced: dict = {}  # collective -> how long this rank waits in it before it asks again
         self._stopped = False
@@ -187,12 +195,15 @@ def start_rank_watch(rank: int, world: int) -> bool:
 
 class RollCallHost:
     """Prints the roll-call when a rank asks for one (``out``: stderr), once per situation; ``rollcalls``: every
-    one taken. ``dead()``: rank -> why, for ranks known to be gone (their answer will not come)."""
+    one taken. ``dead()``: rank -> why, for ranks known to be gone (their answer will not come). ``attempt()``: the
+    run of a launched job now under way (a restart is the next; its keys and roll-calls are its own), None: this
+    process's (``MESHVIZ_LAUNCH_ATTEMPT``)."""
 
     POLL = 0.2  # seconds between two looks at the store for a rank's request
     def __init__(self, host: str, port: int, world: int, hang_after: float, out=None, dead=None,
-                 wait_for_store: float = 0.0):
+                 wait_for_store: float = 0.0, attempt=None):
         self.host, self.port = host, int(port)
+        self.attempt = attempt
         self.world = world
         self.hang_after = hang_after
         self.out = out
@@ -205,6 +216,7 @@ class RollCallHost:
         self._stopped = False
         self._client = None
         self._thread: threading.Thread | None = None
+        self._seen = None  # the run whose roll-calls ``rollcalls`` holds
 
     def _connect(self):
         if self._client is None:
@@ -218,6 +230,13 @@ class RollCallHost:
                         raise
                     time.sleep(0.5)
         return self._client
+
+    def _run_no(self):
+        return None if self.attempt is None else self.attempt()
+
+    def _store(self):
+        """The store as the run now under way sees it (its roll-call keys)."""
+        return _run_view(self._connect(), self._run_no())
 
     def start(self) -> "RollCallHost":
         self._thread = threading.Thread(target=self._run, name="meshviz-rollcall-host", daemon=True)
@@ -233,16 +252,22 @@ class RollCallHost:
             if poller is None:
                 self._connect()  # the store may come up later (launch's agent makes it)
                 poller = _client(self.host, self.port, 5.0)
-            n = int(poller.add(_key("gen"), 0)) + 1
+            run = self._seen = self._run_no()
+            view = _run_view(poller, run)
+            n = int(view.add(_key("gen"), 0)) + 1
         except Exception:
             return
         said = None
         while not self._stopped:
             try:
-                if not poller.check([_key("ask", n)]):
+                if self._run_no() != run:  # a restart: its roll-calls are counted afresh, under its own keys
+                    run = self._seen = self._run_no()
+                    view, n, said = _run_view(poller, run), 1, None
+                    self.rollcalls, self.mismatch, self.stuck = [], None, None
+                if not view.check([_key("ask", n)]):
                     time.sleep(self.POLL)
                     continue
-                ask = Ask.from_json(poller.get(_key("ask", n)))
+                ask = Ask.from_json(view.get(_key("ask", n)))
             except Exception:
                 return
             n += 1
@@ -272,7 +297,7 @@ class RollCallHost:
     def collect(self, n: int, timeout: float = 1.5) -> RollCall:
         """The answers to roll-call ``n``: every rank that answered within ``timeout`` s, the dead ones as dead.
         The wait ends early once every rank yet to answer has ended: its answer will not come."""
-        store = self._connect()
+        store = self._store()
         dead = self.dead()
         want = [r for r in range(self.world) if r not in dead]
         got: dict = {}
@@ -306,7 +331,7 @@ class RollCallHost:
     def ask(self, timeout: float = 1.0) -> RollCall | None:
         """Take a roll-call now (the ranks' answerers reply even while blocked); None if the store is gone."""
         try:
-            store = self._connect()
+            store = self._store()
             n = int(store.add(_key("gen"), 1))
             store.set(_key("ask", n), Ask(-1).to_json())
             return self.collect(n, timeout)
@@ -317,7 +342,7 @@ class RollCallHost:
         """rank -> the collective its error came out of, for the ranks that failed inside one."""
         out = {}
         try:
-            store = self._connect()
+            store = self._store()
             for r in range(self.world):
                 if store.check([_key("failed", r)]):
                     out[r] = RankStatus.from_dict(json.loads(store.get(_key("failed", r))))
@@ -328,7 +353,8 @@ class RollCallHost:
     def blame(self) -> RollCall | None:
         """The roll-call that explains a failed run: the last one printed (else one taken now), with each rank that
         failed inside a collective shown there and the dead ranks as dead."""
-        base = self.rollcalls[-1] if self.rollcalls else self.ask()
+        calls = self.rollcalls  # the run's own: a restart the thread has not seen yet has none
+        base = calls[-1] if calls and self._seen == self._run_no() else self.ask()
         if base is None:
             return None
         failed = self.failed()  # after the roll-call: a rank that ended while asked left its collective there
