@@ -254,13 +254,9 @@ class DistModel:
                              f"one value), got a {what}")
         return loss
 
-    def _train_loss(self, inputs, labels, ran=None):
-        """The training loss of a micro-batch; ``ran`` (a list) gets True once the forward has run."""
+    def _train_loss(self, inputs, labels):
         with self._autocast():
-            out = self._run(inputs)
-            if ran is not None:
-                ran.append(True)
-            loss = self._loss_of(out, labels)
+            loss = self._loss_of(self._run(inputs), labels)
         if self._o2 is not None and loss.is_floating_point():
             loss = loss.float()  # O2's loss in float32, as Paddle's
         return loss

@@ -8,7 +8,7 @@ import time
 import torch
 import torch.distributed as tdist
 
-from ... import compat, trace
+from ... import trace
 from ...core.placements import Shard
 from ...core.schedule import fthenb_order, one_f_one_b_order
 from ...runtime.dtensor import DistTensor, make_dist
@@ -113,9 +113,6 @@ def _outputs(got) -> list:
     return outs
 
 
-_KINDS = (ValueError, TypeError, IndexError, KeyError, RuntimeError)  # raised as themselves on the other ranks
-
-
 def _global(t):
     return t.full_tensor() if isinstance(t, DistTensor) else t
 
@@ -180,40 +177,6 @@ class Pipeline:
         blocks = fthenb_order(self.p, self.m, 0) if self.schedule == "FThenB" else one_f_one_b_order(self.p, self.m, 0)
         return [(ph, i) for ph, _, i in blocks]
 
-    def _agree(self, err, phase: str, i: int, device_type: str) -> None:
-        """Every rank's word on the block just run (one small all-gather): where one raised where no peer waits
-        on it (a loss, the last stage's layers, the first stage's backward), every rank raises now, naming it,
-        before the next block moves anything; that rank raises its own error."""
-        world = tdist.get_world_size() if tdist.is_initialized() else 1
-        if world < 2:
-            if err is not None:
-                raise err
-            return
-        flags = torch.empty(world, dtype=torch.int32, device=device_type)
-        try:
-            compat.all_gather_single(flags, torch.tensor([int(err is not None)], dtype=torch.int32,
-                                                         device=device_type))
-            failed = [r for r, f in enumerate(flags.tolist()) if f]
-            words: list = [None] * world
-            if failed:
-                tdist.all_gather_object(words, None if err is None else (type(err).__name__, str(err)))
-        except Exception:
-            if err is not None:  # a peer left mid-block (a transfer it never made): this rank's own error
-                raise err from None
-            raise
-        per = world // self.p
-        me = tdist.get_rank()
-        said = "; ".join(f"rank {r} (stage {r // per}) raised {words[r][0]}: {words[r][1]}" for r in failed if r != me)
-        if err is not None:
-            if said:
-                err.add_note(f"DistModel pipeline, micro-batch {i}: also {said}")
-            raise err
-        if failed:
-            what = "backward" if phase == "B" else "forward"
-            kind = next((c for c in _KINDS if c.__name__ == words[failed[0]][0]), RuntimeError)
-            raise kind(f"DistModel pipeline: micro-batch {i}'s {what} failed on another stage, so every stage stops "
-                       f"here (this is rank {me}, stage {self.stage}): {said}")
-
     def _emit(self, phase: str, i: int, t0: float) -> None:
         if trace.active():
             block = Compute(stage=self.stage, micro_batch=i, phase=phase, chunk=0, step=self.step)
@@ -235,34 +198,17 @@ class Pipeline:
         outs: list = []
         for phase, i in self.order(train):
             t0 = time.time()
-            err, ran = None, []
-            try:
-                if phase == "B":
-                    dm._backward(losses[i], self.m, True)
-                elif train:
-                    losses[i] = dm._train_loss(micro_in[i], micro_lb[i], ran)
-                else:
-                    with torch.no_grad(), dm._autocast():
-                        got = dm._run(micro_in[i])
-                        ran.append(True)
-                        if mode == "eval":
-                            losses[i] = dm._loss_of(got, micro_lb[i])
-                        else:
-                            outs.append(_outputs(got))
-            except Exception as e:
-                if (phase == "B" and self.stage > 0) or (phase != "B" and not ran and self.stage < self.p - 1):
-                    # its send of this block may be yet to come, a peer waiting in the receive: raise now (the
-                    # runner ends the others, naming this rank), not in a vote that peer never reaches
-                    if train:
-                        dm._optimizer.zero_grad()
-                    raise
-                err = e
-            try:
-                self._agree(err, phase, i, dm._device_type)
-            except BaseException:
-                if train:  # no micro-batch's gradient is carried into the next call
-                    dm._optimizer.zero_grad()
-                raise
+            if phase == "B":
+                dm._backward(losses[i], self.m, True)
+            elif train:
+                losses[i] = dm._train_loss(micro_in[i], micro_lb[i])
+            else:
+                with torch.no_grad(), dm._autocast():
+                    got = dm._run(micro_in[i])
+                    if mode == "eval":
+                        losses[i] = dm._loss_of(got, micro_lb[i])
+                    else:
+                        outs.append(_outputs(got))
             self._emit(phase, i, t0)
         if train:
             dm._update()
