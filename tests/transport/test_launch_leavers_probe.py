@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from .started import wait_for_files
+from .started import none_left, wait_for_files
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]  # 10-20 s each here; a loaded machine starts torch slowly
 
@@ -28,29 +28,6 @@ def _finish(p, timeout: float = 75):
         if p.poll() is None:
             p.kill()
             p.communicate()
-
-
-def _alive(pids) -> list[int]:
-    import psutil
-
-    out = []
-    for pid in pids:
-        try:
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                out.append(pid)
-        except psutil.NoSuchProcess:
-            pass
-    return out
-
-
-def _none_left(pids, within: float = 5.0) -> None:
-    deadline = time.monotonic() + within
-    while _alive(pids) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    left = _alive(pids)
-    for pid in left:  # not for the next test to find
-        os.kill(pid, 9)
-    assert not left, f"left running: {left} of {pids}"
 
 
 def _pids(tmp_path, ranks) -> list[int]:
@@ -83,7 +60,7 @@ def test_launch_ends_the_workers_at_once_when_one_leaves_with_os_exit_before_joi
            "because of it)" in err, err[-3000:]
     assert p.returncode == 1, err[-3000:]
     assert took < 20, f"took {took:.1f} s after the worker left: the other waited for it"
-    _none_left(_pids(tmp_path, (0, 1)))
+    none_left(_pids(tmp_path, (0, 1)))
 
 
 LEFT_THEN_RESTARTED = """
@@ -180,7 +157,7 @@ def test_launch_a_failed_job_kills_a_worker_that_ignores_sigterm_after_the_grace
            "SIGTERM: killed (SIGKILL) after 3 s" in err, err[-3000:]
     assert p.returncode == 1, err[-3000:]
     assert took < 15, f"took {took:.1f} s after the worker failed"
-    _none_left(_pids(tmp_path, (0, 1)))
+    none_left(_pids(tmp_path, (0, 1)))
 
 
 WAITS = """
@@ -207,7 +184,7 @@ def test_launch_workers_end_when_the_launcher_is_killed(tmp_path):
         pids = _pids(tmp_path, (0, 1))
         p.kill()
         p.wait(timeout=10)
-        _none_left(pids)
+        none_left(pids)
     finally:
         if p.poll() is None:
             p.kill()
@@ -240,7 +217,7 @@ def test_spawn_ranks_end_when_the_process_that_spawned_them_is_killed(tmp_path):
         pids = _pids(tmp_path, (0, 1))
         p.kill()
         p.wait(timeout=10)
-        _none_left(pids)
+        none_left(pids)
     finally:
         if p.poll() is None:
             p.kill()

@@ -5,9 +5,10 @@ import os
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
+
+from .started import none_left
 
 pytestmark = [pytest.mark.slow, pytest.mark.launch, pytest.mark.timeout(90)]
 
@@ -25,29 +26,6 @@ def _launch(tmp_path, script: str, nproc: int, *flags, **env):
             p.kill()
             p.communicate()
     return p.returncode, out, err
-
-
-def _alive(pids) -> list[int]:
-    import psutil
-
-    out = []
-    for pid in pids:
-        try:
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                out.append(pid)
-        except psutil.NoSuchProcess:
-            pass
-    return out
-
-
-def _none_left(pids, within: float = 5.0) -> None:
-    deadline = time.monotonic() + within
-    while _alive(pids) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    left = _alive(pids)
-    for pid in left:  # not for the next test to find
-        os.kill(pid, 9)
-    assert not left, f"left running: {left} of {pids}"
 
 
 def _pids(tmp_path) -> list[int]:
@@ -84,7 +62,7 @@ def test_launch_the_roll_call_after_a_restart_describes_that_run_only(tmp_path):
     assert "meshviz.launch: rank 1 never entered broadcast #1 on group [0, 1]: it is dead (exit code 1: " \
            "ValueError: rank 1 fails in run 2)" in text, err[-3000:]
     assert "all_reduce" not in text, err[-3000:]
-    _none_left(_pids(tmp_path))
+    none_left(_pids(tmp_path))
 
 
 STARTS_A_CHILD = """
@@ -107,4 +85,4 @@ def test_launch_a_failed_worker_takes_what_it_started_with_it(tmp_path):
     rc, out, err = _launch(tmp_path, STARTS_A_CHILD, 2, "--hang_after", "0")
     assert rc == 1, err[-3000:]
     assert "the worker with global rank 1 failed" in err, err[-3000:]
-    _none_left(_pids(tmp_path))
+    none_left(_pids(tmp_path))

@@ -13,7 +13,7 @@ import pytest
 from meshviz.errors import RankError
 from meshviz.testing import run_ranks
 
-from .started import wait_for_files
+from .started import alive, wait_for_files
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(60)]
 
@@ -122,19 +122,6 @@ IGNORES_SIGTERM = textwrap.dedent("""
 """)
 
 
-def _alive(pids) -> list[int]:
-    import psutil
-
-    out = []
-    for pid in pids:
-        try:
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                out.append(pid)
-        except psutil.NoSuchProcess:
-            pass
-    return out
-
-
 @pytest.mark.launch
 @pytest.mark.parametrize("signals, env", [(1, {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "3"}), (2, {})],
                          ids=["grace-3s", "second-signal"])
@@ -164,9 +151,9 @@ def test_sigterm_to_the_launcher_kills_a_worker_that_ignores_it_and_names_it(tmp
            f"{when}" in err, err[-3000:]
     assert took < 15, f"took {took:.1f} s to end the workers"
     deadline = time.monotonic() + 5
-    while _alive(pids) and time.monotonic() < deadline:
+    while alive(pids) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not _alive(pids), f"left running: {_alive(pids)} of {pids}"
+    assert not alive(pids), f"left running: {alive(pids)} of {pids}"
 
 
 @pytest.mark.launch
