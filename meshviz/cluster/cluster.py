@@ -335,8 +335,9 @@ class Cluster:
         finally:
             outcomes = job.outcomes()
             watch.close(all(o.status == "ok" for o in outcomes))
-        self._sync_events([o.rank for o in outcomes if o.status in ("ok", "error")])
-        if any(o.status != "ok" for o in outcomes):
+        failed = any(o.status != "ok" for o in outcomes)  # its reports decide whether the next execution resets
+        self._sync_events([o.rank for o in outcomes if o.status in ("ok", "error")], 5.0 if failed else 2.0)
+        if failed:
             rollcall = self._blame(watch, since, t0, [o.rank for o in outcomes if o.status == "ok"])
             self.last_error = self._control.rank_error(outcomes, since, t0, rollcall,
                                                        interrupted=self._interrupted == self._executions)

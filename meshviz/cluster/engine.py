@@ -434,13 +434,14 @@ def reinit(port: int, timeout: float, loopback: bool = True) -> bool:
     return True
 
 
-def stream_count(flush: bool = True) -> tuple[int, int]:
-    """(rank, events handed to the stream so far), after flushing the queue."""
+def stream_count(flush: bool = True) -> tuple[int, int, int]:
+    """(rank, events handed to the stream so far, control messages so far), after flushing the queue."""
     if _state is None:
-        return (-1, 0)
+        return (-1, 0, 0)
     if flush:
         _state._trace.flush()
-    return (_state.rank, _state.sink.flush(2.0) if flush else _state.sink.sent)
+    sent = _state.sink.flush(2.0) if flush else _state.sink.sent
+    return (_state.rank, sent, _state.sink.controls_sent)
 
 
 def set_tracing(on: bool) -> bool:

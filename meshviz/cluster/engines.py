@@ -92,6 +92,7 @@ class Engines:
         self._pub = None
         self._pub_lock = threading.Lock()
         self._base: dict[int, int] = {}
+        self._cbase: dict[int, int] = {}
         self._log = logging.getLogger("meshviz.cluster")
 
     @property
@@ -176,6 +177,7 @@ class Engines:
         self.view = self.client.direct_view(ids)
         self.view.block = True
         self._base = dict(self.events.received)
+        self._cbase = dict(self.events.controls)
 
     def shutdown(self) -> None:
         """Ask every engine to flush its events and exit."""
@@ -312,8 +314,11 @@ class Engines:
             counts = self.client.direct_view(eids).apply_async(_engine.stream_count).get(timeout=timeout)
         except Exception:
             return
-        want = {r: self._base.get(r, 0) + c for r, c in counts if r >= 0}
-        self.events.wait_for(want, timeout)
+        # the control messages too: a rank's failure report (did it tear its process group down?) must be handled
+        # before the execution counts as ended, or the next one could start on a group that is gone
+        want = {r: self._base.get(r, 0) + c for r, c, _ in counts if r >= 0}
+        handled = {r: self._cbase.get(r, 0) + c for r, _, c in counts if r >= 0}
+        self.events.wait_for(want, timeout, controls=handled)
 
     def interrupt(self, ranks=None) -> None:
         """SIGINT to every engine (or to the engines of ``ranks``)."""

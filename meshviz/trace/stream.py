@@ -37,6 +37,7 @@ class StreamSink:
         self.address = address
         self.interval = interval
         self.sent = 0
+        self.controls_sent = 0
         self.dropped = 0
         self._buf: collections.deque = collections.deque()
         self._control: collections.deque = collections.deque()
@@ -78,6 +79,7 @@ class StreamSink:
                 try:
                     self._sock.send(_encode(batch, control), zmq.NOBLOCK)
                     self.sent += len(batch)
+                    self.controls_sent += len(control)
                 except zmq.Again:
                     self.dropped += len(batch)
                 except Exception:  # an unencodable event must not stop the stream
@@ -124,6 +126,7 @@ class EventLog:
         self._cond = threading.Condition(self._lock)
         self._subscribers: list[Callable[[Event], None]] = []
         self.received: collections.Counter = collections.Counter()  # events received per rank
+        self.controls: collections.Counter = collections.Counter()  # control messages handled per rank
 
     def _extend(self, events: list[Event], arrival: float) -> None:
         with self._cond:
@@ -156,8 +159,16 @@ class EventLog:
             if callback in self._subscribers:
                 self._subscribers.remove(callback)
 
-    def wait_for(self, counts: dict[int, int] | int, timeout: float = 5.0) -> bool:
-        """Wait until ``counts`` events arrived (a total, or a per-rank dict of totals); True if they did."""
+    def _handled(self, rank) -> None:
+        """A control message from ``rank`` was handled (after its ``on_control`` returned)."""
+        with self._cond:
+            self.controls[rank] += 1
+            self._cond.notify_all()
+
+    def wait_for(self, counts: dict[int, int] | int, timeout: float = 5.0,
+                 controls: dict[int, int] | None = None) -> bool:
+        """Wait until ``counts`` events arrived (a total, or a per-rank dict of totals), and ``controls`` control
+        messages per rank were handled; True if they were."""
         deadline = time.monotonic() + timeout
         with self._cond:
             while True:
@@ -165,6 +176,7 @@ class EventLog:
                     ok = sum(self.received.values()) >= counts
                 else:
                     ok = all(self.received[r] >= c for r, c in counts.items())
+                ok = ok and all(self.controls[r] >= c for r, c in (controls or {}).items())
                 left = deadline - time.monotonic()
                 if ok or left <= 0:
                     return ok
@@ -281,6 +293,7 @@ class StreamReceiver:
                             self.on_control(c)
                         except Exception:
                             pass
+                    self.log._handled(c.get("rank") if isinstance(c, dict) else None)
 
     def close(self) -> None:
         import zmq

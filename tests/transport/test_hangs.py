@@ -147,6 +147,27 @@ def test_status_while_hung_and_interrupt(cluster):
 
 
 @pytest.mark.engines
+def test_a_failure_report_handled_late_still_resets_the_group(cluster, monkeypatch):
+    """Rank 0 fails with an error that tears its process group down while rank 1 has finished (as a collective
+    that timed out on rank 0 after an interrupt); its report (it aborted) reaches the client's handler after the
+    cell's result, as on a loaded machine. The cell must not count as ended before the report is handled: the next
+    cell re-creates the group rather than run rank 1's old one against rank 0's torn-down one."""
+    receiver = cluster._ranks._receiver
+    handle = receiver.on_control
+
+    def late(message):
+        if message.get("type") == "failed":
+            time.sleep(1.5)
+        handle(message)
+
+    monkeypatch.setattr(receiver, "on_control", late)
+    err, _ = _run(cluster, "if r == 0:\n    raise RuntimeError('gloo/transport: the peer went away')\n")
+    assert err.ranks == [0] and str(err).startswith("rank 0 raised RuntimeError: gloo/transport"), str(err)
+    assert cluster.state == "aborted"
+    _next_cell_works(cluster)
+
+
+@pytest.mark.engines
 def test_a_killed_engine(cluster):
     """Runs last: it breaks the shared cluster; restart() mends it."""
     mark = cluster._mark()

@@ -92,6 +92,30 @@ def test_subscribers_and_control_messages(link):
     assert len(seen) == 1
 
 
+def test_waiting_for_control_messages_waits_until_they_are_handled():
+    """A control message travelling with events counts as arrived only once its handler has returned (the cluster
+    reads a failure report's verdict right after the wait)."""
+    handled = []
+
+    def slow(message):
+        time.sleep(0.5)
+        handled.append(message)
+
+    rx = StreamReceiver(on_control=slow)
+    sink = StreamSink(rx.address)
+    try:
+        sink(Event(kind="mark", rank=2))
+        sink.send_control({"type": "failed", "rank": 2})
+        sink.flush()
+        assert (sink.sent, sink.controls_sent) == (1, 1)
+        assert rx.log.wait_for({2: 1}, timeout=5, controls={2: 1})
+        assert handled == [{"type": "failed", "rank": 2}] and rx.log.controls[2] == 1
+        assert not rx.log.wait_for({2: 1}, timeout=0.2, controls={2: 2})
+    finally:
+        sink.close()
+        rx.close()
+
+
 def test_a_broken_subscriber_does_not_stop_the_stream(link):
     rx, sink, _ = link
 
