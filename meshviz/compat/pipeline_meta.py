@@ -6,7 +6,8 @@ import functools
 
 import torch
 
-__all__ = ["more_stage_methods", "grad_metas_of", "forward_metas_of", "meta_summary", "check"]
+__all__ = ["more_stage_methods", "grad_metas_of", "forward_metas_of", "meta_summary", "check", "forget_losses",
+           "drop_receive_buffers"]
 
 
 @functools.cache
@@ -16,6 +17,27 @@ def _new_meta() -> bool:
     from torch.distributed.pipelining import PipelineStage
 
     return hasattr(PipelineStage, "_send_meta")
+
+
+def forget_losses(schedule) -> None:
+    """Drop the micro losses a schedule's step computed before it raised: torch keeps them (``_internal_losses``,
+    torch 2.11 to 2.15) until the step ends, and the next step's backward would run the old ones again ("Trying to
+    backward through the graph a second time")."""
+    losses = getattr(schedule, "_internal_losses", None)
+    if isinstance(losses, list):
+        losses.clear()
+
+
+def drop_receive_buffers(stage) -> None:
+    """Let a stage whose step raised while receives were posted run again: torch 2.15 keeps each posted receive's
+    buffer (``_RecvInfo.buffer``) until its block takes it, and refuses the next step while one is held (an abandoned
+    receive may still be written to). Only for ranks as threads, whose abandoned receives are dropped with the failed
+    round; a no-op before 2.15, which keeps no such buffers."""
+    for infos in (*stage.args_recv_info.values(), *getattr(stage, "grad_recv_info", {}).values()):
+        for info in infos if isinstance(infos, (tuple, list)) else ():
+            if type(info).__name__ == "_RecvInfo" and getattr(info, "buffer", None) is not None and \
+                    hasattr(info, "take_buffer"):
+                info.buffer = None
 
 
 def more_stage_methods() -> tuple[str, ...]:

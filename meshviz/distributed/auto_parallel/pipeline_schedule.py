@@ -12,6 +12,7 @@ from ... import trace
 from ...core.placements import Shard
 from ...core.schedule import fthenb_order, one_f_one_b_order
 from ...runtime.dtensor import DistTensor, make_dist
+from ...runtime.pipeline import failure
 from ...trace import Compute, Event, Mark
 
 __all__ = ["SCHEDULES", "check_pipeline", "split_micro", "Pipeline"]
@@ -182,6 +183,22 @@ class Pipeline:
             block = Compute(stage=self.stage, micro_batch=i, phase=phase, chunk=0, step=self.step)
             trace.emit(Event(kind="compute", start=t0, end=time.time(), op=phase, name=f"{phase}{i}", payload=block))
 
+    def _blocks(self, dm, train: bool, micro_in: list, micro_lb: list, losses: dict, outs: list) -> None:
+        for phase, i in self.order(train):
+            t0 = time.time()
+            if phase == "B":
+                dm._backward(losses[i], self.m, True)
+            elif train:
+                losses[i] = dm._train_loss(micro_in[i], micro_lb[i])
+            else:
+                with torch.no_grad(), dm._autocast():
+                    got = dm._run(micro_in[i])
+                    if dm._mode == "eval":
+                        losses[i] = dm._loss_of(got, micro_lb[i])
+                    else:
+                        outs.append(_outputs(got))
+            self._emit(phase, i, t0)
+
     def run(self, dm, inputs: list, labels: list):
         """One call of ``dm`` in its mode: Paddle's fetch, merged over the micro-batches; None on a rank that
         does not hold it (not the last stage)."""
@@ -196,20 +213,13 @@ class Pipeline:
                                           stage=self.stage, eval=not train)))
         losses: dict = {}
         outs: list = []
-        for phase, i in self.order(train):
-            t0 = time.time()
-            if phase == "B":
-                dm._backward(losses[i], self.m, True)
-            elif train:
-                losses[i] = dm._train_loss(micro_in[i], micro_lb[i])
-            else:
-                with torch.no_grad(), dm._autocast():
-                    got = dm._run(micro_in[i])
-                    if mode == "eval":
-                        losses[i] = dm._loss_of(got, micro_lb[i])
-                    else:
-                        outs.append(_outputs(got))
-            self._emit(phase, i, t0)
+        try:
+            self._blocks(dm, train, micro_in, micro_lb, losses, outs)
+        except Exception as e:
+            if train:  # no micro-batch's gradient of the failed call is carried into the next one
+                dm._optimizer.zero_grad()
+            failure.announce(e, self.stage)  # the stages waiting for this one's transfers stop now, naming it
+            raise
         if train:
             dm._update()
         self.step += 1

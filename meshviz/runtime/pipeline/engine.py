@@ -8,9 +8,11 @@ import torch
 import torch.distributed as tdist
 
 from ... import compat, trace
+from ...compat.pipeline_meta import drop_receive_buffers, forget_losses
 from ...core.schedule import fthenb_order, one_f_one_b_order
 from ...trace import Event, Mark
 from ..comm import Call, CollectiveOp, Task, run
+from . import failure
 from .meter import ActivationMeter, MicroLoss
 
 __all__ = ["PipelineEngine", "SCHEDULE_MODES", "resolve_schedule", "check_pipeline_config"]
@@ -225,7 +227,7 @@ class PipelineEngine:
         return inputs, labels
 
     # -- running -------------------------------------------------------------------------------------
-    def _run(self, sched, loss, inputs, labels, eval_mode: bool):
+    def _run(self, sched, stages, loss, inputs, labels, eval_mode: bool):
         m = self.accumulate_steps
         inputs, labels = _to_device(inputs, self.device), _to_device(labels, self.device)
         if loss is not None:
@@ -241,7 +243,18 @@ class PipelineEngine:
                                           stage=self.stage_id, eval=eval_mode)))
         self.meter.reset()
         go = sched.eval if (eval_mode and loss is not None) else sched.step
-        return go(*args, target=target)
+        try:
+            return go(*args, target=target)
+        except Exception as e:
+            forget_losses(sched)
+            if tdist.get_backend(self.group.process_group) == "threads":
+                for stage in stages:
+                    drop_receive_buffers(stage)
+            err = failure.unwrapped(e)
+            failure.announce(err, self.stage_id)  # the stages waiting for this one's transfers stop now, naming it
+            if err is e:
+                raise
+            raise err from None
 
     def _shape_key(self, inputs) -> int:
         """The first stage's input shapes as a number every stage of the pipe agrees on (one small broadcast): a
@@ -258,9 +271,15 @@ class PipelineEngine:
         """Run the train schedule over the micro-batches of one batch; the gradients accumulate in the chunks'
         parameters (of loss function ``loss_fn_idx``'s loss). ``scaler.scale`` is applied to each micro loss when
         given. Returns the micro losses."""
-        sched, _, loss = self._build("train", True, self._shape_key(inputs))
+        sched, stages, loss = self._build("train", True, self._shape_key(inputs))
         loss.scaler, loss.index = scaler, loss_fn_idx
-        self._run(sched, loss, inputs, labels, eval_mode=False)
+        try:
+            self._run(sched, stages, loss, inputs, labels, eval_mode=False)
+        except Exception:
+            for chunk in self.chunks:  # no micro-batch's gradient of the failed step is carried into the next one
+                for q in chunk.parameters():
+                    q.grad = None
+            raise
         return loss
 
     def reduce_loss(self, loss: MicroLoss, per_micro: bool = False) -> tuple[torch.Tensor, Task]:
@@ -301,7 +320,7 @@ class PipelineEngine:
         if loss is not None:
             loss.index = loss_fn_idx
         with torch.no_grad():
-            self._run(sched, loss, inputs, labels, eval_mode=True)
+            self._run(sched, stages, loss, inputs, labels, eval_mode=True)
         self.end_step()
         if compute_loss:
             buf, task = self.reduce_loss(loss, per_micro)
