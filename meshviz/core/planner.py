@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from .crossmesh import cross_moves, kept_partials, midway
+from .crossmesh import cross_choices, cross_moves, kept_partials, landing, midway, scattered
 from .layout import chunk, local_block, normalize_placements, shard_axes, with_nesting
 from .mesh import ProcessMesh
 from .partial import commutes, nesting, partial_axes, partial_fill, summed
@@ -287,8 +287,9 @@ def plan_reshard(shape: Sequence[int], src_mesh: ProcessMesh, src_placements, ds
     Other mesh of the same shape: reshard on the source, send/recv between ranks at the same coordinate, reshard on
     the target (:func:`_same_shape`). Other shape: reduce the source's Partial axes that do not travel as they are
     (:func:`~meshviz.core.crossmesh.kept_partials`), send each target rank its block (and summand) from a source
-    rank whose block holds it (a local copy where that is the target itself; where no single block holds one, the
-    source replicates first), then fill the target's other Partial axes.
+    rank whose block holds it (a local copy where that is the target itself), then gather and fill on the target:
+    the cheapest of :func:`_other_shape`'s choices (the source gathering some shards or none; the target receiving
+    pieces and gathering them).
     """
     shape = tuple(int(s) for s in shape)
     if any(s < 0 for s in shape) or itemsize < 0:
@@ -304,33 +305,54 @@ def plan_reshard(shape: Sequence[int], src_mesh: ProcessMesh, src_placements, ds
     elif src_mesh.shape == dst_mesh.shape:
         steps = _same_shape(shape, src_mesh, src, dst_mesh, dst, itemsize)
     else:
-        pairs = kept_partials(src_mesh, src, dst_mesh, dst)
-        kept_src, kept_dst = [s for s, _ in pairs], [t for _, t in pairs]
-        pre = tuple(Replicate() if isinstance(p, Partial) and i not in kept_src else p for i, p in enumerate(src))
-        mid = tuple(Replicate() if isinstance(p, Partial) and i not in kept_dst else p for i, p in enumerate(dst))
-        moves = cross_moves(shape, src_mesh, pre, dst_mesh, mid, pairs)
-        if moves is None:  # a target block no single source block holds: replicate on the source first
-            pre = tuple(p if i in kept_src else Replicate() for i, p in enumerate(src))
-            moves = cross_moves(shape, src_mesh, pre, dst_mesh, mid, pairs)
-        steps = _plan_same_mesh(shape, src_mesh, src, pre, itemsize)
-        steps.append(_counted(Step("send_recv", src_mesh, None, pre, mid, shape, groups=moves[0],
-                                   target_mesh=dst_mesh, blocks=moves[1]), itemsize))
-        b = _Builder(shape, dst_mesh, mid, itemsize)
-        for i, p in enumerate(dst):
-            if isinstance(p, Partial) and i not in kept_dst:
-                b.add("zero_fill", i, p, reduce=p.reduce_type)
-        steps += _relabelled(b.steps, dst_mesh, dst)
+        steps = _other_shape(shape, src_mesh, src, dst_mesh, dst, itemsize)
     return Plan(shape, itemsize, src_mesh, src, dst_mesh, dst, tuple(steps))
+
+
+def _other_shape(shape, src_mesh, src, dst_mesh, dst, itemsize) -> list[Step]:
+    """Between meshes of other shapes: the cheapest of :func:`~meshviz.core.crossmesh.cross_choices` (ties: the
+    first): reshard on the source, send each target rank its block from one source block (or pieces), reshard on
+    the target."""
+    pairs = kept_partials(src_mesh, src, dst_mesh, dst)
+    kept_src, kept_dst = [s for s, _ in pairs], [t for _, t in pairs]
+    pre = tuple(Replicate() if isinstance(p, Partial) and i not in kept_src else p for i, p in enumerate(src))
+    mid = tuple(Replicate() if isinstance(p, Partial) and i not in kept_dst else p for i, p in enumerate(dst))
+    best, least, first = None, 0, {}  # the cheapest so far, its bytes; the source's steps to each layout
+    for via, got, pieces in cross_choices(shape, src_mesh, src, pre, dst_mesh, dst, mid):
+        if via not in first:
+            first[via] = _plan_same_mesh(shape, src_mesh, src, via, itemsize)
+        steps = list(first[via])
+        if best is not None and sum(s.bytes for s in steps) >= least:  # no step moves fewer than 0 bytes
+            continue
+        moves = cross_moves(shape, src_mesh, via, dst_mesh, got, pairs, pieces)
+        if moves is None:  # a target block no single source block holds
+            continue
+        steps.append(_counted(Step("send_recv", src_mesh, None, via, got, shape, groups=moves[0],
+                                   target_mesh=dst_mesh, blocks=moves[1]), itemsize))
+        if got == mid:
+            b = _Builder(shape, dst_mesh, mid, itemsize)
+            for i, p in enumerate(dst):
+                if isinstance(p, Partial) and i not in kept_dst:
+                    b.add("zero_fill", i, p, reduce=p.reduce_type)
+            steps += _relabelled(b.steps, dst_mesh, dst)
+        else:
+            steps += _plan_same_mesh(shape, dst_mesh, got, dst, itemsize)
+        if best is None or sum(s.bytes for s in steps) < least:
+            best, least = steps, sum(s.bytes for s in steps)
+    assert best is not None  # the source wholly gathered holds every target block
+    return best
 
 
 def _same_shape(shape, src_mesh, src, dst_mesh, dst, itemsize) -> list[Step]:
     """Between meshes of one shape: reshard on the source to a layout, send/recv between ranks at the same
     coordinate, reshard on the target. The layout is the target's (Paddle's N-D order: all on the source, then
     send) unless :func:`~meshviz.core.crossmesh.midway` (what shrinks on the source, the rest on the target, as
-    Paddle's 1-D ``SToRReshardFunctionCrossMesh`` sends the shards and gathers on the target) moves fewer bytes."""
+    Paddle's 1-D ``SToRReshardFunctionCrossMesh`` sends the shards and gathers on the target) or a reduce-scatter in
+    place of an all-reduce, the shards sent and gathered on the target (:func:`~meshviz.core.crossmesh.scattered`),
+    moves fewer bytes."""
     pairs = tuple(zip(src_mesh.process_ids, dst_mesh.process_ids))
     best: list[Step] | None = None
-    for via in (dst, midway(shape, src, dst)):
+    for via in (dst, midway(shape, src, dst), *scattered(shape, src_mesh, src, dst)):
         via = normalize_placements(shape, src_mesh, via)
         steps = _plan_same_mesh(shape, src_mesh, src, via, itemsize)
         steps.append(_counted(Step("send_recv", src_mesh, None, via, via, shape, groups=pairs, target_mesh=dst_mesh),
@@ -387,9 +409,14 @@ def apply_step(step: Step, locals_: dict) -> dict:
         new = {}
         for j, (s, t) in enumerate(step.groups):
             v = locals_[s]
-            if step.blocks is not None:
-                v = v[tuple(slice(a, b) for a, b in step.blocks[j])]
-            new[t] = np.array(v)  # a copy, and a 0-d array where slicing a scalar gave a numpy scalar
+            if step.blocks is None:
+                new[t] = np.array(v)  # a copy, and a 0-d array where slicing a scalar gave a numpy scalar
+                continue
+            if t not in new:  # the target's block, from one source or pieces of several
+                d = step.target_mesh or mesh
+                new[t] = np.empty([b - a for a, b in local_block(step.shape, d, step.after, d.coordinate(t))], v.dtype)
+            if all(b > a for a, b in step.blocks[j]):
+                new[t][landing(step, j)] = v[tuple(slice(a, b) for a, b in step.blocks[j])]
         return new
     axis = step.axis
     if axis is None:

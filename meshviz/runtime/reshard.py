@@ -10,6 +10,7 @@ import torch
 import torch.distributed as tdist
 
 from .. import compat, rank_context, trace
+from ..core.crossmesh import landing
 from ..core.layout import chunk, local_block
 from ..core.partial import partial_fill
 from ..core.placements import ReduceType, Shard
@@ -269,32 +270,43 @@ def _slice(step: Step, local: torch.Tensor, k: int, my_index: int) -> torch.Tens
 def _send_recv(step: Step, local: torch.Tensor | None, rank: int, dtype, device) -> torch.Tensor | None:
     dst_mesh = step.target_mesh
     ops, tensors, result, pending, copy_back = [], [], None, [], []
+    shp = _block_shape(step, step.after, dst_mesh, dst_mesh.coordinate(rank)) if dst_mesh.contains(rank) else []
+    whole = None  # this rank's block, where pieces of several sources make it up (or an empty piece of one)
+    if step.blocks is not None and (sum(t == rank for _, t in step.groups) > 1 or 0 in shp):
+        whole = torch.empty(shp, dtype=dtype, device=device)
     for j, (s, t) in enumerate(step.groups):
         blk = step.blocks[j] if step.blocks is not None else None
+        if blk is not None and s != t and any(b == a for a, b in blk):  # an empty piece (of an empty block): no
+            continue  # message, which gloo could pair with a later one
         if s == rank:
             v = local if blk is None else local[tuple(slice(a, b) for a, b in blk)]
-            if t == rank:
+            if t == rank and whole is not None:
+                pending.append((j, v))
+            elif t == rank:
                 result = v.clone()
             else:
                 v = v.contiguous()
                 ops.append(tdist.P2POp(tdist.isend, staged_send(v), t))  # gloo: CUDA through a CPU copy
                 tensors.append(v)
         elif t == rank:
-            coord = dst_mesh.coordinate(t)
-            shp = _block_shape(step, step.after, dst_mesh, coord)
-            buf = torch.empty(shp, dtype=dtype, device=device)
+            buf = torch.empty(shp if whole is None else [b - a for a, b in blk], dtype=dtype, device=device)
             host, fin = staged_recv(buf)
             ops.append(tdist.P2POp(tdist.irecv, host, s))
             tensors.append(buf)
-            pending.append(buf)
+            pending.append((j, buf))
             if fin is not None:
                 copy_back.append(fin)
     if ops:
         run(Call(CollectiveOp.SEND_RECV, groups.world_group(), lambda g: tdist.batch_isend_irecv(ops),
                  tensors=tensors, traced=False, then=lambda: [fin() for fin in copy_back],
                  peers=peer_names(op.peer for op in ops)))
+    if whole is not None:
+        for j, piece in pending:
+            if piece.numel():
+                whole[landing(step, j)] = piece
+        return whole
     if pending:
-        result = pending[0]
+        result = pending[0][1]
     return result
 
 

@@ -22,12 +22,12 @@ CASES = [  # (source mesh, placements, target mesh, placements, the collectives 
     (ROW, [S0], G, [R, S0], {"send_recv"}),  # sub -> global: p2p from the sub mesh only
     (COL, [R], G, [R, S1], {"send_recv"}),
     (ROW, [S0], G, [S0, S0], {"send_recv"}),  # slices of the source's block, away from its start
-    (ROW, [S1], G, [S0, R], {"all_gather", "send_recv"}),  # no single block holds a target block
+    (ROW, [S1], G, [S0, R], {"send_recv"}),  # no single block holds a target block: pieces of several
     (LINE, [S0], ONE, [R], {"all_gather", "send_recv"}),
     (ONE, [R], LINE, [S1], {"send_recv"}),
     (ONE, [R], G, [S0, Partial(ReduceType.kRedMax)], {"send_recv"}),
-    (G, [S0, S1], OTHER, [S1], {"all_gather", "send_recv"}),
-    (ROW, [P], G, [S1, S0], {"all_reduce", "send_recv"}),
+    (G, [S0, S1], OTHER, [S1], {"send_recv"}),  # each target's columns in pieces of two blocks
+    (ROW, [P], G, [S1, S0], {"reduce_scatter", "send_recv"}),  # each target's block within a scattered one
 ]
 
 
