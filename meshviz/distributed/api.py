@@ -21,6 +21,7 @@ from ..runtime.autograd import reshard as reshard_fn
 from ..runtime.devices import device
 from ..runtime.dtensor import DistTensor, make_dist
 from ..runtime.match import called_as, checking
+from ..runtime.rollcall import refusing
 from ..runtime.world import init_parallel_env
 from ..trace.status import name_ranks
 
@@ -90,6 +91,7 @@ def _emit_placed(t: DistTensor, how: str) -> None:
     ))
 
 
+@refusing
 def shard_tensor(data, mesh: ProcessMesh, placements: Sequence, dtype=None, place=None, stop_gradient=None,
                  name: str | None = None):
     """Every rank passes the same full tensor; each keeps the block its mesh coordinate holds. No communication.
@@ -139,6 +141,7 @@ def _global_shape(local: torch.Tensor, mesh: ProcessMesh, placements) -> list[in
     return shape
 
 
+@refusing
 def dtensor_from_local(local_tensor, mesh: ProcessMesh, placements, shape=None):
     """A dist tensor whose block on this rank is ``local_tensor`` (global shape: local x mesh, unless ``shape``).
 
@@ -279,6 +282,7 @@ def is_dist_tensor(t) -> bool:
     return isinstance(t, DistTensor)
 
 
+@refusing
 def reshard(dist_tensor, mesh: ProcessMesh, placements: Sequence):
     """Move ``dist_tensor`` to ``placements`` on ``mesh``, running the planner's steps; differentiable."""
     if not isinstance(dist_tensor, DistTensor):
@@ -298,6 +302,7 @@ def reshard(dist_tensor, mesh: ProcessMesh, placements: Sequence):
     return out
 
 
+@refusing
 def unshard_dtensor(dist_tensor) -> torch.Tensor:
     """The dense global value (a collective: every rank calls it); differentiable. Empty off the mesh.
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 import datetime
 import functools
 import operator
+import sys
 
 import torch.distributed as tdist
 
-from ..runtime import groups
+from ..runtime import groups, rollcall
 from ..runtime.groups import Group
 from ..runtime.world import is_initialized
 
@@ -17,14 +18,19 @@ __all__ = ["needs_init", "new_group", "get_group", "get_backend", "is_available"
 
 def needs_init(fn):
     """``fn`` raises RuntimeError, before it communicates, when no default process group exists yet (Paddle's
-    collectives and ``new_group`` raise then too: they need ``init_parallel_env`` first)."""
+    collectives and ``new_group`` raise then too: they need ``init_parallel_env`` first). What it refuses is kept
+    in the roll-call (:func:`~meshviz.runtime.rollcall.refusing`)."""
 
     @functools.wraps(fn)
     def checked(*args, **kwargs):
-        if not tdist.is_initialized():
-            raise RuntimeError(f"{fn.__name__}: the default process group is not initialized; call "
-                               "dist.init_parallel_env() first (or fleet.init(is_collective=True))")
-        return fn(*args, **kwargs)
+        try:
+            if not tdist.is_initialized():
+                raise RuntimeError(f"{fn.__name__}: the default process group is not initialized; call "
+                                   "dist.init_parallel_env() first (or fleet.init(is_collective=True))")
+            return fn(*args, **kwargs)
+        except Exception as e:
+            rollcall.refused(fn.__name__, e, sys._getframe(1))
+            raise
 
     return checked
 

@@ -34,6 +34,14 @@ def set_here(baton: "Baton | None") -> None:
     BATON.get().baton = baton
 
 
+def _refusals(rc) -> dict:
+    """rank -> the call it refused instead of the collective the others wait in, from roll-call ``rc``."""
+    try:
+        return {r: t for x in rc.situations() for r, t in x.refused.items()} if rc is not None else {}
+    except Exception:  # a roll-call of another kind (a cluster's hook returns none)
+        return {}
+
+
 def _safe_point() -> None:
     """Called first under the lock: an interrupt's KeyboardInterrupt, sent to the holder while it waited for the
     lock, is raised here (on entering a Python function), before the scheduling state changes."""
@@ -182,12 +190,14 @@ class Baton:
         working = [r for r in range(self.n) if self._pending[r] > 0]
         if not all(r in self._blocked for r in working):
             return
+        if self.on_deadlock is not None:
+            self.deadlock = self.on_deadlock()
         lines = "; ".join(f"rank {r} waits in {self._blocked[r]}" for r in sorted(self._blocked))
         idle = [r for r in range(self.n) if r not in self._blocked]
         if idle:
             lines += f"; rank{'s' if len(idle) > 1 else ''} {', '.join(map(str, idle))} finished"
-        if self.on_deadlock is not None:
-            self.deadlock = self.on_deadlock()
+        for r, what in _refusals(self.deadlock).items():  # a rank that refused a call and went on: why
+            lines += f"; rank {r} refused {what} and went on"
         why = f"deadlock: every rank waits for another: {lines}"
         for r in list(self._blocked):
             self._stop_rank(r, RankStopped(why, own=True))

@@ -160,6 +160,7 @@ class RankProcesses:
             return rc
         reports, returned = self.job.left()
         late = self.host.failed() if self.host is not None else {}  # ranks that failed while it was taken
+        refused = self.host.refused() if self.host is not None else {}  # calls they refused and went on
         over = []
         for r in sorted(clean):
             if r in late:
@@ -167,7 +168,7 @@ class RankProcesses:
             elif r in reports:
                 over.append(RankStatus(r, "dead", note=f"it raised {reports[r][0]}"[:300]))
             elif r in returned:
-                over.append(RankStatus(r, "idle", note="its function returned"))
+                over.append(RankStatus(r, "idle", note="its function returned", **refused.get(r, {})))
         return rc.merged(over) if over else rc
 
     @property

@@ -10,6 +10,7 @@ from .. import compat
 from ..rank_context import current as rank_context
 from ..rank_context import getenv
 from ..trace.status import name_ranks
+from . import rollcall
 
 __all__ = ["same_on_every_rank", "same_or_refused", "alone"]
 
@@ -31,7 +32,15 @@ def same_on_every_rank(who: str, settings: dict, pg=None, ranks=None) -> None:
     ranks = list(range(n)) if ranks is None else list(ranks)
     mine = [_code(v) for v in settings.values()]
     out = torch.empty(n * len(mine), dtype=torch.int64)
-    compat.all_gather_single(out, torch.tensor(mine, dtype=torch.int64), group=pg)
+    rec = rollcall.current()  # shown in the roll-call (a rank that never comes is named), not numbered
+    prev = rec.enter(f"{who} (its settings check)", tuple(ranks), counted=False)
+    try:
+        compat.all_gather_single(out, torch.tensor(mine, dtype=torch.int64), group=pg)
+    except BaseException as e:
+        rec.fail(e)
+        raise
+    finally:
+        rec.leave(prev)
     rows = [tuple(r) for r in out.view(n, len(mine)).tolist()]
     if len(set(rows)) == 1:
         return

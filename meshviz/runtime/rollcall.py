@@ -17,7 +17,8 @@ import weakref
 from .. import rank_context
 from ..trace.status import RankStatus
 
-__all__ = ["Record", "current", "records", "snapshot", "where", "issuer", "reset", "internal", "place"]
+__all__ = ["Record", "current", "records", "snapshot", "where", "issuer", "reset", "internal", "place", "refusing",
+           "refused", "refusal"]
 
 _monotonic = time.monotonic
 
@@ -30,11 +31,13 @@ class Record:
     this rank entered on ``group`` (1, 2, ...); ``entered``: group -> that count. ``running``: a cell (or the
     rank's function) runs; ``idle_note`` says why the rank is idle ("its cell finished"). ``region``: a stretch in
     which torch issues collectives that do not pass the comm layer (DataParallel's gradient buckets during
-    backward). ``failed``: the collective the last error came out of.
+    backward). ``failed``: the collective the last error came out of. ``refused``: the last call this rank refused
+    (raised on it alone, communicating nothing), which the roll-call names where the others wait for it.
     """
 
     __slots__ = ("rank", "thread", "running", "cell", "idle_note", "op", "group", "seq", "tensors", "nbytes",
-                 "since", "entered", "region", "works", "failed", "modules", "spans", "__weakref__")
+                 "since", "entered", "region", "works", "failed", "failed_id", "refused", "modules", "spans",
+                 "__weakref__")
 
     def __init__(self, rank: int | None = None, thread: int | None = None):
         self.rank = rank
@@ -52,6 +55,8 @@ class Record:
         self.region: tuple | None = None  # (op, group, note, since)
         self.works = None  # (op, group, seq, since, works) of the last collective whose works were still running
         self.failed: dict | None = None
+        self.failed_id: tuple | None = None  # (id, text) of the error in ``failed``: it is no refusal
+        self.refused: tuple | None = None  # (call, error, where, cell, entered then)
         self.modules: list = []  # (name, weakref, first node number) of the modules whose forward runs, outermost first
         self.spans: list = []  # the autograd nodes of the latest outermost module calls, by module (runtime.modules)
 
@@ -93,9 +98,11 @@ class Record:
         """The collective the rank is inside raised ``error``: remember it (and tell the watchers)."""
         if self.op is None:
             return None
+        text = f"{type(error).__name__}: {error}"[:300]
+        self.failed_id = (id(error), text)
         self.failed = {
             "op": self.op, "group": list(self.group), "seq": self.seq, "waited_s": round(_monotonic() - self.since, 3),
-            "where": where(sys._getframe(1)), "error": f"{type(error).__name__}: {error}"[:300],
+            "where": where(sys._getframe(1)), "error": text,
             "time": time.time(), "cell": self.cell,
         }
         for hook in list(_state().fail_hooks):
@@ -132,6 +139,7 @@ class Record:
         self.entered = {}
         self.works = None
         self.failed = None
+        self.refused = None
 
 
 @dataclasses.dataclass
@@ -139,6 +147,8 @@ class RollcallState:
     record: Record | None = None  # this rank's record (ranks may be threads of one process)
     # called with the record when a collective raises (the scripts' watchdog publishes it)
     fail_hooks: list = dataclasses.field(default_factory=list)
+    # called with the record when the rank refuses a call (the scripts' watchdog publishes it: the rank may return)
+    refuse_hooks: list = dataclasses.field(default_factory=list)
 
 
 ROLLCALL = rank_context.slot("rollcall", RollcallState)
@@ -168,6 +178,54 @@ def records() -> list[Record]:
     with _lock:
         recs = list(_all)
     return sorted(recs, key=lambda r: (r.rank is None, r.rank if r.rank is not None else 0))
+
+
+def refusing(fn=None, *, name: str | None = None):
+    """``fn``, a public call (``name``: as the user calls it, default its own), with its refusals kept in the
+    roll-call: an error it raises that no collective raised (bad input refused before communicating) is this rank's
+    ``refused``, so where the others wait in the call the rank refused and went on, their error says why. A call
+    that returns pays nothing."""
+    if fn is None:
+        return functools.partial(refusing, name=name)
+    name = name or fn.__name__
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:
+            refused(name, e, sys._getframe(1))
+            raise
+
+    return call
+
+
+def refused(call: str, error: BaseException, frame=None) -> None:
+    """Keep ``error``, raised by public call ``call`` (called from ``frame``), as this rank's last refusal, unless
+    it came out of a collective."""
+    rec = current()
+    e, seen = error, 0
+    while e is not None and seen < 8 and rec.failed_id is not None:  # it, or an error it wraps, left a collective
+        if rec.failed_id == (id(e), f"{type(e).__name__}: {e}"[:300]):
+            return
+        e, seen = e.__cause__ or e.__context__, seen + 1
+    text = f"{type(error).__name__}: {str(error).removeprefix(call + ': ')}"
+    rec.refused = (call, text if len(text) <= 240 else text[:237] + "...", where(frame), rec.cell,
+                   tuple(sorted(rec.entered.items())))
+    for hook in list(_state().refuse_hooks):
+        try:
+            hook(rec)
+        except Exception:
+            pass
+
+
+def refusal(rec: Record) -> dict:
+    """The roll-call fields of ``rec``'s last refusal (``refused``, ``refused_entered``), ``{}`` when none."""
+    if rec.refused is None:
+        return {}
+    call, error, at, cell, then = rec.refused
+    return {"refused": f"{call} ({error})" + (f" at {at}" if at else "") + (
+        f" in cell {cell}" if cell != rec.cell else ""), "refused_entered": then}
 
 
 def reset() -> None:
@@ -344,6 +402,7 @@ def snapshot(rec: Record | None = None, stacks: bool = False) -> RankStatus:
         fields["where"] = where(frame)
     if stacks and frame is not None:
         fields["stack"] = "".join(traceback.format_stack(frame)[-40:])
+    fields.update(refusal(rec))
     rank = rec.rank if rec.rank is not None else _env_rank()
     entered = tuple(sorted(dict(rec.entered).items()))  # a copy first: the rank may enter a group meanwhile
     return RankStatus(rank=rank, cell=rec.cell or None, entered=entered, **fields)

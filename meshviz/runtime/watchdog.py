@@ -92,6 +92,7 @@ class _RankWatch:
         self._stopped = False
         self._next = int(self._writer.add(_key("gen"), 0)) + 1
         rollcall._state().fail_hooks.append(self._failed)
+        rollcall._state().refuse_hooks.append(self._refused)
         threading.Thread(target=self._watch, name="meshviz-watchdog", daemon=True).start()
         self._answerer = threading.Thread(target=self._answer, name="meshviz-rollcall", daemon=True)
         self._answerer.start()
@@ -166,6 +167,15 @@ class _RankWatch:
         try:
             with self._lock:
                 self._writer.set(_key("failed", self.rank), json.dumps(status.to_dict()))
+        except Exception:
+            pass
+
+    def _refused(self, rec) -> None:
+        """A refusal, kept where the host finds it after this rank returned (its answers end then)."""
+        status = RankStatus(self.rank, "running", **rollcall.refusal(rec))
+        try:
+            with self._lock:
+                self._writer.set(_key("refused", self.rank), json.dumps(status.to_dict()))
         except Exception:
             pass
 
@@ -346,6 +356,19 @@ class RollCallHost:
             for r in range(self.world):
                 if store.check([_key("failed", r)]):
                     out[r] = RankStatus.from_dict(json.loads(store.get(_key("failed", r))))
+        except Exception:
+            pass
+        return out
+
+    def refused(self) -> dict[int, dict]:
+        """rank -> the roll-call fields of the last call it refused (``refused``, ``refused_entered``)."""
+        out = {}
+        try:
+            store = self._store()
+            for r in range(self.world):
+                if store.check([_key("refused", r)]):
+                    s = RankStatus.from_dict(json.loads(store.get(_key("refused", r))))
+                    out[r] = {"refused": s.refused, "refused_entered": s.refused_entered}
         except Exception:
             pass
         return out

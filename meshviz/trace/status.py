@@ -27,7 +27,8 @@ class RankStatus:
     ``where``: the user's code the rank is at (``"line 3 of the cell"``, ``"train.py:12 in step"``).
     ``entered``: (group, how many collectives this rank entered on it) for every group it used.
     ``note``: why it is idle or dead, or what kind of wait it is ("DataParallel gradients").
-    ``stack``: the rank's Python stack, when asked for.
+    ``stack``: the rank's Python stack, when asked for. ``refused``: the last call the rank refused and went on
+    (``"broadcast (ValueError: ...) at line 4 of the cell"``), ``refused_entered``: its ``entered`` then.
     """
 
     rank: int
@@ -44,6 +45,8 @@ class RankStatus:
     entered: tuple = ()
     note: str | None = None
     stack: str | None = None
+    refused: str | None = None
+    refused_entered: tuple = ()
 
     def __post_init__(self):
         if self.state not in STATES:
@@ -51,11 +54,14 @@ class RankStatus:
 
     def entered_on(self, group) -> int:
         """How many collectives this rank entered on ``group``."""
-        g = tuple(group)
-        for k, n in self.entered:
-            if tuple(k) == g:
-                return n
-        return 0
+        return _count(self.entered, group)
+
+    def refused_before(self, group, seq) -> str | None:
+        """What the rank refused (and went on) as collective #``seq`` on ``group`` was its next there, else None."""
+        if self.refused is None or group is None:
+            return None
+        then = _count(self.refused_entered, group)
+        return self.refused if then == (self.entered_on(group) if seq is None else seq - 1) else None
 
     @property
     def collective(self) -> str | None:
@@ -76,6 +82,7 @@ class RankStatus:
             if d[k] is not None:
                 d[k] = [list(x) if isinstance(x, tuple) else x for x in d[k]]
         d["entered"] = [[list(g), n] for g, n in self.entered]
+        d["refused_entered"] = [[list(g), n] for g, n in self.refused_entered]
         return {k: v for k, v in d.items() if v is not None and v != []}
 
     @classmethod
@@ -87,7 +94,8 @@ class RankStatus:
                 kw[k] = tuple(kw[k])
         if kw.get("shapes") is not None:
             kw["shapes"] = tuple(tuple(s) for s in kw["shapes"])
-        kw["entered"] = tuple((tuple(g), int(n)) for g, n in kw.get("entered", ()))
+        for k in ("entered", "refused_entered"):
+            kw[k] = tuple((tuple(g), int(n)) for g, n in kw.get(k, ()))
         return cls(**kw)
 
     def line(self) -> str:
@@ -109,6 +117,14 @@ class RankStatus:
         if self.where and self.state in ("in_collective", "running"):
             text += f" at {self.where}"
         return f"rank {self.rank}: {text}"
+
+
+def _count(entered, group) -> int:
+    g = tuple(group)
+    for k, n in entered:
+        if tuple(k) == g:
+            return n
+    return 0
 
 
 def describe(op, group, seq) -> str:
@@ -139,6 +155,7 @@ class Situation:
     culprits: dict = field(default_factory=dict)
     mismatch: dict = field(default_factory=dict)
     left: tuple = ()  # members whose count says they already passed this collective
+    refused: dict = field(default_factory=dict)  # rank -> the call it refused and went on, instead of this one
 
     @property
     def collective(self) -> str:
@@ -158,7 +175,8 @@ class Situation:
         head = f"{name_ranks(self.waiting)} wait{'s' if len(self.waiting) == 1 else ''} in {self.collective} for " \
                f"{self.waited_s:.1f} s"
         name = describe(self.awaited, None, self.seq)
-        parts = [head] + [_now(r, how, what, name) for r, (how, what) in sorted(self.culprits.items())]
+        parts = [head] + [_now(r, how, what, name) + (f"; {self._went_on(r)}" if r in self.refused else "")
+                          for r, (how, what) in sorted(self.culprits.items())]
         if not self.culprits:
             parts.append("every member entered it")
         return "; ".join(parts)
@@ -166,8 +184,12 @@ class Situation:
     def _mismatch_line(self) -> str:
         group = list(self.group or ())
         at = f"#{self.seq} on group {group}" if self.seq is not None else f"group {group}"
-        entered = "; ".join(f"rank {r} entered {what}" for r, what in sorted(self.mismatch.items()))
+        entered = "; ".join(f"rank {r} entered {what}" + (f" ({self._went_on(r)})" if r in self.refused else "")
+                            for r, what in sorted(self.mismatch.items()))
         return f"mismatch at {at}: {entered}"
+
+    def _went_on(self, rank: int) -> str:
+        return f"it refused {self.refused[rank]} and went on"
 
     def blame(self) -> list[str]:
         """The error's lines: each culprit ("rank 1 never entered all_reduce #1 on group [0, 1]", and where it is),
@@ -177,22 +199,25 @@ class Situation:
         coll = describe(self.awaited, self.group, self.seq)
         out = []
         for r, (how, what) in sorted(self.culprits.items()):
+            never = f"rank {r} never entered {coll}"
+            went = f": {self._went_on(r)}" if r in self.refused else ""
+            then = ";" if went else ":"
             if not self.waiting:
                 out.append(_now(r, how, what, None))
             elif how == "elsewhere":
-                out.append(f"rank {r} never entered {coll}: it is elsewhere, in {what}")
+                out.append(f"{never}{went}{then} it is elsewhere, in {what}")
             elif how == "running":
-                out.append(f"rank {r} never entered {coll}; it is running at {what or 'an unknown place'}")
+                out.append(f"{never}{went}; it is running at {what or 'an unknown place'}")
             elif how == "idle":
-                out.append(f"rank {r} never entered {coll} (idle: {what or 'it runs nothing'})")
+                out.append(f"{never}{went} (idle: {what or 'it runs nothing'})")
             elif how == "dead":
-                out.append(f"rank {r} never entered {coll}: it is dead" + (f" ({what})" if what else ""))
+                out.append(f"{never}{went}{then} it is dead" + (f" ({what})" if what else ""))
             elif how == "passed":
                 out.append(f"rank {r} passed {coll} without the ranks still in it and is done"
                            + (f" ({what})" if what else "") + ": its call was paired with another (a different "
                            "size?); check_collectives names the difference")
             else:
-                out.append(f"rank {r} never entered {coll} (it did not answer the roll-call)")
+                out.append(f"{never}{went} (it did not answer the roll-call)")
         if self.waiting:
             out.append(f"{name_ranks(self.waiting)} waited in {self.collective} for {self.waited_s:.1f} s")
         return out
@@ -295,8 +320,11 @@ class RollCall(Sequence):
                 else:
                     culprits[m] = why
             waited = max((s.waiting_s or 0.0) for s in inside)
+            refused = {r: by[r].refused_before(group, seq) for r in [*mismatch, *culprits]
+                       if r in by and culprits.get(r, ("",))[0] != "passed"}
+            also = {s.refused for s in inside if s.rank not in mismatch}  # the waiting ranks refused it too
             out.append(Situation(first.op, group, seq, tuple(sorted(s.rank for s in inside)), waited, culprits,
-                                 mismatch, tuple(left)))
+                                 mismatch, tuple(left), {r: t for r, t in refused.items() if t and t not in also}))
         for s in self.statuses:  # a dead rank nobody waits for is still news
             if s.state == "dead" and not any(s.rank in x.culprits for x in out):
                 out.append(Situation(None, None, None, (), 0.0, {s.rank: ("dead", s.note)}))

@@ -9,6 +9,7 @@ from torch import nn
 
 from ...rank_context import getenv
 from ...runtime.agree import alone, same_or_refused
+from ...runtime.rollcall import refusing
 from ...runtime.world import get_rank, get_world_size, init_parallel_env
 from ..collective import barrier
 from . import topology  # noqa: F401  (fleet.topology, as in Paddle)
@@ -154,9 +155,15 @@ class Fleet:
             sync_params_buffers(model, hcg.get_data_parallel_group())
         return model
 
+    @refusing(name="fleet.distributed_optimizer")
     def distributed_optimizer(self, optimizer, strategy=None):
+        """``optimizer`` wrapped for the hybrid topology ``fleet.init`` built (RuntimeError on a rank that never
+        called it, as Paddle raises there: the others' step would wait for this rank's collectives)."""
         if not (hasattr(optimizer, "param_groups") and hasattr(optimizer, "step")):
             raise TypeError(f"fleet.distributed_optimizer expects a torch optimizer, got {type(optimizer).__name__}")
+        if self._hcg is None:
+            raise RuntimeError("fleet.distributed_optimizer: this rank never called fleet.init; call "
+                               "fleet.init(is_collective=True, strategy=...) first, on every rank")
         if strategy is not None and self._strategy is None:
             self._strategy = strategy
         return HybridParallelOptimizer(optimizer, self._hcg, strategy or self._strategy)
