@@ -32,6 +32,7 @@ class TorchrunJob:
         self.interrupted: str | None = None  # the signal ("SIGINT", ...) that made the agent stop every worker
         self.log_dir: str | None = None  # where workerlog.<local rank> is, when the launcher keeps the logs
         self.killed: dict[int, str] = {}  # the workers that outlived the signal's grace: rank -> when killed
+        self.left_killed: dict[int, str] = {}  # the same for what a worker left running once it ended
         self.attempt = 0  # the agent's run of the workers (a restart is the next)
         self.workers = None  # that run's workers: the agent's process context (local rank -> handler)
         self._done = threading.Event()
@@ -48,6 +49,29 @@ class TorchrunJob:
             if handler.proc.returncode == 0:
                 out.append(int(workers.envs[local].get("RANK", local)))
         return attempt, out
+
+    def end_run(self, attempt: int, sig: int = signal.SIGTERM) -> bool:
+        """``sig`` to the workers of the agent's run ``attempt`` still running (with their process groups), while
+        that run is the agent's: it sees them fail and restarts them (another node restarted: the nodes restart
+        together, as Paddle's). False when that run is over or none of its workers still runs."""
+        workers = self.workers
+        envs = dict(getattr(workers, "envs", None) or {})
+        if self.done() or not envs or any(int(e.get("TORCHELASTIC_RESTART_COUNT", -1)) != attempt
+                                          for e in envs.values()):
+            return False
+        hit = False
+        for handler in dict(getattr(workers, "subprocess_handlers", None) or {}).values():
+            if handler.proc.poll() is not None:
+                continue
+            try:
+                if os.getpgid(handler.proc.pid) == handler.proc.pid:  # its own session: what it started goes too
+                    os.killpg(handler.proc.pid, sig)
+                else:
+                    handler.proc.send_signal(sig)
+                hit = True
+            except OSError:
+                continue
+        return hit
 
     def wait(self, timeout: float | None = None) -> bool:
         return self._done.wait(timeout)
@@ -100,12 +124,16 @@ class TorchrunJob:
 
     def killed_text(self) -> str:
         """The workers the launcher killed after a signal (they did not end on it), as "; rank 1 did not end on
-        SIGTERM: killed (SIGKILL) after 30 s", or ""."""
-        if not self.killed:
-            return ""
-        ranks = sorted(self.killed)
-        who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
-        return f"; {who} did not end on {self.interrupted or 'SIGTERM'}: killed (SIGKILL) {self.killed[ranks[0]]}"
+        SIGTERM: killed (SIGKILL) after 30 s", and what ended workers left running, as "; what rank 1 started did
+        not end on SIGTERM: ...", or ""."""
+        out = ""
+        for killed, what in ((self.killed, ""), (self.left_killed, "what ")):
+            if killed:
+                ranks = sorted(killed)
+                who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+                out += (f"; {what}{who}{' started' if what else ''} did not end on {self.interrupted or 'SIGTERM'}: "
+                        f"killed (SIGKILL) {killed[ranks[0]]}")
+        return out
 
     def outcomes(self) -> list[RankOutcome]:
         if not self.done():
@@ -176,6 +204,7 @@ def _watched(job: TorchrunJob, ending: Ending):
             with ending.graced():
                 end_leftovers(workers, death_sig or signal.SIGTERM)  # torch signals only the workers still running
                 close(death_sig, timeout)
+                ending.end_leftovers(workers)  # torch kills only its workers: what ignored the signal, after the grace
 
         workers.close = graced_close
         return workers
@@ -238,7 +267,7 @@ class Torchrun:
             job.interrupted = "SIGINT"
         finally:
             job.log_dir = getattr(getattr(self.config, "logs_specs", None), "root_log_dir", None)  # the last attempt's
-            job.killed = dict(ending.killed)
+            job.killed, job.left_killed = dict(ending.killed), dict(ending.left_killed)
             for s, handler in handlers.items():
                 signal.signal(s, handler)
             job._done.set()

@@ -10,7 +10,7 @@ import socket
 import threading
 import time
 
-__all__ = ["Ending", "end_leftovers", "grace"]
+__all__ = ["Ending", "end_leftovers", "grace", "leftovers"]
 
 # the signals torch's agent stops its workers on (it sends them the same one, then waits for them)
 _SIGNALS = {int(getattr(signal, n)): n for n in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT") if hasattr(signal, n)}
@@ -42,6 +42,28 @@ def end_leftovers(workers, sig) -> list[int]:
     return out
 
 
+def leftovers(workers) -> dict[int, int]:
+    """What the workers of ``workers`` that ended with a failure (or were ended) left running: process group ->
+    global rank, for each such group that still has a live member once the worker is reaped (its number stays
+    taken while the group has members, so they are the worker's)."""
+    import psutil
+
+    groups = {}
+    for local, handler in dict(getattr(workers, "subprocess_handlers", None) or {}).items():
+        if handler.proc.returncode not in (None, 0):
+            groups[handler.proc.pid] = int(workers.envs[local].get("RANK", local))
+    if not groups or not hasattr(os, "getpgid"):
+        return {}
+    live = set()
+    for p in psutil.process_iter():
+        try:
+            if os.getpgid(p.pid) in groups and p.status() != psutil.STATUS_ZOMBIE:
+                live.add(os.getpgid(p.pid))
+        except (psutil.Error, OSError):
+            continue
+    return {g: r for g, r in groups.items() if g in live}
+
+
 def grace() -> float:
     """Seconds the workers get to end after a signal to the launcher: torch's ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``
     (default 30, as torch's agent), on every torch (torch 2.11's agent has no such setting)."""
@@ -55,12 +77,15 @@ class Ending:
     """Around the agent's run, in the main thread: sees each signal the agent takes (through the wakeup file
     descriptor Python writes a signal's number to); from the first, the workers still running ``grace_s`` seconds
     later, or at once at a second signal (Paddle's launch ends them so too), are killed with their process groups
-    (what they started goes too). So too while the agent ends the workers on its own (:meth:`graced`: one failed).
-    ``killed``: global rank -> when it was killed ("after 30 s", "at a second signal")."""
+    (what they started goes too). So too while the agent ends the workers on its own (:meth:`graced`: one failed),
+    and what the ended workers left running (:meth:`end_leftovers`). ``killed``: global rank -> when it was killed
+    ("after 30 s", "at a second signal"); ``left_killed``: the same for what a worker left running."""
 
     def __init__(self, grace_s: float):
         self.grace_s = grace_s
         self.killed: dict[int, str] = {}
+        self.left_killed: dict[int, str] = {}
+        self._kills: list[str] = []  # when the thread killed (it kills the workers; the caller, their leftovers)
         self.first: str | None = None
         self._stopped = threading.Event()
         self._lock = threading.Lock()
@@ -105,6 +130,25 @@ class Ending:
                 if mine and self._got == 0:
                     self._since = None
 
+    def end_leftovers(self, workers) -> None:
+        """Once the agent's ending of ``workers`` is over (in :meth:`graced`): what they left running (see
+        :func:`leftovers`: a child that ignored the signal) is killed (SIGKILL, with its process group) when the
+        grace runs out, or at once at a second signal; waits until then unless it ends first."""
+        with self._lock:
+            since, kills = self._since, len(self._kills)
+        deadline = (time.monotonic() if since is None else since) + self.grace_s
+        groups = leftovers(workers)
+        while groups and time.monotonic() < deadline and len(self._kills) == kills:
+            time.sleep(0.1)
+            groups = leftovers(workers)
+        when = self._kills[kills] if len(self._kills) > kills else f"after {self.grace_s:g} s"
+        for group, rank in groups.items():
+            try:
+                os.killpg(group, signal.SIGKILL)
+            except OSError:
+                continue
+            self.left_killed[rank] = when
+
     def _run(self) -> None:
         r = self._pair[0]
         while not self._stopped.is_set():
@@ -125,7 +169,9 @@ class Ending:
             with self._lock:
                 got, since = self._got, self._since
             if since is not None and (got > 1 or time.monotonic() >= since + self.grace_s):
-                self._kill("at a second signal" if got > 1 else f"after {self.grace_s:g} s")
+                when = "at a second signal" if got > 1 else f"after {self.grace_s:g} s"
+                self._kill(when)
+                self._kills.append(when)
                 with self._lock:
                     self._got, self._since = 0, None  # a worker started later (a restart) gets its own grace
 

@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 
@@ -75,6 +76,7 @@ def rollcall_host(host: str, port: int, nnodes: int, nproc: int, hang_after: flo
 _VERDICT = "meshviz/launch/stopped"  # node 0's roll-call found a wait nothing can end: {"node", "lines"}
 _FAILED = "meshviz/launch/failed/"  # + node: its worker that failed first {"rank", "what", "lost", "time"}
 _DONE = "meshviz/launch/done/"  # + node: the node has read what stopped the job and is ending
+_RUN = "meshviz/launch/run/"  # + node: the agent's run (its restart count) that node's workers are in
 # what a worker's error says when it only lost its connection to a peer that failed elsewhere
 _LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Connection refused",
          "never reached the rendezvous", "DistNetworkError", "DistStoreError", "Timed out", "timed out")
@@ -99,6 +101,8 @@ class NodeLine:
         self._lock = threading.Lock()
         self._over = threading.Event()
         self._thread: threading.Thread | None = None
+        self._run = 0  # the run this node said its workers are in
+        self._ending: tuple[int, float] | None = None  # (run, when to SIGKILL): this node's run, ended to follow
 
     def _call(self, op: str, *args):
         with self._lock:
@@ -151,12 +155,37 @@ class NodeLine:
                 time.sleep(0.2)
         return self.heard
 
+    def follow_restarts(self, job) -> None:
+        """Say which run this node's workers are in (the agent's restart count, ``--max_restart``); when another
+        node is in a later run (its workers failed: its agent restarted them), end this node's so that its agent
+        restarts them too and every node's run meets (their keys on the store are the run's), as Paddle's launch
+        restarts every node when one fails; with SIGKILL after the launcher's grace if they outlive the SIGTERM."""
+        from .ending import grace
+
+        mine = job.attempt
+        try:
+            if mine > self._run:
+                self._call("set", _RUN + str(self.node), str(mine))
+                self._run = mine
+            theirs = [(int(self._call("get", _RUN + str(k))), k) for k in range(self.nnodes)
+                      if k != self.node and self._call("check", [_RUN + str(k)])]
+        except Exception:
+            return
+        ahead = max(theirs, default=(0, 0))
+        if self._ending is not None and self._ending[0] == mine and time.monotonic() > self._ending[1]:
+            job.end_run(mine, signal.SIGKILL)
+        elif ahead[0] > mine and (self._ending is None or self._ending[0] != mine) and job.end_run(mine):
+            self._ending = (mine, time.monotonic() + grace())
+            print(f"meshviz.launch: node {ahead[1]} restarted its workers (restart {ahead[0]}): the workers here "
+                  "were stopped to restart with them", file=sys.stderr, flush=True)
+
     def watch(self, runner) -> None:
         def run():
             while not self._over.wait(0.2):
                 job = runner.job
                 if job is None or job.done():
                     continue
+                self.follow_restarts(job)
                 news = self.news()
                 if news is not None and not job.done():
                     self.heard = news
