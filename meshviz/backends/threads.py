@@ -99,9 +99,8 @@ class Scheduler(Protocol):
 
 
 class ThreadComms:
-    """What every thread group of one world shares: the meetings in progress, the mailboxes of sends nobody
-    received yet, the receives posted before their send, and which ranks failed this round. The scheduler tells
-    it of failures (:meth:`rank_failed`, :meth:`tear_down`) and calls :meth:`reset` between rounds."""
+    """What every thread group of one world shares: meetings in progress, mailboxes of sends nobody received yet,
+    receives posted before their send, the ranks failed this round; the scheduler calls :meth:`reset` between rounds."""
 
     def __init__(self, scheduler: Scheduler):
         self.sched = scheduler
@@ -471,6 +470,7 @@ class ThreadGroup(_InProcessGroup):
                 if rv.src is not None:
                     gone = c.gone([self.ranks[rv.src]])
                     if gone is not None:
+                        c.dirty = True  # the receive stays posted: the next round must not fill it
                         raise RankStopped(f"{gone}; {rv.what} will never be filled")
                 c.check(self.me)
                 c.sched.block(self.me, rv.what)
