@@ -1,6 +1,5 @@
 """Launched workers that leave quietly, restarts, a failed job's stubborn worker, a launcher killed: nothing waits."""
 
-import os
 import subprocess
 import sys
 import textwrap
@@ -8,30 +7,9 @@ import time
 
 import pytest
 
-from .started import none_left, wait_for_files
+from .started import finish, none_left, pids_written, start_launch, wait_for_files
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]  # 10-20 s each here; a loaded machine starts torch slowly
-
-
-def _launch(tmp_path, script: str, nproc: int, *flags, **env):
-    (tmp_path / "script.py").write_text(textwrap.dedent(script))
-    env = {**os.environ, "MESHVIZ_RDZV_TIMEOUT": "60", "MESHVIZ_TIMEOUT": "30", "STARTED": str(tmp_path), **env}
-    return subprocess.Popen([sys.executable, "-m", "meshviz.launch", "--nproc_per_node", str(nproc), "--devices",
-                             "cpu", "--log_dir", str(tmp_path / "log"), *flags, "script.py"], cwd=str(tmp_path),
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def _finish(p, timeout: float = 75):
-    try:
-        return p.communicate(timeout=timeout)
-    finally:
-        if p.poll() is None:
-            p.kill()
-            p.communicate()
-
-
-def _pids(tmp_path, ranks) -> list[int]:
-    return [int(x) for r in ranks for x in (tmp_path / f"pid{r}").read_text().split()]
 
 
 QUIET = """
@@ -53,14 +31,14 @@ QUIET = """
 def test_launch_ends_the_workers_at_once_when_one_leaves_with_os_exit_before_joining(tmp_path):
     """Worker 1 calls os._exit(0) before init_parallel_env (no interpreter exit, so it never said it left):
     worker 0 waited the whole timeout (30 s) for it, then the launcher blamed worker 0's timeout."""
-    p = _launch(tmp_path, QUIET, 2)
-    out, err = _finish(p)
+    p = start_launch(tmp_path, QUIET, 2)
+    out, err = finish(p, 75)
     took = time.time() - float((tmp_path / "left").read_text())
     assert "meshviz.launch: rank 1 never joined the process group (it returned without joining) (rank 0 stopped " \
            "because of it)" in err, err[-3000:]
     assert p.returncode == 1, err[-3000:]
     assert took < 20, f"took {took:.1f} s after the worker left: the other waited for it"
-    none_left(_pids(tmp_path, (0, 1)))
+    none_left(pids_written(tmp_path, (0, 1)))
 
 
 LEFT_THEN_RESTARTED = """
@@ -89,8 +67,8 @@ def test_launch_a_worker_that_left_in_the_run_before_a_restart_does_not_end_the_
     agent's store, so worker 1 of run 2 was named as having left."""
     import json
 
-    p = _launch(tmp_path, LEFT_THEN_RESTARTED, 2, "--max_restart", "1")
-    out, err = _finish(p)
+    p = start_launch(tmp_path, LEFT_THEN_RESTARTED, 2, "--max_restart", "1")
+    out, err = finish(p, 75)
     assert p.returncode == 0, err[-3000:]
     assert "never joined" not in err, err[-3000:]
     assert [json.loads((tmp_path / f"out{r}.json").read_text()) for r in (0, 1)] == [[1, 3.0], [1, 3.0]]
@@ -120,8 +98,8 @@ def test_launch_a_restart_after_a_run_that_joined_joins_again(tmp_path):
     Connection refused', so the restart failed too."""
     import json
 
-    p = _launch(tmp_path, FAILS_AFTER_JOINING, 2, "--max_restart", "1")
-    out, err = _finish(p)
+    p = start_launch(tmp_path, FAILS_AFTER_JOINING, 2, "--max_restart", "1")
+    out, err = finish(p, 75)
     assert p.returncode == 0, err[-3000:]
     # run 2: 10 + 1 and 10 + 2
     assert [json.loads((tmp_path / f"out{r}.json").read_text()) for r in (0, 1)] == [[1, 23.0], [1, 23.0]]
@@ -150,14 +128,14 @@ def test_launch_a_failed_job_kills_a_worker_that_ignores_sigterm_after_the_grace
     """Worker 0 fails while worker 1 ignores SIGTERM: the agent's own ending waited torch's 30 s for worker 1
     whatever TORCH_ELASTIC_SHUTDOWN_TIMEOUT said (the grace held only after a signal to the launcher), and the
     launcher did not say that worker 1 was killed."""
-    p = _launch(tmp_path, STUBBORN, 2, TORCH_ELASTIC_SHUTDOWN_TIMEOUT="3")
-    out, err = _finish(p)
+    p = start_launch(tmp_path, STUBBORN, 2, TORCH_ELASTIC_SHUTDOWN_TIMEOUT="3")
+    out, err = finish(p, 75)
     took = time.time() - float((tmp_path / "failed").read_text())
     assert "meshviz.launch: the worker with global rank 0 failed; the others were stopped; rank 1 did not end on " \
            "SIGTERM: killed (SIGKILL) after 3 s" in err, err[-3000:]
     assert p.returncode == 1, err[-3000:]
     assert took < 15, f"took {took:.1f} s after the worker failed"
-    none_left(_pids(tmp_path, (0, 1)))
+    none_left(pids_written(tmp_path, (0, 1)))
 
 
 WAITS = """
@@ -178,10 +156,10 @@ WAITS = """
 def test_launch_workers_end_when_the_launcher_is_killed(tmp_path):
     """SIGKILL to the launcher (no handler runs, nobody ends the workers): worker 1 slept on and worker 0 waited
     in all_reduce until the collective timeout, orphans (Paddle's launch leaves them so too)."""
-    p = _launch(tmp_path, WAITS, 2, "--hang_after", "0")
+    p = start_launch(tmp_path, WAITS, 2, "--hang_after", "0")
     try:
         wait_for_files(str(tmp_path / "started"), 2, timeout=60)
-        pids = _pids(tmp_path, (0, 1))
+        pids = pids_written(tmp_path, (0, 1))
         p.kill()
         p.wait(timeout=10)
         none_left(pids)
@@ -214,7 +192,7 @@ def test_spawn_ranks_end_when_the_process_that_spawned_them_is_killed(tmp_path):
                              stdout=out, stderr=subprocess.STDOUT)
     try:
         wait_for_files(str(tmp_path / "started"), 2, timeout=60)
-        pids = _pids(tmp_path, (0, 1))
+        pids = pids_written(tmp_path, (0, 1))
         p.kill()
         p.wait(timeout=10)
         none_left(pids)

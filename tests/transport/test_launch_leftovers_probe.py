@@ -8,28 +8,9 @@ import time
 
 import pytest
 
-from .started import alive, none_left
+from .started import alive, launch, none_left, pids_written
 
 pytestmark = [pytest.mark.slow, pytest.mark.launch, pytest.mark.timeout(60)]
-
-
-def _launch(tmp_path, script: str, nproc: int, *flags, **env):
-    (tmp_path / "script.py").write_text(textwrap.dedent(script))
-    env = {**os.environ, "MESHVIZ_RDZV_TIMEOUT": "30", "MESHVIZ_TIMEOUT": "20", "STARTED": str(tmp_path), **env}
-    p = subprocess.Popen([sys.executable, "-m", "meshviz.launch", "--nproc_per_node", str(nproc), "--devices", "cpu",
-                          "--log_dir", str(tmp_path / "log"), *flags, "script.py"], cwd=str(tmp_path), env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        out, err = p.communicate(timeout=45)
-    finally:
-        if p.poll() is None:
-            p.kill()
-            p.communicate()
-    return p.returncode, out, err
-
-
-def _pids(tmp_path) -> list[int]:
-    return [int(x) for f in tmp_path.glob("pid*") for x in f.read_text().split()]
 
 
 LEAVES_A_STUBBORN_CHILD = """
@@ -55,11 +36,11 @@ def test_launch_a_worker_s_child_that_ignores_sigterm_is_killed_after_the_grace_
     the launcher (after torch's agent, which SIGKILLs only its own workers) sent SIGTERM to the worker's process
     group and returned with the child still running."""
     t0 = time.monotonic()
-    rc, out, err = _launch(tmp_path, LEAVES_A_STUBBORN_CHILD, 2, "--hang_after", "0",
-                           TORCH_ELASTIC_SHUTDOWN_TIMEOUT="2", CHILD_OF=child_of)
+    rc, out, err = launch(tmp_path, LEAVES_A_STUBBORN_CHILD, 2, "--hang_after", "0", wait=45, rdzv_timeout=30,
+                          timeout=20, TORCH_ELASTIC_SHUTDOWN_TIMEOUT="2", CHILD_OF=child_of)
     took = time.monotonic() - t0
     assert rc == 1, err[-3000:]
-    pids = _pids(tmp_path)
+    pids = pids_written(tmp_path)
     assert len(pids) == 3, (pids, err[-3000:])
     left = alive(pids)
     none_left(pids, within=0)
@@ -120,7 +101,7 @@ def test_launch_restarts_every_node_when_one_node_s_worker_fails(tmp_path):
             if p.poll() is None:
                 p.kill()
                 p.communicate()
-    pids = _pids(tmp_path)
+    pids = pids_written(tmp_path)
     none_left(pids)
     errs = "\n".join(o[-2000:] for o in outs)
     assert [p.returncode for p in procs] == [0, 0], errs

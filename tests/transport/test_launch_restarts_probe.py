@@ -1,35 +1,12 @@
 """Launched jobs that restart (--max_restart) or fail: each run's roll-call is its own, nothing a worker started
 outlives the job."""
 
-import os
-import subprocess
-import sys
-import textwrap
 
 import pytest
 
-from .started import none_left
+from .started import launch, none_left, pids_written
 
 pytestmark = [pytest.mark.slow, pytest.mark.launch, pytest.mark.timeout(90)]
-
-
-def _launch(tmp_path, script: str, nproc: int, *flags, **env):
-    (tmp_path / "script.py").write_text(textwrap.dedent(script))
-    env = {**os.environ, "MESHVIZ_RDZV_TIMEOUT": "60", "MESHVIZ_TIMEOUT": "30", "STARTED": str(tmp_path), **env}
-    p = subprocess.Popen([sys.executable, "-m", "meshviz.launch", "--nproc_per_node", str(nproc), "--devices", "cpu",
-                          "--log_dir", str(tmp_path / "log"), *flags, "script.py"], cwd=str(tmp_path), env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        out, err = p.communicate(timeout=75)
-    finally:
-        if p.poll() is None:
-            p.kill()
-            p.communicate()
-    return p.returncode, out, err
-
-
-def _pids(tmp_path) -> list[int]:
-    return [int(x) for f in tmp_path.glob("pid*") for x in f.read_text().split()]
 
 
 FAILS_THEN_HANGS = """
@@ -55,14 +32,14 @@ def test_launch_the_roll_call_after_a_restart_describes_that_run_only(tmp_path):
     """Run 1: rank 1 fails in all_reduce (a timeout), the agent restarts both. Run 2: rank 0 waits in a broadcast,
     rank 1 raises before it. The verdict for run 2 read run 1's roll-call keys on the agent's store (failed/1): it
     said rank 1 failed in all_reduce #1, a collective run 2 never entered, instead of naming its ValueError."""
-    rc, out, err = _launch(tmp_path, FAILS_THEN_HANGS, 2, "--max_restart", "1", "--hang_after", "0.5",
+    rc, out, err = launch(tmp_path, FAILS_THEN_HANGS, 2, "--max_restart", "1", "--hang_after", "0.5",
                            MESHVIZ_TIMEOUT="3")
     assert rc == 1, err[-3000:]
     text = "\n".join(x for x in err.splitlines() if x.startswith("meshviz.launch: "))
     assert "meshviz.launch: rank 1 never entered broadcast #1 on group [0, 1]: it is dead (exit code 1: " \
            "ValueError: rank 1 fails in run 2)" in text, err[-3000:]
     assert "all_reduce" not in text, err[-3000:]
-    none_left(_pids(tmp_path))
+    none_left(pids_written(tmp_path))
 
 
 STARTS_A_CHILD = """
@@ -82,7 +59,7 @@ def test_launch_a_failed_worker_takes_what_it_started_with_it(tmp_path):
     """Worker 1 starts a subprocess and raises: the agent ended worker 0 (and what worker 0 started, its process
     group) but not worker 1's child, which slept on after the launcher exited (torch and Paddle signal only the
     workers still running)."""
-    rc, out, err = _launch(tmp_path, STARTS_A_CHILD, 2, "--hang_after", "0")
+    rc, out, err = launch(tmp_path, STARTS_A_CHILD, 2, "--hang_after", "0")
     assert rc == 1, err[-3000:]
     assert "the worker with global rank 1 failed" in err, err[-3000:]
-    none_left(_pids(tmp_path))
+    none_left(pids_written(tmp_path))
