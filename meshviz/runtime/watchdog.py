@@ -348,30 +348,26 @@ class RollCallHost:
         except Exception:
             return None
 
-    def failed(self) -> dict[int, RankStatus]:
-        """rank -> the collective its error came out of, for the ranks that failed inside one."""
+    def _left(self, kind: str) -> dict[int, RankStatus]:
+        """rank -> the status it left under ``kind`` ("failed", "refused"), for the ranks that left one."""
         out = {}
         try:
             store = self._store()
             for r in range(self.world):
-                if store.check([_key("failed", r)]):
-                    out[r] = RankStatus.from_dict(json.loads(store.get(_key("failed", r))))
+                if store.check([_key(kind, r)]):
+                    out[r] = RankStatus.from_dict(json.loads(store.get(_key(kind, r))))
         except Exception:
             pass
         return out
 
+    def failed(self) -> dict[int, RankStatus]:
+        """rank -> the collective its error came out of, for the ranks that failed inside one."""
+        return self._left("failed")
+
     def refused(self) -> dict[int, dict]:
         """rank -> the roll-call fields of the last call it refused (``refused``, ``refused_entered``)."""
-        out = {}
-        try:
-            store = self._store()
-            for r in range(self.world):
-                if store.check([_key("refused", r)]):
-                    s = RankStatus.from_dict(json.loads(store.get(_key("refused", r))))
-                    out[r] = {"refused": s.refused, "refused_entered": s.refused_entered}
-        except Exception:
-            pass
-        return out
+        left = self._left("refused")
+        return {r: {"refused": s.refused, "refused_entered": s.refused_entered} for r, s in left.items()}
 
     def blame(self) -> RollCall | None:
         """The roll-call that explains a failed run: the last one printed (else one taken now), with each rank that
