@@ -43,3 +43,13 @@ def random_locals(rng, shape, mesh, placements):
     for k in reversed(range(len(paxes))):
         summands = _NP_REDUCE[placements[paxes[k]].reduce_type](summands, axis=k)
     return locals_, summands
+
+
+def assert_target_holds(got, dense, shape, mesh, placements, msg="") -> None:
+    """``got`` (rank -> its local value on ``mesh``) stands for ``dense``; where no mesh axis is Partial, every rank
+    holds exactly its block of it."""
+    np.testing.assert_allclose(dense_of(got, shape, mesh, placements), dense, err_msg=msg)
+    if not any(isinstance(p, Partial) for p in placements):
+        for c in np.ndindex(*mesh.shape):
+            blk = tuple(slice(a, b) for a, b in local_block(shape, mesh, placements, c))
+            np.testing.assert_array_equal(got[mesh.rank_at(c)], dense[blk], err_msg=f"{msg}\nat {c}")

@@ -6,23 +6,14 @@ import time
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from meshviz.testing import run_ranks
 
 from .test_distmodel_edge3_probe import LR, OUT, B, _feed, _staged, data, strategy
+from .test_pipeline import Block
 
 MBS = 2
 BAD = "IndexError: Target 9 is out of bounds"
-
-
-class Block(nn.Module):
-    def __init__(self, width=4):
-        super().__init__()
-        self.lin = nn.Linear(width, width)
-
-    def forward(self, x):
-        return torch.tanh(self.lin(x))
 
 
 class Refusing(Block):

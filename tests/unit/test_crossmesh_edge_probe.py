@@ -6,10 +6,9 @@ import numpy as np
 import pytest
 
 from meshviz.core import Partial, ProcessMesh, ReduceType, Replicate, Shard
-from meshviz.core.layout import local_block
 from meshviz.core.planner import apply_step, plan_reshard
 
-from ..partials import dense_of, random_locals
+from ..partials import assert_target_holds, random_locals
 
 pytestmark = pytest.mark.torch_free
 
@@ -52,11 +51,7 @@ def _check(shape, sm, sp, dm, dp, seed):
     out = _run(plan, locals_)
     assert set(out) >= set(dm.process_ids), (plan, sorted(out))
     got = {r: out[r] for r in dm.process_ids}
-    np.testing.assert_allclose(dense_of(got, shape, dm, plan.dst_placements), dense, err_msg=str(plan))
-    if not any(isinstance(p, Partial) for p in plan.dst_placements):
-        for c in np.ndindex(*dm.shape):
-            blk = tuple(slice(a, b) for a, b in local_block(shape, dm, plan.dst_placements, c))
-            np.testing.assert_array_equal(got[dm.rank_at(c)], dense[blk], err_msg=f"{plan}\nat {c}")
+    assert_target_holds(got, dense, shape, dm, plan.dst_placements, str(plan))
     return plan
 
 

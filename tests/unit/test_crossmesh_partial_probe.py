@@ -10,7 +10,7 @@ from meshviz.core import Partial, ProcessMesh, ReduceType, Replicate, Shard
 from meshviz.core.layout import local_block
 from meshviz.core.planner import apply_step, plan_reshard
 
-from ..partials import AVG, MAX, SUM, dense_of, random_locals
+from ..partials import AVG, MAX, SUM, assert_target_holds, random_locals
 
 pytestmark = pytest.mark.torch_free
 
@@ -37,11 +37,7 @@ def _check(shape, sm, sp, dm, dp, seed, itemsize=4):
     locals_, dense = random_locals(rng, shape, sm, plan.src_placements)
     out = _run(plan, dict(locals_))
     got = {r: out[r] for r in dm.process_ids}
-    np.testing.assert_allclose(dense_of(got, shape, dm, plan.dst_placements), dense, err_msg=str(plan))
-    if not any(isinstance(p, Partial) for p in plan.dst_placements):
-        for c in np.ndindex(*dm.shape):
-            blk = tuple(slice(a, b) for a, b in local_block(shape, dm, plan.dst_placements, c))
-            np.testing.assert_array_equal(got[dm.rank_at(c)], dense[blk], err_msg=f"{plan}\nat {c}")
+    assert_target_holds(got, dense, shape, dm, plan.dst_placements, str(plan))
     return plan, locals_, got
 
 
