@@ -181,11 +181,13 @@ def _reported_at(failure, log_dir: str | None = None) -> float:
 
 
 @contextlib.contextmanager
-def _watched(job: TorchrunJob, ending: Ending):
-    """While the agent runs: each run of its workers kept in ``job`` (the launcher's watches see which exited),
-    the workers told the launcher's pid when it starts them from its main thread (they end with it), and the
-    agent's own ending of the workers once one failed given the grace of :class:`Ending` (torch waits 30 s for a
-    worker that ignores SIGTERM), what a failed worker started ended with the others (:func:`end_leftovers`)."""
+def _watched(job: TorchrunJob, ending: Ending, before=None):
+    """While the agent runs: ``before()`` called after each rendezvous, before the agent assigns the ranks (it may
+    refuse the job: no worker has started), each run of its workers kept in ``job`` (the launcher's watches see
+    which exited), the workers told the launcher's pid when it starts them from its main thread (they end with
+    it), and the agent's own ending of the workers once one failed given the grace of :class:`Ending` (torch waits
+    30 s for a worker that ignores SIGTERM), what a failed worker started ended with the others
+    (:func:`end_leftovers`)."""
     from torch.distributed.elastic.agent.server import local_elastic_agent as agent
 
     real = agent.start_processes
@@ -209,11 +211,20 @@ def _watched(job: TorchrunJob, ending: Ending):
         workers.close = graced_close
         return workers
 
+    assign = agent.SimpleElasticAgent._assign_worker_ranks
+
+    def assign_agreed(self, *args, **kwargs):
+        if before is not None:
+            before()
+        return assign(self, *args, **kwargs)
+
     agent.start_processes = start_processes
+    agent.SimpleElasticAgent._assign_worker_ranks = assign_agreed
     try:
         yield
     finally:
         agent.start_processes = real
+        agent.SimpleElasticAgent._assign_worker_ranks = assign
 
 
 class Torchrun:
@@ -232,6 +243,7 @@ class Torchrun:
         node = config.rdzv_configs["rank"]
         self.ranks = [node * self.n + i for i in range(self.n)]
         self.job: TorchrunJob | None = None
+        self._agreed = False
 
     def start(self) -> Torchrun:
         """Nothing starts before :meth:`submit`: the agent makes the workers for the one job."""
@@ -256,7 +268,7 @@ class Torchrun:
         if main and getattr(self.config, "shutdown_timeout", None) is not None:  # torch's own kill after ending's
             self.config.shutdown_timeout = int(ending.grace_s) + 10
         try:
-            with ending, _watched(job, ending):
+            with ending, _watched(job, ending, self._agree):
                 elastic_launch(self.config, entrypoint=self.entrypoint)(*args)
         except ChildFailedError as e:
             job.failures = dict(e.failures)
@@ -272,6 +284,16 @@ class Torchrun:
                 signal.signal(s, handler)
             job._done.set()
         return job
+
+    def _agree(self) -> None:
+        """At the first rendezvous of several nodes: refuse settings they were given differently (agreement.agree)."""
+        config = self.config
+        if config.min_nodes > 1 and not self._agreed:
+            from .agreement import agree, settings
+
+            agree(config.rdzv_endpoint, config.rdzv_configs["rank"], settings(config),
+                  config.rdzv_configs.get("timeout", 900))
+            self._agreed = True
 
     def interrupt(self, ranks=None) -> None:
         """SIGINT to this process while the job runs: the agent ends every worker (it stops all or none)."""

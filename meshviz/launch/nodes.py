@@ -73,10 +73,13 @@ def rollcall_host(host: str, port: int, nnodes: int, nproc: int, hang_after: flo
     return _LaunchRollCall(host, port, nnodes * nproc, hang_after, wait_for_store=60.0, attempt=attempt).start()
 
 
-_VERDICT = "meshviz/launch/stopped"  # node 0's roll-call found a wait nothing can end: {"node", "lines"}
-_FAILED = "meshviz/launch/failed/"  # + node: its worker that failed first {"rank", "what", "lost", "time"}
+# what the nodes said stopped the job, one record each, numbered by _SAID: node 0's roll-call found a wait nothing
+# can end {"node", "lines"}, or a node's worker failed first {"node", "rank", "what", "lost", "time"}; a watch
+# looks at the count alone (one store call) until it moves, whatever the number of nodes
+_SAID = "meshviz/launch/said"
+_RECORD = "meshviz/launch/said/"  # + number
 _DONE = "meshviz/launch/done/"  # + node: the node has read what stopped the job and is ending
-_RUN = "meshviz/launch/run/"  # + node: the agent's run (its restart count) that node's workers are in
+_RUN = "meshviz/launch/run/"  # + run: the first node whose workers entered that run (the agent's restart count)
 # what a worker's error says when it only lost its connection to a peer that failed elsewhere
 _LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Connection refused",
          "never reached the rendezvous", "DistNetworkError", "DistStoreError", "Timed out", "timed out")
@@ -102,6 +105,8 @@ class NodeLine:
         self._over = threading.Event()
         self._thread: threading.Thread | None = None
         self._run = 0  # the run this node said its workers are in
+        self._read = 0  # the records of _SAID read so far
+        self._said: dict[int, dict] = {}  # node -> the last record it said
         self._ending: tuple[int, float] | None = None  # (run, when to SIGKILL): this node's run, ended to follow
 
     def _call(self, op: str, *args):
@@ -116,35 +121,40 @@ class NodeLine:
                 self._store = connect_store(host, int(port), None, 2.0)
             return getattr(self._store, op)(*args)
 
-    def _read(self, key: str):
-        return json.loads(self._call("get", key)) if self._call("check", [key]) else None
-
-    def _say(self, key: str, value: dict) -> None:
+    def _say(self, value: dict) -> None:
         try:
-            self._call("set", key, json.dumps(value))
+            self._call("set", _RECORD + str(int(self._call("add", _SAID, 1))), json.dumps(value))
         except Exception:
             pass
 
     def say_stopped(self, rc) -> None:
         """Node 0: its roll-call found a wait nothing can end (``rc``); the job stops."""
-        self._say(_VERDICT, {"node": self.node, "lines": rc.blame()})
+        self._say({"node": self.node, "lines": rc.blame()})
 
     def say_failed(self, rank: int, what: str, lost: bool, when: float) -> None:
         """This node's worker ``rank`` failed first (``what``; ``lost``: it only lost its connection)."""
-        self._say(_FAILED + str(self.node), {"node": self.node, "rank": rank, "what": what[:500], "lost": lost,
-                                            "time": when})
+        self._say({"node": self.node, "rank": rank, "what": what[:500], "lost": lost, "time": when})
 
     def news(self) -> dict | None:
         """What another node said stopped the job: node 0's roll-call, else the worker of another node that failed
-        on its own first; None while nothing was said (or the store is gone)."""
+        on its own first; None while nothing was said (or the store is gone). One store call while nobody said
+        anything new, whatever the number of nodes."""
         try:
-            said = self._read(_VERDICT)
-            if said is not None and said["node"] != self.node:
-                return said
-            fails = [self._read(_FAILED + str(k)) for k in range(self.nnodes) if k != self.node]
+            said = int(self._call("add", _SAID, 0))
+            while self._read < said:
+                key = _RECORD + str(self._read + 1)
+                if not self._call("check", [key]):
+                    break  # counted, not written yet: read at the next look
+                record = json.loads(self._call("get", key))
+                self._said[record["node"]] = record
+                self._read += 1
         except Exception:
             return None
-        fails = [f for f in fails if f is not None and not f["lost"]]
+        others = [r for n, r in self._said.items() if n != self.node]
+        stopped = [r for r in others if "lines" in r]
+        if stopped:
+            return stopped[0]
+        fails = [r for r in others if not r["lost"]]
         return min(fails, key=lambda f: f["time"]) if fails else None
 
     def wait_news(self, timeout: float) -> dict | None:
@@ -163,20 +173,23 @@ class NodeLine:
         from .ending import grace
 
         mine = job.attempt
+        if self._ending is not None and self._ending[0] == mine:
+            if time.monotonic() > self._ending[1]:
+                job.end_run(mine, signal.SIGKILL)
+            return
         try:
-            if mine > self._run:
-                self._call("set", _RUN + str(self.node), str(mine))
-                self._run = mine
-            theirs = [(int(self._call("get", _RUN + str(k))), k) for k in range(self.nnodes)
-                      if k != self.node and self._call("check", [_RUN + str(k)])]
+            while self._run < mine:  # every run this node's workers entered, a short one the watch missed too
+                if int(self._call("add", f"{_RUN}{self._run + 1}/n", 1)) == 1:
+                    self._call("set", _RUN + str(self._run + 1), str(self.node))
+                self._run += 1
+            if not self._call("check", [_RUN + str(mine + 1)]):  # one look: is any node in the next run?
+                return
+            first = int(self._call("get", _RUN + str(mine + 1)))
         except Exception:
             return
-        ahead = max(theirs, default=(0, 0))
-        if self._ending is not None and self._ending[0] == mine and time.monotonic() > self._ending[1]:
-            job.end_run(mine, signal.SIGKILL)
-        elif ahead[0] > mine and (self._ending is None or self._ending[0] != mine) and job.end_run(mine):
+        if job.end_run(mine):
             self._ending = (mine, time.monotonic() + grace())
-            print(f"meshviz.launch: node {ahead[1]} restarted its workers (restart {ahead[0]}): the workers here "
+            print(f"meshviz.launch: node {first} restarted its workers (restart {mine + 1}): the workers here "
                   "were stopped to restart with them", file=sys.stderr, flush=True)
 
     def watch(self, runner) -> None:
@@ -243,9 +256,11 @@ def tell_nodes(line: NodeLine, job, first: int) -> dict | None:
 
 def rendezvous_failure(e, config) -> str:
     """What a rendezvous that timed out means: which node never arrived (node 0: the store never filled), or that
-    node 0's store never answered (the other nodes)."""
+    node 0's store never answered (the other nodes); or which settings the nodes were given differently."""
     import re
 
+    if type(e).__name__ == "SettingsDiffer":  # meshviz.launch.agreement's: its message says it all
+        return str(e)
     master, node, nnodes = config.rdzv_endpoint, config.rdzv_configs["rank"], config.min_nodes
     within = f"within {config.rdzv_configs['timeout']} s (MESHVIZ_RDZV_TIMEOUT)"
     if node != 0:
