@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import os
-import socket
+from ..runtime.closed import shut_sockets
 
 __all__ = ["broke_process_group", "close_peer_sockets"]
 
@@ -25,36 +24,6 @@ def broke_process_group(value: BaseException) -> bool:
 
 
 def close_peer_sockets(peer_pids) -> int:
-    """Shut down this process's TCP connections to the other ranks' processes (on this machine).
-
-    Aborting a gloo group does not close its sockets while anything (a user's dist tensor, a traceback) still
-    holds the group, and a rank blocked in a gloo collective waits for its peers' sockets; shutting them down
-    makes every pending collective on both ends fail at once. Returns how many were shut down.
-    """
-    if not peer_pids:
-        return 0
-    try:
-        import psutil
-
-        mine = [c for c in psutil.Process().net_connections("tcp") if c.raddr and c.fd not in (-1, None)]
-    except Exception:
-        return 0
-    theirs = set()  # the peers' own addresses, asked of each peer (not of every process: fast on a busy machine)
-    for pid in peer_pids:
-        try:
-            theirs.update((c.laddr.ip, c.laddr.port) for c in psutil.Process(pid).net_connections("tcp") if c.laddr)
-        except Exception:
-            continue
-    n = 0
-    for c in mine:
-        if (c.raddr.ip, c.raddr.port) in theirs:
-            try:
-                s = socket.socket(fileno=os.dup(c.fd))
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                    n += 1
-                finally:
-                    s.close()
-            except OSError:
-                pass
-    return n
+    """Shut down this process's TCP connections to the other ranks' processes (on this machine): every pending gloo
+    collective on both ends fails at once (:func:`meshviz.runtime.closed.shut_sockets`). Returns how many."""
+    return shut_sockets(peer_pids)

@@ -15,7 +15,7 @@ from .. import compat, trace
 from ..core.placements import ReduceType
 from ..core.traffic import received
 from ..trace.status import P2P_OPS
-from . import devices, rollcall
+from . import closed, devices, rollcall
 from .groups import Group, resolve
 from .match import CollectiveMismatch, check_match, checking
 
@@ -293,6 +293,8 @@ def membership(call: Call, g: Group, seq: int | None) -> bool:
                          f"a group; it cannot communicate)")
     for what, r in (call.peers or {}).items():
         check_peer(what, r, g.ranks)
+    if g.rank >= 0:
+        closed.check(call.op.value, g.ranks, g.ranks[g.rank])  # connections shut after a pipeline stage failed
     return g.rank >= 0
 
 

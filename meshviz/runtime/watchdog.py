@@ -17,6 +17,7 @@ import dataclasses
 import datetime
 import json
 import os
+import socket
 import sys
 import threading
 import time
@@ -25,7 +26,8 @@ from dataclasses import dataclass
 from ..trace.status import RankStatus, RollCall
 from . import rollcall
 
-__all__ = ["Ask", "RollCallHost", "start_rank_watch", "HANG_AFTER_ENV", "HOST_ENV", "PREFIX", "DEFAULT_HANG_AFTER"]
+__all__ = ["Ask", "RollCallHost", "start_rank_watch", "HANG_AFTER_ENV", "HOST_ENV", "PREFIX", "DEFAULT_HANG_AFTER",
+           "note_stage_failure", "stage_failures", "local_pids"]
 
 DEFAULT_HANG_AFTER = 5.0  # seconds, as a Cluster's
 HANG_AFTER_ENV = "MESHVIZ_HANG_AFTER"  # seconds; unset: no watchdog
@@ -91,6 +93,8 @@ class _RankWatch:
         self._announced: dict = {}  # collective -> how long this rank waits in it before it asks again
         self._stopped = False
         self._next = int(self._writer.add(_key("gen"), 0)) + 1
+        # where this rank runs: a failing pipeline stage shuts its sockets to its peers' processes (local_pids)
+        self._writer.set(_key("pid", rank), json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
         rollcall._state().fail_hooks.append(self._failed)
         rollcall._state().refuse_hooks.append(self._refused)
         threading.Thread(target=self._watch, name="meshviz-watchdog", daemon=True).start()
@@ -181,6 +185,54 @@ class _RankWatch:
 
 
 _watch: _RankWatch | None = None
+
+
+def note_stage_failure(text: str) -> bool:
+    """Record ``text`` (a failed pipeline stage's summary) as this rank's, where its peers read it
+    (:func:`stage_failures`); False without a watchdog."""
+    w = _watch
+    if w is None:
+        return False
+    try:
+        with w._lock:
+            w._writer.set(_key("stage", w.rank), text)
+        return True
+    except Exception:
+        return False
+
+
+def _read(kind: str, ranks) -> dict:
+    w = _watch
+    out: dict = {}
+    if w is None:
+        return out
+    try:
+        with w._lock:
+            for r in ranks:
+                if r != w.rank and w._writer.check([_key(kind, r)]):
+                    out[r] = w._writer.get(_key(kind, r)).decode()
+    except Exception:
+        pass
+    return out
+
+
+def stage_failures(ranks) -> dict[int, str]:
+    """rank -> the failed pipeline stage it recorded (:func:`note_stage_failure`), for those of ``ranks`` that did."""
+    return _read("stage", ranks)
+
+
+def local_pids(ranks) -> dict[int, int]:
+    """rank -> its process id, for those of ``ranks`` (this one left out) running on this machine."""
+    me = socket.gethostname()
+    out = {}
+    for r, text in _read("pid", ranks).items():
+        try:
+            d = json.loads(text)
+        except ValueError:
+            continue
+        if d.get("host") == me:
+            out[r] = int(d["pid"])
+    return out
 
 
 def start_rank_watch(rank: int, world: int) -> bool:

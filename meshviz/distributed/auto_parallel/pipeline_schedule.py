@@ -218,7 +218,9 @@ class Pipeline:
         except Exception as e:
             if train:  # no micro-batch's gradient of the failed call is carried into the next one
                 dm._optimizer.zero_grad()
-            failure.announce(e, self.stage)  # the stages waiting for this one's transfers stop now, naming it
+            err = failure.announce(e, self.stage)  # the stages waiting for this one's transfers stop now, naming it
+            if err is not e:  # a closed connection of a gloo rank process, as the failing stage it names
+                raise err from None
             raise
         if train:
             dm._update()

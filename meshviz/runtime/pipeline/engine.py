@@ -250,11 +250,15 @@ class PipelineEngine:
             if tdist.get_backend(self.group.process_group) == "threads":
                 for stage in stages:
                     drop_receive_buffers(stage)
-            err = failure.unwrapped(e)
-            failure.announce(err, self.stage_id)  # the stages waiting for this one's transfers stop now, naming it
+            err = self._failed(failure.unwrapped(e))
             if err is e:
                 raise
             raise err from None
+
+    def _failed(self, err: BaseException) -> BaseException:
+        """The error to raise for ``err`` out of this rank's stage; the stages waiting for this one's transfers
+        stop now, naming it (on gloo rank processes: this rank's connections to them are closed)."""
+        return failure.announce(err, self.stage_id, self.ranks)
 
     def _shape_key(self, inputs) -> int:
         """The first stage's input shapes as a number every stage of the pipe agrees on (one small broadcast): a
@@ -324,7 +328,13 @@ class PipelineEngine:
         self.end_step()
         if compute_loss:
             buf, task = self.reduce_loss(loss, per_micro)
-            task.wait()
+            try:
+                task.wait()
+            except Exception as e:
+                err = self._failed(e) if tdist.get_backend(self.group.process_group) == "gloo" else e
+                if err is e:
+                    raise
+                raise err from None
             return self.loss_value(buf, per_micro)
         last = [s for s in stages if s.is_last]
         if not last:
