@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from functools import lru_cache
 
 import numpy as np
 
@@ -68,13 +69,11 @@ def cross_moves(shape, src_mesh, pre, dst_mesh, want, pairs=(), pieces=False):
     vshape = tuple(shape) + tuple(src_mesh.shape[s] for s, _ in pairs)
     pre = _virtual(pre, [s for s, _ in pairs], ndim)
     want = _virtual(want, [t for _, t in pairs], ndim)
-    src_ids, dst_ids = np.asarray(src_mesh.process_ids), dst_mesh.ids
-    have = Layout(vshape, src_mesh, tuple(pre)).bounds()  # (source, dim, (start, stop)), in src_ids order
-    want = Layout(vshape, dst_mesh, tuple(want)).bounds()  # (target, dim, (start, stop)), in dst_mesh order
+    src_ids, dst_ids = src_mesh.ids.ravel(), dst_mesh.ids
+    have = _bounds(Layout(vshape, src_mesh, tuple(pre)))  # (source, dim, (start, stop)), in src_ids order
+    want = _bounds(Layout(vshape, dst_mesh, tuple(want)))  # (target, dim, (start, stop)), in dst_mesh order
     full = want[:, :, 1] > want[:, :, 0]  # an empty dim is a slice of any block
-    order = np.argsort(src_ids)
-    pos = np.minimum(np.searchsorted(src_ids, dst_ids, sorter=order), len(src_ids) - 1)
-    idx = np.where(src_ids[order[pos]] == dst_ids, order[pos], -1)  # target mesh coordinate -> its source index
+    idx = _own(src_mesh, dst_mesh)  # target mesh coordinate -> its source index
     pick = np.full(len(want), -1)
     for cand in _tries(idx, len(src_ids)):  # cand: a source index per target (-1: none)
         h = have[np.maximum(cand, 0)]
@@ -83,30 +82,150 @@ def cross_moves(shape, src_mesh, pre, dst_mesh, want, pairs=(), pieces=False):
         if (pick >= 0).all():
             break
     rest = np.flatnonzero(pick < 0)  # the first source that holds it, some targets at a time, replicas once
-    blocks, first = np.unique(have.reshape(len(have), -1), axis=0, return_index=True) if rest.size else (have, 0)
-    b, step = blocks.reshape(len(blocks), -1, 2)[None], max(1, (1 << 22) // max(1, blocks.size))
-    for js in (rest[at:at + step] for at in range(0, len(rest), step)):
-        held = np.all(~full[js, None] | ((b[..., 0] <= want[js, None, :, 0]) & (want[js, None, :, 1] <= b[..., 1])), 2)
-        if not held.any(axis=1).all() and not pieces:
+    if rest.size:
+        blocks, first, inv = _unique_rows(have.reshape(len(have), -1))
+    else:
+        blocks, first, inv = have, 0, None
+    b = blocks.reshape(len(blocks), -1, 2)[None]
+    if rest.size:
+        found = _first_holders(b[0], first, want[rest], full[rest])
+        if not pieces and (found < 0).any():
             return None
-        pick[js] = np.where(held, first[None, :], len(have)).min(axis=1)
+        pick[rest] = np.where(found >= 0, found, len(have))
     pick[pick >= len(have)] = -1  # (pieces: from several blocks)
     rel = np.where(full[:, :, None], want - have[pick][:, :, :1], 0)[:, :ndim]  # the summand dims are no slices
+    src_list, dst_list = src_ids.tolist(), dst_ids.ravel().tolist()
+    if (pick >= 0).all():  # (every target from one source block)
+        return tuple(zip(map(src_list.__getitem__, pick.tolist()), dst_list)), _slices(rel)
+    split = _pieces(b[0], have, first, inv, want, (pick < 0) & full.all(axis=1), src_ids, dst_ids.ravel(), idx, ndim)
+    src_at = set(src_list)
+    empty = ((0, 0),) * ndim
     pairs_, rels = [], []
-    for j, (p, t) in enumerate(zip(pick.tolist(), dst_ids.ravel().tolist())):
-        if p >= 0 or not full[j].all():  # (an empty block: an empty piece of any source, its own where it is one)
-            pairs_.append((int(src_ids[p]) if p >= 0 else t if t in src_ids else int(src_ids[0]), t))
-            rels.append(tuple(map(tuple, rel[j].tolist())) if p >= 0 else ((0, 0),) * ndim)
-            continue
-        for u in range(len(blocks)):  # each distinct source block's part of the target's block: the target's own
-            lo = np.maximum(b[0, u, :, 0], want[j, :, 0])  # copy where it holds one, else the first holder's
-            hi = np.minimum(b[0, u, :, 1], want[j, :, 1])
-            if (hi > lo).all():
-                mine = np.flatnonzero((src_ids == t) & np.all(have == b[0, u], axis=(1, 2)))
-                src = int(mine[0]) if mine.size else int(first[u])
-                pairs_.append((int(src_ids[src]), t))
-                rels.append(tuple(zip((lo - have[src, :, 0])[:ndim].tolist(), (hi - have[src, :, 0])[:ndim].tolist())))
+    for j, (p, t, r) in enumerate(zip(pick.tolist(), dst_list, _slices(rel))):
+        if j in split:  # from several source blocks
+            pairs_ += split[j][0]
+            rels += split[j][1]
+        else:  # (an empty block: an empty piece of any source, its own where it is one)
+            pairs_.append((src_list[p] if p >= 0 else t if t in src_at else src_list[0], t))
+            rels.append(r if p >= 0 else empty)
     return tuple(pairs_), tuple(rels)
+
+
+def _pieces(blocks, have, first, inv, want, split, src_ids, dst_ids, idx, ndim) -> dict:
+    """target index -> ((src, dst) pairs, slices) for each target of ``split`` (whose block no single source block
+    holds): the part of each distinct source block it needs, in block order, sent by the target itself where it holds
+    that block, else by the block's first holder."""
+    js = np.flatnonzero(split)
+    if not js.size:
+        return {}
+    lo = np.maximum(blocks[None, :, :, 0], want[js, None, :, 0])
+    hi = np.minimum(blocks[None, :, :, 1], want[js, None, :, 1])
+    jj, uu = np.nonzero((hi > lo).all(axis=2))
+    own = idx.ravel()[js][jj]  # the target's own source index, or -1
+    src = np.where((own >= 0) & (inv[np.maximum(own, 0)] == uu), own, first[uu])
+    rels = _slices(np.stack([lo[jj, uu], hi[jj, uu]], axis=2)[:, :ndim] - have[src, :ndim, :1])
+    pairs = list(zip(src_ids[src].tolist(), dst_ids[js][jj].tolist()))
+    ends = np.searchsorted(jj, np.arange(len(js) + 1)).tolist()  # (jj ascends: each target's pieces in a run)
+    return {j: (pairs[a:b], list(rels[a:b])) for j, a, b in zip(js.tolist(), ends, ends[1:])}
+
+
+def _slices(rows: np.ndarray) -> tuple:
+    """``rows`` (n, dim, (start, stop)) as a tuple of n tuples of (start, stop) pairs, each distinct row made once."""
+    n = len(rows)
+    if not n or not rows.shape[1]:
+        return ((),) * n
+    if n <= 64:  # (sorting out the distinct rows pays on larger meshes)
+        return tuple(tuple(map(tuple, r)) for r in rows.tolist())
+    uniq, _, inv = _unique_rows(rows.reshape(n, -1))
+    made = [tuple(map(tuple, r)) for r in uniq.reshape(len(uniq), -1, 2).tolist()]
+    return tuple(map(made.__getitem__, inv.tolist()))
+
+
+def _unique_rows(rows: np.ndarray):
+    """``np.unique(rows, axis=0, return_index=True, return_inverse=True)`` (the distinct rows in order, each one's
+    first index, each row's distinct one) by a stable lexsort, a few times faster than unique's sort of rows."""
+    n = len(rows)
+    if not rows.shape[1]:
+        return rows[:1], np.zeros(min(n, 1), dtype=np.intp), np.zeros(n, dtype=np.intp)
+    order = np.lexsort(rows.T[::-1])
+    ranked = rows[order]
+    new = np.ones(n, dtype=bool)
+    new[1:] = (ranked[1:] != ranked[:-1]).any(axis=1)
+    inv = np.empty(n, dtype=np.intp)
+    inv[order] = np.cumsum(new) - 1
+    return ranked[new], order[new], inv
+
+
+@lru_cache(maxsize=16)
+def _own(src_mesh, dst_mesh) -> np.ndarray:
+    """Each target's index among the source's ranks (mesh order), -1 where it is none of them; the target's shape."""
+    src_ids, dst_ids = src_mesh.ids.ravel(), dst_mesh.ids
+    order = np.argsort(src_ids)
+    pos = np.minimum(np.searchsorted(src_ids, dst_ids, sorter=order), len(src_ids) - 1)
+    out = np.where(src_ids[order[pos]] == dst_ids, order[pos], -1)
+    out.setflags(write=False)
+    return out
+
+
+def _bounds(layout: Layout) -> np.ndarray:
+    """:meth:`~meshviz.core.layout.Layout.bounds`, read-only; kept for meshes of up to 4,096 ranks (the choices of
+    one plan share their layouts)."""
+    return _kept_bounds(layout) if layout.mesh.size <= 4096 else layout.bounds()
+
+
+@lru_cache(maxsize=32)
+def _kept_bounds(layout: Layout) -> np.ndarray:
+    out = layout.bounds()
+    out.setflags(write=False)
+    return out
+
+
+def _first_holders(blocks, first, want, full) -> np.ndarray:
+    """For each target (``want``: target, dim, (start, stop); ``full``: the dim is not empty), the least of ``first``
+    over the distinct ``blocks`` (block, dim, (start, stop)) that hold its block, -1 where none does. The blocks are
+    every choice of one chunk per dim (a mesh axis shards one dim) and a dim's non-empty chunks tile it, so a target's
+    dim lies in at most one of them: a lookup per dim, not a table of targets by blocks."""
+    axes = []  # per dim: its chunks, each block's chunk, each target's chunk (-1: none)
+    for d in range(blocks.shape[1]):
+        chunks, _, iv = _unique_rows(blocks[:, d])
+        solid = np.flatnonzero(chunks[:, 1] > chunks[:, 0])
+        starts, stops = chunks[solid, 0], chunks[solid, 1]
+        if (starts[1:] < stops[:-1]).any():  # pragma: no cover - chunks of a nested split never overlap
+            return _first_holders_by_table(blocks, first, want, full)
+        k = np.searchsorted(starts, want[:, d, 0], side="right") - 1  # the last chunk starting at or before it
+        mine = np.full(len(want), -1)
+        if len(solid):
+            inside = (k >= 0) & (want[:, d, 1] <= stops[np.maximum(k, 0)])
+            mine[inside] = solid[k[inside]]
+        axes.append((len(chunks), iv, mine))
+    sizes = [n for n, _, _ in axes]
+    if int(np.prod(sizes, dtype=np.int64)) != len(blocks):  # pragma: no cover - see above
+        return _first_holders_by_table(blocks, first, want, full)
+    flat = np.empty(len(blocks), dtype=np.int64)
+    flat[np.ravel_multi_index([iv for _, iv, _ in axes], sizes) if axes else np.zeros(len(blocks), int)] = first
+    table = flat.reshape(sizes)
+    out = np.full(len(want), -1, dtype=np.int64)
+    code = (full << np.arange(len(axes), dtype=np.int64)).sum(axis=1)  # which dims are not empty, as bits
+    for c in sorted(set(code.tolist())):  # targets with the same empty dims: any chunk holds those
+        rows, kind = np.flatnonzero(code == c), [bool(c >> d & 1) for d in range(len(axes))]
+        free = tuple(d for d in range(len(axes)) if not kind[d])
+        least = table.min(axis=free) if free else table
+        at = [axes[d][2][rows] for d in range(len(axes)) if kind[d]]
+        held = np.all([a >= 0 for a in at], axis=0) if at else np.ones(len(rows), dtype=bool)
+        out[rows[held]] = least[tuple(a[held] for a in at)] if at else least
+    return out
+
+
+def _first_holders_by_table(blocks, first, want, full) -> np.ndarray:
+    """:func:`_first_holders` by a table of targets by blocks, some targets at a time."""
+    out = np.full(len(want), -1, dtype=np.int64)
+    step = max(1, (1 << 22) // max(1, blocks.size))
+    for at in range(0, len(want), step):
+        w, f = want[at:at + step, None], full[at:at + step, None]
+        held = np.all(~f | ((blocks[None, :, :, 0] <= w[..., 0]) & (w[..., 1] <= blocks[None, :, :, 1])), axis=2)
+        least = np.where(held, first[None, :], np.iinfo(np.int64).max).min(axis=1)
+        out[at:at + step] = np.where(held.any(axis=1), least, -1)
+    return out
 
 
 def landing(step, j) -> tuple:

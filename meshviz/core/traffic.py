@@ -76,10 +76,6 @@ def received(op: str, sizes: Sizes, k: int, me: int, root: int | None = None) ->
     return 0
 
 
-def _numel(shape) -> int:
-    return int(np.prod(shape, dtype=np.int64)) if len(shape) else 1
-
-
 def _chunk_len(length, k: int, i):
     """Length of chunk ``i`` of ``length`` items split ``k`` ways (:func:`~meshviz.core.layout.chunk`), elementwise."""
     size = -(-length // k)
@@ -146,16 +142,20 @@ def _send_recv_table(step) -> dict:
     hit = _SENT.get(id(step))
     if hit is not None and hit[0] is step:
         return hit[1]
-    numel = None
-    if step.blocks is None:
-        numel = _product(_lengths(step.shape, step.target_mesh, step.after), step.target_mesh)
-    got: dict = {}
-    for j, (s, t) in enumerate(step.groups):
-        if s != t:
-            if numel is None:
-                n = _numel([b - a for a, b in step.blocks[j]])
-            else:
-                n = int(numel[step.target_mesh.coordinate(t)])
+    moved = [j for j, (s, t) in enumerate(step.groups) if s != t]  # (a local copy receives nothing)
+    to = [step.groups[j][1] for j in moved]
+    if step.blocks is None:  # whole blocks: each target's, at its place in the target mesh
+        at = {r: i for i, r in enumerate(step.target_mesh.process_ids)}
+        numel = _product(_lengths(step.shape, step.target_mesh, step.after), step.target_mesh).ravel()
+        counts = numel[[at[t] for t in to]].tolist() if to else []
+    else:  # each pair's slice (an empty shape: one element)
+        sizes = np.asarray([step.blocks[j] for j in moved], dtype=np.int64).reshape(len(to), len(step.shape), 2)
+        counts = np.prod(sizes[..., 1] - sizes[..., 0], axis=1, dtype=np.int64).tolist()
+    if len(set(to)) == len(to):  # (each target from one source)
+        got: dict = dict(zip(to, counts))
+    else:
+        got = {}
+        for t, n in zip(to, counts):
             got[t] = got.get(t, 0) + n
     if len(_SENT) >= 256:
         _SENT.clear()
