@@ -201,19 +201,26 @@ def note_stage_failure(text: str) -> bool:
         return False
 
 
-def _read(kind: str, ranks) -> dict:
-    w = _watch
-    out: dict = {}
-    if w is None:
-        return out
+def _records(store, kind: str, ranks) -> dict:
+    """rank -> the record it left under ``kind`` on ``store``, for those of ``ranks`` that left one (those read
+    before the store failed, if it does)."""
+    out = {}
     try:
-        with w._lock:
-            for r in ranks:
-                if r != w.rank and w._writer.check([_key(kind, r)]):
-                    out[r] = w._writer.get(_key(kind, r)).decode()
+        for r in ranks:
+            if store.check([_key(kind, r)]):
+                out[r] = store.get(_key(kind, r))
     except Exception:
         pass
     return out
+
+
+def _read(kind: str, ranks) -> dict:
+    w = _watch
+    if w is None:
+        return {}
+    with w._lock:
+        left = _records(w._writer, kind, [r for r in ranks if r != w.rank])
+    return {r: v.decode() for r, v in left.items()}
 
 
 def stage_failures(ranks) -> dict[int, str]:
@@ -404,10 +411,8 @@ class RollCallHost:
         """rank -> the status it left under ``kind`` ("failed", "refused"), for the ranks that left one."""
         out = {}
         try:
-            store = self._store()
-            for r in range(self.world):
-                if store.check([_key(kind, r)]):
-                    out[r] = RankStatus.from_dict(json.loads(store.get(_key(kind, r))))
+            for r, record in _records(self._store(), kind, range(self.world)).items():
+                out[r] = RankStatus.from_dict(json.loads(record))
         except Exception:
             pass
         return out
