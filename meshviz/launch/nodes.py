@@ -121,11 +121,19 @@ class NodeLine:
                 self._store = connect_store(host, int(port), None, 2.0)
             return getattr(self._store, op)(*args)
 
-    def _say(self, value: dict) -> None:
+    def _set(self, key: str, value: dict) -> None:
         try:
-            self._call("set", _RECORD + str(int(self._call("add", _SAID, 1))), json.dumps(value))
+            self._call("set", key, json.dumps(value))
         except Exception:
             pass
+
+    def _say(self, value: dict) -> None:
+        """Add ``value`` to what the nodes said stopped the job (the records numbered by ``_SAID``)."""
+        try:
+            at = int(self._call("add", _SAID, 1))
+        except Exception:
+            return
+        self._set(_RECORD + str(at), value)
 
     def say_stopped(self, rc) -> None:
         """Node 0: its roll-call found a wait nothing can end (``rc``); the job stops."""
@@ -216,7 +224,7 @@ class NodeLine:
             self._thread.join(5.0)
         if self.node != 0:
             if failed:
-                self._say(_DONE + str(self.node), {})
+                self._set(_DONE + str(self.node), {})
             return
         end = time.monotonic() + timeout
         keys = [_DONE + str(k) for k in range(1, self.nnodes)]

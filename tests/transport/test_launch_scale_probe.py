@@ -176,3 +176,22 @@ def test_three_nodes_one_with_another_max_restart_all_refuse_naming_every_nodes_
             "node 0 has 0, node 1 has 0, node 2 has 2 (no worker was started)")
     assert errors == {0: want, 1: want, 2: want}
     assert _agree_all(lambda k: {"--nnodes": 3, "--max_restart": 1, "--job_id": "j"}) == {}
+
+
+@pytest.mark.timeout(30)
+def test_a_node_done_with_a_failed_job_says_so_and_node_0_stops_waiting_for_it():
+    import time
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    server = TCPStore(rendezvous.LOOPBACK, 0, None, True, timeout=timedelta(seconds=10), wait_for_workers=False)
+    try:
+        node1, node0 = _line(server, 2, 1), _line(server, 2, 0)
+        node1.finish(failed=True)  # it read what stopped the job: node 0 need not serve its store for it any more
+        assert node0._store.check(["meshviz/launch/done/1"])
+        t0 = time.monotonic()
+        node0.finish(failed=True, timeout=5.0)
+        assert time.monotonic() - t0 < 1.0
+    finally:
+        del server
