@@ -8,6 +8,7 @@ import os
 import signal
 import sys
 import threading
+import time
 
 from ..errors import RankError, RankOutcome
 from ..ranks.outcomes import error_of, exit_text
@@ -180,6 +181,21 @@ def _reported_at(failure, log_dir: str | None = None) -> float:
     return -1.0
 
 
+def _polled_barrier(store, world_size: int, key_prefix: str, barrier_timeout: float = 300, **_) -> None:
+    """torch's barrier of the agents (its keys), waiting in Python: torch's waits in one C++ call, which a SIGTERM
+    or SIGINT does not end (its handler runs once the wait is over), so a node whose workers were done sat out the
+    exit barrier's 300 s when another node's worker failed, deaf to what the other nodes said."""
+    from torch.distributed import DistStoreError
+    from torch.distributed.elastic.utils.store import _barrier_nonblocking
+
+    last = _barrier_nonblocking(store=store, world_size=world_size, key_prefix=key_prefix)
+    end = time.monotonic() + barrier_timeout
+    while not store.check([last]):
+        if time.monotonic() > end:
+            raise DistStoreError(f"the agents' barrier {key_prefix!r} timed out after {barrier_timeout:g} s")
+        time.sleep(0.2)
+
+
 @contextlib.contextmanager
 def _watched(job: TorchrunJob, ending: Ending, before=None):
     """While the agent runs: ``before()`` called after each rendezvous, before the agent assigns the ranks (it may
@@ -187,8 +203,9 @@ def _watched(job: TorchrunJob, ending: Ending, before=None):
     which exited), the workers told the launcher's pid when it starts them from its main thread (they end with
     it), and the agent's own ending of the workers once one failed given the grace of :class:`Ending` (torch waits
     30 s for a worker that ignores SIGTERM), what a failed worker started ended with the others
-    (:func:`end_leftovers`)."""
+    (:func:`end_leftovers`), and its exit barrier waited out where a signal can end it (:func:`_polled_barrier`)."""
     from torch.distributed.elastic.agent.server import local_elastic_agent as agent
+    from torch.distributed.elastic.utils import store as store_util
 
     real = agent.start_processes
 
@@ -218,13 +235,24 @@ def _watched(job: TorchrunJob, ending: Ending, before=None):
             before()
         return assign(self, *args, **kwargs)
 
+    exit_barrier, barrier = agent.SimpleElasticAgent._exit_barrier, store_util.barrier
+
+    def exit_barrier_polled(self, *args, **kwargs):
+        store_util.barrier = _polled_barrier
+        try:
+            return exit_barrier(self, *args, **kwargs)
+        finally:
+            store_util.barrier = barrier
+
     agent.start_processes = start_processes
     agent.SimpleElasticAgent._assign_worker_ranks = assign_agreed
+    agent.SimpleElasticAgent._exit_barrier = exit_barrier_polled
     try:
         yield
     finally:
         agent.start_processes = real
         agent.SimpleElasticAgent._assign_worker_ranks = assign
+        agent.SimpleElasticAgent._exit_barrier = exit_barrier
 
 
 class Torchrun:
@@ -264,7 +292,7 @@ class Torchrun:
         job = self.job = TorchrunJob(self.ranks)
         main = threading.current_thread() is threading.main_thread()
         handlers = {s: signal.getsignal(s) for s in _AGENT_SIGNALS} if main else {}
-        ending = Ending(grace())
+        ending = Ending(grace(), idle=lambda: job.workers is None, leave=self._leave)
         if main and getattr(self.config, "shutdown_timeout", None) is not None:  # torch's own kill after ending's
             self.config.shutdown_timeout = int(ending.grace_s) + 10
         try:
@@ -284,6 +312,16 @@ class Torchrun:
                 signal.signal(s, handler)
             job._done.set()
         return job
+
+    def _leave(self, name: str) -> None:
+        """End this process (from :class:`Ending`'s thread): signal ``name`` came while no worker had started, and
+        the agent waits in torch's rendezvous, deaf to it until the rendezvous timeout."""
+        import shutil
+
+        print(f"meshviz.launch: {name}: stopped while waiting at the rendezvous at {self.config.rdzv_endpoint} "
+              "(no worker had started)", file=sys.stderr, flush=True)
+        shutil.rmtree(getattr(getattr(self.config, "logs_specs", None), "raw_dir", None) or "", ignore_errors=True)
+        os._exit(signal.Signals[name].value)
 
     def _agree(self) -> None:
         """At the first rendezvous of several nodes: refuse settings they were given differently (agreement.agree)."""

@@ -9,6 +9,7 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Callable
 
 __all__ = ["Ending", "end_leftovers", "grace", "leftovers"]
 
@@ -79,10 +80,17 @@ class Ending:
     later, or at once at a second signal (Paddle's launch ends them so too), are killed with their process groups
     (what they started goes too). So too while the agent ends the workers on its own (:meth:`graced`: one failed),
     and what the ended workers left running (:meth:`end_leftovers`). ``killed``: global rank -> when it was killed
-    ("after 30 s", "at a second signal"); ``left_killed``: the same for what a worker left running."""
+    ("after 30 s", "at a second signal"); ``left_killed``: the same for what a worker left running.
 
-    def __init__(self, grace_s: float):
+    A signal while ``idle()`` (no worker has started) that the agent has not acted on within a second (it waits
+    inside a C++ call, as torch's rendezvous waits for the other nodes, where the signal's handler runs only once
+    the wait is over: up to the rendezvous timeout) calls ``leave(name)``, which ends this process."""
+
+    def __init__(self, grace_s: float, idle: Callable[[], bool] | None = None,
+                 leave: Callable[[str], None] | None = None):
         self.grace_s = grace_s
+        self._idle, self._leave = idle, leave
+        self._unheard: tuple[float, str] | None = None  # (when, name): a signal that came while idle
         self.killed: dict[int, str] = {}
         self.left_killed: dict[int, str] = {}
         self._kills: list[str] = []  # when the thread killed (it kills the workers; the caller, their leftovers)
@@ -166,6 +174,11 @@ class Ending:
                             self._got += 1
                             if self._since is None:
                                 self._since, self.first = time.monotonic(), _SIGNALS[b]
+                        if self._unheard is None and self._idle is not None and self._idle():
+                            self._unheard = (time.monotonic(), _SIGNALS[b])
+            if self._unheard is not None and time.monotonic() > self._unheard[0] + 1.0 and self._idle() \
+                    and not self._stopped.is_set() and self._leave is not None:
+                self._leave(self._unheard[1])
             with self._lock:
                 got, since = self._got, self._since
             if since is not None and (got > 1 or time.monotonic() >= since + self.grace_s):

@@ -370,8 +370,8 @@ def launch(argv=None) -> int:
             return leavers.report(args)
         if hung:
             return _report_hang(args, hung[0])
-        if job.interrupted is not None and line is not None and line.heard is not None:
-            print("meshviz.launch: " + "\nmeshviz.launch: ".join(line.text(line.heard)), file=sys.stderr)
+        if line is not None and line.heard is not None and (job.interrupted is not None or job.exception is None):
+            print("meshviz.launch: " + "\nmeshviz.launch: ".join(line.text(line.heard, job)), file=sys.stderr)
             return 1
         if job.interrupted is not None:
             print(f"meshviz.launch: {job.interrupted}: the workers were stopped{job.killed_text()}", file=sys.stderr)

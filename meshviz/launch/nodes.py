@@ -236,13 +236,17 @@ class NodeLine:
                 return
             time.sleep(0.1)
 
-    def text(self, news: dict) -> list[str]:
-        """What to print of ``news`` on this node."""
+    def text(self, news: dict, job=None) -> list[str]:
+        """What to print of ``news`` on this node (whose ``job`` may have ended well before the news came)."""
+        done = job is not None and len(job.exited_well()[1]) == len(job.ranks)
         if "lines" in news:
+            here = "the workers here had finished" if done else "the workers here were stopped"
             return [*news["lines"], f"node {news['node']} stopped the job at the roll-call: nothing could end that "
-                    "wait; the workers here were stopped"]
+                    f"wait; {here}"]
+        here = "the workers here had finished theirs" if done else \
+            "the workers here stopped or lost their connection because of it"
         return [f"the worker with global rank {news['rank']} (node {news['node']}) failed first: {news['what']}; "
-                "the workers here stopped or lost their connection because of it"]
+                f"{here}"]
 
 
 def tell_nodes(line: NodeLine, job, first: int) -> dict | None:

@@ -289,6 +289,29 @@ class ParallelEnv:
     nranks = world_size
 
 
+def _wait_for_peers() -> None:
+    """torch's own barrier (not one recorded in the roll-call: ranks.patches), waited on from a thread: gloo's
+    wait is one C++ call, in which a SIGINT to the process is handled only once the wait is over."""
+    barrier = getattr(tdist.barrier, "__wrapped__", tdist.barrier)
+    over = threading.Event()
+    # a thread's CUDA device is its own (0 when new): NCCL's barrier runs on the rank's
+    cuda = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+
+    def wait() -> None:
+        try:
+            if cuda is not None:
+                torch.cuda.set_device(cuda)
+            barrier()
+        except Exception:
+            pass
+        finally:
+            over.set()
+
+    threading.Thread(target=wait, name="meshviz-exit", daemon=True).start()
+    while not over.wait(0.2):
+        pass
+
+
 def exit_quietly(code: int = 0, note: str = "its function returned") -> None:
     """End a rank process once its work is done: wait for the peers, flush, and leave without interpreter
     teardown, where torch's gloo/DDP threads can abort the process ("terminate called without an active
@@ -298,8 +321,9 @@ def exit_quietly(code: int = 0, note: str = "its function returned") -> None:
     rollcall.current().finish(note)
     try:
         if tdist.is_initialized() and tdist.get_world_size() > 1:
-            # torch's own barrier, not one recorded in the roll-call (ranks.patches): this rank is done
-            getattr(tdist.barrier, "__wrapped__", tdist.barrier)()
+            _wait_for_peers()
+    except KeyboardInterrupt:  # Ctrl-C (a launcher passes its SIGINT on) while it waited: it ends now
+        code = 130
     except Exception:
         pass
     for stream in (sys.stdout, sys.stderr):

@@ -241,6 +241,32 @@ def test_ctrl_c_stops_every_worker_and_says_so(tmp_path):
     assert time.monotonic() - t < 10  # the workers were stopped, not waited for (they sleep 60 s)
 
 
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("node", [0, 1])
+def test_ctrl_c_while_the_other_node_is_awaited_ends_the_launcher_at_once(tmp_path, node):
+    # one node of two started alone: node 0 serves the rendezvous, node 1 tries to reach it; torch's rendezvous
+    # waits in C++, where the SIGINT was handled only at the rendezvous timeout (900 s by default, 60 s here)
+    import signal
+    import time
+
+    (tmp_path / "sleeps.py").write_text(STARTS_THEN_SLEEPS)
+    master = f"127.0.0.1:{free_port()}"
+    p = _launch(["--nnodes", "2", "--master", master, "--rank", str(node), "--log_dir", str(tmp_path / "log"),
+                 "sleeps.py"], cwd=str(tmp_path), wait=False, STARTED=str(tmp_path / "started"))
+    for line in p.stdout:  # the banner's last line comes just before the agent starts
+        if line.startswith("-----") and "Configuration" not in line:
+            break
+    time.sleep(2.0)
+    t = time.monotonic()
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=30)
+    assert p.returncode == signal.SIGINT, (p.returncode, err[-2000:])
+    assert f"meshviz.launch: SIGINT: stopped while waiting at the rendezvous at {master} (no worker had started)" \
+        in err, err[-2000:]
+    assert time.monotonic() - t < 10
+
 TORCHRUN_INTERRUPTED = textwrap.dedent("""
     import importlib, json, os, signal, sys, threading
     from meshviz.launch.agent import Torchrun

@@ -88,7 +88,7 @@ def test_spawn_names_the_rank_that_returned_when_the_timeout_comes_before_the_ro
 # -- two nodes of meshviz.launch on this machine: the node whose workers only lost their connection says why ---------
 
 NODE_SCRIPT = textwrap.dedent("""
-    import os, signal, torch
+    import os, signal, time, torch
     import meshviz.distributed as dist
     dist.init_parallel_env()
     r, bad, how = dist.get_rank(), int(os.environ["BAD"]), os.environ["HOW"]
@@ -96,12 +96,19 @@ NODE_SCRIPT = textwrap.dedent("""
         raise ValueError("failing on purpose")
     if r == bad and how == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
-    if r != bad:  # how == "skip": the bad rank's script ends without entering the all_reduce
+    if r != bad or how in ("late", "slow"):  # how == "skip": the bad rank's script ends without entering it
         dist.all_reduce(torch.ones(1))
+    if r == bad and how == "late":
+        time.sleep(1)  # the other node's workers are done by then: its agent waits in torch's exit barrier
+        raise ValueError("failing after the collectives")
+    if r == bad and how == "slow":
+        time.sleep(60)
+    if r == 0:
+        open("done0", "w").close()
 """)
 
 
-def _two_nodes(tmp_path, bad, how, nproc=1):
+def _two_nodes(tmp_path, bad, how, nproc=1, then=None):
     (tmp_path / "s.py").write_text(NODE_SCRIPT)
     port = free_port()
     env = {**os.environ, "MESHVIZ_RDZV_TIMEOUT": "60", "MESHVIZ_TIMEOUT": "600", "BAD": str(bad), "HOW": how}
@@ -111,6 +118,8 @@ def _two_nodes(tmp_path, bad, how, nproc=1):
                                "cpu", "--hang_after", "0.5", "--log_dir", f"log{node}", "s.py"], cwd=str(tmp_path),
                               env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE) for node in (0, 1)]
     try:
+        if then is not None:
+            then(procs, t0)
         errs = [p.communicate(timeout=100)[1] for p in procs]
     finally:
         for p in procs:
@@ -145,3 +154,41 @@ def test_the_other_node_names_the_worker_that_failed_not_its_own(tmp_path, bad, 
     assert line in errs[there], errs[there][-2000:]
     assert codes[there] == 1 and codes[here] != 0, codes
     assert took < 90, took
+
+
+@pytest.mark.launch
+@pytest.mark.timeout(150)
+def test_a_node_whose_workers_finished_hears_that_a_worker_of_another_node_failed_after_them(tmp_path):
+    # rank 0 (node 0) finished; rank 1 (node 1) raised a second later: node 0's agent sat in torch's exit barrier,
+    # a C++ wait its SIGTERM could not end, for the barrier's 300 s; now it says why within seconds
+    codes, (err0, err1), took = _two_nodes(tmp_path, 1, "late")
+    line = ("meshviz.launch: the worker with global rank 1 (node 1) failed first: ValueError: failing after the "
+            "collectives; the workers here had finished theirs")
+    assert line in err0, err0[-2000:]
+    assert codes == [1, 1], (codes, err0[-2000:], err1[-2000:])
+    assert "the worker with global rank 1 failed" in err1, err1[-2000:]
+    assert took < 60, took
+
+
+@pytest.mark.launch
+@pytest.mark.timeout(150)
+def test_a_node_waiting_for_the_others_at_the_end_stops_on_sigint(tmp_path):
+    # Ctrl-C on node 0 while its worker, done, waits for node 1's: the agent passes the SIGINT on to the worker,
+    # which heard it inside gloo's barrier (a C++ wait) only when that was over: it was killed after the 30 s grace
+    took = []
+
+    def interrupt(procs, t0):
+        while not (tmp_path / "done0").exists():
+            assert time.monotonic() - t0 < 60 and procs[0].poll() is None, "rank 0 never finished"
+            time.sleep(0.1)
+        time.sleep(1.0)  # it waits for rank 1 at its end
+        procs[0].send_signal(signal.SIGINT)
+        t1 = time.monotonic()
+        procs[0].wait(timeout=30)
+        took.append(time.monotonic() - t1)
+        procs[1].kill()
+
+    codes, (err0, _), _ = _two_nodes(tmp_path, 1, "slow", then=interrupt)
+    assert codes[0] == signal.SIGINT, (codes, err0[-2000:])
+    assert "meshviz.launch: SIGINT: the workers were stopped" in err0, err0[-2000:]
+    assert took[0] < 10, took
