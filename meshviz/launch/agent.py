@@ -186,9 +186,9 @@ def _polled_barrier(store, world_size: int, key_prefix: str, barrier_timeout: fl
     or SIGINT does not end (its handler runs once the wait is over), so a node whose workers were done sat out the
     exit barrier's 300 s when another node's worker failed, deaf to what the other nodes said."""
     from torch.distributed import DistStoreError
-    from torch.distributed.elastic.utils.store import _barrier_nonblocking
+    from torch.distributed.elastic.utils import store as store_util
 
-    last = _barrier_nonblocking(store=store, world_size=world_size, key_prefix=key_prefix)
+    last = store_util._barrier_nonblocking(store=store, world_size=world_size, key_prefix=key_prefix)
     end = time.monotonic() + barrier_timeout
     while not store.check([last]):
         if time.monotonic() > end:
