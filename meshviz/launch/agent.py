@@ -260,13 +260,15 @@ class Torchrun:
     ``n`` workers. One-shot: ``submit(args)`` runs ``entrypoint args...`` on every worker, in the calling thread
     (the agent's signal handlers are the main thread's) until every worker ended, and returns the finished job.
     ``interrupt()``, from another thread while that runs, is a SIGINT to this process: the agent stops every
-    worker."""
+    worker. ``leave``: the process is the launcher's own, which a signal torch's rendezvous cannot hear (it waits
+    in C++) ends within a second; elsewhere (a notebook's kernel) the wait goes on to the rendezvous timeout."""
 
     kind = "torchrun"
 
-    def __init__(self, config, entrypoint: str = sys.executable):
+    def __init__(self, config, entrypoint: str = sys.executable, leave: bool = False):
         self.config = config
         self.entrypoint = entrypoint
+        self.leave = leave  # the launcher's own process: a signal its rendezvous cannot hear ends it (_leave)
         self.n = config.nproc_per_node
         node = config.rdzv_configs["rank"]
         self.ranks = [node * self.n + i for i in range(self.n)]
@@ -292,7 +294,7 @@ class Torchrun:
         job = self.job = TorchrunJob(self.ranks)
         main = threading.current_thread() is threading.main_thread()
         handlers = {s: signal.getsignal(s) for s in _AGENT_SIGNALS} if main else {}
-        ending = Ending(grace(), idle=lambda: job.workers is None, leave=self._leave)
+        ending = Ending(grace(), idle=lambda: job.workers is None, leave=self._leave if self.leave else None)
         if main and getattr(self.config, "shutdown_timeout", None) is not None:  # torch's own kill after ending's
             self.config.shutdown_timeout = int(ending.grace_s) + 10
         try:

@@ -174,10 +174,11 @@ class Ending:
                             self._got += 1
                             if self._since is None:
                                 self._since, self.first = time.monotonic(), _SIGNALS[b]
-                        if self._unheard is None and self._idle is not None and self._idle():
+                        if self._unheard is None and self._leave is not None and self._idle is not None \
+                                and self._idle():
                             self._unheard = (time.monotonic(), _SIGNALS[b])
             if self._unheard is not None and time.monotonic() > self._unheard[0] + 1.0 and self._idle() \
-                    and not self._stopped.is_set() and self._leave is not None:
+                    and not self._stopped.is_set():
                 self._leave(self._unheard[1])
             with self._lock:
                 got, since = self._got, self._since

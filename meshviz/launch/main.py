@@ -349,7 +349,7 @@ def launch(argv=None) -> int:
         print(f"meshviz.launch: {plan.notice}", file=sys.stderr, flush=True)
     os.environ.update(env)
     logs = LogCopier(config.logs_specs.raw_dir, args.log_dir, plan.n, args.log_overwrite).start()
-    runner = Torchrun(config, entrypoint=sys.executable)
+    runner = Torchrun(config, entrypoint=sys.executable, leave=True)
     host = _rollcall_host(args, config, runner)
     line = _node_line(config, runner)
     hung, over = _stop_when_hung(host, runner, line) if host is not None else ([], None)
