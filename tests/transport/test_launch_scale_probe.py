@@ -195,3 +195,26 @@ def test_a_node_done_with_a_failed_job_says_so_and_node_0_stops_waiting_for_it()
         assert time.monotonic() - t0 < 1.0
     finally:
         del server
+
+
+class _Ended:
+    """A node's finished job as NodeLine.text sees it: its workers, and those that exited with code 0."""
+
+    def __init__(self, ranks, well):
+        self.ranks, self._well = ranks, well
+
+    def exited_well(self):
+        return 0, self._well
+
+
+@pytest.mark.parametrize("well, here", [([2, 3], "the workers here had finished theirs"),
+                                        ([2], "the workers here stopped or lost their connection because of it"),
+                                        (None, "the workers here stopped or lost their connection because of it")])
+def test_the_news_says_whether_this_nodes_workers_had_finished_before_it_came(well, here):
+    line = NodeLine("127.0.0.1:1", 2, 1)
+    failed = {"node": 0, "rank": 1, "what": "ValueError: late", "lost": False, "time": 1.0}
+    job = None if well is None else _Ended([2, 3], well)
+    assert line.text(failed, job) == [f"the worker with global rank 1 (node 0) failed first: ValueError: late; {here}"]
+    stopped = line.text({"node": 0, "lines": ["rank 1 never entered all_reduce"]}, job)
+    assert stopped[0] == "rank 1 never entered all_reduce"
+    assert stopped[1].endswith("the workers here had finished" if well == [2, 3] else "the workers here were stopped")
