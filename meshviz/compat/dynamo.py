@@ -6,7 +6,16 @@ import inspect
 
 import torch
 
-__all__ = ["eager_methods"]
+__all__ = ["eager", "eager_methods"]
+
+
+def eager(fn):
+    """``fn`` run eagerly under torch.compile, as ``torch.compiler.disable(fn)``, with Dynamo imported at its first
+    call rather than now: importing Dynamo costs about a second of CPU, which a process that never compiles (a
+    worker that only runs collectives, an engine) need not pay at ``import meshviz.distributed``. torch's own
+    lazy form (``torch._compile`` is a module Dynamo skips: the call runs eagerly from a compiled frame too)."""
+    lazy = getattr(torch, "_disable_dynamo", None)
+    return lazy(fn) if lazy is not None else torch.compiler.disable(fn)
 
 
 def eager_methods(cls: type) -> type:
@@ -20,5 +29,5 @@ def eager_methods(cls: type) -> type:
     for name in sorted({n for k in python for n in vars(k)}):
         fn = inspect.getattr_static(cls, name)
         if (not name.startswith("_") or name in native and not name.startswith("__")) and inspect.isfunction(fn):
-            setattr(cls, name, torch.compiler.disable(fn))
+            setattr(cls, name, eager(fn))
     return cls

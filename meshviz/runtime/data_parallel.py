@@ -14,6 +14,7 @@ from torch.autograd.graph import get_gradient_edge
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .. import compat, trace
+from ..compat.dynamo import eager
 from . import rollcall
 from .comm import FUSE_BYTES, Call, CollectiveOp, all_reduce_mean_, local, run
 from .groups import Group
@@ -140,7 +141,7 @@ class DataParallelEngine:
             self._after_forward(out)
         return out
 
-    @torch.compiler.disable  # a collective and the rank's bookkeeping: eager in a compiled model too
+    @eager  # a collective and the rank's bookkeeping: eager in a compiled model too
     def _after_forward(self, out) -> None:
         if not self.sync:
             self.accumulated = True

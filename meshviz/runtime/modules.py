@@ -8,10 +8,10 @@ import weakref
 from bisect import bisect_right
 from operator import attrgetter
 
-import torch
 from torch.nn.modules import module as _nn
 
 from .. import compat, trace
+from ..compat.dynamo import eager
 from . import rollcall
 
 __all__ = ["module_name", "installed", "backward_issuer"]
@@ -175,7 +175,7 @@ def backward_issuer(rec) -> tuple[str | None, bool]:
 rollcall.backward_issuer = backward_issuer
 
 
-_EAGER_PRE, _EAGER_POST = torch.compiler.disable(_pre), torch.compiler.disable(_post)
+_EAGER_PRE, _EAGER_POST = eager(_pre), eager(_post)
 
 
 def installed() -> bool:

@@ -6,6 +6,7 @@ import datetime
 import os
 import socket
 import sys
+import time
 
 __all__ = [
     "PortReservation",
@@ -22,6 +23,7 @@ __all__ = [
     "mark_arrived",
     "arrived",
     "never_arrived",
+    "await_arrivals",
     "attempt_store",
     "HOSTED",
     "ATTEMPT",
@@ -30,6 +32,7 @@ __all__ = [
 LOOPBACK = "127.0.0.1"
 HOSTED = "TORCHELASTIC_USE_AGENT_STORE"  # torch's name for "the store is served elsewhere: every rank is a client"
 _ARRIVED = "meshviz/arrived/{}"
+_GAVE_UP = "meshviz/arrived/gave_up"  # which ranks had arrived when the first rank's wait ran out
 ATTEMPT = "MESHVIZ_LAUNCH_ATTEMPT"  # a launched worker's restart count: its keys on the agent's store are that run's
 
 
@@ -170,10 +173,12 @@ def _rank0_store(host: str, port: int, world: int, timeout):
             "MASTER_ADDR and MASTER_PORT, or start the ranks with dist.spawn or meshviz.launch") from exc
 
 
-def never_arrived(store, world: int, host: str, port: int, timeout) -> RuntimeError | None:
-    """An error naming the ranks that never reached the rendezvous of ``store``, or None when every rank did
-    (a failed ``init_process_group`` then has another cause)."""
-    came = arrived(store, world)
+def never_arrived(store, world: int, host: str, port: int, timeout, came: list[bool] | None = None
+                  ) -> RuntimeError | None:
+    """An error naming the ranks that never reached the rendezvous of ``store`` (``came``: which did, as another
+    rank saw it; asked of the store otherwise), or None when every rank did (a failed ``init_process_group`` then
+    has another cause)."""
+    came = arrived(store, world) if came is None else came
     if all(came):
         return None
     from ..trace.status import name_ranks
@@ -184,6 +189,38 @@ def never_arrived(store, world: int, host: str, port: int, timeout) -> RuntimeEr
         f"init_parallel_env: {names} never reached the rendezvous at {host}:{port} (waited "
         f"{_timeout(timeout).total_seconds():g} s; WORLD_SIZE={world}; arrived: {there or 'none'}): start every "
         "rank with the same MASTER_ADDR and MASTER_PORT, or start them with dist.spawn or meshviz.launch")
+
+
+def await_arrivals(store, rank: int, world: int, host: str, port: int, timeout) -> None:
+    """Wait until ranks 0..world-1 have all reached the rendezvous of ``store`` (their :func:`mark_arrived`), in
+    Python: a process group's own wait for its peers is one C++ call, in which a SIGINT (Ctrl-C, or the one a
+    launcher passes on) is handled only once the wait is over, up to the timeout. When ``timeout`` runs out,
+    raises :func:`never_arrived`'s error naming the ranks that never came, on every rank that waits: the first to
+    give up leaves what it saw on the store for the others (rank 0, where it serves the store, stays a moment
+    for them to read it)."""
+    import torch.distributed as tdist
+
+    keys, pause = [_ARRIVED.format(r) for r in range(world)], 0.002
+    most = min(0.2, 0.05 + world / 1000)  # a look each 50 ms at 8 ranks, each 200 ms at 150 and more: the store's load
+    end = time.monotonic() + _timeout(timeout).total_seconds()
+    try:
+        while not store.check(keys):
+            if store.check([_GAVE_UP]):
+                came = [c == "1" for c in store.get(_GAVE_UP).decode()]
+                raise never_arrived(store, world, host, port, timeout, came) or RuntimeError("unreachable")
+            if time.monotonic() > end:
+                came = arrived(store, world)
+                store.set(_GAVE_UP, "".join("1" if c else "0" for c in came))
+                if rank == 0 and os.environ.get(HOSTED, "") != "True":
+                    time.sleep(0.5)  # the store goes with this process: the others' next look finds the verdict
+                raise never_arrived(store, world, host, port, timeout, came) or RuntimeError(
+                    f"init_parallel_env: the rendezvous at {host}:{port} timed out")
+            time.sleep(pause)
+            pause = min(most, pause * 2)  # ranks started together arrive within milliseconds
+    except tdist.DistNetworkError as exc:
+        raise RuntimeError(f"init_parallel_env: rank 0's rendezvous store at {host}:{port} went away while rank "
+                           f"{rank} waited for the others (WORLD_SIZE={world}): rank 0 ended; its output says "
+                           "why") from exc
 
 
 def rank_env(rank: int, world: int, master_addr: str, master_port: int, local_rank: int | None = None,

@@ -188,6 +188,8 @@ def set_up(backend: str | None = None, timeout: float | None = None) -> None:
         store = rendezvous.process_group_store(rank, world, master, port, to, reservation)
         if store is not None:
             kwargs["store"] = store
+            if world > 1:
+                rendezvous.await_arrivals(store, rank, world, master, port, to)
         try:
             tdist.init_process_group(backend=backend, rank=rank, world_size=world, timeout=to, **kwargs)
         except Exception as exc:

@@ -99,6 +99,72 @@ def test_init_parallel_env_names_the_rank_that_never_came():
                               f"127.0.0.1:{alone} (waited 3 s; WORLD_SIZE=2)"), errs[2]
 
 
+def _waiting(world: int, ranks, timeout: int = 60):
+    """``ranks`` of a ``world`` started with init_parallel_env(timeout=...), once all of them wait at the
+    rendezvous (rank 0 serves its store): (processes, port)."""
+    import subprocess
+    import sys
+
+    port = rendezvous.free_port()
+    procs = []
+    for rank in ranks:
+        env = {k: v for k, v in os.environ.items() if k not in (rendezvous.HOSTED, "MESHVIZ_RANKS")}
+        env.update(rendezvous.rank_env(rank, world, "127.0.0.1", port), CUDA_VISIBLE_DEVICES="")
+        procs.append(subprocess.Popen([sys.executable, "-c", _INIT.replace("timeout=3", f"timeout={timeout}")],
+                                      env=env, stderr=subprocess.PIPE, text=True))
+    deadline = time.monotonic() + 60
+    while True:
+        assert all(p.poll() is None for p in procs) and time.monotonic() < deadline, "a rank never reached its wait"
+        try:
+            came = rendezvous.arrived(rendezvous.connect_store("127.0.0.1", port, None, 1), world)
+            if [r for r, c in enumerate(came) if c] == sorted(ranks):
+                break
+        except Exception:
+            pass
+        time.sleep(0.2)
+    time.sleep(0.5)
+    return procs, port
+
+
+def _ended(procs, timeout=30) -> list[str]:
+    try:
+        return [p.communicate(timeout=timeout)[1] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+
+
+def test_ctrl_c_while_init_parallel_env_waits_for_a_peer_ends_the_rank_at_once():
+    """Rank 0 of two, rank 1 never started, init_parallel_env's timeout 60 s: a SIGINT once rank 0 has arrived
+    ends it at once (was: the process group's wait for its peer, one C++ call, handled it only at the timeout)."""
+    import signal
+
+    (proc,), _ = _waiting(2, [0])
+    sent = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    (err,) = _ended([proc])
+    took = time.monotonic() - sent
+    assert proc.returncode != 0 and err.strip().splitlines()[-1] == "KeyboardInterrupt", err[-2000:]
+    assert "init_parallel_env" in err and took < 10, (took, err[-2000:])
+
+
+def test_a_rank_waiting_for_its_peers_says_that_rank_0_which_served_the_store_went_away():
+    """Ranks 0 and 1 of three wait for rank 2 (timeout 60 s); rank 0, which serves the store, is killed: rank 1
+    says so at once (was: torch's "Failed to recv, got 0 bytes" from gloo's connect)."""
+    import signal
+
+    procs, port = _waiting(3, [0, 1])
+    procs[0].send_signal(signal.SIGKILL)
+    sent = time.monotonic()
+    err = _ended(procs)[1]
+    assert time.monotonic() - sent < 10 and procs[1].returncode == 1, err[-2000:]
+    assert err.strip().splitlines()[-1] == (
+        f"RuntimeError: init_parallel_env: rank 0's rendezvous store at 127.0.0.1:{port} went away while rank 1 "
+        "waited for the others (WORLD_SIZE=3): rank 0 ended; its output says why"), err[-2000:]
+
+
 def test_rank_error_is_one_class_with_plain_text_and_coloured_rendering():
     import meshviz.cluster
     import meshviz.cluster.errors

@@ -125,3 +125,37 @@ def test_fast_call_is_checked_out_of_sight_of_the_threads_modes():
     with _Spy() as spy:
         call = compat.fast_call(torch.ops.aten.sum.dim_IntList, (A, [0]), {})
     assert call is not torch.ops.aten.sum.dim_IntList and spy.seen == []
+
+
+def test_a_process_that_only_runs_collectives_never_imports_dynamo():
+    import subprocess
+    import sys
+
+    code = ("import sys, torch\nimport meshviz.distributed as dist\nseen = ['torch._dynamo' in sys.modules]\n"
+            "dist.init_parallel_env(); t = torch.ones(2); dist.all_reduce(t); dist.barrier()\n"
+            "print(seen[0], 'torch._dynamo' in sys.modules, t.tolist())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False", "False", "[1.0,", "1.0]"]  # Dynamo costs about 1 s of CPU to import
+
+
+def test_eager_runs_eagerly_under_compile_and_as_itself_outside():
+    from meshviz.compat.dynamo import eager
+
+    seen = []
+
+    def note(x):
+        seen.append(torch.compiler.is_compiling())  # True where Dynamo traced this call into its graph
+        return x * 2
+
+    eager_note = eager(note)
+    assert eager_note(torch.ones(1)).item() == 2.0 and seen == [False]
+    seen.clear()
+
+    @torch.compile(backend="eager", fullgraph=False)
+    def f(x):
+        return eager_note(x + 1) + 1
+
+    assert f(torch.ones(1)).item() == 5.0
+    assert seen == [False]  # called at run time, eagerly: were it traced, is_compiling would be True
+    torch._dynamo.reset()
