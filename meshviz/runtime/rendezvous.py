@@ -201,16 +201,20 @@ def await_arrivals(store, rank: int, world: int, host: str, port: int, timeout) 
     import torch.distributed as tdist
 
     keys, pause = [_ARRIVED.format(r) for r in range(world)], 0.002
+    # a torchrun restart's ranks share the store with the run before's (meshviz's launcher gives each run a prefix)
+    gave_up = f"{_GAVE_UP}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
     most = min(0.2, 0.05 + world / 1000)  # a look each 50 ms at 8 ranks, each 200 ms at 150 and more: the store's load
     end = time.monotonic() + _timeout(timeout).total_seconds()
     try:
-        while not store.check(keys):
-            if store.check([_GAVE_UP]):
-                came = [c == "1" for c in store.get(_GAVE_UP).decode()]
+        while True:
+            if store.check([gave_up]):  # first: a rank that came after the verdict finds its run over too
+                came = [c == "1" for c in store.get(gave_up).decode()]
                 raise never_arrived(store, world, host, port, timeout, came) or RuntimeError("unreachable")
+            if store.check(keys):
+                return
             if time.monotonic() > end:
                 came = arrived(store, world)
-                store.set(_GAVE_UP, "".join("1" if c else "0" for c in came))
+                store.set(gave_up, "".join("1" if c else "0" for c in came))
                 if rank == 0 and os.environ.get(HOSTED, "") != "True":
                     time.sleep(0.5)  # the store goes with this process: the others' next look finds the verdict
                 raise never_arrived(store, world, host, port, timeout, came) or RuntimeError(

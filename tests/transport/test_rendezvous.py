@@ -75,6 +75,39 @@ def test_rank_env_and_arrival_on_a_hosted_store(monkeypatch):
     assert rendezvous.arrived(server, 3) == [True, False, True]
 
 
+def test_await_arrivals_names_who_never_came_and_the_first_verdict_reaches_every_rank_of_that_run(monkeypatch):
+    import threading
+
+    import torch.distributed as tdist
+
+    store = tdist.HashStore()
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    monkeypatch.setenv(rendezvous.HOSTED, "True")  # the store is not this process's to keep: no pause at the end
+    rendezvous.mark_arrived(store, 0)
+    rendezvous.mark_arrived(store, 2)
+    want = ("init_parallel_env: rank 1 never reached the rendezvous at h:5 (waited 0.3 s; WORLD_SIZE=3; arrived: "
+            "[0, 2]): start every rank with the same MASTER_ADDR and MASTER_PORT, or start them with dist.spawn or "
+            "meshviz.launch")
+    with pytest.raises(RuntimeError) as err:
+        rendezvous.await_arrivals(store, 0, 3, "h", 5, 0.3)
+    assert str(err.value) == want
+    rendezvous.mark_arrived(store, 1)  # too late: a rank of that run still waiting takes the verdict, at once
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError) as err:
+        rendezvous.await_arrivals(store, 2, 3, "h", 5, 0.3)
+    assert str(err.value) == want and time.monotonic() - t0 < 0.2  # at its first look, not at its own timeout
+    # torchrun's restart on the same store: its ranks wait for each other again, the verdict before is not theirs
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    store2 = tdist.HashStore()
+    rendezvous.mark_arrived(store2, 0)
+    store2.set("meshviz/arrived/gave_up/0", "100")
+    later = threading.Timer(0.3, rendezvous.mark_arrived, (store2, 1))
+    later.start()
+    t0 = time.monotonic()
+    rendezvous.await_arrivals(store2, 0, 2, "h", 5, 30)
+    assert 0.25 < time.monotonic() - t0 < 5
+
+
 _INIT = "import meshviz.distributed as dist\ndist.init_parallel_env(timeout=3)\n"
 
 
