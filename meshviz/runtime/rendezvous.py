@@ -162,9 +162,21 @@ def process_group_store(rank: int, world: int, host: str, port: int, timeout, re
 
 
 def _rank0_store(host: str, port: int, world: int, timeout):
+    """A client of the store rank 0 serves, once it does: until then the port is tried from Python (torch's own
+    connect loop is one C++ call, deaf to Ctrl-C up to the timeout)."""
     import torch.distributed as tdist
 
+    end, pause = time.monotonic() + _timeout(timeout).total_seconds(), 0.01
     try:
+        while True:
+            try:
+                socket.create_connection((host, int(port)), timeout=1.0).close()
+                break
+            except OSError as exc:
+                if time.monotonic() > end:
+                    raise tdist.DistNetworkError(str(exc)) from exc
+                time.sleep(pause)
+                pause = min(0.2, pause * 2)
         return connect_store(host, port, world, timeout)
     except tdist.DistNetworkError as exc:  # nothing served there in time
         raise RuntimeError(

@@ -183,6 +183,27 @@ def test_ctrl_c_while_init_parallel_env_waits_for_a_peer_ends_the_rank_at_once()
     assert "init_parallel_env" in err and took < 10, (took, err[-2000:])
 
 
+def test_ctrl_c_while_a_rank_waits_for_rank_0_to_serve_the_store_ends_it_at_once():
+    """Rank 1 of two started alone (timeout 60 s): a SIGINT while it waits for rank 0's store ends it at once (was:
+    torch's connect loop, one C++ call, heard it only at the timeout)."""
+    import signal
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in (rendezvous.HOSTED, "MESHVIZ_RANKS")}
+    env.update(rendezvous.rank_env(1, 2, "127.0.0.1", rendezvous.free_port()), CUDA_VISIBLE_DEVICES="")
+    code = "import meshviz.distributed as dist\nprint('ready', flush=True)\ndist.init_parallel_env(timeout=60)\n"
+    proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    assert proc.stdout.readline() == "ready\n"
+    time.sleep(1.0)  # in init_parallel_env's wait by now
+    sent = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    (err,) = _ended([proc])
+    assert proc.returncode != 0 and err.strip().splitlines()[-1] == "KeyboardInterrupt", err[-2000:]
+    assert "_rank0_store" in err and time.monotonic() - sent < 10, err[-2000:]
+
+
 def test_a_rank_waiting_for_its_peers_says_that_rank_0_which_served_the_store_went_away():
     """Ranks 0 and 1 of three wait for rank 2 (timeout 60 s); rank 0, which serves the store, is killed: rank 1
     says so at once (was: torch's "Failed to recv, got 0 bytes" from gloo's connect)."""
