@@ -217,26 +217,32 @@ def await_arrivals(store, rank: int, world: int, host: str, port: int, timeout) 
     gave_up = f"{_GAVE_UP}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
     most = min(0.2, 0.05 + world / 1000)  # a look each 50 ms at 8 ranks, each 200 ms at 150 and more: the store's load
     end = time.monotonic() + _timeout(timeout).total_seconds()
+    hosted = os.environ.get(HOSTED, "") == "True"
+
+    def verdict(came: list[bool]) -> RuntimeError:
+        return never_arrived(store, world, host, port, timeout, came) or RuntimeError(
+            f"init_parallel_env: the rendezvous at {host}:{port} timed out (waited "
+            f"{_timeout(timeout).total_seconds():g} s; WORLD_SIZE={world})")
+
     try:
         while True:
             if store.check([gave_up]):  # first: a rank that came after the verdict finds its run over too
-                came = [c == "1" for c in store.get(gave_up).decode()]
-                raise never_arrived(store, world, host, port, timeout, came) or RuntimeError("unreachable")
+                raise verdict([c == "1" for c in store.get(gave_up).decode()])
             if store.check(keys):
                 return
             if time.monotonic() > end:
                 came = arrived(store, world)
                 store.set(gave_up, "".join("1" if c else "0" for c in came))
-                if rank == 0 and os.environ.get(HOSTED, "") != "True":
+                if rank == 0 and not hosted:
                     time.sleep(0.5)  # the store goes with this process: the others' next look finds the verdict
-                raise never_arrived(store, world, host, port, timeout, came) or RuntimeError(
-                    f"init_parallel_env: the rendezvous at {host}:{port} timed out")
+                raise verdict(came)
             time.sleep(pause)
             pause = min(most, pause * 2)  # ranks started together arrive within milliseconds
     except tdist.DistNetworkError as exc:
-        raise RuntimeError(f"init_parallel_env: rank 0's rendezvous store at {host}:{port} went away while rank "
-                           f"{rank} waited for the others (WORLD_SIZE={world}): rank 0 ended; its output says "
-                           "why") from exc
+        whose, why = (("the rendezvous store at", "the process that started the ranks, which served it, ended")
+                      if hosted else ("rank 0's rendezvous store at", "rank 0 ended; its output says why"))
+        raise RuntimeError(f"init_parallel_env: {whose} {host}:{port} went away while rank {rank} waited for the "
+                           f"others (WORLD_SIZE={world}): {why}") from exc
 
 
 def rank_env(rank: int, world: int, master_addr: str, master_port: int, local_rank: int | None = None,
