@@ -132,6 +132,15 @@ def test_init_parallel_env_names_the_rank_that_never_came():
                               f"127.0.0.1:{alone} (waited 3 s; WORLD_SIZE=2)"), errs[2]
 
 
+def _as_a_terminal_starts_it() -> None:
+    """A child's SIGINT at its default, so that Python raises KeyboardInterrupt on it: a test run started in the
+    background of a script (as the test command's torch-matrix legs) inherits SIGINT ignored, and Python keeps an
+    ignored SIGINT ignored."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _waiting(world: int, ranks, timeout: int = 60):
     """``ranks`` of a ``world`` started with init_parallel_env(timeout=...), once all of them wait at the
     rendezvous (rank 0 serves its store): (processes, port)."""
@@ -144,7 +153,8 @@ def _waiting(world: int, ranks, timeout: int = 60):
         env = {k: v for k, v in os.environ.items() if k not in (rendezvous.HOSTED, "MESHVIZ_RANKS")}
         env.update(rendezvous.rank_env(rank, world, "127.0.0.1", port), CUDA_VISIBLE_DEVICES="")
         procs.append(subprocess.Popen([sys.executable, "-c", _INIT.replace("timeout=3", f"timeout={timeout}")],
-                                      env=env, stderr=subprocess.PIPE, text=True))
+                                      env=env, stderr=subprocess.PIPE, text=True,
+                                      preexec_fn=_as_a_terminal_starts_it))
     deadline = time.monotonic() + 60
     while True:
         assert all(p.poll() is None for p in procs) and time.monotonic() < deadline, "a rank never reached its wait"
@@ -194,7 +204,7 @@ def test_ctrl_c_while_a_rank_waits_for_rank_0_to_serve_the_store_ends_it_at_once
     env.update(rendezvous.rank_env(1, 2, "127.0.0.1", rendezvous.free_port()), CUDA_VISIBLE_DEVICES="")
     code = "import meshviz.distributed as dist\nprint('ready', flush=True)\ndist.init_parallel_env(timeout=60)\n"
     proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+                            text=True, preexec_fn=_as_a_terminal_starts_it)
     assert proc.stdout.readline() == "ready\n"
     time.sleep(1.0)  # in init_parallel_env's wait by now
     sent = time.monotonic()
