@@ -294,6 +294,10 @@ class Torchrun:
         job = self.job = TorchrunJob(self.ranks)
         main = threading.current_thread() is threading.main_thread()
         handlers = {s: signal.getsignal(s) for s in _AGENT_SIGNALS} if main else {}
+        if main and self.leave and handlers.get(signal.SIGINT) is signal.SIG_IGN:
+            # the launcher started in a script's background (`cmd &`), which ignores SIGINT: torch's agent takes it
+            # over once the workers start anyway, so the rendezvous before them hears it too
+            signal.signal(signal.SIGINT, signal.default_int_handler)
         ending = Ending(grace(), idle=lambda: job.workers is None, leave=self._leave if self.leave else None)
         if main and getattr(self.config, "shutdown_timeout", None) is not None:  # torch's own kill after ending's
             self.config.shutdown_timeout = int(ending.grace_s) + 10

@@ -497,8 +497,4 @@ def _rollcall_host(args, config, runner):
 
 def main(argv=None) -> None:
     """Console script ``fleetrun`` and ``python -m meshviz.launch``."""
-    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
-        # started in a script's background (`cmd &`), which ignores SIGINT: torch's agent takes it over once the
-        # workers start anyway, so the rendezvous before them hears it too
-        signal.signal(signal.SIGINT, signal.default_int_handler)
     sys.exit(launch(argv))

@@ -178,7 +178,9 @@ def test_a_rank_that_raised_outside_a_collective_is_named_with_its_error_at_the_
     assert ("meshviz.launch: rank 1 never entered all_reduce #1 on group [0, 1]: it is dead (exit code 1: "
             "ValueError: failing on purpose)\nmeshviz.launch: rank 0 waited in all_reduce #1 on group [0, 1] for ")\
         in err, err[-3000:]
-    assert "meshviz.launch: the worker with global rank 1 failed; the others were stopped." in err, err[-3000:]
+    # rank 0's all_reduce may fail on its own once rank 1's process is gone, before the agent stops it
+    assert re.search(r"meshviz.launch: the worker with global rank 1 failed( first, then global rank 0)?; the others "
+                     r"were stopped\.", err), err[-3000:]
 
 
 OTHER_OP = textwrap.dedent("""
