@@ -6,6 +6,7 @@ import atexit
 import datetime
 import os
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -197,6 +198,7 @@ def set_up(backend: str | None = None, timeout: float | None = None) -> None:
             if named is None:
                 raise
             raise named from exc
+        _destroy_at_exit.register()
         rec = rollcall.current()
         rec.rank = rank
         if not rec.running:
@@ -312,6 +314,46 @@ def _wait_for_peers() -> None:
     threading.Thread(target=wait, name="meshviz-exit", daemon=True).start()
     while not over.wait(0.2):
         pass
+
+
+class _DestroyAtExit:
+    """At the interpreter's exit of a process that made its process group here (a rank started by hand; spawn's
+    and launch's ranks leave through :func:`exit_quietly`): the group destroyed, in a thread given ``wait_s``
+    seconds (a collective still queued could hold it), then ``settle_s`` seconds without the GIL, in which gloo's
+    threads let go of the last collectives' tensors. Left to the interpreter's teardown, a gloo thread releasing
+    one found the interpreter finalizing and aborted the process about one exit in ten ("terminate called without
+    an active exception", exit code -6) after its script had succeeded, as torch's own scripts that never call
+    ``destroy_process_group`` do."""
+
+    wait_s = 5.0
+    settle_s = 0.05
+
+    def __init__(self):
+        self._registered = False
+
+    def register(self) -> None:
+        if not self._registered:
+            self._registered = True
+            atexit.register(self)
+
+    def __call__(self) -> None:
+        if tdist.is_initialized():  # else the script destroyed it itself
+            over = threading.Event()
+
+            def destroy() -> None:
+                try:
+                    tdist.destroy_process_group()
+                except Exception:
+                    pass
+                finally:
+                    over.set()
+
+            threading.Thread(target=destroy, name="meshviz-exit", daemon=True).start()
+            over.wait(self.wait_s)
+        time.sleep(self.settle_s)
+
+
+_destroy_at_exit = _DestroyAtExit()
 
 
 def exit_quietly(code: int = 0, note: str = "its function returned") -> None:
