@@ -343,7 +343,7 @@ def test_a_traced_reshard_defers_its_events_with_the_values_of_their_time():
             evs = rec.events
         return held, [(e.kind, e.values, e.local_shape) for e in evs]
 
-    [(held, evs), _] = run_ranks(fn, 2)
+    [(held, evs), _] = run_ranks(fn, 2, ranks="threads")
     assert held == 0
     assert evs == [("reshard", [0.0, 1.0, 2.0], [1, 3]), ("reshard_step", [0.0, 1.0, 2.0, 3.0, 4.0, 5.0], [2, 3])]
 
@@ -368,7 +368,7 @@ def test_a_collective_after_a_traced_reshard_waits_behind_its_events():
             evs = rec.events
         return held, [(e.kind, e.seq, e.values) for e in evs], g.tolist()
 
-    for held, evs, g in run_ranks(fn, 2):
+    for held, evs, g in run_ranks(fn, 2, ranks="threads"):
         assert held == 0 and g == [2.0, 2.0]
         assert [k for k, _, _ in evs] == ["reshard", "reshard_step", "collective"]
         assert [q for _, q, _ in evs] == sorted(q for _, q, _ in evs)
@@ -399,5 +399,5 @@ def test_a_traced_reshard_names_the_users_line_it_ran_from():
             run_reshard(d, mesh, [dist.Replicate()])
         return lines, [e.payload.where for e in rec.of_kind("reshard_step")]
 
-    for lines, wheres in run_ranks(fn, 2):
+    for lines, wheres in run_ranks(fn, 2, ranks="threads"):
         assert wheres == [f"test_trace.py:{n} in fn()" for n in lines]
