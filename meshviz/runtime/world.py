@@ -293,27 +293,40 @@ class ParallelEnv:
     nranks = world_size
 
 
-def _wait_for_peers() -> None:
-    """torch's own barrier (not one recorded in the roll-call: ranks.patches), waited on from a thread: gloo's
-    wait is one C++ call, in which a SIGINT to the process is handled only once the wait is over."""
-    barrier = getattr(tdist.barrier, "__wrapped__", tdist.barrier)
+def _waited_in_thread(fn, limit: float | None = None) -> None:
+    """``fn()`` in a daemon thread, waited for from this one in 0.2 s slices, for at most ``limit`` seconds (None:
+    until it returns): a C++ wait inside ``fn`` is deaf to a SIGINT, which this thread hears between slices. ``fn``'s
+    errors are dropped."""
     over = threading.Event()
-    # a thread's CUDA device is its own (0 when new): NCCL's barrier runs on the rank's
-    cuda = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
 
-    def wait() -> None:
+    def run() -> None:
         try:
-            if cuda is not None:
-                torch.cuda.set_device(cuda)
-            barrier()
+            fn()
         except Exception:
             pass
         finally:
             over.set()
 
-    threading.Thread(target=wait, name="meshviz-exit", daemon=True).start()
+    threading.Thread(target=run, name="meshviz-exit", daemon=True).start()
+    end = None if limit is None else time.monotonic() + limit
     while not over.wait(0.2):
-        pass
+        if end is not None and time.monotonic() >= end:
+            return
+
+
+def _wait_for_peers() -> None:
+    """torch's own barrier (not one recorded in the roll-call: ranks.patches), waited on from a thread: gloo's
+    wait is one C++ call, in which a SIGINT to the process is handled only once the wait is over."""
+    barrier = getattr(tdist.barrier, "__wrapped__", tdist.barrier)
+    # a thread's CUDA device is its own (0 when new): NCCL's barrier runs on the rank's
+    cuda = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+
+    def wait() -> None:
+        if cuda is not None:
+            torch.cuda.set_device(cuda)
+        barrier()
+
+    _waited_in_thread(wait)
 
 
 class _DestroyAtExit:
@@ -338,18 +351,7 @@ class _DestroyAtExit:
 
     def __call__(self) -> None:
         if tdist.is_initialized():  # else the script destroyed it itself
-            over = threading.Event()
-
-            def destroy() -> None:
-                try:
-                    tdist.destroy_process_group()
-                except Exception:
-                    pass
-                finally:
-                    over.set()
-
-            threading.Thread(target=destroy, name="meshviz-exit", daemon=True).start()
-            over.wait(self.wait_s)
+            _waited_in_thread(tdist.destroy_process_group, self.wait_s)
         time.sleep(self.settle_s)
 
 

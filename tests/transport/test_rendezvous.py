@@ -111,14 +111,20 @@ def test_await_arrivals_names_who_never_came_and_the_first_verdict_reaches_every
 _INIT = "import meshviz.distributed as dist\ndist.init_parallel_env(timeout=3)\n"
 
 
+def _by_hand(rank: int, world: int, port: int) -> dict[str, str]:
+    """The environment of a rank started by hand on loopback (nothing hosted, processes not threads, no GPU)."""
+    env = {k: v for k, v in os.environ.items() if k not in (rendezvous.HOSTED, "MESHVIZ_RANKS")}
+    env.update(rendezvous.rank_env(rank, world, "127.0.0.1", port), CUDA_VISIBLE_DEVICES="")
+    return env
+
+
 def test_init_parallel_env_names_the_rank_that_never_came():
     import subprocess
     import sys
 
     def start(rank, world, port):
-        env = {k: v for k, v in os.environ.items() if k not in (rendezvous.HOSTED, "MESHVIZ_RANKS")}
-        env.update(rendezvous.rank_env(rank, world, "127.0.0.1", port), CUDA_VISIBLE_DEVICES="")
-        return subprocess.Popen([sys.executable, "-c", _INIT], env=env, stderr=subprocess.PIPE, text=True)
+        return subprocess.Popen([sys.executable, "-c", _INIT], env=_by_hand(rank, world, port), stderr=subprocess.PIPE,
+                                text=True)
 
     three, alone = rendezvous.free_port(), rendezvous.free_port()
     procs = [start(0, 3, three), start(1, 3, three), start(1, 2, alone)]  # rank 2 of three never starts; nor rank 0
@@ -150,10 +156,8 @@ def _waiting(world: int, ranks, timeout: int = 60):
     port = rendezvous.free_port()
     procs = []
     for rank in ranks:
-        env = {k: v for k, v in os.environ.items() if k not in (rendezvous.HOSTED, "MESHVIZ_RANKS")}
-        env.update(rendezvous.rank_env(rank, world, "127.0.0.1", port), CUDA_VISIBLE_DEVICES="")
         procs.append(subprocess.Popen([sys.executable, "-c", _INIT.replace("timeout=3", f"timeout={timeout}")],
-                                      env=env, stderr=subprocess.PIPE, text=True,
+                                      env=_by_hand(rank, world, port), stderr=subprocess.PIPE, text=True,
                                       preexec_fn=_as_a_terminal_starts_it))
     deadline = time.monotonic() + 60
     while True:
@@ -200,8 +204,7 @@ def test_ctrl_c_while_a_rank_waits_for_rank_0_to_serve_the_store_ends_it_at_once
     import subprocess
     import sys
 
-    env = {k: v for k, v in os.environ.items() if k not in (rendezvous.HOSTED, "MESHVIZ_RANKS")}
-    env.update(rendezvous.rank_env(1, 2, "127.0.0.1", rendezvous.free_port()), CUDA_VISIBLE_DEVICES="")
+    env = _by_hand(1, 2, rendezvous.free_port())
     code = "import meshviz.distributed as dist\nprint('ready', flush=True)\ndist.init_parallel_env(timeout=60)\n"
     proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, preexec_fn=_as_a_terminal_starts_it)
@@ -248,12 +251,8 @@ def test_ranks_started_by_hand_destroy_their_process_group_at_exit():
     import sys
 
     port = rendezvous.free_port()
-    procs = []
-    for rank in (0, 1):
-        env = {k: v for k, v in os.environ.items() if k not in (rendezvous.HOSTED, "MESHVIZ_RANKS")}
-        env.update(rendezvous.rank_env(rank, 2, "127.0.0.1", port), CUDA_VISIBLE_DEVICES="")
-        procs.append(subprocess.Popen([sys.executable, "-c", _UNDESTROYED], env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True))
+    procs = [subprocess.Popen([sys.executable, "-c", _UNDESTROYED], env=_by_hand(rank, 2, port),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
     outs = [p.communicate(timeout=60) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
     for out, _ in outs:
