@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .core.mesh import ProcessMesh
+from .trace import Event, Mark
 from .trace.commtable import CommTable, comm_table
 
 __all__ = ["what_if", "WhatIf", "KEYS", "GB", "comm_bytes", "fmt_size"]
@@ -31,13 +32,26 @@ def comm_bytes(events, rank: int) -> int:
     return sum(int(e.bytes or 0) for e in events if e.rank == rank and e.kind in _COMM)
 
 
+def _squeezed(mesh: ProcessMesh) -> ProcessMesh:
+    """``mesh`` without its axes of one rank where it has more than two (fleet's topology: six, most of one)."""
+    keep = [a for a in range(mesh.ndim) if mesh.shape[a] > 1]
+    if mesh.ndim <= 2 or len(keep) == mesh.ndim:
+        return mesh
+    keep = keep or [0]
+    ids = np.asarray(mesh.process_ids).reshape(mesh.shape).squeeze(
+        tuple(a for a in range(mesh.ndim) if a not in keep))
+    return ProcessMesh(ids.tolist(), [mesh.dim_names[a] for a in keep])
+
+
 @dataclass
 class WhatIf:
     """What :func:`what_if` found. ``per_rank[r]``: rank ``r``'s bytes (``params``, ``grads``, ``optimizer``,
     ``activations``, ``peak``, ``comm_bytes``); ``events``: the events of the ranks simulated (``simulated``),
-    which every view and :meth:`comm_table` draw; ``like[r]``: the simulated rank whose run stands for rank ``r``
-    (itself when it was simulated); ``alone[r]``: why a simulated rank shared its run with no other. In a
-    notebook it shows as a :class:`~meshviz.widgets.WhatIfView` (``limit`` marks the ranks over it)."""
+    which every view and :meth:`comm_table` draw, after one ``mark`` (op ``what_if``: ``nranks``, ``simulated``)
+    saying they come from simulated ranks run one after another (their times are no schedule); ``like[r]``: the
+    simulated rank whose run stands for rank ``r`` (itself when it was simulated); ``alone[r]``: why a simulated
+    rank shared its run with no other. In a notebook it shows as a :class:`~meshviz.widgets.WhatIfView`
+    (``limit`` marks the ranks over it)."""
 
     nranks: int
     per_rank: dict[int, dict[str, int]]
@@ -96,7 +110,7 @@ class WhatIf:
             key = (tuple(e.mesh["shape"]), tuple(e.mesh.get("dim_names") or ()))
             shaped.setdefault(key, {})[tuple(e.mesh["process_ids"])] = e.mesh
         if best is not None and len(best["process_ids"]) == self.nranks:
-            return ProcessMesh.from_dict(best)
+            return _squeezed(ProcessMesh.from_dict(best))
         for (shape, names), meshes in shaped.items():
             ids = sorted(meshes, key=min)
             flat = [r for m in ids for r in m]
@@ -156,6 +170,7 @@ def what_if(fn: Callable, nranks: int, *args, share: bool = True, timeout: float
     from .ranks.simulated import SimulatedWorld, keep_rngs
 
     t0 = time.monotonic()
+    began = time.time()
     deadline = t0 + timeout
     like: dict[int, int] = {}
     runs: dict = {}
@@ -200,7 +215,9 @@ def what_if(fn: Callable, nranks: int, *args, share: bool = True, timeout: float
         runs[rep] = (run, held)
     for r in range(nranks):
         per_rank[r] = dict(runs[like[r]][1])
-    events = [e for rep in sorted(runs) for e in runs[rep][0].events]
+    mark = Event(kind="mark", op="what_if", rank=min(runs), seq=-1, start=began, name="what_if",
+                 payload=Mark(fields={"nranks": nranks, "simulated": sorted(runs)}))
+    events = [mark] + [e for rep in sorted(runs) for e in runs[rep][0].events]
     return WhatIf(nranks, per_rank, events, like, sorted(runs), alone,
                   outputs={rep: run.stdout for rep, (run, _) in runs.items()},
                   values={rep: run.outcome.value for rep, (run, _) in runs.items()},

@@ -1,8 +1,9 @@
-"""Pipeline schedule orders (FThenB, 1F1B, interleaved 1F1B) and the bubble formula, shared by runtime and views."""
+"""Pipeline schedule orders (FThenB, 1F1B, interleaved 1F1B), their ideal replay and the bubble formula."""
 
 from __future__ import annotations
 
-__all__ = ["bubble_formula", "fthenb_order", "one_f_one_b_order", "interleaved_order", "schedule_orders"]
+__all__ = ["bubble_formula", "fthenb_order", "one_f_one_b_order", "interleaved_order", "schedule_orders",
+           "ideal_replay"]
 
 
 def bubble_formula(p: int, m: int, v: int = 1) -> float:
@@ -78,3 +79,64 @@ def schedule_orders(schedule: str, p: int, m: int, v: int = 1) -> list[list[tupl
     if sched in ("1F1B", "VPP", "INTERLEAVED", "INTERLEAVED1F1B"):
         return [interleaved_order(p, m, v, d) for d in range(p)]
     raise ValueError(f"unknown schedule {schedule!r}; use 'FThenB', '1F1B' or 'VPP'")
+
+
+def ideal_replay(rows: dict, pipe: dict | None = None, chunks: int = 1) -> dict:
+    """Start and end of each block when every rank runs its ``rows[rank]`` blocks ``(phase, virtual stage,
+    micro-batch)`` in that order on an ideal machine: a forward takes 1, a backward 2 (1 and a weight-gradient
+    ``W`` 1 when any block is a ``W``), each split over ``chunks``. A block starts when its rank is free and its
+    dependencies are done: F of stage s after F of s-1, B of s after F of s and B of s+1, W after B of s, of the
+    same micro-batch, its n-th repeat after their n-th, within one pipeline (``pipe[rank]``; default: one for
+    all). A dependency not among the blocks counts as done at 0; where none can go on, the next block goes
+    anyway. Returns rank -> [(start, end)] in the order of ``rows[rank]``."""
+    pipe = pipe or {}
+    v = max(1, int(chunks))
+    split = any(b[0] == "W" for bl in rows.values() for b in bl)
+    dur = {"F": 1 / v, "B": (1 if split else 2) / v, "W": 1 / v}
+    keys: dict = {}
+    for r, bl in rows.items():
+        seen: dict = {}
+        ks = keys[r] = []
+        for ph, s, mb in bl:
+            base = (pipe.get(r), ph, s, mb)
+            ks.append(base + (seen.get(base, 0),))
+            seen[base] = seen.get(base, 0) + 1
+    present = {k for ks in keys.values() for k in ks}
+
+    def deps(k):
+        p, ph, s, mb, n = k
+        if s is None:
+            return []
+        want = {"F": [("F", s - 1)], "B": [("F", s), ("B", s + 1)], "W": [("B", s)]}.get(ph, [])
+        return [d for d in ((p, q, t, mb, n) for q, t in want) if d in present]
+
+    done: dict = {}
+    out: dict = {r: [] for r in rows}
+    free = dict.fromkeys(rows, 0.0)
+    order = sorted(rows)
+    left = sum(len(bl) for bl in rows.values())
+
+    def place(r, k, ds):
+        start = max([free[r]] + [done[d] for d in ds if d in done])
+        end = start + dur.get(k[1], 1 / v)
+        done[k] = max(done.get(k, 0.0), end)
+        free[r] = end
+        out[r].append((start, end))
+
+    while left:
+        moved = False
+        for r in order:
+            while len(out[r]) < len(rows[r]):
+                k = keys[r][len(out[r])]
+                ds = deps(k)
+                if any(d not in done for d in ds):
+                    break
+                place(r, k, ds)
+                left -= 1
+                moved = True
+        if not moved:  # the order asks for a block not yet done (it cannot come): go on without it
+            r = next(r for r in order if len(out[r]) < len(rows[r]))
+            k = keys[r][len(out[r])]
+            place(r, k, deps(k))
+            left -= 1
+    return out

@@ -35,7 +35,8 @@ class Facts:
       same line through the other rank), whether it is the root, and the bytes it receives; a group that is no
       mesh line makes the rank a class of its own;
     * for every flat sharding range (group sharding), the length of the range the rank holds;
-    * a pipeline stage number an event carries, the rank itself (no sharing).
+    * for every pipeline step, the rank's place in the pipeline's group, which is its stage (a stage number
+      that is no place on a mesh line, or a block's stage with no such step before it: the rank itself).
     """
 
     def __init__(self, rank: int, nranks: int, events: Iterable, layouts: Iterable = (), reads: Iterable[str] = ()):
@@ -44,6 +45,7 @@ class Facts:
         self.alone: list[str] = []  # why no other rank can be alike (empty: checks decide)
         self._meshes: dict = {}
         self._checks: dict = {}
+        self._staged = False  # a pipeline step tied this rank's stage to its place on a mesh line
         world = ProcessMesh(list(range(nranks)), ["world"])
         self._mesh(world)
         events = list(events)
@@ -63,8 +65,10 @@ class Facts:
                 self._comm(e)
             elif e.kind == "ownership":
                 self._share(e)
-            elif e.kind in ("compute", "mark") and getattr(e.payload, "stage", None) is not None:
-                self.alone.append(f"a {e.kind} event names pipeline stage {e.payload.stage}")
+            elif e.kind == "mark" and getattr(e.payload, "stage", None) is not None:
+                self._stage(e)
+            elif e.kind == "compute" and getattr(e.payload, "stage", None) is not None and not self._staged:
+                self.alone.append(f"a compute event names pipeline stage {e.payload.stage}")
         self._mine = self.key(rank)
 
     # -- the checks ------------------------------------------------------------------------------------------
@@ -161,6 +165,23 @@ class Facts:
             return received(op, sizes, len(pos), at, root_at)
 
         self._add(("comm", op, kind, tuple(group), sizes, root_at), check)
+
+    def _stage(self, e) -> None:
+        stage, group = e.payload.stage, [int(g) for g in e.group or ()]
+        found = self._line_of(group) if group else None
+        if found is None or group.index(self.rank) != stage:
+            self.alone.append(f"a {e.kind} event names pipeline stage {stage}")
+            return
+        mesh, axis, pos = found
+
+        def check(r, mesh=mesh, axis=axis, pos=pos):
+            line = mesh.axis_group_of(r, axis)
+            if line is None or line.index(r) not in pos:
+                return None
+            return pos.index(line.index(r))
+
+        self._add(("stage", tuple(group)), check)
+        self._staged = True
 
     def _share(self, e) -> None:
         share = e.payload

@@ -117,8 +117,10 @@ def mesh_block(mesh, cell_rgb=None, *, hatched=(), devices=None, groups_axis=Non
     one_line = all("\n" not in s for s in labels.values())
     fs = (9.0 if total <= 16 else 8.0) if one_line else MIN_FONT
     one_d = ids.ndim == 1
-    yticks_all = [] if one_d else [str(i) for i in range(rows)]
-    left = 0.04 if one_d else y_margin(yticks_all)
+    # a split panel is one line of the mesh, its index in the panel's title: no y axis of its own
+    no_y = one_d or split is not None
+    yticks_all = [] if no_y else [str(i) for i in range(rows)]
+    left = 0.04 if no_y else y_margin(yticks_all)
     bottom = x_margin()
     top = line_height(TITLE) + 0.04 if any(t for t, _, _ in panels) else 0.0
     room = max_w - left - 0.06
@@ -160,7 +162,7 @@ def mesh_block(mesh, cell_rgb=None, *, hatched=(), devices=None, groups_axis=Non
     x_room = max(gw, (room - (ncols - 1) * fgap) / ncols)
     xlabel = elide(fit_label(xlabels, LABEL, x_room), LABEL, x_room)
     # a y label reaches at most 0.2 in above and below its grid: clear of the x label and the next row's
-    ylabel = "" if one_d or per else elide(fit_label([f"{names[-2]} ({ids.shape[-2]})", names[-2]], LABEL,
+    ylabel = "" if no_y or per else elide(fit_label([f"{names[-2]} ({ids.shape[-2]})", names[-2]], LABEL,
                                                      max(gh, 0.9)), LABEL, gh + 0.4)
     over = max(0.0, (text_width(ylabel, LABEL) - gh) / 2) if ylabel else 0.0
     col_w = max(gw, text_width(xlabel, LABEL))  # a facet's column: its grid, or its axis label when that is wider
@@ -179,7 +181,7 @@ def mesh_block(mesh, cell_rgb=None, *, hatched=(), devices=None, groups_axis=Non
     width = max(grid_w, min(text_width(title, TITLE), max(grid_w, 2.2), max_w)) if title else grid_w
     parts = [text_block(title, TITLE, width=width)] if title else []
     tx = np.asarray(index_ticks(cols, gw, TICK, True))
-    ty = index_ticks(rows, gh, TICK, False) if per or not one_d else []
+    ty = index_ticks(rows, gh, TICK, False) if per or not no_y else []
     hatched = set(int(r) for r in hatched)
     line = _group_line(labels, fs, cell) if groups_axis is not None else (0.3, 0.3, 2.5)
 

@@ -161,6 +161,27 @@ def test_what_if_on_pipelines_equals_real_run(name):
         assert len(held) == len(set(held))
 
 
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("v", [None, 2])
+def test_a_pipelines_data_parallel_replicas_share_a_simulation(v):
+    """dp 4 x pp 2: a stage's replicas that take the data-parallel broadcast share one run (the broadcast's root,
+    rank 0 or 1, holds what it sends: a class of its own), each standing for its replicas, transfers to its own
+    stage's next rank included."""
+    case = {"hybrid": {"dp_degree": 4, "pp_degree": 2}, "v": v, "m": 2, "layers": 4}
+    real = run_ranks(fleet_pipeline, 8, case, ranks="threads", timeout=240)
+    est = meshviz.what_if(fleet_pipeline, 8, case, timeout=240)
+    assert est.simulated == [0, 1, 2, 3] and not est.alone
+    assert est.like == {0: 0, 1: 1, 2: 2, 3: 3, 4: 2, 5: 3, 6: 2, 7: 3}
+    for r in range(8):
+        rep = est.like[r]
+        got = est.values[rep]
+        assert got["params"] == real[r]["params"] and got["held"] == real[r]["held"], r
+        assert {k: est.per_rank[r][k] for k in ("params", "grads", "optimizer", "comm_bytes")} == real[r]["held"], r
+        # a replica's peers are its own pipeline's: the same stage's, one replica over (rank + 2 per replica)
+        shift = lambda e, d: tuple(x + d if i == 2 and x is not None else x for i, x in enumerate(e))  # noqa: E731
+        assert [shift(tuple(e), r - rep) for e in got["events"]] == [tuple(e) for e in real[r]["events"]], r
+
+
 @pytest.mark.timeout(120)
 def test_what_if_names_a_description_that_gives_other_shapes():
     """A layer whose output's shape depends on the rank that runs it: the first rank's later chunks take their

@@ -113,12 +113,19 @@ def _views():
     for p, m, s, v in PIPELINES:
         yield f"PipelineView/{s}_p{p}_m{m}_v{v}", lambda p=p, m=m, s=s, v=v: PipelineView(
             synthetic_schedule(p, m, s, v, comm=0.05), schedule=s)
+    yield "PipelineView/schedule_clock_dp2_pp2", lambda: PipelineView(_pipelines(2, 4, 2), clock="schedule")
+    yield "PipelineView/pp8_dp16_first_pipelines", lambda: PipelineView(_pipelines(8, 4, 16), schedule="1F1B")
     yield "CommView/llama", _comm_view
     yield "RollCallView/hang_4", lambda: RollCallView(_rollcall(4))
     yield "RollCallView/hang_16", lambda: RollCallView(_rollcall(16))
     yield "WhatIfView/8_over", lambda: WhatIfView(_what_if(8, (2, 2, 2)))
     yield "WhatIfView/1024_pp", lambda: WhatIfView(_what_if(1024, (64, 2, 8)), rank=9)
     yield "WhatIfView/1024_no_limit", lambda: WhatIfView(_what_if(1024, (128, 8), limit=None))
+
+
+def _pipelines(p, m, dp):
+    """``dp`` pipelines of ``p`` stages (rank ``d + dp * s`` at stage s of pipeline d)."""
+    return [e for d in range(dp) for e in synthetic_schedule(p, m, ranks=[d + dp * s for s in range(p)])]
 
 
 def _what_if(n, shape, limit=80 * GB):

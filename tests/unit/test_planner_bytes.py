@@ -10,7 +10,7 @@ from meshviz.core import Partial, ProcessMesh, ReduceType, Replicate, Shard, pla
 from meshviz.core.traffic import received, step_received
 from meshviz.ranks.alike import Facts
 from meshviz.trace import Event
-from meshviz.trace.payloads import ReshardPlan
+from meshviz.trace.payloads import Compute, Mark, ReshardPlan
 
 pytestmark = pytest.mark.torch_free  # imports no torch: the test command runs it once, torch blocked
 
@@ -155,6 +155,25 @@ def test_deciding_which_ranks_are_alike_on_a_long_uneven_line():
     alike = first.alike(range(1024)), last.alike(range(1024))
     assert time.perf_counter() - t < 3.0
     assert alike == (list(range(1000)), list(range(1000, 1024)))  # one row each, or none
+
+
+def test_a_pipeline_stage_is_the_rank_s_place_on_its_pipeline_line():
+    topology = Event(kind="mark", rank=0, op="hybrid_topology",
+                     mesh=ProcessMesh(shape=[2, 2], process_ids=range(4), dim_names=["data", "pipe"]).to_dict())
+
+    def step(group, stage):
+        return Event(kind="mark", rank=0, op="pipeline_step", group=group,
+                     payload=Mark(schedule="1F1B", p=2, m=2, v=1, step=0, stage=stage))
+
+    block = Event(kind="compute", rank=0, payload=Compute(stage=0, micro_batch=0, phase="F", chunk=0))
+    # stage 0 of the pipeline [0, 1]: rank 2 sits at stage 0 of its own pipeline [2, 3]
+    assert Facts(0, 4, [topology, step([0, 1], 0), block]).alike(range(4)) == [0, 2]
+    assert Facts(1, 4, [topology, step([0, 1], 1)]).alike(range(4)) == [1, 3]
+    # a stage that is not the rank's place in its pipeline, a group no mesh holds as a line, a block's stage with
+    # no pipeline step naming its group: nothing shows another rank at the same stage
+    for events in ([topology, step([1, 0], 0)], [step([0, 1], 0)], [topology, block]):
+        assert Facts(0, 4, events).alike(range(4)) == [0], events
+    assert Facts(0, 4, [topology, block]).alone == ["a compute event names pipeline stage 0"]
 
 
 # -- a long row of ranks is drawn with every cell visible ---------------------------------------------------------

@@ -82,3 +82,40 @@ def test_a_pipelines_stage_meshes_make_the_picture_s_mesh():
     assert WhatIfView(rep).png().startswith(PNG)
     lone = WhatIf(8, rows, events[:1], {r: r for r in range(8)}, list(range(8)))
     assert lone.mesh().shape == [8]
+
+
+def test_fleets_topology_is_drawn_without_its_axes_of_one_rank():
+    # fleet's hybrid topology names six axes: data x pipe x sharding x sep x context x model, most of one rank
+    names = ["data", "pipe", "sharding", "sep", "context", "model"]
+    topology = {"shape": [4, 2, 1, 1, 1, 1], "process_ids": list(range(8)), "dim_names": names}
+    rows = {r: dict(params=1, grads=1, optimizer=1, activations=1, peak=4 + r, comm_bytes=0) for r in range(8)}
+    rep = WhatIf(8, rows, [Event(kind="mark", rank=0, op="hybrid_topology", mesh=topology)], {r: r for r in range(8)},
+                 list(range(8)))
+    mesh = rep.mesh()
+    assert mesh.shape == [4, 2] and mesh.dim_names == ["data", "pipe"] and mesh.rank_at((3, 0)) == 6
+    assert WhatIfView(rep).png().startswith(PNG)
+    lone = {"shape": [1, 1, 8], "process_ids": list(range(8)), "dim_names": ["dp", "pp", "mp"]}
+    assert WhatIf(8, rows, [Event(kind="placed", rank=0, mesh=lone)], {r: r for r in range(8)},
+                  list(range(8))).mesh().to_dict() == {"shape": [8], "process_ids": list(range(8)), "dim_names": ["mp"]}
+    two = {"shape": [1, 8], "process_ids": list(range(8)), "dim_names": ["pp", "mp"]}  # two axes: kept as they are
+    assert WhatIf(8, rows, [Event(kind="placed", rank=0, mesh=two)], {r: r for r in range(8)},
+                  list(range(8))).mesh().shape == [1, 8]
+
+
+def test_what_ifs_mark_is_read_by_no_number_and_survives_json():
+    """what_if's events begin with a mark (op 'what_if') telling views the ranks were simulated one after another:
+    it carries no bytes and no mesh, so the report reads as without it; through JSON it is the same mark."""
+    from meshviz.trace import Mark, from_json, to_json
+    from meshviz.widgets.what_if_view import by_module
+
+    plain = _report()
+    mark = Event(kind="mark", op="what_if", rank=0, seq=-1, payload=Mark(fields={"nranks": 8, "simulated": [0, 2]}))
+    marked = WhatIf(8, plain.per_rank, [mark] + plain.events, plain.like, [0, 2])
+    assert [comm_bytes(marked.events, r) for r in (0, 2)] == [comm_bytes(plain.events, r) for r in (0, 2)]
+    assert comm_bytes(marked.events, 0) == 5 * GB
+    assert list(marked.comm_table()) == list(plain.comm_table())
+    assert marked.mesh().to_dict() == plain.mesh().to_dict()
+    assert by_module(marked.events) == by_module(plain.events)
+    assert WhatIfView(marked).png() == WhatIfView(plain).png()
+    back = from_json(to_json(mark))
+    assert (back.kind, back.op, back.seq, back.payload) == ("mark", "what_if", -1, mark.payload)

@@ -224,3 +224,27 @@ def test_runtime_reshards_along_axes_of_one_rank():
         torch.testing.assert_close(got["col"][0], rows)
         torch.testing.assert_close(got["partial"], torch.full((2, 3), float(r + 1)))  # its own summand, kept
         torch.testing.assert_close(got["full"], torch.full((2, 3), 3.0))
+
+
+# -- 7. split panels say their index once, in their title ------------------------------------------------------
+
+
+@torch_free
+def test_a_split_panel_has_no_y_axis_of_its_own():
+    """16 x 64 in a tensor view: 16 one-row panels titled dp=0 ... dp=15 each read 'dp (16)' with the tick '0'
+    beside them (panel dp=5 read as dp 0); now the title alone gives the row. Wrapped panels keep their labels."""
+    from meshviz.widgets import MeshView
+    from meshviz.widgets.sheet import text_boxes
+
+    mesh = ProcessMesh(np.arange(1024).reshape(16, 64), ["dp", "mp"])
+    fig = TensorView((16, 64), mesh, [Shard(0), Shard(1)]).figure()
+    texts = [t for t, _ in text_boxes(fig)]
+    titles = [t.get_text() for t in texts if t.get_text().startswith("dp=")]
+    assert titles == [f"dp={i}" for i in range(16)]
+    assert not [t.get_text() for t in texts if t.get_rotation() == 90 and t.get_text().startswith("dp")]
+    y_ticks = [t.get_text() for t in texts if t.get_ha() == "right" and t.get_va() == "center"]
+    assert y_ticks.count("0") == 1, y_ticks  # the tensor's own grid's first row, not one beside each panel
+    assert not collisions(fig)
+    wrapped = [t.get_text() for t, _ in text_boxes(MeshView(ProcessMesh(np.arange(1024).reshape(4, 256),
+                                                                         ["dp", "mp"])).figure())]
+    assert wrapped.count("dp=0") == 1 and wrapped.count("192") == 4  # each row's first index, beside each panel

@@ -6,6 +6,7 @@ import collections
 import itertools
 import math
 
+from ... import trace
 from ...core.mesh import ProcessMesh
 from ...runtime.world import get_rank, get_world_size
 from ..collective import new_group
@@ -138,6 +139,9 @@ class HybridCommunicateGroup:
                     i = line.index(self.global_rank)
                     self.next_rank = line[(i + 1) % self._pp_degree]
                     self.prev_rank = line[(i - 1) % self._pp_degree]
+        if trace.active():  # the mesh every hybrid group is a line of, for the views and the what-if's sharing
+            trace.emit(trace.Event(kind="mark", op="hybrid_topology", name="fleet hybrid topology",
+                                   mesh=topology.mesh.to_dict()))
         _fleet()._built = self
 
     def _set_comm_group(self, axis_name):
