@@ -271,11 +271,61 @@ def _fitting_shape(mesh: ProcessMesh, pl, blocks: dict) -> list[int] | None:
     return shape if ok else None
 
 
+@refusing
 def dtensor_to_local(dist_tensor, mesh=None, placements=None) -> torch.Tensor:
-    """This rank's block of ``dist_tensor`` (differentiable)."""
+    """This rank's block of ``dist_tensor`` (differentiable). No communication.
+
+    ``mesh`` and ``placements`` are the layout of the gradient flowing back into ``dist_tensor``, as in Paddle (and
+    torch's ``to_local(grad_placements=...)``): the block's gradient on each rank becomes that rank's block of a
+    gradient laid out so, e.g. ``[Partial()]`` where each rank's block feeds a different computation. None (Paddle
+    requires both): the tensor's own. Where a gradient can flow, the mesh must be the tensor's and the placements
+    must give every rank a block shaped as its block of the tensor, or every rank raises ValueError (Paddle makes a
+    gradient whose blocks do not fit its layout).
+    """
     if not isinstance(dist_tensor, DistTensor):
         raise ValueError(f"dtensor_to_local expects a dist tensor, got {type(dist_tensor).__name__}")
-    return to_local(dist_tensor)
+    if mesh is None and placements is None:
+        return to_local(dist_tensor)
+    own = dist_tensor.process_mesh
+    mesh = own if mesh is None else mesh
+    if not isinstance(mesh, ProcessMesh):
+        raise ValueError(f"dtensor_to_local: mesh must be a ProcessMesh (the gradient's), got {mesh!r}")
+    shape = tuple(dist_tensor.shape)
+    pl = dist_tensor.placements if placements is None else list(normalize_placements(shape, mesh, placements))
+    if not (dist_tensor.requires_grad and torch.is_grad_enabled()):
+        return to_local(dist_tensor)  # no gradient flows back: its layout is not used (Paddle's LocalLayer example)
+    if mesh != own:
+        raise ValueError(f"dtensor_to_local: the gradient's mesh {mesh} is not the tensor's {own}; a gradient lies "
+                         "on its tensor's mesh (dist.reshard moves the tensor first)")
+    misfit = _grad_misfit(shape, mesh, tuple(dist_tensor.placements), tuple(pl))
+    if misfit is not None:
+        rank, held, given = misfit
+        raise ValueError(f"dtensor_to_local: the gradient's placements {pl} give rank {rank} a block of shape "
+                         f"{given} of the global shape {list(shape)}, but its block of the tensor "
+                         f"({dist_tensor.placements}) has shape {held}: a rank's gradient is its block's")
+    return to_local(dist_tensor, mesh, pl)
+
+
+_misfits_of: dict = {}  # (shape, mesh, held placements, gradient placements) -> _grad_misfit's answer
+
+
+def _grad_misfit(shape: tuple, mesh: ProcessMesh, held: tuple, given: tuple) -> tuple | None:
+    """(rank, its block's shape, its gradient block's shape) for the first rank of ``mesh`` where the two layouts'
+    blocks differ in shape, or None. The same answer on every rank: no communication."""
+    if held == given:
+        return None
+    key = (shape, mesh.unique_id, held, given)
+    if key not in _misfits_of:
+        found = None
+        for coord in np.ndindex(*mesh.shape):
+            a, b = local_shape(shape, mesh, held, coord), local_shape(shape, mesh, given, coord)
+            if a != b:
+                found = (int(mesh.mesh[coord]), list(a), list(b))
+                break
+        if len(_misfits_of) >= 1024:
+            _misfits_of.clear()
+        _misfits_of[key] = found
+    return _misfits_of[key]
 
 
 def is_dist_tensor(t) -> bool:

@@ -67,17 +67,19 @@ class _FromLocal(torch.autograd.Function):
 
 class _ToLocal(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, t):
-        ctx.mesh, ctx.placements, ctx.shape = t.process_mesh, t.placements, t.shape
+    def forward(ctx, t, mesh, placements):
+        ctx.mesh, ctx.shape = t.process_mesh if mesh is None else mesh, t.shape
+        ctx.placements = t.placements if placements is None else list(placements)
         local = t._resolved()._local
         return local.view_as(local)
 
     @staticmethod
     def backward(ctx, grad):
         if grad is None:
-            return None
-        # the gradient of a block lies as the block did: a Partial input's gradient stays Partial (Paddle 3.3.1)
-        return make_dist(grad, ctx.mesh, ctx.placements, ctx.shape)
+            return None, None, None
+        # the gradient of a block lies as the caller says, by default as the block did: a Partial input's gradient
+        # stays Partial (Paddle 3.3.1)
+        return make_dist(grad, ctx.mesh, ctx.placements, ctx.shape), None, None
 
 
 _plans: dict = {}  # a plan is a pure, frozen function of its key: made once per layout pair
@@ -170,9 +172,10 @@ def from_local(local: torch.Tensor, mesh: ProcessMesh, placements, shape) -> Dis
     return _FromLocal.apply(local, mesh, placements, tuple(shape))
 
 
-def to_local(t: DistTensor) -> torch.Tensor:
-    """This rank's block of ``t`` (differentiable; its gradient lies as ``t`` does)."""
-    return _ToLocal.apply(t)
+def to_local(t: DistTensor, mesh: ProcessMesh | None = None, placements=None) -> torch.Tensor:
+    """This rank's block of ``t`` (differentiable; its gradient lies as ``t`` does, or with ``placements``: the
+    caller has checked they give each rank a block shaped as its block of ``t``, on ``t``'s mesh)."""
+    return _ToLocal.apply(t, mesh, placements)
 
 
 def unshard(t: DistTensor) -> torch.Tensor:

@@ -382,7 +382,8 @@ def test_strategy_defaults_and_merge():
 
     s = fleet.DistributedStrategy()
     h = s.hybrid_configs
-    assert h["dp_degree"] == -1 and h["mp_degree"] == 1 and h["order"] == ["dp", "pp", "sharding", "mp"]
+    assert h["dp_degree"] == -1 and h["mp_degree"] == 1
+    assert h["order"] == s.hybrid_parallel_order == ["dp", "pp", "sharding", "sep", "cp", "mp"]  # Paddle's default
     h["mp_degree"] = 4  # a copy, as in Paddle
     assert s.hybrid_configs["mp_degree"] == 1
     s.hybrid_configs = {"mp_degree": 2}

@@ -324,3 +324,48 @@ def test_strategy_takes_paddles_other_hybrid_configs_keys():
     assert s.hybrid_configs["split_norm_comm"] is True and s.hybrid_configs["moe_sharding_degree"] == 1
     with pytest.raises(ValueError, match="ep_degree.*only 1 is supported"):
         s.hybrid_configs = {"ep_degree": 2}
+
+
+def test_strategy_hybrid_parallel_order_is_paddles():
+    from meshviz.distributed import fleet
+
+    s = fleet.DistributedStrategy()
+    assert s.hybrid_parallel_order == ["dp", "pp", "sharding", "sep", "cp", "mp"]  # Paddle 3.3.1's default
+    s.hybrid_parallel_order = ("mp", "pp", "sharding", "sep", "cp", "dp")
+    assert s.hybrid_parallel_order == ["mp", "pp", "sharding", "sep", "cp", "dp"]
+    assert s.hybrid_configs["order"] == s.hybrid_parallel_order  # one setting: the topology's order
+    s.hybrid_configs = {"dp_degree": 2}  # no 'order': the attribute's stays
+    assert s.hybrid_parallel_order == ["mp", "pp", "sharding", "sep", "cp", "dp"]
+    s.hybrid_configs = {"mp_degree": 2, "order": ["mp", "dp", "pp", "sharding"]}  # as in Paddle, sets it
+    assert s.hybrid_parallel_order == ["mp", "dp", "pp", "sharding"]
+    for bad in (["dp", "mp"], ["dp", "dp", "pp", "sharding", "mp"], ["dp", "pp", "sharding", "mp", "ep"], "dp", 5):
+        with pytest.raises(ValueError, match=r"hybrid_parallel_order must order dp, pp, sharding, mp"):
+            s.hybrid_parallel_order = bad
+    assert s.hybrid_parallel_order == ["mp", "dp", "pp", "sharding"]
+
+
+def _init_with_order(order):
+    import meshviz.distributed as dist
+    from meshviz.distributed import fleet
+
+    dist.init_parallel_env()
+    s = fleet.DistributedStrategy()
+    s.hybrid_configs = {"mp_degree": 2}  # dp_degree -1 -> 2
+    if order is not None:
+        s.hybrid_parallel_order = order
+    fleet.init(is_collective=True, strategy=s)
+    h = fleet.get_hybrid_communicate_group()
+    return (list(h.topology().get_hybrid_group_names()), list(h.get_data_parallel_group().ranks),
+            list(h.get_model_parallel_group().ranks))
+
+
+@pytest.mark.timeout(120)
+def test_fleet_init_lays_ranks_out_in_hybrid_parallel_order():
+    # Paddle 3.3.1 (4 processes, dp 2, mp 2, this order): names [model, pipe, sharding, sep, context, data]; rank 1:
+    # dp group [0, 1], mp group [1, 3]; rank 3: [2, 3], [1, 3]
+    for r, got in enumerate(run_ranks(_init_with_order, 4, ["mp", "pp", "sharding", "sep", "cp", "dp"])):
+        assert got == (["model", "pipe", "sharding", "sep", "context", "data"], [r // 2 * 2, r // 2 * 2 + 1],
+                       [r % 2, r % 2 + 2])
+    for r, got in enumerate(run_ranks(_init_with_order, 4, None)):  # the default: mp innermost
+        assert got == (["data", "pipe", "sharding", "sep", "context", "model"], [r % 2, r % 2 + 2],
+                       [r // 2 * 2, r // 2 * 2 + 1])

@@ -12,7 +12,7 @@ _HYBRID_DEFAULTS = {
     "pp_degree": 1,
     "sharding_degree": 1,
     "sep_degree": 1,
-    "order": ["dp", "pp", "sharding", "mp"],
+    "order": ["dp", "pp", "sharding", "sep", "cp", "mp"],  # Paddle's hybrid_parallel_order
     "pp_configs": {},
     "mp_configs": {"need_broadcast_data": True},
     "dp_configs": {},
@@ -60,6 +60,16 @@ _PLAIN_DEFAULTS = {
     "use_hierarchical_allreduce": False, "sync_batch_norm": False, "lars": False, "lamb": False, "dgc": False,
     "localsgd": False, "heter_ccl_mode": False,
 }
+
+
+def _checked_order(name: str, order) -> list[str]:
+    """``order`` as a list, or ValueError unless it names dp, pp, sharding, mp (and optionally sep, cp) once each."""
+    names = list(order) if isinstance(order, (list, tuple)) else None
+    known = {"dp", "pp", "sharding", "mp", "sep", "cp"}
+    if (names is None or len(set(names)) != len(names) or not set(names) <= known
+            or not {"dp", "pp", "sharding", "mp"} <= set(names)):
+        raise ValueError(f"{name} must order dp, pp, sharding, mp (and optionally sep, cp) once each, got {order!r}")
+    return names
 
 
 def _merge(name: str, current: dict, update) -> dict:
@@ -125,13 +135,18 @@ class DistributedStrategy:
             if merged[k] not in (0, 1) or isinstance(merged[k], bool):
                 raise ValueError(f"hybrid_configs[{k!r}] = {merged[k]!r}: only 1 is supported (that parallelism "
                                  f"does not exist here)")
-        order = list(merged["order"])
-        known = {"dp", "pp", "sharding", "mp", "sep", "cp"}
-        if len(set(order)) != len(order) or not set(order) <= known or not {"dp", "pp", "sharding", "mp"} <= set(order):
-            raise ValueError(f"hybrid_configs['order'] must order dp, pp, sharding, mp (and optionally sep, cp) once "
-                             f"each, got {order}")
-        merged["order"] = order
+        merged["order"] = _checked_order("hybrid_configs['order']", merged["order"])
         self._hybrid = merged
+
+    @property
+    def hybrid_parallel_order(self) -> list[str]:
+        """The axes' order in ``fleet.init``'s topology, outermost first (Paddle's attribute; ``hybrid_configs``'
+        ``'order'`` sets it too)."""
+        return list(self._hybrid["order"])
+
+    @hybrid_parallel_order.setter
+    def hybrid_parallel_order(self, order):
+        self._hybrid["order"] = _checked_order("hybrid_parallel_order", order)
 
     @property
     def pipeline_configs(self) -> dict:
