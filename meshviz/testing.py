@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import shutil
@@ -33,6 +34,8 @@ def _entry(index, port, func, args, world, outdir, env, rank_envs=None):
         result = ("ok", func(*args), None)
     except BaseException as e:  # report every failure, with its traceback, to the parent
         result = ("error", f"{type(e).__name__}: {e}", traceback.format_exc())
+    if result[0] == "ok":
+        _leave_counts(os.path.join(outdir, f"rank{index}.status.json"))
     try:
         blob = pickle.dumps(result)
     except Exception as e:
@@ -48,6 +51,21 @@ def _entry(index, port, func, args, world, outdir, env, rank_envs=None):
     except Exception:
         pass
     os._exit(0)  # skip interpreter teardown: a peer may still hold sockets to us
+
+
+def _leave_counts(path: str) -> None:
+    """Leave this rank's roll-call answer as its function returned (the collectives it entered on each group) at
+    ``path``: it exits at once, and the parent's roll-call must tell a rank that passed the collective the others
+    wait in from one that never entered it."""
+    from .runtime import rollcall
+
+    rollcall.current().finish("its function returned")
+    try:
+        with open(path + ".tmp", "w") as fh:
+            json.dump(rollcall.snapshot().to_dict(), fh)
+        os.replace(path + ".tmp", path)
+    except (OSError, TypeError, ValueError):  # without it the rank is named as idle, with no counts
+        pass
 
 
 def run_ranks(func, nprocs: int, *args, timeout: float = 120.0, collective_timeout: float = 30.0,
@@ -91,7 +109,8 @@ def run_ranks(func, nprocs: int, *args, timeout: float = 120.0, collective_timeo
     try:
         job = procs.submit(partial(_entry, port=procs.port, func=func, args=args, world=nprocs, outdir=outdir,
                                    env=envd, rank_envs=rank_envs),
-                           read_reports=partial(_read_results, outdir, nprocs), stop_on_failure=False)
+                           read_reports=partial(_read_results, outdir, nprocs),
+                           read_returned=partial(_read_returned, outdir, nprocs), stop_on_failure=False)
         job.wait(timeout)
         job.end_running()
         err = job.error()
@@ -118,3 +137,18 @@ def _read_results(outdir: str, nprocs: int) -> tuple[dict, dict]:
         else:
             values[r] = value
     return reports, values
+
+
+def _read_returned(outdir: str, nprocs: int) -> dict:
+    """rank -> the roll-call answer (:class:`~meshviz.trace.status.RankStatus`) each rank whose function returned
+    left in ``outdir``."""
+    from .trace.status import RankStatus
+
+    out = {}
+    for r in range(nprocs):
+        try:
+            with open(os.path.join(outdir, f"rank{r}.status.json")) as fh:
+                out[r] = RankStatus.from_dict({**json.load(fh), "rank": r})
+        except (OSError, ValueError, TypeError):
+            continue
+    return out

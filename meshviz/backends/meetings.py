@@ -57,7 +57,7 @@ class _InProcessGroup(tdist.ProcessGroup):
 class _Meeting:
     """One collective call of one group: what each member brought; the last to arrive does the work."""
 
-    __slots__ = ("op", "ranks", "data", "here", "arrived", "done", "error", "what")
+    __slots__ = ("op", "ranks", "data", "here", "arrived", "done", "error", "what", "differ")
 
     def __init__(self, op: str, ranks: list[int], what: str):
         self.op = op
@@ -68,6 +68,7 @@ class _Meeting:
         self.done = False
         self.error: BaseException | None = None
         self.what = what
+        self.differ = False  # the members called it with different dtypes, shapes, reduce ops or roots
 
 
 class _Recv:

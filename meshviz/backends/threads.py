@@ -48,6 +48,7 @@ _C10D_OPS = {
     "all_to_all_single": "alltoall_base_", "barrier": "barrier", "send": "send", "recv": "recv_",
     "recv_any": "recv_any_source_",
 }
+_SHAPED = frozenset({"all_reduce", "all_reduce_coalesced", "broadcast", "reduce"})  # members' shapes must match too
 
 
 def observers() -> list:
@@ -102,8 +103,11 @@ class ThreadComms:
     """What every thread group of one world shares: meetings in progress, mailboxes of sends nobody received yet,
     receives posted before their send, the ranks failed this round; the scheduler calls :meth:`reset` between rounds."""
 
-    def __init__(self, scheduler: Scheduler):
+    def __init__(self, scheduler: Scheduler, mismatch: Callable):
         self.sched = scheduler
+        # (group, op, calls) -> what each member raises where they called one collective differently (the
+        # runtime's CollectiveMismatch; ``calls``: rank -> (reduce op, root, shapes, dtypes, what must agree))
+        self.mismatch = mismatch
         self.meetings: dict = {}
         self.mail: dict = collections.defaultdict(collections.deque)
         self.posted: dict = collections.defaultdict(collections.deque)
@@ -173,6 +177,14 @@ class ThreadComms:
         self.dirty = True
 
 
+def _mismatch(m: _Meeting, group: list[int], make: Callable) -> BaseException:
+    """The error a member of meeting ``m`` raises: its members called the same collective differently."""
+    calls = {r: (str(getattr(getattr(rop, "op", rop), "name", rop)).lower(), None if root is None else group[root],
+                 [tuple(t.shape) for t in ts], [str(t.dtype).removeprefix("torch.") for t in ts], (key, rop, root))
+             for r, (_, (key, rop, root), ts, _) in zip(m.ranks, m.data)}
+    return make(group, m.data[0][3], calls)
+
+
 # -- the process group -------------------------------------------------------------------------------------------
 
 @eager_methods  # run eagerly under torch.compile
@@ -192,13 +204,17 @@ class ThreadGroup(_InProcessGroup):
         comms.groups.add(self)
 
     # -- the meeting -----------------------------------------------------------------------------------------
-    def _meet(self, op: str, data, work: Callable[[list], None], result=()) -> _Work:
+    def _meet(self, op: str, data, work: Callable[[list], None], result=(), shown=None, rop=None, root=None) -> _Work:
+        """Meet the other members in call ``op``: unless every member's ``shown`` tensors (default: ``result``) have
+        the same dtypes (and shapes, where reduced or broadcast), reduce op and root, each raises CollectiveMismatch."""
+        shown = result if shown is None else shown
+        sig = (tuple([(t.dtype, t.shape) for t in shown] if op in _SHAPED else [t.dtype for t in shown]), rop, root)
         calls = _state().calls
         name = op.replace("gather_single", "gather_into_tensor").replace("scatter_single", "scatter_tensor")  # torch's
         with contextlib.nullcontext() if calls is None else calls(name, tuple(self.ranks), list(result)):
-            return self._meet_now(op, data, work, result)
+            return self._meet_now(op, (data, sig, shown, name), work, result)
 
-    def _meet_now(self, op: str, data, work: Callable[[list], None], result=()) -> _Work:
+    def _meet_now(self, op: str, brought, work: Callable[[list], None], result=()) -> _Work:
         c = self.comms
         with c.sched.lock:
             c.check(self.me)
@@ -215,19 +231,22 @@ class ThreadGroup(_InProcessGroup):
                                   f"{op}, rank {other} called {m.op}")
                 c.fail_meeting(key, m, err)
                 raise err
-            m.data[self._group_rank] = data
+            m.data[self._group_rank] = brought  # (its data, what every member's must share, its tensors, torch's op)
             m.here[self._group_rank] = True
             m.arrived += 1
             gone = c.gone(m.ranks)
-            if gone is not None:
-                err = RankStopped(f"{gone}; it will not join {what}")
+            err = RankStopped(f"{gone}; it will not join {what}") if gone is not None else None
+            if err is None and m.arrived == len(m.ranks) and any(b[1] != brought[1] for b in m.data):
+                m.differ = True  # the same call, made differently: before any data moves
+                err = _mismatch(m, self.ranks, c.mismatch)
+            if err is not None:
                 c.fail_meeting(key, m, err)
                 raise err
             if m.arrived == len(m.ranks):
                 del c.meetings[key]
                 try:
                     with torch.no_grad(), compat.no_dispatch_modes():
-                        work(m.data)
+                        work([b[0] for b in m.data])
                 except Exception as e:
                     m.error = e
                 m.done = True
@@ -242,13 +261,15 @@ class ThreadGroup(_InProcessGroup):
                               f"{', '.join(str(r) for r, h in zip(m.ranks, m.here) if not h)})")
             if isinstance(m.error, RankStopped):  # one object per rank: its traceback is this rank's alone
                 raise RankStopped(str(m.error), m.error.own)
+            if m.differ:  # made on this rank: its own roll-call record numbers the collective
+                raise _mismatch(m, self.ranks, c.mismatch)
             if m.error is not None:
                 raise RuntimeError(f"{what} failed: {m.error}")
         _show(op, result)
         return _Work(result)
 
     # -- collectives -----------------------------------------------------------------------------------------
-    def _all_reduce(self, op: str, tensors, opts) -> _Work:
+    def allreduce(self, tensors, opts=None, op: str = "all_reduce"):
         rop = opts.reduceOp if opts is not None else tdist.ReduceOp.SUM
 
         def work(data):
@@ -257,13 +278,10 @@ class ThreadGroup(_InProcessGroup):
                 for d in data:
                     _put(d[i], acc)
 
-        return self._meet(op, list(tensors), work, tensors)
-
-    def allreduce(self, tensors, opts=None):
-        return self._all_reduce("all_reduce", tensors, opts)
+        return self._meet(op, list(tensors), work, tensors, rop=rop)
 
     def allreduce_coalesced(self, tensors, opts=None):
-        return self._all_reduce("all_reduce_coalesced", tensors, opts)
+        return self.allreduce(tensors, opts, "all_reduce_coalesced")
 
     def broadcast(self, tensors, opts=None):
         root = opts.rootRank if opts is not None else 0
@@ -274,7 +292,7 @@ class ThreadGroup(_InProcessGroup):
                     if r != root:
                         _put(d[i], src)
 
-        return self._meet("broadcast", list(tensors), work, tensors)
+        return self._meet("broadcast", list(tensors), work, tensors, root=root)
 
     def reduce(self, tensors, opts=None):
         root = opts.rootRank if opts is not None else 0
@@ -284,45 +302,33 @@ class ThreadGroup(_InProcessGroup):
             for i in range(len(data[0])):
                 _put(data[root][i], _reduce([d[i] for d in data], rop))
 
-        return self._meet("reduce", list(tensors), work, tensors)
+        return self._meet("reduce", list(tensors), work, tensors, rop=rop, root=root)
 
-    def allgather(self, outputs, inputs, opts=None):
+    def allgather(self, outputs, inputs, opts=None, op: str = "all_gather"):
         def work(data):
             for outs, _ in data:
                 for j in range(len(outs)):
                     for src, (_, ins) in enumerate(data):
                         _put(outs[j][src], ins[j])
 
-        return self._meet("all_gather", (outputs, inputs), work, [t for o in outputs for t in o])
+        return self._meet(op, (outputs, inputs), work, [t for o in outputs for t in o], inputs)
 
     def allgather_coalesced(self, outputs, inputs, opts=None):
-        def work(data):
-            for outs, _ in data:
-                for j in range(len(outs)):
-                    for src, (_, ins) in enumerate(data):
-                        _put(outs[j][src], ins[j])
+        return self.allgather(outputs, inputs, opts, "all_gather_coalesced")
 
-        return self._meet("all_gather_coalesced", (outputs, inputs), work, [t for o in outputs for t in o])
-
-    def all_gather_single(self, output, input, opts=None):
-        def work(data):
-            ins = [i for _, i in data]
-            for out, _ in data:
-                _put(out, torch.cat([i.reshape(-1) for i in ins]).reshape(out.shape))
-
-        return self._meet("all_gather_single", (output, input), work, [output])
-
-    _allgather_base = all_gather_single
-
-    def all_gather_single_coalesced(self, outputs, inputs, opts=None):
+    def all_gather_single_coalesced(self, outputs, inputs, opts=None, op: str = "all_gather_single_coalesced"):
         def work(data):
             for j in range(len(data[0][0])):
                 cat = torch.cat([ins[j].reshape(-1) for _, ins in data])
                 for outs, _ in data:
                     _put(outs[j], cat.reshape(outs[j].shape))
 
-        return self._meet("all_gather_single_coalesced", (outputs, inputs), work, outputs)
+        return self._meet(op, (outputs, inputs), work, outputs, inputs)
 
+    def all_gather_single(self, output, input, opts=None):
+        return self.all_gather_single_coalesced([output], [input], opts, "all_gather_single")
+
+    _allgather_base = all_gather_single
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
     def gather(self, outputs, inputs, opts=None):
@@ -333,7 +339,7 @@ class ThreadGroup(_InProcessGroup):
             for src, (_, ins) in enumerate(data):
                 _put(outs[src], ins[0])
 
-        return self._meet("gather", (outputs, inputs), work, [t for o in outputs for t in o])
+        return self._meet("gather", (outputs, inputs), work, [t for o in outputs for t in o], inputs, root=root)
 
     def scatter(self, outputs, inputs, opts=None):
         root = opts.rootRank if opts is not None else 0
@@ -343,7 +349,7 @@ class ThreadGroup(_InProcessGroup):
             for r, (outs, _) in enumerate(data):
                 _put(outs[0], pieces[r])
 
-        return self._meet("scatter", (outputs, inputs), work, outputs)
+        return self._meet("scatter", (outputs, inputs), work, outputs, root=root)
 
     def reduce_scatter(self, outputs, inputs, opts=None):
         rop = opts.reduceOp if opts is not None else tdist.ReduceOp.SUM
@@ -353,22 +359,9 @@ class ThreadGroup(_InProcessGroup):
                 for r, (outs, _) in enumerate(data):
                     _put(outs[j], _reduce([ins[j][r] for _, ins in data], rop))
 
-        return self._meet("reduce_scatter", (outputs, inputs), work, outputs)
+        return self._meet("reduce_scatter", (outputs, inputs), work, outputs, rop=rop)
 
-    def reduce_scatter_single(self, output, input, opts=None):
-        rop = opts.reduceOp if opts is not None else tdist.ReduceOp.SUM
-        n = self._size
-
-        def work(data):
-            total = _reduce([i.reshape(n, -1) for _, i in data], rop)
-            for r, (out, _) in enumerate(data):
-                _put(out, total[r].reshape(out.shape))
-
-        return self._meet("reduce_scatter_single", (output, input), work, [output])
-
-    _reduce_scatter_base = reduce_scatter_single
-
-    def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
+    def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None, op: str = "reduce_scatter_single_coalesced"):
         rop = opts.reduceOp if opts is not None else tdist.ReduceOp.SUM
         n = self._size
 
@@ -378,8 +371,12 @@ class ThreadGroup(_InProcessGroup):
                 for r, (outs, _) in enumerate(data):
                     _put(outs[j], total[r].reshape(outs[j].shape))
 
-        return self._meet("reduce_scatter_single_coalesced", (outputs, inputs), work, outputs)
+        return self._meet(op, (outputs, inputs), work, outputs, inputs, rop=rop)
 
+    def reduce_scatter_single(self, output, input, opts=None):
+        return self.reduce_scatter_single_coalesced([output], [input], opts, "reduce_scatter_single")
+
+    _reduce_scatter_base = reduce_scatter_single
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
     def alltoall(self, outputs, inputs, opts=None):
@@ -388,7 +385,7 @@ class ThreadGroup(_InProcessGroup):
                 for src, (_, ins) in enumerate(data):
                     _put(outs[src], ins[dst])
 
-        return self._meet("all_to_all", (outputs, inputs), work, outputs)
+        return self._meet("all_to_all", (outputs, inputs), work, outputs, inputs)
 
     def all_to_all_single(self, output, input, output_split_sizes=None, input_split_sizes=None, opts=None):
         n = self._size
@@ -400,7 +397,8 @@ class ThreadGroup(_InProcessGroup):
                 for src in range(n):
                     _put(outs[src], ins[src][dst])
 
-        return self._meet("all_to_all_single", (output, input, output_split_sizes, input_split_sizes), work, [output])
+        return self._meet("all_to_all_single", (output, input, output_split_sizes, input_split_sizes), work, [output],
+                          [input])
 
     alltoall_base = all_to_all_single
 

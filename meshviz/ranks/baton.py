@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from .. import rank_context
 from ..backends.threads import RankStopped, ThreadComms
+from ..runtime.match import called_differently
 
 __all__ = ["Baton", "here", "set_here"]
 
@@ -74,7 +75,7 @@ class Baton:
         self._interrupted = False
         self._idents: dict[int, int] = {}
         self._gens = gens
-        self.comms = ThreadComms(self)
+        self.comms = ThreadComms(self, called_differently)
         self.on_deadlock = None  # called as a deadlock (or the first collective timeout) is found, before a stop
         self.deadlock = None  # what on_deadlock gave
 

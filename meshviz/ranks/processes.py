@@ -72,6 +72,7 @@ class RankProcesses:
         self._waits = 0
         self.ended: dict[int, str] = {}  # rank -> how terminate() ended it (its why), not by itself
         self._arrived: list[bool] | None = None  # who reached the rendezvous, kept when the store closes
+        self._read_returned = None  # () -> rank -> the RankStatus a rank left as its function returned
 
     # -- the Runner contract -------------------------------------------------------------------------------------
     def start(self) -> "RankProcesses":
@@ -81,11 +82,14 @@ class RankProcesses:
             self.port = self._reservation.port
         return self
 
-    def submit(self, fn, ranks=None, *, read_reports=None, stop_on_failure: bool = True) -> "SpawnContext":
+    def submit(self, fn, ranks=None, *, read_reports=None, read_returned=None,
+               stop_on_failure: bool = True) -> "SpawnContext":
         """Start the processes, each calling ``fn(rank)`` (picklable unless the start method is ``"fork"``);
         returns the job. ``read_reports()`` gives (rank -> (summary, traceback, when) for the ranks that raised,
-        rank -> value or None) once they ended (default: torch's error files, no values); ``stop_on_failure``:
-        end the others as soon as one exits with an error."""
+        rank -> value or None) once they ended (default: torch's error files, no values); ``read_returned()``:
+        rank -> the :class:`RankStatus` a rank left as its function returned (its collective counts), for ranks
+        that exit at once rather than answer the roll-call; ``stop_on_failure``: end the others as soon as one
+        exits with an error."""
         if ranks is not None and sorted(int(r) for r in ranks) != list(range(self.n)):
             raise ValueError(f"RankProcesses runs its function on every rank 0..{self.n - 1}, not {list(ranks)}")
         if self._ctx is not None:
@@ -114,6 +118,7 @@ class RankProcesses:
 
             self.host = RollCallHost(rendezvous.LOOPBACK, self.port, self.n, self.hang_after,
                                      dead=self.exited).start()
+        self._read_returned = read_returned
         self.job = SpawnContext(self, read_reports or self.torch_reports, stop_on_failure)
         return self.job
 
@@ -151,7 +156,8 @@ class RankProcesses:
 
     def relabel(self, rc):
         """``rc`` with each rank whose process exited with code 0 shown as what it did: in the collective it failed
-        in, idle (its function returned), or dead (it raised), from what the job's ranks left; a rank that left
+        in, idle (its function returned, with the collectives it entered when it left them, so that it shows as
+        having passed the ones it did), or dead (it raised), from what the job's ranks left; a rank that left
         nothing stays dead."""
         if rc is None or self.job is None:
             return rc
@@ -161,6 +167,7 @@ class RankProcesses:
         reports, returned = self.job.left()
         late = self.host.failed() if self.host is not None else {}  # ranks that failed while it was taken
         refused = self.host.refused() if self.host is not None else {}  # calls they refused and went on
+        counts = self._read_returned() if self._read_returned is not None else {}
         over = []
         for r in sorted(clean):
             if r in late:
@@ -168,7 +175,9 @@ class RankProcesses:
             elif r in reports:
                 over.append(RankStatus(r, "dead", note=f"it raised {reports[r][0]}"[:300]))
             elif r in returned:
-                over.append(RankStatus(r, "idle", note="its function returned", **refused.get(r, {})))
+                c = counts.get(r)
+                kept = {"entered": c.entered, "refused": c.refused, "refused_entered": c.refused_entered} if c else {}
+                over.append(RankStatus(r, "idle", note="its function returned", **{**kept, **refused.get(r, {})}))
         return rc.merged(over) if over else rc
 
     @property

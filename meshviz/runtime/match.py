@@ -18,9 +18,12 @@ import zlib
 import torch
 
 from .. import rank_context
+from ..trace import status
 from ..trace.status import SHAPED_OPS, RankStatus, RollCall, name_ranks
+from . import rollcall
 
-__all__ = ["CollectiveMismatch", "checking", "set_checking", "check_match", "fingerprint", "called_as"]
+__all__ = ["CollectiveMismatch", "checking", "set_checking", "check_match", "fingerprint", "called_as",
+           "called_differently"]
 
 _SLOTS = 16
 _MAX_DIMS = 6
@@ -53,6 +56,17 @@ class MatchState:
 
 
 MATCH = rank_context.slot("match", MatchState)
+
+
+def called_differently(group, op: str, calls: dict) -> CollectiveMismatch:
+    """The members of ``group`` called collective ``op`` with different dtypes, shapes, reduce ops or roots
+    (``calls``: rank -> (reduce op, root, shapes, dtypes, what must agree)): the error each raises, numbered and
+    named as the calling rank's roll-call knows the collective where meshviz issued it (the thread ranks' group
+    compares the calls as they meet)."""
+    rec = rollcall.current()
+    ours = rec.op is not None and sorted(rec.group or ()) == sorted(group)
+    seq, name = (rec.seq, rec.op) if ours else (None, op)
+    return CollectiveMismatch(*status.called_differently(group, seq, name, calls))
 
 
 def _state() -> MatchState:

@@ -7,7 +7,8 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["STATES", "RankStatus", "RollCall", "Situation", "describe", "name_ranks", "SHAPED_OPS"]
+__all__ = ["STATES", "RankStatus", "RollCall", "Situation", "describe", "name_ranks", "SHAPED_OPS",
+           "called_differently"]
 
 STATES = ("idle", "running", "in_collective", "dead", "unknown")
 
@@ -237,6 +238,27 @@ def _now(rank: int, how: str, what, name) -> str:
         return f"rank {rank} is running at {what or 'an unknown place'}" + (
             f": it never entered {name}" if name else "")
     return f"rank {rank} did not answer the roll-call"
+
+
+def called_differently(group, seq, op: str, calls: dict) -> tuple[str, list[int]]:
+    """The members of collective ``op`` #``seq`` (None: not known) on ``group`` called it with arguments that differ
+    where every member's must agree: the line naming each one's, as the gloo match check words it, and the ranks
+    whose call differs from the most common one (all when none is). ``calls``: rank -> (reduce op or None, root or
+    None, shapes, dtypes, key), the reduce op and root named where they differ, ``key`` what must agree."""
+    rows = list(calls.values())
+    reduces, roots = (len({row[i] for row in rows}) > 1 for i in (0, 1))
+    entered = []
+    for r, (rop, root, shapes, dtypes, _) in sorted(calls.items()):
+        sig = RankStatus(r, "idle", shapes=tuple(shapes), dtypes=tuple(dtypes)).signature()
+        name = op + (f"({rop})" if reduces else "") + (
+            f"({'dst' if op.startswith(('reduce', 'gather')) else 'src'}={root})" if roots else "")
+        entered.append(f"rank {r} entered {name} {sig}".rstrip() if reduces or roots else
+                       f"rank {r} entered {name} with {sig}")
+    keys = [row[4] for row in rows]
+    most = max(keys.count(k) for k in keys)
+    tops = [k for i, k in enumerate(keys) if keys.count(k) == most and keys.index(k) == i]
+    odd = [r for r, row in sorted(calls.items()) if len(tops) > 1 or row[4] != tops[0]]
+    return f"mismatch at {f'#{seq} on ' if seq is not None else ''}group {list(group)}: " + "; ".join(entered), odd
 
 
 class RollCall(Sequence):

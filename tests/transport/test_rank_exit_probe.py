@@ -64,6 +64,41 @@ def test_run_ranks_names_the_rank_that_returned_not_the_peer_whose_connection_it
     assert took < 20, f"named after {took:.1f} s: the 20 s collective timeout ran out"
 
 
+def _sizes(twice):
+    dist.init_parallel_env()
+    r = dist.get_rank()
+    if twice and r == 0:
+        dist.all_reduce(torch.ones(2))  # a collective both ranks pass alike, then rank 0 returns early
+        return "returned"
+    if twice:
+        dist.all_reduce(torch.ones(2))
+    t = torch.ones(2 + r)  # sizes differ: gloo may end one side's call, not the other's
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def test_run_ranks_names_a_rank_that_passed_a_mismatched_collective_not_one_that_never_entered():
+    """One side's call ended (gloo paired calls of different sizes), its function returned and its process exited
+    at once: the error says it passed the collective and is done, as spawn's does, not that it never entered it
+    (it had left no counts for the roll-call)."""
+    err, took = _error(_sizes, 2, False)
+    (done,) = err.ranks
+    assert str(err).startswith(f"rank {done} passed all_reduce #1 on group [0, 1] without the ranks still in it and "
+                               "is done (its function returned): its call was paired with another (a different "
+                               "size?)"), str(err)
+    assert "never entered" not in str(err), str(err)
+    assert err.outcomes[done].status == "ok" and err.outcomes[1 - done].status == "error"
+    assert took < 20, took
+
+
+def test_run_ranks_names_a_returned_rank_by_the_collectives_it_entered():
+    """Rank 0 entered all_reduce #1 and returned: rank 1, waiting in #2, is told rank 0 never entered that one."""
+    err, _ = _error(_sizes, 2, True)
+    assert err.ranks == [0], str(err)
+    assert str(err).startswith("rank 0 never entered all_reduce #2 on group [0, 1] (idle: its function returned); "
+                               "rank 1 waited in all_reduce #2"), str(err)
+
+
 @pytest.mark.parametrize("how, text", [("raise", "rank 1 raised ValueError: failing on purpose"),
                                        ("exit", "rank 1 died (exit code 3)"),
                                        ("kill", "rank 1 died (killed by SIGKILL)")])
