@@ -133,7 +133,7 @@ class LossScaler:
                 self._good = 0
                 self._bad += 1
                 if self._bad == self._decr_every:
-                    self._scale *= self._decr
+                    self._scale = max(self._scale * self._decr, 1.0)  # Paddle's update_loss_scaling: never below 1
                     self._bad = 0
             else:
                 self._bad = 0

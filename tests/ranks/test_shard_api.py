@@ -264,6 +264,32 @@ def test_shard_scaler_unscales_and_skips_together():
         assert scale == 2.0**14
 
 
+def overflowing_scales(steps):
+    import meshviz.distributed as dist
+
+    dist.init_parallel_env()
+    mesh = dist.ProcessMesh([0, 1], dim_names=["x"])
+    p = dist.shard_tensor(torch.nn.Parameter(torch.ones(2)), mesh, [dist.Replicate()])
+    opt = dist.shard_optimizer(torch.optim.SGD([p], lr=0.1))
+    scaler = dist.shard_scaler()  # 2**15, halved after each overflowing step
+    scales = []
+    for _ in range(steps):
+        scaler.scale((p * float("inf")).sum()).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        scales.append(scaler.loss_scaling)
+    return scales, dist.unshard_dtensor(p).detach()
+
+
+def test_shard_scalers_scale_never_falls_below_one():
+    # Paddle's update_loss_scaling: prev * decr_ratio, made 1 where that is below 1
+    want = [max(2.0**15 * 0.5**k, 1.0) for k in range(1, 19)]
+    for scales, p in run_ranks(overflowing_scales, 2, 18, timeout=90):
+        assert scales == want and scales[-4:] == [1.0] * 4
+        torch.testing.assert_close(p, torch.ones(2))  # every step skipped
+
+
 # -- optimizer sharding where Paddle puts it ----------------------------------------------------------------
 
 
