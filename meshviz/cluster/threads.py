@@ -6,6 +6,7 @@ import ast
 import builtins
 import collections
 import contextlib
+import dataclasses
 import itertools
 import linecache
 import threading
@@ -367,10 +368,15 @@ class Threads:
         elif kind == "status":
             from ..runtime import rollcall
 
+            turns = self.world.turn_waits() if self.world is not None else {}
             for r in self.ranks:
                 rec = self._records.get(r)
                 status = rollcall.snapshot(rec, bool(msg.get("stacks"))) if rec is not None else \
                     RankStatus(r, "idle", note="no cell ran yet")
+                if r in turns and status.state in ("idle", "running"):  # its cell waits for the turn to go on
+                    status = dataclasses.replace(status, state="running", note=None, turn=turns[r][0],
+                                                 waiting_s=round(turns[r][1], 3),
+                                                 where=status.where if status.state == "running" else None)
                 self.control.on_control({"type": "status", "id": msg.get("id"), "rank": r,
                                          "status": status.to_dict()})
 

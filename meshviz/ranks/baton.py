@@ -66,6 +66,7 @@ class Baton:
         self.holder: int | None = None
         self._last = n - 1
         self._runnable: set[int] = set()
+        self._queued: dict[int, float] = {}  # rank -> since when it is ready and waits for the baton
         self._blocked: dict[int, str] = {}  # rank -> what it waits for
         self._away: set[int] = set()  # sleeping, baton handed on
         self._naps = [threading.Event() for _ in range(n)]
@@ -111,13 +112,13 @@ class Baton:
     def wake(self, rank: int) -> None:
         """A blocked rank may go on: it is ready for the baton (call with the lock)."""
         if self._blocked.pop(rank, None) is not None:
-            self._runnable.add(rank)
+            self._ready(rank)
             self._grant()
 
     # -- taking and handing on -------------------------------------------------------------------------------
     def _enter(self, rank: int) -> None:
         with self.lock:
-            self._runnable.add(rank)
+            self._ready(rank)
             self._grant()
             self._await_turn(rank)
 
@@ -127,6 +128,7 @@ class Baton:
             self._pending[rank] -= 1
             # a rank between jobs neither waits nor sleeps, whatever a stray interrupt left half done
             self._runnable.discard(rank)
+            self._queued.pop(rank, None)
             self._away.discard(rank)
             self._blocked.pop(rank, None)
             if self.holder == rank:
@@ -142,9 +144,14 @@ class Baton:
             return
         nxt = min(self._runnable, key=lambda r: (r - self._last - 1) % self.n)
         self._runnable.discard(nxt)
+        self._queued.pop(nxt, None)
         self.holder = self._last = nxt
         self._gens.switch(nxt)
         self._turn[nxt].notify()
+
+    def _ready(self, rank: int) -> None:
+        self._runnable.add(rank)
+        self._queued.setdefault(rank, time.monotonic())
 
     def _await_turn(self, rank: int) -> None:
         while self.holder != rank:
@@ -173,7 +180,7 @@ class Baton:
         finally:
             with self.lock:
                 self._away.discard(rank)
-                self._runnable.add(rank)
+                self._ready(rank)
                 self._grant()
                 self._await_turn(rank)
 
@@ -233,3 +240,11 @@ class Baton:
         """rank -> what it waits for, now."""
         with self.lock:
             return dict(self._blocked)
+
+    def turn_waits(self) -> dict[int, tuple[int, float]]:
+        """rank -> (the rank that holds the baton, seconds waited) for each rank with work waiting for its turn."""
+        with self.lock:
+            holder, now = self.holder, time.monotonic()
+            if holder is None:
+                return {}
+            return {r: (holder, now - t) for r, t in self._queued.items() if r != holder and self._pending[r]}

@@ -30,6 +30,8 @@ class RankStatus:
     ``note``: why it is idle or dead, or what kind of wait it is ("DataParallel gradients").
     ``stack``: the rank's Python stack, when asked for. ``refused``: the last call the rank refused and went on
     (``"broadcast (ValueError: ...) at line 4 of the cell"``), ``refused_entered``: its ``entered`` then.
+    ``turn``: ranks as threads take turns; a ``"running"`` rank whose cell waits for its turn (to start, or to go on
+    after a wait) names the rank that holds it, ``waiting_s`` how long it waited.
     """
 
     rank: int
@@ -48,6 +50,7 @@ class RankStatus:
     stack: str | None = None
     refused: str | None = None
     refused_entered: tuple = ()
+    turn: int | None = None
 
     def __post_init__(self):
         if self.state not in STATES:
@@ -109,6 +112,8 @@ class RankStatus:
                 text += f" ({self.note})"
         elif self.state == "dead":
             text = "dead" + (f" ({self.note})" if self.note else "")
+        elif self.state == "running" and self.turn is not None:
+            text = f"waiting for its turn for {self.waiting_s or 0.0:.1f} s (rank {self.turn} keeps it)"
         elif self.state == "running":
             text = "running"
         elif self.state == "idle":
@@ -306,8 +311,12 @@ class RollCall(Sequence):
         """Ranks inside a collective for at least ``after`` seconds."""
         return [s for s in self.statuses if s.state == "in_collective" and (s.waiting_s or 0.0) >= after]
 
+    def held_back(self, after: float = 0.0) -> list[RankStatus]:
+        """Ranks as threads waiting for their turn for at least ``after`` seconds (another rank keeps it)."""
+        return [s for s in self.statuses if s.turn is not None and (s.waiting_s or 0.0) >= after]
+
     def hung(self, after: float) -> bool:
-        return bool(self.waiting(after))
+        return bool(self.waiting(after) or self.held_back(after))
 
     def situations(self) -> list[Situation]:
         """One Situation per collective some rank is inside (with a known group), in order of its lowest rank."""
@@ -369,8 +378,17 @@ class RollCall(Sequence):
         return sorted(out)
 
     def lines(self) -> list[str]:
-        """One line per situation (a hang, a mismatch, a dead rank); ``[]`` when nothing is wrong."""
-        return [x.line() for x in self.situations()]
+        """One line per situation (a hang, a mismatch, a dead rank, ranks as threads waiting for the turn another
+        keeps); ``[]`` when nothing is wrong."""
+        by = self.by_rank()
+        turns: dict[int | None, list[RankStatus]] = {}  # holder -> the ranks waiting for their turn
+        for s in self.held_back():
+            turns.setdefault(s.turn, []).append(s)
+        held = [f"{name_ranks([s.rank for s in ss])} wait{'s' if len(ss) == 1 else ''} for the turn for "
+                f"{max(s.waiting_s or 0.0 for s in ss):.1f} s; rank {h} keeps it" + (
+                    f", running at {by[h].where}" if h in by and by[h].where else "")
+                + " (ranks as threads take turns)" for h, ss in sorted(turns.items())]
+        return [x.line() for x in self.situations()] + held
 
     def blame(self) -> list[str]:
         """The lines an error shows: who never entered (and where it is), who waited."""
@@ -401,4 +419,6 @@ def _absent(s: RankStatus | None, group, seq):
         return None
     if s.state == "idle":
         return ("idle", s.note)
+    if s.turn is not None:
+        return ("running", f"{s.where or 'the start of its cell'}, waiting for its turn (rank {s.turn} keeps it)")
     return ("running", s.where)
