@@ -147,6 +147,7 @@ class HangWatch:
 
     def close(self, ok: bool) -> None:
         if self.display is not None and self.shown and ok:
-            waited = self.shown[-1].waiting()
-            what = waited[0].collective if waited else "a collective"
-            self.display.close(f"the wait in {what} ended; every rank went on")
+            last = self.shown[-1]
+            waited = last.waiting()
+            what = f"in {waited[0].collective}" if waited else "for the turn" if last.held_back() else "in a collective"
+            self.display.close(f"the wait {what} ended; every rank went on")

@@ -65,3 +65,18 @@ def test_a_waiting_for_the_turn_status_reads_and_round_trips():
     assert rc.lines() == ["rank 0 waits for the turn for 3.0 s; rank 2 keeps it, running at line 3 of the cell "
                           "(ranks as threads take turns)"]
     assert s.line() == "rank 0: waiting for its turn for 3.0 s (rank 2 keeps it)"
+
+
+def test_a_shown_wait_for_the_turn_closes_as_one():
+    from meshviz.cluster.hangs import HangWatch
+
+    class Display:
+        def close(self, text):
+            self.text = text
+
+    watch = HangWatch(None, 1.5)
+    watch.display = Display()
+    watch.shown = [RollCall([RankStatus(0, "running", waiting_s=3.0, turn=1),
+                             RankStatus(1, "running", where="line 8 of the cell")])]
+    watch.close(True)
+    assert watch.display.text == "the wait for the turn ended; every rank went on"
