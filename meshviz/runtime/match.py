@@ -157,10 +157,9 @@ def _status(rank: int, op: str, fp: list[int], reduce: bool = False, root: bool 
         d = fp[3]
         dtypes = (_DTYPES[d] if d < len(_DTYPES) else f"dtype#{d}",) + (("",) if n > 1 else ())
     name = _OPS[fp[1]] if fp[1] < len(_OPS) else (op if fp[1] == _code(op, _OPS) else f"op#{fp[1]}")
-    if reduce and fp[14] >= 0:  # the reduce op is named where it is what differs
-        name += f"({_REDUCES[fp[14]] if fp[14] < len(_REDUCES) else f'op#{fp[14]}'})"
-    if root and fp[13] >= 0:  # so is the root (broadcast's src, reduce's dst)
-        name += f"({'dst' if name.startswith(('reduce', 'gather')) else 'src'}={fp[13]})"
+    # the reduce op and the root (broadcast's src, reduce's dst) are named where they are what differs
+    rop = (_REDUCES[fp[14]] if fp[14] < len(_REDUCES) else f"op#{fp[14]}") if reduce and fp[14] >= 0 else None
+    name = status.call_name(name, rop, fp[13] if root and fp[13] >= 0 else None)
     return RankStatus(rank=rank, state="in_collective", op=name, seq=fp[0], shapes=shapes, dtypes=dtypes)
 
 
@@ -193,13 +192,7 @@ def check_match(g, op: str, seq: int, tensors=(), root=None, reduce: str | None 
     calls = [r[:15] + [0] for r in rows]
     if not any(_differs(op, calls[g.rank], r) for r in calls):  # only the API calls' arguments differ
         raise CollectiveMismatch(_calls_differ(g, seq, rows), list(g.ranks))
-    counts: dict = {}
-    for r in rows:
-        counts.setdefault(tuple(r), 0)
-        counts[tuple(r)] += 1
-    common = max(counts.values())
-    majority = [k for k, c in counts.items() if c == common]
-    odd = [g.ranks[i] for i, r in enumerate(rows) if len(majority) > 1 or tuple(r) != majority[0]]
+    odd = status.odd_ones(g.ranks, [tuple(r) for r in rows])
     one_op = len({r[1] for r in rows}) == 1
     reduces = one_op and len({r[14] for r in rows}) > 1  # one op, reduced differently
     roots = one_op and len({r[13] for r in rows}) > 1  # one op, another root

@@ -8,7 +8,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 __all__ = ["STATES", "RankStatus", "RollCall", "Situation", "describe", "name_ranks", "SHAPED_OPS",
-           "called_differently"]
+           "called_differently", "call_name", "odd_ones"]
 
 STATES = ("idle", "running", "in_collective", "dead", "unknown")
 
@@ -245,6 +245,22 @@ def _now(rank: int, how: str, what, name) -> str:
     return f"rank {rank} did not answer the roll-call"
 
 
+def call_name(op: str, reduce_op: str | None = None, root=None) -> str:
+    """``op`` with its reduce op and root where they are what differs: ``"all_reduce(max)"``, ``"reduce(dst=1)"``."""
+    name = op + (f"({reduce_op})" if reduce_op is not None else "")
+    if root is not None:
+        name += f"({'dst' if op.startswith(('reduce', 'gather')) else 'src'}={root})"
+    return name
+
+
+def odd_ones(ranks, keys) -> list[int]:
+    """The ranks whose key differs from the most common one (all of them when no one key is the most common)."""
+    keys = list(keys)
+    most = max(keys.count(k) for k in keys)
+    tops = [k for i, k in enumerate(keys) if keys.count(k) == most and keys.index(k) == i]
+    return [r for r, k in zip(ranks, keys) if len(tops) > 1 or k != tops[0]]
+
+
 def called_differently(group, seq, op: str, calls: dict) -> tuple[str, list[int]]:
     """The members of collective ``op`` #``seq`` (None: not known) on ``group`` called it with arguments that differ
     where every member's must agree: the line naming each one's, as the gloo match check words it, and the ranks
@@ -255,14 +271,10 @@ def called_differently(group, seq, op: str, calls: dict) -> tuple[str, list[int]
     entered = []
     for r, (rop, root, shapes, dtypes, _) in sorted(calls.items()):
         sig = RankStatus(r, "idle", shapes=tuple(shapes), dtypes=tuple(dtypes)).signature()
-        name = op + (f"({rop})" if reduces else "") + (
-            f"({'dst' if op.startswith(('reduce', 'gather')) else 'src'}={root})" if roots else "")
+        name = call_name(op, rop if reduces else None, root if roots else None)
         entered.append(f"rank {r} entered {name} {sig}".rstrip() if reduces or roots else
                        f"rank {r} entered {name} with {sig}")
-    keys = [row[4] for row in rows]
-    most = max(keys.count(k) for k in keys)
-    tops = [k for i, k in enumerate(keys) if keys.count(k) == most and keys.index(k) == i]
-    odd = [r for r, row in sorted(calls.items()) if len(tops) > 1 or row[4] != tops[0]]
+    odd = odd_ones(sorted(calls), [calls[r][4] for r in sorted(calls)])
     return f"mismatch at {f'#{seq} on ' if seq is not None else ''}group {list(group)}: " + "; ".join(entered), odd
 
 
