@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import zlib
 from collections.abc import Sequence
 
@@ -11,7 +12,7 @@ import torch.distributed as tdist
 import torch.utils._pytree as pytree
 
 from .. import compat, trace
-from ..core.layout import local_block, local_shape, normalize_placements, pad_placements, shard_axes
+from ..core.layout import Layout, local_block, local_shape, normalize_placements, pad_placements, shard_axes
 from ..core.mesh import ProcessMesh
 from ..core.placements import Replicate, Shard
 from ..runtime import groups, ops  # noqa: F401  (ops: every op on a dist tensor goes through it)
@@ -306,26 +307,19 @@ def dtensor_to_local(dist_tensor, mesh=None, placements=None) -> torch.Tensor:
     return to_local(dist_tensor, mesh, pl)
 
 
-_misfits_of: dict = {}  # (shape, mesh, held placements, gradient placements) -> _grad_misfit's answer
-
-
+@functools.lru_cache(maxsize=1024)
 def _grad_misfit(shape: tuple, mesh: ProcessMesh, held: tuple, given: tuple) -> tuple | None:
     """(rank, its block's shape, its gradient block's shape) for the first rank of ``mesh`` where the two layouts'
     blocks differ in shape, or None. The same answer on every rank: no communication."""
     if held == given:
         return None
-    key = (shape, mesh.unique_id, held, given)
-    if key not in _misfits_of:
-        found = None
-        for coord in np.ndindex(*mesh.shape):
-            a, b = local_shape(shape, mesh, held, coord), local_shape(shape, mesh, given, coord)
-            if a != b:
-                found = (int(mesh.mesh[coord]), list(a), list(b))
-                break
-        if len(_misfits_of) >= 1024:
-            _misfits_of.clear()
-        _misfits_of[key] = found
-    return _misfits_of[key]
+    a, b = (Layout(shape, mesh, pl).bounds() for pl in (held, given))
+    sizes, grad_sizes = a[..., 1] - a[..., 0], b[..., 1] - b[..., 0]
+    differ = np.flatnonzero((sizes != grad_sizes).any(axis=1))
+    if not len(differ):
+        return None
+    i = int(differ[0])
+    return int(mesh.ids.ravel()[i]), sizes[i].tolist(), grad_sizes[i].tolist()
 
 
 def is_dist_tensor(t) -> bool:
