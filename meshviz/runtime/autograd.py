@@ -133,7 +133,8 @@ def run_reshard(t: DistTensor, mesh: ProcessMesh, placements, name=None) -> Dist
 def run_reshards(ts, placements_list, names=None, into=None, own: bool = False) -> list:
     """``run_reshard(t, t.process_mesh, placements)`` for each tensor (no autograd), the all-reduces (and even
     all-gathers) along one mesh line coalesced into one collective per bucket, each tensor with its own events.
-    ``into``: for each tensor, a dist tensor whose block the result may be written into; where it is, that entry of
+    ``into``: for each tensor, a dist tensor whose block the result is written into where it fits (its shape, dtype
+    and device), so that whatever holds that block (a state_dict taken before) sees the result; there that entry of
     the result is None (the block holds it). ``own``: the caller gives the inputs' blocks up (gradients it
     replaces): a step that keeps a block (a line of one rank) hands it on uncopied."""
     rank = groups.rank()
@@ -145,9 +146,14 @@ def run_reshards(ts, placements_list, names=None, into=None, own: bool = False) 
                      [t._local.device for t in ts], None if into is None else [d._local for d in into], own)
     out = []
     for i, (t, plan, new, name) in enumerate(zip(ts, plans, news, names)):
-        if into is not None and new is not None and new is into[i]._local:
-            out.append(None)
-            continue
+        if into is not None and new is not None:
+            dst = into[i]._local
+            if new is not dst and into[i]._tpl is None and (new.shape, new.dtype, new.device) == (
+                    dst.shape, dst.dtype, dst.device):
+                new = dst.copy_(new)  # an all-gather not made straight into it (a bucket of one, an uneven split)
+            if new is dst:
+                out.append(None)
+                continue
         mesh = plan.dst_mesh
         if new is None or not mesh.contains(rank):
             new = compat.empty_block(t._local.dtype, t._local.device)

@@ -342,17 +342,9 @@ class PlacedZero(Zero):
                 fulls = run_reshards([s.detach() for _, s in bucket], [q.placements for q, _ in bucket],
                                      into=[q for q, _ in bucket])
                 for (q, shadow), full in zip(bucket, fulls):
-                    if full is None:  # gathered straight into q's block
-                        continue
-                    block = q._local
-                    if (q._tpl is None and full._tpl is None and full._local.shape == block.shape
-                            and full._local.dtype == block.dtype and full._local.device == block.device):
-                        # written into, not replaced: what holds q's block (a state_dict taken before) sees it
-                        block.copy_(full._local)
-                        q._hold(q)  # a write: a view of q reads its block anew
-                    else:
+                    if full is not None:  # None: gathered into q's block
                         q._hold(full)
-                    self._view(q, shadow)  # the old block is let go
+                        self._view(q, shadow)  # the old block is let go
                 bucket, size = [], 0
 
     def zero_grad(self, set_to_none: bool = True) -> None:
