@@ -38,8 +38,7 @@ def _squeezed(mesh: ProcessMesh) -> ProcessMesh:
     if mesh.ndim <= 2 or len(keep) == mesh.ndim:
         return mesh
     keep = keep or [0]
-    ids = np.asarray(mesh.process_ids).reshape(mesh.shape).squeeze(
-        tuple(a for a in range(mesh.ndim) if a not in keep))
+    ids = mesh.ids.squeeze(tuple(a for a in range(mesh.ndim) if a not in keep))
     return ProcessMesh(ids.tolist(), [mesh.dim_names[a] for a in keep])
 
 

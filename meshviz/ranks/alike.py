@@ -173,14 +173,7 @@ class Facts:
             self.alone.append(f"a {e.kind} event names pipeline stage {stage}")
             return
         mesh, axis, pos = found
-
-        def check(r, mesh=mesh, axis=axis, pos=pos):
-            line = mesh.axis_group_of(r, axis)
-            if line is None or line.index(r) not in pos:
-                return None
-            return pos.index(line.index(r))
-
-        self._add(("stage", tuple(group)), check)
+        self._add(("stage", tuple(group)), lambda r, mesh=mesh, axis=axis, pos=pos: _place(mesh, axis, pos, r))
         self._staged = True
 
     def _share(self, e) -> None:
@@ -196,10 +189,8 @@ class Facts:
         lengths = tuple(hi - lo for lo, hi in share.ranges)
 
         def check(r, mesh=mesh, axis=axis, pos=pos, lengths=lengths):
-            line = mesh.axis_group_of(r, axis)
-            if line is None or line.index(r) not in pos:
-                return None
-            return lengths[pos.index(line.index(r))]
+            at = _place(mesh, axis, pos, r)
+            return None if at is None else lengths[at]
 
         self._add(("share", tuple(group), lengths), check)
 
@@ -210,6 +201,15 @@ class Facts:
                 for axis in range(mesh.ndim):
                     out.setdefault((mesh, axis), mesh.axis_group_of(rank, axis))
         return out
+
+
+def _place(mesh: ProcessMesh, axis: int, pos: tuple, r: int) -> int | None:
+    """``r``'s place in a group whose members sit at positions ``pos`` of their line along ``axis`` (the same line
+    through ``r``), or None where ``r`` is not one of them."""
+    line = mesh.axis_group_of(r, axis)
+    if line is None or line.index(r) not in pos:
+        return None
+    return pos.index(line.index(r))
 
 
 # -- layouts ---------------------------------------------------------------------------------------------------------
